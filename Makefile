@@ -1,0 +1,37 @@
+# nfab — two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-fast demo lint bench study clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m 'not slow'
+
+demo: install
+	$(BIN)/nfab demo
+
+lint: install
+	$(BIN)/ruff check nfab tests
+
+bench: install
+	$(BIN)/nfab bench wire --json bench/wire.json
+	$(BIN)/nfab bench hook --json bench/hook.json
+
+study: install
+	$(BIN)/nfab bench study --out bench/study
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
