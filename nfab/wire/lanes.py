@@ -1,0 +1,114 @@
+"""Integer lanes: several small non-negative integers packed into one machine integer.
+
+Each lane holds one value in [0, 2**lane_bits). A container (uint8, int32 or int64)
+holds `lanes` lanes side by side. When every rank's lane values are bounded so that the
+*sum over W ranks* still fits in `lane_bits`, a plain integer all_reduce(SUM) of the
+containers adds every lane exactly: no carry ever crosses from one lane into the next.
+That turns a collective every backend has (ring, tree, gloo, NCCL) into W-way exact
+counting, with no parameter server.
+
+Signed containers keep their top bit clear (31 usable bits of int32, 63 of int64), so a
+sum never wraps into the sign bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+# (dtype, usable bits) in order of preference when two pack equally densely.
+_CONTAINERS: tuple[tuple[torch.dtype, int, int], ...] = (
+    (torch.uint8, 8, 8),  # dtype, usable bits, storage bits
+    (torch.int32, 31, 32),
+    (torch.int64, 63, 64),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLayout:
+    """How lanes of `lane_bits` bits sit in a container dtype."""
+
+    lane_bits: int
+    container: torch.dtype
+    lanes: int
+    storage_bits: int
+
+    @property
+    def max_value(self) -> int:
+        """Largest value one lane can hold (and so the largest W-rank sum)."""
+        return (1 << self.lane_bits) - 1
+
+    @property
+    def bits_per_element(self) -> float:
+        """Wire bits per packed element, container padding included."""
+        return self.storage_bits / self.lanes
+
+    def containers_for(self, numel: int) -> int:
+        """Number of containers needed for `numel` lane values."""
+        return -(-numel // self.lanes)
+
+
+def count_lane_bits(world_size: int) -> int:
+    """Lane width that holds a count in [0, W]: ceil(log2(W + 1))."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    return max(1, math.ceil(math.log2(world_size + 1)))
+
+
+@cache
+def layout_for(lane_bits: int) -> LaneLayout:
+    """The densest container layout for lanes of `lane_bits` bits (1..63)."""
+    if not 1 <= lane_bits <= 63:
+        raise ValueError(f"lane width must be in 1..63 bits, got {lane_bits}")
+    best: LaneLayout | None = None
+    for dtype, usable, storage in _CONTAINERS:
+        lanes = usable // lane_bits
+        if lanes == 0:
+            continue
+        cand = LaneLayout(lane_bits, dtype, lanes, storage)
+        if best is None or cand.bits_per_element < best.bits_per_element - 1e-9:
+            best = cand
+    assert best is not None
+    return best
+
+
+@cache
+def _shifts(layout: LaneLayout) -> torch.Tensor:
+    return torch.arange(layout.lanes, dtype=torch.int64) * layout.lane_bits
+
+
+def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
+    """Pack non-negative integers (each <= layout.max_value) into containers.
+
+    `values` is any integer or bool tensor; it is flattened and zero-padded to a whole
+    number of containers. Returns a 1-D tensor of `layout.container` dtype.
+    """
+    flat = values.reshape(-1)
+    n = flat.numel()
+    m = layout.containers_for(n)
+    work = torch.int64 if layout.container == torch.int64 else torch.int32
+    if layout.container == torch.uint8:
+        work = torch.uint8
+    padded = torch.zeros(m * layout.lanes, dtype=work, device=flat.device)
+    padded[:n] = flat
+    grid = padded.view(m, layout.lanes)
+    out = grid[:, 0].clone()
+    for lane in range(1, layout.lanes):
+        out |= grid[:, lane] << (lane * layout.lane_bits)
+    return out if out.dtype == layout.container else out.to(layout.container)
+
+
+def unpack(containers: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Tensor:
+    """Inverse of `pack` (also after an integer SUM): the first `numel` lane values.
+
+    Returns int64 when the container is int64, else int32 (uint8 lanes come back as uint8).
+    """
+    mask = layout.max_value
+    m = containers.numel()
+    out = torch.empty((m, layout.lanes), dtype=containers.dtype, device=containers.device)
+    for lane in range(layout.lanes):
+        torch.bitwise_and(containers >> (lane * layout.lane_bits), mask, out=out[:, lane])
+    return out.view(-1)[:numel]

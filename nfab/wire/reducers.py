@@ -1,0 +1,432 @@
+"""Reducers: aggregation paths that turn W ranks' gradients into their mean.
+
+Each reducer is split into pure steps so the hook runtime can batch and overlap them:
+
+    encode (local, pure) -> one payload collective (async) -> decode (pure)
+
+plus a per-segment scale vector that the runtime averages across ranks in its control
+word. `reduce` runs the whole path on a real process group; `replay` runs the same
+arithmetic for W virtual ranks in one process (calibration). For the integer paths
+(`signcount`, `signgather`, `qsum`) the payload sum is exact, so replay is bit-identical
+to the real reduction.
+
+Wire bytes count what each rank sends under the collective's algorithm: ring all-reduce
+sends 2(W-1)/W of its payload, all-gather sends (W-1)/W of W payloads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nfab.errors import CapacityError
+from nfab.wire import codecs
+from nfab.wire.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Can a reducer be exact at this world size, and with which lanes or levels?"""
+
+    reducer: str
+    world_size: int
+    ok: bool
+    lane_bits: int | None = None
+    levels: int | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Encoded:
+    """One rank's encoded contribution.
+
+    `payload` goes into the reducer's collective; `scales` (one fp32 per segment, or
+    None) are averaged across ranks; `local` is what this rank's contribution decodes
+    to on its own, in gradient units (None for lossless paths) — error feedback keeps
+    `x - local` for the next step.
+    """
+
+    payload: torch.Tensor
+    scales: torch.Tensor | None
+    local: torch.Tensor | None
+
+
+def allreduce_factor(world_size: int) -> float:
+    """Fraction of the payload each rank sends in a ring all-reduce: 2(W-1)/W."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+def allgather_factor(world_size: int) -> float:
+    """Payloads each rank sends in a ring all-gather: (W-1)/W of W payloads = W-1."""
+    return float(world_size - 1)
+
+
+# torch renamed all_gather_into_tensor to all_gather_single; use whichever this torch has.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_scales(scales: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather per-segment scales and average them in rank order (deterministic)."""
+    out = torch.empty(world_size * scales.numel(), dtype=scales.dtype, device=scales.device)
+    _all_gather_flat(out, scales.contiguous(), group=group)
+    return mean_of_ranks(out.view(world_size, -1))
+
+
+def mean_of_ranks(stacked: torch.Tensor) -> torch.Tensor:
+    """Mean over dim 0 of a (W, k) stack: the one formula both `reduce` and `replay` use."""
+    return stacked.sum(0) / stacked.shape[0]
+
+
+class Reducer(ABC):
+    """An aggregation path. Subclasses implement capacity, bytes, encode, launch, decode."""
+
+    name: str
+    route: str
+    lossy: bool = True
+    needs_shared_scale: bool = False
+    """True when ranks must agree on a scale (all-reduce MAX) before encoding."""
+
+    @abstractmethod
+    def capacity(self, world_size: int) -> Capacity: ...
+
+    def check(self, world_size: int) -> Capacity:
+        """Capacity at W, or a `CapacityError` saying why the reducer cannot be exact."""
+        cap = self.capacity(world_size)
+        if not cap.ok:
+            raise CapacityError(f"{self.name} ({self.route}) cannot run at W={world_size}: {cap.reason}")
+        return cap
+
+    @abstractmethod
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        """Bytes of this rank's payload tensor (before the collective's algorithm factor)."""
+
+    @abstractmethod
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        """Bytes each rank sends for `numel` elements in `segments` scaled slices."""
+
+    def bits_per_element(self, world_size: int, numel: int = 1 << 20) -> float:
+        """Wire bits per gradient element for a large tensor (scales amortised)."""
+        return 8.0 * self.wire_bytes(numel, world_size) / numel
+
+    @abstractmethod
+    def encode(
+        self,
+        x: torch.Tensor,
+        lengths: Sequence[int],
+        world_size: int,
+        shared_scale: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Encoded: ...
+
+    @abstractmethod
+    def launch(self, payload: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.futures.Future:
+        """Start the one payload collective asynchronously; the future's value is the result."""
+
+    @abstractmethod
+    def combine(self, payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What the collective computes, for W virtual ranks in one process (replay)."""
+
+    @abstractmethod
+    def decode(
+        self,
+        reduced: torch.Tensor,
+        scale_mean: torch.Tensor | None,
+        numel: int,
+        lengths: Sequence[int],
+        world_size: int,
+    ) -> torch.Tensor:
+        """The mean gradient estimate (fp32, length `numel`) from the reduced payload."""
+
+    # ---- shared scales (qsum) -----------------------------------------------------
+    def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """This rank's candidate for the shared scale (reduced with MAX across ranks)."""
+        return codecs.segment_max_abs(x, lengths)
+
+    # ---- whole paths --------------------------------------------------------------
+    def reduce(
+        self,
+        x: torch.Tensor,
+        lengths: Sequence[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Mean of every rank's `x` through this path, on a real process group."""
+        world_size = dist.get_world_size(group)
+        self.check(world_size)
+        x = x.reshape(-1).to(torch.float32)
+        lengths = [x.numel()] if lengths is None else list(lengths)
+        if x.numel() == 0:
+            return x.clone()  # gloo rejects empty collectives: nothing to send
+        shared = None
+        if self.needs_shared_scale:
+            shared = self.local_scale(x, lengths)
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+        enc = self.encode(x, lengths, world_size, shared, generator)
+        fut = self.launch(enc.payload, world_size, group)
+        scale_mean = None
+        if enc.scales is not None:
+            scale_mean = gather_scales(enc.scales, world_size, group)
+        if shared is not None:
+            scale_mean = shared
+        reduced = fut.wait()
+        return self.decode(reduced, scale_mean, x.numel(), lengths, world_size)
+
+    def replay(
+        self,
+        xs: Sequence[torch.Tensor],
+        lengths: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """The same arithmetic as `reduce` for W virtual ranks in one process."""
+        world_size = len(xs)
+        self.check(world_size)
+        flat = [x.reshape(-1).to(torch.float32) for x in xs]
+        numel = flat[0].numel()
+        lengths = [numel] if lengths is None else list(lengths)
+        if numel == 0:
+            return flat[0].clone()
+        gens = list(generators) if generators is not None else [None] * world_size
+        shared = None
+        if self.needs_shared_scale:
+            shared = torch.stack([self.local_scale(x, lengths) for x in flat]).amax(0)
+        encs = [self.encode(x, lengths, world_size, shared, g) for x, g in zip(flat, gens, strict=True)]
+        reduced = self.combine([e.payload for e in encs])
+        scale_mean = None
+        if encs[0].scales is not None:
+            scale_mean = mean_of_ranks(torch.stack([e.scales for e in encs]))  # type: ignore[misc]
+        if shared is not None:
+            scale_mean = shared
+        return self.decode(reduced, scale_mean, numel, lengths, world_size)
+
+
+def _allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
+    work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class AllReduce(Reducer):
+    """Plain SUM all-reduce in fp32, bf16 or fp16, pre-divided by W to avoid overflow."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        self.route = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        self.name = "allreduce"
+        self.lossy = dtype != torch.float32
+
+    def capacity(self, world_size: int) -> Capacity:
+        return Capacity(self.name, world_size, ok=world_size >= 1)
+
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        return numel * torch.finfo(self.dtype).bits // 8
+
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        return allreduce_factor(world_size) * self.payload_bytes(numel, world_size)
+
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+        payload = (x / world_size).to(self.dtype)
+        local = payload.to(torch.float32) * world_size if self.lossy else None
+        return Encoded(payload, None, local)
+
+    def launch(self, payload, world_size, group):
+        return _allreduce_future(payload, group)
+
+    def combine(self, payloads):
+        out = payloads[0].clone()
+        for p in payloads[1:]:
+            out += p
+        return out
+
+    def decode(self, reduced, scale_mean, numel, lengths, world_size):
+        return reduced.to(torch.float32)
+
+
+class _SignReducer(Reducer):
+    """Shared decode for sign votes: a positive count per element -> vote x mean scale."""
+
+    route = "sign"
+
+    def __init__(self, vote: str = "majority") -> None:
+        codecs.vote_table(2, vote)  # validate early
+        self.vote = vote
+
+    def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bits = codecs.sign_bits(x)
+        scales = codecs.segment_mean_abs(x, lengths)
+        local = torch.where(bits, 1.0, -1.0).to(torch.float32)
+        codecs.scale_segments_(local, scales, lengths)
+        return bits, scales, local
+
+    def _decode_counts(self, counts, scale_mean, lengths, world_size) -> torch.Tensor:
+        table = codecs.vote_table(world_size, self.vote, counts.device)
+        out = table[counts.to(torch.int64)]
+        assert scale_mean is not None
+        return codecs.scale_segments_(out, scale_mean, lengths)
+
+
+class SignCount(_SignReducer):
+    """Compact sign-count aggregation: lane-packed 1-counts in ONE integer SUM all-reduce.
+
+    Each rank puts its positive votes (0/1) into lanes of ceil(log2(W+1)) bits; the SUM
+    of the containers yields, per element, how many ranks voted positive, c in [0, W].
+    """
+
+    name = "signcount"
+
+    def layout(self, world_size: int) -> LaneLayout:
+        return layout_for(count_lane_bits(world_size))
+
+    def capacity(self, world_size: int) -> Capacity:
+        bits = count_lane_bits(world_size)
+        if bits > 63:
+            return Capacity(self.name, world_size, False, bits, reason="count lanes wider than 63 bits")
+        return Capacity(self.name, world_size, True, lane_bits=bits)
+
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        lay = self.layout(world_size)
+        return lay.containers_for(numel) * lay.storage_bits // 8
+
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        return (allreduce_factor(world_size) * self.payload_bytes(numel, world_size)
+                + allgather_factor(world_size) * 4 * segments)
+
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+        bits, scales, local = self._sign_encode(x, lengths)
+        return Encoded(pack(bits, self.layout(world_size)), scales, local)
+
+    def launch(self, payload, world_size, group):
+        return _allreduce_future(payload, group)
+
+    def combine(self, payloads):
+        out = payloads[0].clone()
+        for p in payloads[1:]:
+            out += p
+        return out
+
+    def decode(self, reduced, scale_mean, numel, lengths, world_size):
+        counts = unpack(reduced, self.layout(world_size), numel)
+        return self._decode_counts(counts, scale_mean, lengths, world_size)
+
+
+class SignGather(_SignReducer):
+    """Packed 1-bit signs via all-gather, counted locally: cheaper than signcount at small W."""
+
+    name = "signgather"
+    _layout = layout_for(1)
+
+    def capacity(self, world_size: int) -> Capacity:
+        return Capacity(self.name, world_size, ok=world_size >= 1, lane_bits=1)
+
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        return self._layout.containers_for(numel)
+
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        return allgather_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
+
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+        bits, scales, local = self._sign_encode(x, lengths)
+        return Encoded(pack(bits, self._layout), scales, local)
+
+    def launch(self, payload, world_size, group):
+        out = torch.empty(world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
+        work = _all_gather_flat(out, payload, group=group, async_op=True)
+        return work.get_future().then(lambda _: out)
+
+    def combine(self, payloads):
+        return torch.cat(list(payloads))
+
+    def decode(self, reduced, scale_mean, numel, lengths, world_size):
+        rows = reduced.view(world_size, -1)
+        counts = torch.zeros(numel, dtype=torch.int32, device=reduced.device)
+        for r in range(world_size):
+            counts += unpack(rows[r], self._layout, numel)
+        return self._decode_counts(counts, scale_mean, lengths, world_size)
+
+
+class QSum(Reducer):
+    """Stochastically rounded levels, offset to non-negative, lane-packed and summed exactly.
+
+    Lanes are `bits` wide. For the W-rank sum to fit, each rank gets M = floor((2^bits-1)/W)
+    steps, i.e. M+1 levels spanning [-s, s] with s the per-segment max |x| agreed across
+    ranks (all-reduce MAX). Levels shrink as W grows; below 2 levels (M < 1) the reducer
+    is over capacity.
+    """
+
+    name = "qsum"
+    needs_shared_scale = True
+
+    def __init__(self, bits: int) -> None:
+        if bits not in (2, 4, 8):
+            raise ValueError(f"qsum supports 2, 4 or 8 bit lanes, got {bits}")
+        self.bits = bits
+        self.route = f"q{bits}"
+        self._layout = layout_for(bits)
+
+    def max_level(self, world_size: int) -> int:
+        return ((1 << self.bits) - 1) // world_size
+
+    def capacity(self, world_size: int) -> Capacity:
+        m = self.max_level(world_size)
+        if m < 1:
+            return Capacity(self.name, world_size, False, self.bits, m + 1,
+                            reason=f"{self.bits}-bit lanes leave fewer than 2 levels per rank")
+        return Capacity(self.name, world_size, True, lane_bits=self.bits, levels=m + 1)
+
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        return self._layout.containers_for(numel) * self._layout.storage_bits // 8
+
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        # the MAX all-reduce of scales is a ring all-reduce of `segments` fp32 values
+        return allreduce_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
+
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+        assert shared_scale is not None, "qsum needs the shared (MAX) scale"
+        m = self.max_level(world_size)
+        scale = torch.repeat_interleave(shared_scale, torch.tensor(list(lengths), device=x.device))
+        levels = codecs.stochastic_levels(x, scale, m, generator)
+        local = codecs.levels_to_values(levels, scale, m)
+        return Encoded(pack(levels, self._layout), None, local)
+
+    def launch(self, payload, world_size, group):
+        return _allreduce_future(payload, group)
+
+    def combine(self, payloads):
+        out = payloads[0].clone()
+        for p in payloads[1:]:
+            out += p
+        return out
+
+    def decode(self, reduced, scale_mean, numel, lengths, world_size):
+        assert scale_mean is not None
+        m = self.max_level(world_size)
+        sums = unpack(reduced, self._layout, numel)
+        scale = torch.repeat_interleave(scale_mean, torch.tensor(list(lengths), device=reduced.device))
+        return codecs.levels_to_values(sums, scale, m, count=world_size)
+
+
+REDUCERS: dict[str, Reducer] = {
+    "allreduce-fp32": AllReduce(torch.float32),
+    "allreduce-bf16": AllReduce(torch.bfloat16),
+    "allreduce-fp16": AllReduce(torch.float16),
+    "signcount": SignCount(),
+    "signgather": SignGather(),
+    "qsum-q8": QSum(8),
+    "qsum-q4": QSum(4),
+    "qsum-q2": QSum(2),
+}
+
+
+def candidates(route: str) -> list[Reducer]:
+    """Reducers that can carry a route; `sign` has two (chosen by cost and capacity)."""
+    if route == "fp32":
+        return [REDUCERS["allreduce-fp32"]]
+    if route in ("bf16", "fp16"):
+        return [REDUCERS[f"allreduce-{route}"]]
+    if route in ("q8", "q4", "q2"):
+        return [REDUCERS[f"qsum-{route}"]]
+    if route == "sign":
+        return [REDUCERS["signgather"], REDUCERS["signcount"]]
+    raise ValueError(f"unknown route {route!r}; routes are {', '.join(codecs.ROUTES)}")
