@@ -8,7 +8,8 @@ from nfab.cli.output import not_built
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("calibrate", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    @app.command("calibrate", context_settings={"allow_extra_args": True,
+                                    "ignore_unknown_options": True})
     def calibrate() -> None:
         """Not built yet."""
         not_built("calibrate")

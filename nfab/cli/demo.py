@@ -8,7 +8,8 @@ from nfab.cli.output import not_built
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("demo", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    @app.command("demo", context_settings={"allow_extra_args": True,
+                                    "ignore_unknown_options": True})
     def demo() -> None:
         """Not built yet."""
         not_built("demo")

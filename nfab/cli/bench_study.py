@@ -1,0 +1,15 @@
+"""`nfab bench study` (not built yet)."""
+
+from __future__ import annotations
+
+import typer
+
+from nfab.cli.output import not_built
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("study", context_settings={"allow_extra_args": True,
+                                    "ignore_unknown_options": True})
+    def bench_study() -> None:
+        """Not built yet."""
+        not_built("bench study")
