@@ -82,6 +82,8 @@ class RunArtifacts:
     name: str
     summary: RunSummary | None
     metrics: pd.DataFrame | None
+    route_mix: pd.DataFrame | None
+    """Fraction of gradient elements per route (columns), indexed by step."""
 
     @property
     def complete(self) -> bool:
@@ -218,11 +220,13 @@ def load_run(path: Path, name: str) -> RunArtifacts:
     """Load a run dir; either file may be missing (not both), as for a run still going."""
     summary_path, metrics_path = path / SUMMARY_FILE, path / METRICS_FILE
     summary = parse_summary(read_json(summary_path), summary_path) if summary_path.exists() else None
-    metrics = None
+    metrics = route_mix = None
     if metrics_path.exists():
         metrics = read_parquet(metrics_path, METRICS_REQUIRED, METRICS_NUMERIC)
         metrics = metrics.sort_values("step", kind="stable").reset_index(drop=True)
-    return RunArtifacts(path=path, name=name, summary=summary, metrics=metrics)
+        route_mix = route_mix_frame(metrics, metrics_path)  # parsed now: fail before writing
+    return RunArtifacts(path=path, name=name, summary=summary, metrics=metrics,
+                        route_mix=route_mix)
 
 
 def _optional_float(value: Any) -> float | None:

@@ -16,15 +16,23 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
-from nfab.report.artifacts import RunArtifacts, route_mix_frame
+from nfab.report.artifacts import RunArtifacts
 from nfab.report.tables import MB
 
 _RUN_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown",
                 "tab:pink", "tab:olive", "tab:cyan", "tab:gray", "tab:red")
 # Routes ordered from most to fewest bits, so stacked areas read bottom-up as FP32 first.
-_ROUTE_ORDER = ("fp32", "bf16", "fp16", "q8", "qsum", "q4", "q2", "sign", "signcount",
-                "signgather")
+# Fixed colours (no red: red marks fallback steps): grey for FP32, blues for 16-bit,
+# greens/olive for integer codecs, purples for 1-bit sign routes.
+_ROUTE_COLOURS = {
+    "fp32": "#9e9e9e", "bf16": "#6baed6", "fp16": "#2171b5", "q8": "#41ab5d",
+    "qsum": "#238b45", "q4": "#a1d99b", "q2": "#bcbd22", "sign": "#9e9ac8",
+    "signcount": "#6a51a3", "signgather": "#3f007d",
+}
+_ROUTE_ORDER = tuple(_ROUTE_COLOURS)
+_SPARE_COLOURS = ("#fdae6b", "#8c6d31", "#17becf", "#e377c2", "#7f7f7f")
 
 
 def run_colour(index: int) -> str:
@@ -39,6 +47,12 @@ def _png(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     return buffer.getvalue()
+
+
+def _integer_steps(ax: Axes) -> None:
+    """Steps are whole numbers: label the x axis and keep its ticks integral."""
+    ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _no_data(ax: Axes, text: str) -> None:
@@ -102,7 +116,7 @@ def loss_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
         ax.set_ylabel("perplexity")
         ax.legend(fontsize=8, loc="upper right")
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("optimizer step")
+    _integer_steps(axes[-1])
     return _png(fig)
 
 
@@ -117,14 +131,16 @@ def wire_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
             continue
         wire = m["wire_bytes"].cumsum() / MB
         fp32 = m["fp32_wire_bytes"].cumsum() / MB
-        ax.plot(m["step"], wire, color=run_colour(i), lw=1.5, label=_label(run))
-        ax.plot(m["step"], fp32, color=run_colour(i), lw=1, ls=":")
+        ax.plot(m["step"], wire, color=run_colour(i), lw=1.5, label=_label(run), zorder=3)
+        # Grey for all runs: runs of one model share the FP32 curve, so colours would hide.
+        ax.plot(m["step"], fp32, color="black", lw=1.2, ls=":", zorder=2,
+                label="FP32 equivalent" if not totals else None)
         totals += [float(wire.iloc[-1]), float(fp32.iloc[-1])]
     positive = [t for t in totals if t > 0]
     if positive and max(positive) / min(positive) > 20:
         ax.set_yscale("log")  # compressed and FP32 traffic differ by orders of magnitude
-    ax.set_title("Cumulative wire traffic (solid: sent, dotted: FP32 equivalent)")
-    ax.set_xlabel("optimizer step")
+    ax.set_title("Cumulative wire traffic vs step")
+    _integer_steps(ax)
     ax.set_ylabel("cumulative wire MB (10^6 bytes)")
     if totals:
         ax.legend(fontsize=8, loc="upper left")
@@ -141,9 +157,11 @@ def _route_sort_key(route: str) -> tuple[int, str]:
 def route_mix_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
     """Stacked area of the fraction of gradient elements per route, one panel per run."""
     with_metrics = [r for r in runs if r.metrics is not None and len(r.metrics)]
-    mixes = [route_mix_frame(r.metrics, r.path) for r in with_metrics]
+    mixes = [r.route_mix for r in with_metrics if r.route_mix is not None]
     routes = sorted({c for mix in mixes for c in mix.columns}, key=_route_sort_key)
-    palette = {route: f"C{k % 10}" for k, route in enumerate(routes)}
+    unknown = [r for r in routes if r not in _ROUTE_COLOURS]
+    palette = {**_ROUTE_COLOURS, **{r: _SPARE_COLOURS[k % len(_SPARE_COLOURS)]
+                                    for k, r in enumerate(unknown)}}
     fig = Figure(figsize=(9, 1.0 + 2.2 * max(1, len(mixes))))
     axes = fig.subplots(max(1, len(mixes)), 1, sharex=True, squeeze=False)[:, 0]
     if not mixes:
@@ -152,7 +170,7 @@ def route_mix_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
         columns = [r for r in routes if r in mix.columns]
         if columns:
             ax.stackplot(mix.index.to_numpy(), [mix[c].to_numpy() for c in columns],
-                         colors=[palette[c] for c in columns], labels=columns, alpha=0.9)
+                         colors=[palette[c] for c in columns], labels=columns, step="mid")
         else:
             _no_data(ax, "route_mix not recorded")
         ax.set_ylim(0, 1)
@@ -160,14 +178,14 @@ def route_mix_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
         ax.set_title(f"Route mix: {_label(run)}", fontsize=10)
         fb = run.metrics[run.metrics["fallback"].fillna(False).astype(bool)]["step"]
         for step in fb:
-            ax.axvline(step, color="red", lw=0.6, alpha=0.5)
+            ax.axvline(step, color="red", lw=0.8, ls="--")
     handles = [Line2D([], [], color=palette[r], lw=6, label=r) for r in routes]
     if any(r.metrics["fallback"].fillna(False).astype(bool).any() for r in with_metrics):
         handles.append(Line2D([], [], color="red", lw=1, label="fallback step"))
     if handles:
         axes[0].legend(handles=handles, fontsize=8, loc="upper left",
                        bbox_to_anchor=(1.01, 1.0), title="route")
-    axes[-1].set_xlabel("optimizer step")
+    _integer_steps(axes[-1])
     return _png(fig)
 
 

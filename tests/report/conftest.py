@@ -18,13 +18,14 @@ FP32_BYTES_PER_STEP = 4_000_000  # 1M fp32 gradient elements
 
 
 def _metrics(steps: int, wire_per_step: int, route_mix: dict[str, float],
-             fallback_steps: tuple[int, ...] = (), lm: bool = False) -> pd.DataFrame:
+             fallback_steps: tuple[int, ...] = (), lm: bool = False,
+             final_loss: float = 0.3, final_accuracy: float = 0.9) -> pd.DataFrame:
     rows = []
     for step in range(steps):
         is_eval = (step + 1) % 5 == 0
         fallback = step in fallback_steps
         mix = {"fp32": 1.0} if fallback else route_mix
-        loss = 2.5 * math.exp(-step / 10) + 0.3
+        loss = 2.5 * math.exp(-step / 10) + final_loss
         rows.append({
             "step": step, "phase": "warmup" if step < 5 else "main", "loss": loss,
             "lr": 0.1, "grad_norm": 1.0 / (step + 1),
@@ -34,7 +35,8 @@ def _metrics(steps: int, wire_per_step: int, route_mix: dict[str, float],
             "fidelity_cosine": 0.97 if step % 4 == 0 else math.nan,
             "hook_time_s": 0.001, "step_time_s": 0.05,
             "eval_loss": loss + 0.05 if is_eval else math.nan,
-            "eval_accuracy": (0.5 + step / 50) if is_eval and not lm else math.nan,
+            "eval_accuracy": (final_accuracy - 0.4 * math.exp(-step / 8))
+            if is_eval and not lm else math.nan,
         })
     frame = pd.DataFrame(rows)
     return frame.astype({"step": "int64", "wire_bytes": "int64", "fp32_wire_bytes": "int64",
@@ -49,7 +51,8 @@ def write_run(root: Path, name: str, *, route: str | None, wire_per_step: int,
     """A run dir; totals in summary.json agree with the per-step metrics."""
     path = root / name
     path.mkdir(parents=True)
-    metrics = _metrics(steps, wire_per_step, route_mix, fallback_steps)
+    metrics = _metrics(steps, wire_per_step, route_mix, fallback_steps,
+                       final_loss=loss - 0.1, final_accuracy=accuracy)
     metrics.to_parquet(path / "metrics.parquet", index=False)
     if summary:
         wire, fp32 = int(metrics["wire_bytes"].sum()), int(metrics["fp32_wire_bytes"].sum())

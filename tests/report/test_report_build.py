@@ -1,0 +1,163 @@
+"""The report over real generated artifacts: numbers, files, HTML references, CSV."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib.image
+import pandas as pd
+import pytest
+
+from nfab.errors import NfabError
+from nfab.report import build_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_table_numbers_come_from_the_files(standard: dict[str, Path], tmp_path: Path):
+    report = build_report([str(standard["fp32"]), str(standard["sign"])], tmp_path / "out")
+    runs = report.runs.set_index("run")
+    sign_metrics = pd.read_parquet(standard["sign"] / "metrics.parquet")
+    wire, fp32 = sign_metrics["wire_bytes"].sum(), sign_metrics["fp32_wire_bytes"].sum()
+    assert runs.loc["sign-run", "compression_ratio"] == pytest.approx(fp32 / wire)
+    assert runs.loc["sign-run", "wire_mb"] == pytest.approx(wire / 1e6)
+    assert runs.loc["sign-run", "fp32_mb"] == pytest.approx(fp32 / 1e6)
+    assert runs.loc["fp32-run", "compression_ratio"] == pytest.approx(1.0)
+    assert runs.loc["sign-run", "fallback_steps"] == 2
+    assert runs.loc["sign-run", "accuracy"] == pytest.approx(0.93)
+    assert runs.loc["sign-run", "route"] == "sign"
+    assert bool(runs.loc["fp32-run", "fp32_reference"])
+    assert set(runs["status"]) == {"complete"}
+
+
+def test_comparison_against_the_fp32_run(standard: dict[str, Path], tmp_path: Path):
+    report = build_report([str(standard["fp32"]), str(standard["sign"])], tmp_path / "out")
+    (row,) = report.comparison.to_dict("records")
+    assert row["run"] == "sign-run" and row["baseline"] == "fp32-run"
+    assert row["accuracy_delta_pts"] == pytest.approx(-2.0)
+    assert row["loss_delta_pct"] == pytest.approx(5.0)
+    runs = report.runs.set_index("run")
+    assert row["traffic_ratio"] == pytest.approx(
+        runs.loc["fp32-run", "wire_mb"] / runs.loc["sign-run", "wire_mb"])
+
+
+def test_every_png_is_valid_and_referenced_by_the_html(standard: dict[str, Path],
+                                                       tmp_path: Path):
+    out = tmp_path / "out"
+    report = build_report([str(p) for p in standard.values()], out)
+    pngs = sorted(out.glob("*.png"))
+    assert {p.name for p in pngs} == {"loss.png", "wire_bytes.png", "route_mix.png",
+                                      "calibration_cal.png"}
+    html = (out / "report.html").read_text()
+    referenced = set(re.findall(r'<img src="([^"]+)"', html))
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        image = matplotlib.image.imread(png)
+        assert image.shape[0] > 100 and image.shape[1] > 100
+        assert png.name in referenced
+    assert referenced <= {p.name for p in pngs}  # no dangling references
+    assert set(report.files) >= set(pngs)
+    assert not list(out.glob("*.tmp"))  # atomic writes leave no temp files
+
+
+def test_summary_csv_has_one_row_per_run(standard: dict[str, Path], tmp_path: Path):
+    out = tmp_path / "out"
+    build_report([str(standard["fp32"]), str(standard["sign"])], out)
+    csv = pd.read_csv(out / "summary.csv")
+    assert list(csv["run"]) == ["fp32-run", "sign-run"]
+    assert csv.set_index("run").loc["sign-run", "accuracy_delta_pts"] == pytest.approx(-2.0)
+    assert {"compression_ratio", "wire_mb", "fp32_mb", "status"} <= set(csv.columns)
+
+
+def test_calibration_table_shows_choice_and_evidence(standard: dict[str, Path],
+                                                     tmp_path: Path):
+    report = build_report([str(standard["cal"])], tmp_path / "out")
+    (view,) = report.calibrations
+    assert view.fitted and view.heatmap == "calibration_cal.png"
+    table = view.table.set_index(["phase", "region"])
+    assert table.loc[("main", "conv"), "route"] == "sign"
+    assert table.loc[("main", "conv"), "cosine"] == pytest.approx(0.8)
+    assert table.loc[("main", "conv"), "loss_delta"] == pytest.approx(0.32)
+    # Not in profile evidence: taken from the matching calibration.parquet row.
+    assert table.loc[("warmup", "linear"), "bits_per_element"] == 8.0
+    assert table.loc[("warmup", "linear"), "cosine"] == pytest.approx(0.99)
+    assert len(view.table) == 6
+    assert not (tmp_path / "out" / "summary.csv").exists()  # no runs, no run table
+
+
+def test_unfitted_calibration_lists_measurements(make_calibration: Callable[..., Path],
+                                                 tmp_path: Path):
+    cal = make_calibration("raw", profile=False)
+    report = build_report([str(cal)], tmp_path / "out")
+    (view,) = report.calibrations
+    assert not view.fitted and view.heatmap is None
+    assert len(view.table) == 2 * 3 * 3 * 2
+
+
+def test_incomplete_runs_are_marked(make_run: Callable[..., Path], tmp_path: Path):
+    going = make_run("going", route="sign", wire_per_step=100, route_mix={"sign": 1.0},
+                     steps=7, summary=False)
+    cut = make_run("cut", route="sign", wire_per_step=100, route_mix={"sign": 1.0},
+                   complete=False)
+    report = build_report([str(going), str(cut)], tmp_path / "out")
+    runs = report.runs.set_index("run")
+    assert runs.loc["going", "status"] == "incomplete"
+    assert runs.loc["cut", "status"] == "incomplete"
+    assert runs.loc["going", "steps"] == 7
+    assert runs.loc["going", "wire_mb"] == pytest.approx(7 * 100 / 1e6)
+    assert "incomplete" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_globs_are_expanded(standard: dict[str, Path], tmp_path: Path):
+    report = build_report([str(tmp_path / "runs" / "*")], tmp_path / "out")
+    assert sorted(report.runs["run"]) == ["fp32-run", "sign-run"]
+
+
+def test_same_dir_name_is_disambiguated(make_run: Callable[..., Path], tmp_path: Path):
+    a = make_run("a/seed0", route="fp32", wire_per_step=4, route_mix={"fp32": 1.0})
+    b = make_run("b/seed0", route="fp32", wire_per_step=4, route_mix={"fp32": 1.0})
+    report = build_report([str(a), str(b)], tmp_path / "out")
+    assert list(report.runs["run"]) == ["a/seed0", "b/seed0"]
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("missing", "does not exist"),
+    ("foreign", "is not a run dir"),
+    ("truncated", "truncated or not Parquet"),
+    ("bad_json", "is not valid JSON"),
+    ("missing_column", "lacks required column(s): wire_bytes"),
+    ("missing_key", "lacks required key(s): model"),
+    ("bad_route_mix", "route_mix at step 3 is not JSON"),
+    ("no_glob_match", "no path matches"),
+])
+def test_user_errors_name_the_problem(make_run: Callable[..., Path], tmp_path: Path,
+                                      breakage: str, message: str):
+    run = make_run("r", route="sign", wire_per_step=10, route_mix={"sign": 1.0})
+    target = str(run)
+    if breakage == "missing":
+        target = str(tmp_path / "nope")
+    elif breakage == "foreign":
+        (tmp_path / "empty").mkdir()
+        target = str(tmp_path / "empty")
+    elif breakage == "truncated":
+        data = (run / "metrics.parquet").read_bytes()
+        (run / "metrics.parquet").write_bytes(data[: len(data) // 2])
+    elif breakage == "bad_json":
+        (run / "summary.json").write_text('{"model": "resnet18", ')
+    elif breakage == "missing_column":
+        pd.read_parquet(run / "metrics.parquet").drop(columns=["wire_bytes"]).to_parquet(
+            run / "metrics.parquet")
+    elif breakage == "missing_key":
+        text = (run / "summary.json").read_text().replace('"model"', '"modle"')
+        (run / "summary.json").write_text(text)
+    elif breakage == "bad_route_mix":
+        frame = pd.read_parquet(run / "metrics.parquet")
+        frame.loc[3, "route_mix"] = "{not json"
+        frame.to_parquet(run / "metrics.parquet")
+    elif breakage == "no_glob_match":
+        target = str(tmp_path / "nothing-*")
+    with pytest.raises(NfabError, match=re.escape(message)):
+        build_report([target], tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # validation happens before any file is written
