@@ -62,9 +62,7 @@ def build_model(
         return _build_user_model(name, device=device, seed=seed, options=options)
     builder = MODELS.get(name)
     if builder is None:
-        raise ConfigError(
-            f"unknown model {name!r}; choose one of {sorted(MODELS)} or give module.path:factory"
-        )
+        raise ConfigError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or give module.path:factory")
     check_options(f"model {name}", builder, options)
     with _build_context(device, seed):
         return builder(**options)
@@ -112,9 +110,7 @@ def _build_user_model(
     except Exception as exc:  # user code: one line naming the factory and the failure
         raise ConfigError(f"user model {target!r} failed: {type(exc).__name__}: {exc}") from exc
     if not isinstance(module, nn.Module):
-        raise ConfigError(
-            f"user model {target!r} returned {type(module).__name__}, not a torch.nn.Module"
-        )
+        raise ConfigError(f"user model {target!r} returned {type(module).__name__}, not a torch.nn.Module")
 
     def attribute(key: str) -> Any:
         return getattr(factory, key, getattr(module, key, None))
@@ -124,18 +120,14 @@ def _build_user_model(
         raise ConfigError(f"user model {target!r}: task must be one of {TASKS}, got {task!r}")
     optimizer = attribute("optimizer") or ("adamw" if task == "lm" else "sgd")
     if optimizer not in OPTIMIZER_FAMILIES:
-        raise ConfigError(
-            f"user model {target!r}: optimizer must be one of {OPTIMIZER_FAMILIES}, got {optimizer!r}"
-        )
+        raise ConfigError(f"user model {target!r}: optimizer must be one of {OPTIMIZER_FAMILIES}, got {optimizer!r}")
     heads = attribute("head_modules")
     if heads is None:
         children = dict(module.named_children())
         heads = tuple(h for h in ("head", "fc", "classifier", "lm_head") if h in children)[:1]
     facts = {k: v for k in _SPEC_INTS if isinstance(v := attribute(k), int)}
     if task == "lm" and not {"vocab_size", "block_size"} <= facts.keys():
-        raise ConfigError(
-            f"user lm model {target!r} must expose int attributes vocab_size and block_size"
-        )
+        raise ConfigError(f"user lm model {target!r} must expose int attributes vocab_size and block_size")
     return ModelSpec(
         name=target,
         module=module,
@@ -153,7 +145,5 @@ def model_signature(module: nn.Module) -> str:
     A profile stores this to refuse being applied to a model it was not fitted for;
     it depends only on names and shapes, not on values, dtype or device (meta works).
     """
-    lines = sorted(
-        f"{name}:{','.join(str(d) for d in p.shape)}" for name, p in module.named_parameters()
-    )
+    lines = sorted(f"{name}:{','.join(str(d) for d in p.shape)}" for name, p in module.named_parameters())
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

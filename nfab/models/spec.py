@@ -51,12 +51,8 @@ class ModelSpec:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.optimizer not in OPTIMIZER_FAMILIES:
-            raise ValueError(
-                f"optimizer must be one of {OPTIMIZER_FAMILIES}, got {self.optimizer!r}"
-            )
-        if not isinstance(self.head_modules, tuple) or not all(
-            isinstance(h, str) for h in self.head_modules
-        ):
+            raise ValueError(f"optimizer must be one of {OPTIMIZER_FAMILIES}, got {self.optimizer!r}")
+        if not isinstance(self.head_modules, tuple) or not all(isinstance(h, str) for h in self.head_modules):
             raise ValueError(f"head_modules must be a tuple of str, got {self.head_modules!r}")
         if self.task == "lm" and (self.vocab_size is None or self.block_size is None):
             raise ValueError("an lm ModelSpec needs vocab_size and block_size")
@@ -68,6 +64,4 @@ class ModelSpec:
 
     def is_head(self, module_name: str) -> bool:
         """Whether a module (dotted name from `named_modules`) belongs to the head."""
-        return any(
-            module_name == h or module_name.startswith(h + ".") for h in self.head_modules
-        )
+        return any(module_name == h or module_name.startswith(h + ".") for h in self.head_modules)

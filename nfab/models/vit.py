@@ -100,9 +100,7 @@ class ViT(nn.Module):
         self.patch_embed = nn.Conv2d(in_channels, size.dim, patch_size, stride=patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, size.dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, size.dim))
-        self.blocks = nn.Sequential(
-            *(Block(size.dim, size.heads, size.mlp_ratio) for _ in range(size.depth))
-        )
+        self.blocks = nn.Sequential(*(Block(size.dim, size.heads, size.mlp_ratio) for _ in range(size.depth)))
         self.norm = nn.LayerNorm(size.dim)
         self.head = nn.Linear(size.dim, num_classes)
         self._init_weights()
