@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from nfab.errors import NfabError
@@ -50,11 +51,10 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
                                               plots.calibration_heatmap(cal.name, table)))
         views.append(CalibrationView(name=cal.name, table=table, fitted=cal.profile is not None,
                                      heatmap=heatmap))
-    report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views),
-                    images=tuple(images))
-    if len(runs):
+    if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left")
         written.append(atomic.write_text(out / "summary.csv", csv.to_csv(index=False)))
+    report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views),
+                    images=tuple(images))
     written.append(atomic.write_text(out / "report.html", render_html(report)))
-    return Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views),
-                  images=tuple(images), files=tuple(written))
+    return replace(report, files=tuple(written))

@@ -47,19 +47,20 @@ def _metrics(steps: int, wire_per_step: int, route_mix: dict[str, float],
 def write_run(root: Path, name: str, *, route: str | None, wire_per_step: int,
               route_mix: dict[str, float], steps: int = 20, accuracy: float = 0.9,
               loss: float = 0.4, fallback_steps: tuple[int, ...] = (),
-              summary: bool = True, complete: bool = True) -> Path:
+              summary: bool = True, complete: bool = True, lm: bool = False) -> Path:
     """A run dir; totals in summary.json agree with the per-step metrics."""
     path = root / name
     path.mkdir(parents=True)
-    metrics = _metrics(steps, wire_per_step, route_mix, fallback_steps,
+    metrics = _metrics(steps, wire_per_step, route_mix, fallback_steps, lm=lm,
                        final_loss=loss - 0.1, final_accuracy=accuracy)
+    final_eval = ({"loss": loss, "perplexity": math.exp(loss)} if lm
+                  else {"loss": loss, "accuracy": accuracy})
     metrics.to_parquet(path / "metrics.parquet", index=False)
     if summary:
         wire, fp32 = int(metrics["wire_bytes"].sum()), int(metrics["fp32_wire_bytes"].sum())
         (path / "summary.json").write_text(json.dumps({
-            "model": "resnet18", "dataset": "digits", "world_size": 4, "steps": steps,
-            "complete": complete,
-            "final_eval": {"loss": loss, "accuracy": accuracy},
+            "model": "gpt-nano" if lm else "resnet18", "dataset": "text" if lm else "digits",
+            "world_size": 4, "steps": steps, "complete": complete, "final_eval": final_eval,
             "wire_bytes_total": wire, "fp32_wire_bytes_total": fp32,
             "compression_ratio": fp32 / wire, "fallback_steps": len(fallback_steps),
             "skipped_steps": 0, "wall_time_s": 12.5, "route": route, "profile": None,

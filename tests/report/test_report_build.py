@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -108,6 +109,23 @@ def test_incomplete_runs_are_marked(make_run: Callable[..., Path], tmp_path: Pat
     assert runs.loc["going", "steps"] == 7
     assert runs.loc["going", "wire_mb"] == pytest.approx(7 * 100 / 1e6)
     assert "incomplete" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_language_model_runs_get_perplexity_not_accuracy(
+        make_run: Callable[..., Path], tmp_path: Path):
+    fp32 = make_run("lm-fp32", route="fp32", wire_per_step=4000, route_mix={"fp32": 1.0},
+                    loss=2.36, lm=True)
+    mixed = make_run("lm-mixed", route='{"linear": "sign", "norm": "fp32"}', wire_per_step=400,
+                     route_mix={"fp32": 0.2, "sign": 0.8}, loss=2.45, lm=True)
+    out = tmp_path / "out"
+    report = build_report([str(fp32), str(mixed)], out)
+    runs = report.runs.set_index("run")
+    assert runs["accuracy"].isna().all()
+    assert runs.loc["lm-mixed", "perplexity"] == pytest.approx(math.exp(2.45))
+    assert runs.loc["lm-mixed", "route"] == "linear:sign norm:fp32"
+    (row,) = report.comparison.to_dict("records")
+    assert row["loss_delta_pct"] == pytest.approx((2.45 - 2.36) / 2.36 * 100)
+    assert matplotlib.image.imread(out / "loss.png").shape[0] > 100
 
 
 def test_globs_are_expanded(standard: dict[str, Path], tmp_path: Path):
