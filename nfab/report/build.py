@@ -52,7 +52,8 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
         views.append(CalibrationView(name=cal.name, table=table, fitted=cal.profile is not None,
                                      heatmap=heatmap))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
-        csv = runs.merge(comparison, on="run", how="left")
+        csv = runs.merge(comparison, on="run", how="left").astype(
+            {c: "Int64" for c in ("world_size", "steps", "fallback_steps")})  # 4, not 4.0
         written.append(atomic.write_text(out / "summary.csv", csv.to_csv(index=False)))
     report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views),
                     images=tuple(images))
