@@ -15,7 +15,8 @@ def register(app: typer.Typer) -> None:
     @app.command("report")
     def report(
         paths: Annotated[list[str], typer.Argument(
-            help="Run dirs and calibration dirs (globs allowed).", show_default=False)],
+            metavar="PATH", help="Run dirs and calibration dirs (globs allowed).",
+            show_default=False)],
         out: Annotated[Path, typer.Option(
             "--out", help="Directory for report.html, summary.csv and the PNG plots.")
         ] = Path("report"),
