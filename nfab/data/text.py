@@ -9,6 +9,7 @@ seed alone decides the order.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import sysconfig
 from pathlib import Path
@@ -76,7 +77,7 @@ def stdlib_sources(max_bytes: int) -> bytes:
 
 
 def _windows(
-    corpus: bytes, *, name: str, split: Split, block_size: int, stride: int | None, options: dict
+    corpus: bytes, *, name: str, split: Split, block_size: int, stride: int | None, options: dict[str, object]
 ) -> ByteWindows:
     """Split `corpus` (last 10% held out) and window the requested part."""
     if block_size < 1:
@@ -100,7 +101,13 @@ def _windows(
         input_shape=(block_size,),
         num_samples=n,
         vocab_size=BYTE_VOCAB,
-        options={**options, "block_size": block_size, "stride": stride},
+        # The stdlib corpus differs between Python versions: record which bytes were used.
+        options={
+            **options,
+            "block_size": block_size,
+            "stride": stride,
+            "corpus_sha256": hashlib.sha256(corpus).hexdigest(),
+        },
     )
     return ByteWindows(data, block_size=block_size, stride=stride, spec=spec)
 
