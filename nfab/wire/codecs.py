@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
+import numpy as np
 import torch
 
 ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign")
@@ -36,17 +38,38 @@ CODECS: dict[str, Codec] = {
 }
 
 
+_ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
+
+
 def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """Mean |x| over each consecutive segment of `x` (one scale per parameter slice).
 
     A per-parameter scale keeps a large conv kernel's magnitude from swamping a small
-    one's when both ride in the same bucket.
+    one's when both ride in the same bucket. On CPU |x| is summed in L2-sized chunks
+    (one read of x, no full-size temporary); the sum order is fixed, so every rank and
+    every replay gets the same bits.
     """
-    parts = torch.split(x, list(lengths))
-    out = torch.empty(len(parts), dtype=torch.float32, device=x.device)
-    for i, part in enumerate(parts):
-        out[i] = torch.linalg.vector_norm(part, 1) / max(part.numel(), 1)
-    return out
+    lengths = list(lengths)
+    if x.device.type != "cpu":
+        parts = torch.split(x, lengths)
+        sums = [torch.linalg.vector_norm(p, 1) if p.numel() else x.new_zeros(()) for p in parts]
+        return (torch.stack(sums) if sums else x.new_zeros(0)) / torch.tensor(
+            [max(n, 1) for n in lengths], dtype=torch.float32, device=x.device)
+    buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32)
+    sums = []
+    start = 0
+    for n in lengths:
+        acc = torch.zeros((), dtype=torch.float32)
+        for lo in range(start, start + n, _ABS_CHUNK):
+            hi = min(lo + _ABS_CHUNK, start + n)
+            part = buf[: hi - lo]
+            torch.abs(x[lo:hi], out=part)
+            acc += part.sum()
+        sums.append(acc)
+        start += n
+    if not sums:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.stack(sums) / torch.tensor([max(n, 1) for n in lengths], dtype=torch.float32)
 
 
 def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
@@ -61,14 +84,44 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
 
 def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """Multiply each segment of `x` in place by its scale; returns `x`."""
-    for part, s in zip(torch.split(x, list(lengths)), scales.tolist(), strict=True):
+    lengths = list(lengths)
+    if len(lengths) == 1:
+        return x.mul_(scales.reshape(-1)[0])
+    for part, s in zip(torch.split(x, lengths), scales.tolist(), strict=True):
         part.mul_(s)
     return x
 
 
 def sign_bits(x: torch.Tensor) -> torch.Tensor:
-    """One vote per element: True where x >= 0 (a zero votes positive, as in signSGD)."""
+    """One vote per element: True where x >= 0 (a zero votes positive, as in signSGD).
+
+    -0.0 votes positive and NaN negative on every path (numpy's >= is IEEE like torch's).
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        out = np.empty(x.numel(), dtype=np.bool_)
+        np.greater_equal(x.reshape(-1).contiguous().numpy(), np.float32(0), out=out)
+        return torch.from_numpy(out).view(x.shape)
     return x >= 0
+
+
+@cache
+def _unit_sign_table() -> np.ndarray:
+    """256 entries: 8 packed vote bits -> their 8 fp32 values (+1 / -1) as one void item."""
+    bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1
+    return np.ascontiguousarray(np.where(bits == 1, 1.0, -1.0).astype(np.float32)).view("V32").reshape(-1)
+
+
+def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """This rank's own decoded contribution: +scale where the vote is positive, else -scale."""
+    n = bits.numel()
+    if bits.device.type == "cpu" and n:
+        packed = np.packbits(bits.reshape(-1).contiguous().numpy(), bitorder="little")
+        out = np.empty(packed.size * 8, dtype=np.float32)
+        np.take(_unit_sign_table(), packed, mode="clip", out=out.view("V32"))
+        local = torch.from_numpy(out)[:n]
+    else:
+        local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)
+    return scale_segments_(local, scales, lengths)
 
 
 def vote_table(world_size: int, vote: str, device: torch.device | None = None) -> torch.Tensor:

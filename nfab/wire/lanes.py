@@ -9,14 +9,24 @@ counting, with no parameter server.
 
 Signed containers keep their top bit clear (31 usable bits of int32, 63 of int64), so a
 sum never wraps into the sign bit.
+
+Element order. A container's lanes are split into *blocks* of at most 8 lanes (uint8
+containers are one block). Block k holds lanes [l0, l1) and the element range
+[m*l0, m*l1) of the m containers, container-major: element m*l0 + j*(l1-l0) + (l-l0)
+sits in lane l of container j. For uint8 containers that is plain consecutive order.
+The blocking lets the CPU path build a block from 8 consecutive 0/1 bytes with one
+multiply, and decode a whole group of lanes with one table lookup (`decode_table`).
+The torch path (any device) and the numpy path (CPU) produce identical containers.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 
 # (dtype, usable bits) in order of preference when two pack equally densely.
@@ -25,6 +35,8 @@ _CONTAINERS: tuple[tuple[torch.dtype, int, int], ...] = (
     (torch.int32, 31, 32),
     (torch.int64, 63, 64),
 )
+_NP_CONTAINER = {torch.uint8: np.dtype("<u1"), torch.int32: np.dtype("<i4"), torch.int64: np.dtype("<i8")}
+_TABLE_BITS = 15  # decode tables have at most 2**15 entries (<= 640 KiB, stays in L2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +61,11 @@ class LaneLayout:
     def containers_for(self, numel: int) -> int:
         """Number of containers needed for `numel` lane values."""
         return -(-numel // self.lanes)
+
+    @property
+    def blocks(self) -> tuple[tuple[int, int], ...]:
+        """Lane ranges [l0, l1) of the element blocks (see the module docstring)."""
+        return _blocks(self)
 
 
 def count_lane_bits(world_size: int) -> int:
@@ -76,8 +93,22 @@ def layout_for(lane_bits: int) -> LaneLayout:
 
 
 @cache
-def _shifts(layout: LaneLayout) -> torch.Tensor:
-    return torch.arange(layout.lanes, dtype=torch.int64) * layout.lane_bits
+def _blocks(layout: LaneLayout) -> tuple[tuple[int, int], ...]:
+    if layout.container == torch.uint8:
+        return ((0, layout.lanes),)
+    return tuple((l0, min(l0 + 8, layout.lanes)) for l0 in range(0, layout.lanes, 8))
+
+
+def _lane_views(flat: torch.Tensor, layout: LaneLayout, m: int):
+    """(lane, column view) for every lane of a flat tensor of m * lanes elements."""
+    for l0, l1 in layout.blocks:
+        grid = flat[m * l0 : m * l1].view(m, l1 - l0)
+        for lane in range(l0, l1):
+            yield lane, grid[:, lane - l0]
+
+
+def _numpy_ok(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and sys.byteorder == "little"
 
 
 def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
@@ -87,18 +118,19 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     number of containers. Returns a 1-D tensor of `layout.container` dtype.
     """
     flat = values.reshape(-1)
+    if _numpy_ok(flat) and flat.dtype in (torch.bool, torch.uint8):
+        fast = _pack_bytes_np(flat.contiguous().numpy().view(np.uint8), layout)
+        if fast is not None:
+            return torch.from_numpy(fast)
     n = flat.numel()
     m = layout.containers_for(n)
-    work = torch.int64 if layout.container == torch.int64 else torch.int32
-    if layout.container == torch.uint8:
-        work = torch.uint8
+    work = {torch.uint8: torch.uint8, torch.int32: torch.int32, torch.int64: torch.int64}[layout.container]
     padded = torch.zeros(m * layout.lanes, dtype=work, device=flat.device)
     padded[:n] = flat
-    grid = padded.view(m, layout.lanes)
-    out = grid[:, 0].clone()
-    for lane in range(1, layout.lanes):
-        out |= grid[:, lane] << (lane * layout.lane_bits)
-    return out if out.dtype == layout.container else out.to(layout.container)
+    out = torch.zeros(m, dtype=work, device=flat.device)
+    for lane, col in _lane_views(padded, layout, m):
+        out |= col << (lane * layout.lane_bits)
+    return out
 
 
 def unpack(containers: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Tensor:
@@ -108,7 +140,127 @@ def unpack(containers: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Te
     """
     mask = layout.max_value
     m = containers.numel()
-    out = torch.empty((m, layout.lanes), dtype=containers.dtype, device=containers.device)
-    for lane in range(layout.lanes):
-        torch.bitwise_and(containers >> (lane * layout.lane_bits), mask, out=out[:, lane])
-    return out.view(-1)[:numel]
+    if _numpy_ok(containers) and layout.container == torch.uint8 and m:
+        c = containers.contiguous().numpy()
+        if layout.lane_bits == 1:
+            return torch.from_numpy(np.unpackbits(c, count=numel, bitorder="little"))
+        table = _lane_table_np(layout.lane_bits, layout.lanes)
+        out = np.take(table, c, mode="clip").view(np.uint8)
+        return torch.from_numpy(out[:numel].copy() if numel < out.size else out)
+    out = torch.empty(m * layout.lanes, dtype=containers.dtype, device=containers.device)
+    for lane, col in _lane_views(out, layout, m):
+        torch.bitwise_and(containers >> (lane * layout.lane_bits), mask, out=col)
+    return out[:numel]
+
+
+def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor) -> torch.Tensor:
+    """`values[lane value]` for the first `numel` lanes: unpack and look up in one go (fp32).
+
+    `values` is a float32 table of length max_value + 1 (e.g. count -> vote). The CPU path
+    looks up whole groups of lanes per table entry; both paths return identical values.
+    """
+    m = containers.numel()
+    if m == 0 or numel == 0:
+        return torch.zeros(numel, dtype=torch.float32, device=containers.device)
+    if _numpy_ok(containers) and values.numel() == layout.max_value + 1 and layout.lane_bits <= _TABLE_BITS:
+        out = np.empty(m * layout.lanes, dtype=np.float32)
+        c = containers.contiguous().numpy()
+        vals = values.detach().to(torch.float32).contiguous().numpy()
+        b = layout.lane_bits
+        for l0, l1 in layout.blocks:
+            g = l1 - l0
+            sub = max(d for d in range(1, g + 1) if g % d == 0 and d * b <= _TABLE_BITS)
+            table = _value_table_np(vals, b, sub)
+            block = out[m * l0 : m * l1]
+            if layout.container == torch.uint8:
+                idx = c
+            else:
+                k = g // sub
+                idx = np.empty((m, k), dtype=np.intp)
+                chunk_mask = (1 << (sub * b)) - 1
+                for i in range(k):
+                    np.bitwise_and(c >> ((l0 + i * sub) * b), chunk_mask, out=idx[:, i])
+                idx = idx.reshape(-1)
+            np.take(table, idx, mode="clip", out=block.view(table.dtype))
+        return torch.from_numpy(out[:numel])
+    lanes = unpack(containers, layout, numel)
+    return values.to(torch.float32)[lanes.to(torch.int64)]
+
+
+@cache
+def _lane_table_np(lane_bits: int, lanes: int) -> np.ndarray:
+    """256 entries: a uint8 container -> its `lanes` lane values as one void item."""
+    c = np.arange(256, dtype=np.int64)[:, None]
+    shifts = np.arange(lanes, dtype=np.int64)[None, :] * lane_bits
+    t = ((c >> shifts) & ((1 << lane_bits) - 1)).astype(np.uint8)
+    return np.ascontiguousarray(t).view(f"V{lanes}").reshape(-1)
+
+
+def _value_table_np(vals: np.ndarray, lane_bits: int, sub: int) -> np.ndarray:
+    """2**(sub*lane_bits) entries: `sub` lanes -> their `sub` fp32 values as one void item."""
+    key = (vals.tobytes(), lane_bits, sub)
+    hit = _VALUE_TABLES.get(key)
+    if hit is not None:
+        return hit
+    c = np.arange(1 << (sub * lane_bits), dtype=np.int64)[:, None]
+    shifts = np.arange(sub, dtype=np.int64)[None, :] * lane_bits
+    lane_vals = (c >> shifts) & ((1 << lane_bits) - 1)
+    t = np.ascontiguousarray(vals[lane_vals]).view(f"V{4 * sub}").reshape(-1)
+    if len(_VALUE_TABLES) > 64:
+        _VALUE_TABLES.clear()
+    _VALUE_TABLES[key] = t
+    return t
+
+
+_VALUE_TABLES: dict[tuple[bytes, int, int], np.ndarray] = {}
+
+# One multiply gathers the low bits of consecutive bytes into lanes: (word type, magic, shift).
+# b=2: byte i (at bit 8i) lands at bit 24+2i; b=4: byte i lands at bit 8+4i. The partial
+# products never overlap, so no carry disturbs a lane (values up to the lane maximum).
+_BYTE_MAGIC = {2: (np.uint32, 0x01041040, 24), 4: (np.uint16, 0x0110, 8)}
+
+
+def _bit_magic(lane_bits: int) -> tuple[int, int, int]:
+    """For 0/1 bytes in a uint64 and odd lane width b: byte i lands at bit K + b*i, K = 7(8-b)."""
+    k = 7 * (8 - lane_bits)
+    magic = sum(1 << (k - (8 - lane_bits) * i) for i in range(8))
+    lsb = sum(1 << (lane_bits * i) for i in range(8))
+    return magic, k, lsb
+
+
+def _pack_bytes_np(v: np.ndarray, layout: LaneLayout) -> np.ndarray | None:
+    """CPU fast path of `pack` for uint8/bool values; None when no fast path applies."""
+    b, lanes = layout.lane_bits, layout.lanes
+    if layout.container != torch.uint8 and (b % 2 == 0 or b > 7 or int(v.max(initial=0)) > 1):
+        return None  # int containers: only 0/1 votes at odd widths take the multiply path
+    n = v.size
+    m = layout.containers_for(n)
+    if n != m * lanes:
+        padded = np.zeros(m * lanes, dtype=np.uint8)
+        padded[:n] = v
+        v = padded
+    if layout.container == torch.uint8:
+        if b == 8:
+            return v.copy()
+        if b == 1:
+            return np.packbits(v, bitorder="little")
+        word, magic, shift = _BYTE_MAGIC[b]
+        prod = np.multiply(v.view(word), word(magic), dtype=word)
+        return (prod >> word(shift)).astype(np.uint8)
+    magic, k, lsb = _bit_magic(b)
+    out = np.zeros(m, dtype=np.uint64)
+    for l0, l1 in layout.blocks:
+        g = l1 - l0
+        block = v[m * l0 : m * l1]
+        if g == 8:
+            words = block.view(np.uint64)
+        else:
+            words8 = np.zeros((m, 8), dtype=np.uint8)
+            words8[:, :g] = block.reshape(m, g)
+            words = words8.view(np.uint64).reshape(-1)
+        field = np.multiply(words, np.uint64(magic), dtype=np.uint64)
+        field >>= np.uint64(k)
+        field &= np.uint64(lsb)
+        field <<= np.uint64(l0 * b)
+        out |= field
+    return out.view(_NP_CONTAINER[torch.int64]).astype(_NP_CONTAINER[layout.container], copy=False)

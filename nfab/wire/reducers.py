@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from nfab.errors import CapacityError
 from nfab.wire import codecs
-from nfab.wire.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
+from nfab.wire.lanes import LaneLayout, count_lane_bits, decode_table, layout_for, pack, unpack
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +209,7 @@ def _allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) ->
 
 
 class AllReduce(Reducer):
-    """Plain SUM all-reduce in fp32, bf16 or fp16, pre-divided by W to avoid overflow."""
+    """Plain SUM all-reduce in fp32, bf16 or fp16, pre-scaled by 1/W (as DDP does) to avoid overflow."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
@@ -227,7 +227,7 @@ class AllReduce(Reducer):
         return allreduce_factor(world_size) * self.payload_bytes(numel, world_size)
 
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
-        payload = (x / world_size).to(self.dtype)
+        payload = (x * (1.0 / world_size)).to(self.dtype)  # DDP's own pre-scale
         local = payload.to(torch.float32) * world_size if self.lossy else None
         return Encoded(payload, None, local)
 
@@ -256,9 +256,20 @@ class _SignReducer(Reducer):
     def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bits = codecs.sign_bits(x)
         scales = codecs.segment_mean_abs(x, lengths)
-        local = torch.where(bits, 1.0, -1.0).to(torch.float32)
-        codecs.scale_segments_(local, scales, lengths)
+        local = codecs.sign_values(bits, scales, lengths)
         return bits, scales, local
+
+    def _vote_values(self, layout: LaneLayout, world_size: int, device: torch.device) -> torch.Tensor:
+        """Vote per lane value, padded with 0 to the lane's range (sums above W never occur)."""
+        table = torch.zeros(layout.max_value + 1, dtype=torch.float32, device=device)
+        table[: world_size + 1] = codecs.vote_table(world_size, self.vote, device)
+        return table
+
+    def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size) -> torch.Tensor:
+        """Count lanes -> vote x mean scale, by table (one lookup per group of lanes on CPU)."""
+        out = decode_table(containers, layout, numel, self._vote_values(layout, world_size, containers.device))
+        assert scale_mean is not None
+        return codecs.scale_segments_(out, scale_mean, lengths)
 
     def _decode_counts(self, counts, scale_mean, lengths, world_size) -> torch.Tensor:
         table = codecs.vote_table(world_size, self.vote, counts.device)
@@ -307,8 +318,7 @@ class SignCount(_SignReducer):
         return out
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size):
-        counts = unpack(reduced, self.layout(world_size), numel)
-        return self._decode_counts(counts, scale_mean, lengths, world_size)
+        return self._decode_containers(reduced, self.layout(world_size), scale_mean, numel, lengths, world_size)
 
 
 class SignGather(_SignReducer):
@@ -340,9 +350,15 @@ class SignGather(_SignReducer):
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size):
         rows = reduced.view(world_size, -1)
-        counts = torch.zeros(numel, dtype=torch.int32, device=reduced.device)
+        small = world_size <= 255
+        counts = torch.zeros(numel, dtype=torch.uint8 if small else torch.int32, device=reduced.device)
         for r in range(world_size):
             counts += unpack(rows[r], self._layout, numel)
+        count_layout = layout_for(count_lane_bits(world_size))
+        if small and count_layout.container == torch.uint8:
+            # re-lane the counts (one multiply per word) and decode a container per lookup
+            return self._decode_containers(pack(counts, count_layout), count_layout, scale_mean, numel,
+                                           lengths, world_size)
         return self._decode_counts(counts, scale_mean, lengths, world_size)
 
 
@@ -382,13 +398,26 @@ class QSum(Reducer):
         # the MAX all-reduce of scales is a ring all-reduce of `segments` fp32 values
         return allreduce_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
 
+    def level_values(self, world_size: int, count: int, device: torch.device) -> torch.Tensor:
+        """Lane value (a sum of `count` ranks' levels) -> mean value in units of the scale."""
+        m = self.max_level(world_size)
+        levels = torch.arange(self._layout.max_value + 1, dtype=torch.float32, device=device)
+        return levels * (2.0 / (m * count)) - 1.0
+
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
         assert shared_scale is not None, "qsum needs the shared (MAX) scale"
         m = self.max_level(world_size)
-        scale = torch.repeat_interleave(shared_scale, torch.tensor(list(lengths), device=x.device))
-        levels = codecs.stochastic_levels(x, scale, m, generator)
-        local = codecs.levels_to_values(levels, scale, m)
-        return Encoded(pack(levels, self._layout), None, local)
+        t = torch.empty_like(x, dtype=torch.float32)
+        start = 0
+        for n, s in zip(lengths, shared_scale.tolist(), strict=True):
+            torch.div(x[start : start + n], s if s > 0 else 1.0, out=t[start : start + n])
+            start += n
+        t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
+        t.add_(torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype))
+        levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
+        payload = pack(levels, self._layout)
+        local = decode_table(payload, self._layout, x.numel(), self.level_values(world_size, 1, x.device))
+        return Encoded(payload, None, codecs.scale_segments_(local, shared_scale, lengths))
 
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
@@ -401,10 +430,8 @@ class QSum(Reducer):
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size):
         assert scale_mean is not None
-        m = self.max_level(world_size)
-        sums = unpack(reduced, self._layout, numel)
-        scale = torch.repeat_interleave(scale_mean, torch.tensor(list(lengths), device=reduced.device))
-        return codecs.levels_to_values(sums, scale, m, count=world_size)
+        out = decode_table(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device))
+        return codecs.scale_segments_(out, scale_mean, lengths)
 
 
 REDUCERS: dict[str, Reducer] = {
