@@ -9,8 +9,10 @@ and the remaining processes are killed: a hang never outlives the timeout.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import socket
 import traceback
 from collections.abc import Callable
@@ -45,7 +47,9 @@ def _rank_main(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        blob = io.BytesIO()
+        torch.save(result, blob)  # by value: shared-memory tensors die with this process
+        queue.put((rank, True, blob.getvalue()))
     except BaseException:  # noqa: BLE001 - report anything to the parent, then exit
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -83,13 +87,13 @@ def run_ranks(
         for _ in range(world_size):
             try:
                 rank, ok, payload = queue.get(timeout=timeout_s)
-            except Exception as exc:  # queue.Empty: some rank hung or died silently
+            except queue_mod.Empty as exc:  # some rank hung or died silently
                 raise TimeoutError(
                     f"{world_size - len(results) - len(errors)} rank(s) did not finish "
                     f"within {timeout_s:.0f} s"
                 ) from exc
             if ok:
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break

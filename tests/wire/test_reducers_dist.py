@@ -27,7 +27,7 @@ def _reduce_all(rank: int, world_size: int, names: list[str]) -> dict[str, torch
             continue
         gen = torch.Generator().manual_seed(100 + rank)
         out[name] = red.reduce(x.clone(), LENGTHS, generator=gen)
-    plain = x.clone() / world_size  # pre-divided, as DDP does before its all-reduce
+    plain = x.clone() * (1.0 / world_size)  # pre-scaled, as DDP does before its all-reduce
     dist.all_reduce(plain)
     out["plain"] = plain
     # a strided (non-contiguous) view goes through as well

@@ -1,0 +1,355 @@
+"""The nfab DDP communication hook and its state (`Runtime`).
+
+Per bucket, in the hook body (DDP calls it in bucket order on every rank):
+
+1. look up the bucket plan and this step's groups (controller: pure function of agreed
+   state, so every rank launches the same collectives in the same order);
+2. encode each group (adding error-feedback residuals on lossy routes) and launch its
+   one payload collective asynchronously; qsum first agrees a scale (MAX);
+3. launch the control word: an all-gather of [non-finite flag, local |g|^2, loss, has
+   loss, per-slice scales] — averaged in rank order, so bits match on every rank and in
+   the one-process replay;
+4. return a future whose callback decodes, writes every slice back to its own offset,
+   and zeroes the bucket on all ranks if any rank saw a non-finite gradient.
+
+No collective is ever launched from a callback (callbacks finish in different orders on
+different ranks). What the control words say is folded into the health state at the
+start of the next step, before any route for that step is chosen.
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations
+# against dist.GradBucket and torch.futures.Future at registration.
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from nfab.profile.schema import Profile
+from nfab.runtime import health as health_mod
+from nfab.runtime.bindings import classify
+from nfab.runtime.controller import FP32, BucketRoutes, Controller, Group
+from nfab.runtime.plan import BucketPlan, build_plan, plan_key
+from nfab.runtime.stats import StepStats
+from nfab.wire.cost import CostModel
+from nfab.wire.reducers import REDUCERS, _all_gather_flat, allgather_factor, allreduce_factor, mean_of_ranks
+
+log = logging.getLogger(__name__)
+
+_CTRL_HEAD = 4  # nonfinite, local |g|^2, loss, has_loss
+
+
+@dataclass(slots=True)
+class _BucketRecord:
+    """One bucket's bookkeeping for the current step (written by the hook and its callback)."""
+
+    index: int
+    routes: BucketRoutes
+    elements: dict[str, int]
+    wire_bytes: float
+    fp32_wire_bytes: float
+    hook_time_s: float = 0.0
+    nonfinite: bool = False
+    grad_sq: float = 0.0
+    loss: float | None = None
+    probe_cosine: float | None = None
+    probe_regions: frozenset[str] = frozenset()
+    pending_residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Runtime:
+    """nfab's hook state: routes, residuals, health, statistics. One per DDP model and rank."""
+
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        profile: Profile,
+        *,
+        explicit: bool,
+        error_feedback: bool = True,
+        total_steps: int | None = None,
+        cost_model: CostModel | None = None,
+        seed: int = 0,
+        head_modules: tuple[str, ...] | None = None,
+    ) -> None:
+        self.profile = profile
+        self.group = getattr(ddp, "process_group", None)
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.error_feedback = error_feedback
+        self.controller = Controller(profile, self.world_size, cost_model, explicit=explicit, total_steps=total_steps)
+        module = ddp.module
+        self.bindings = classify(module, head_modules)
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self.regions = {n: b.region for n, b in self.bindings.items()}
+        self.plans: dict[tuple[int, ...], BucketPlan] = {}
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.health = health_mod.HealthState()
+        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + self.rank)
+        self.step = 0
+        self.history: list[StepStats] = []
+        self.events: list[health_mod.HealthEvent] = []
+        self._records: list[_BucketRecord] = []
+        self._step_open = False
+        self._probed = False
+        self._loss_local: float | None = None
+        self._lock = threading.Lock()
+
+    # ---- public ---------------------------------------------------------------------
+    def observe_loss(self, loss: torch.Tensor | float) -> None:
+        """Report this rank's loss; it rides with the next control word, reduced across ranks."""
+        self._loss_local = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+
+    def step_stats(self) -> StepStats | None:
+        """Statistics of the last finished step (call after backward; None before any)."""
+        if self._step_open and self._records and self._saw_last:
+            self._finish_step()
+        return self.history[-1] if self.history else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: residuals, step, health, RNG state."""
+        self.step_stats()
+        return {
+            "version": 1,
+            "step": self.step,
+            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "health": self.health.to_dict(),
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"unsupported runtime state version {state.get('version')!r}")
+        self.step = int(state["step"])
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.health = health_mod.HealthState.from_dict(state["health"])
+        self.generator.set_state(state["generator"])
+
+    # ---- the hook -------------------------------------------------------------------
+    _saw_last = False
+
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        t0 = time.perf_counter()
+        if self._saw_last:
+            self._finish_step()
+        if not self._step_open:
+            self._begin_step()
+        buffer = bucket.buffer()
+        plan = self._plan(bucket, buffer)
+        phase = self.controller.phase(self.step)
+        routes = self.controller.routes(plan, phase, self.health.demoted())
+        w = self.world_size
+        use_ef = self.error_feedback and phase.error_feedback
+        rec = _BucketRecord(bucket.index(), routes, {}, 0.0,
+                            REDUCERS[FP32].wire_bytes(buffer.numel(), w))
+        self._records.append(rec)
+        if bucket.is_last():
+            self._saw_last = True
+
+        local_sq = float(torch.linalg.vector_norm(buffer)) ** 2
+        nonfinite = not math.isfinite(local_sq)
+        if nonfinite:
+            buffer.nan_to_num_(0.0, 0.0, 0.0)  # keep encoders sane; the bucket is zeroed later
+            local_sq = 0.0
+
+        launched: list[tuple[Group, torch.futures.Future, list[int] | None, Any]] = []
+        scales: list[torch.Tensor] = []
+        probe_parts: list[torch.Tensor] = []
+        for group in routes.groups:
+            red = REDUCERS[group.key]
+            rec.elements[group.label] = rec.elements.get(group.label, 0) + group.numel
+            rec.wire_bytes += red.wire_bytes(group.numel, w, len(group.slices))
+            if group.key == FP32:
+                x = buffer if group.whole else _gather(buffer, group)
+                self._flush_residuals(x, group, buffer if group.whole else None)
+                x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W)
+                launched.append((group, red.launch(x, w, self.group), None, None))
+                continue
+            x = _gather(buffer, group)
+            if group.lossy:
+                probe_parts.append(x.clone())
+                if use_ef:
+                    self._add_residuals(x, group)
+            shared = None
+            if red.needs_shared_scale:
+                shared = red.local_scale(x, group.lengths)
+                dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
+            enc = red.encode(x, group.lengths, w, shared, self.generator)
+            if use_ef and enc.local is not None:
+                self._stage_residuals(rec, group, x - enc.local)
+            scale_cols = None
+            if enc.scales is not None:
+                start = _CTRL_HEAD + sum(s.numel() for s in scales)
+                scale_cols = list(range(start, start + enc.scales.numel()))
+                scales.append(enc.scales)
+            launched.append((group, red.launch(enc.payload, w, self.group), scale_cols, shared))
+
+        probe_fut = None
+        if probe_parts and self._probe_step() and not self._probed:
+            self._probed = True
+            probe = torch.cat(probe_parts).div_(w)
+            rec.probe_regions = frozenset(s.region for g in routes.groups if g.lossy for s in g.slices)
+            rec.wire_bytes += allreduce_factor(w) * probe.numel() * 4
+            probe_fut = REDUCERS[FP32].launch(probe, w, self.group)
+
+        loss = self._loss_local
+        ctrl = torch.cat([torch.tensor([float(nonfinite), local_sq, loss or 0.0, float(loss is not None)]), *scales])
+        gathered = torch.empty(w * ctrl.numel())
+        ctrl_fut = _all_gather_flat(gathered, ctrl, group=self.group, async_op=True).get_future()
+        rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
+
+        futs = [ctrl_fut] + [f for _, f, _, _ in launched] + ([probe_fut] if probe_fut is not None else [])
+        rec.hook_time_s += time.perf_counter() - t0
+
+        def finish(_: torch.futures.Future) -> torch.Tensor:
+            t1 = time.perf_counter()
+            table = gathered.view(w, -1)
+            rec.nonfinite = bool(table[:, 0].sum() > 0)
+            has = table[:, 3] > 0
+            rec.loss = float(table[has, 2].sum() / has.sum()) if bool(has.any()) else None
+            if rec.nonfinite:
+                buffer.zero_()
+            else:
+                decoded_lossy = []
+                for group, fut, cols, shared in launched:
+                    reduced = fut.value()
+                    if group.key == FP32:
+                        if not group.whole:
+                            _scatter(buffer, group, reduced)
+                        continue
+                    red = REDUCERS[group.key]
+                    scale_mean = mean_of_ranks(table[:, cols]) if cols is not None else shared
+                    out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
+                    _scatter(buffer, group, out)
+                    if group.lossy:
+                        decoded_lossy.append(out)
+                if probe_fut is not None and decoded_lossy:
+                    ref = probe_fut.value()
+                    est = torch.cat(decoded_lossy)
+                    rec.probe_cosine = float(torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30))
+                self.residuals.update(rec.pending_residuals)
+            rec.grad_sq = float(torch.linalg.vector_norm(buffer)) ** 2
+            rec.hook_time_s += time.perf_counter() - t1
+            return buffer
+
+        return torch.futures.collect_all(futs).then(finish)
+
+    # ---- internals ------------------------------------------------------------------
+    def _plan(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> BucketPlan:
+        params = bucket.parameters()
+        key = plan_key(params)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = build_plan(params, bucket.gradients(), buffer, self.names, self.regions)
+            self.plans[key] = plan
+        return plan
+
+    def _probe_step(self) -> bool:
+        every = self.profile.health.probe_every
+        return every > 0 and self.step % every == 0
+
+    def _add_residuals(self, x: torch.Tensor, group: Group) -> None:
+        pos = 0
+        for s in group.slices:
+            r = self.residuals.get(s.name)
+            if r is not None:
+                x[pos : pos + s.numel].add_(r)
+            pos += s.numel
+
+    def _stage_residuals(self, rec: _BucketRecord, group: Group, resid: torch.Tensor) -> None:
+        pos = 0
+        for s in group.slices:
+            rec.pending_residuals[s.name] = resid[pos : pos + s.numel]
+            pos += s.numel
+
+    def _flush_residuals(self, x: torch.Tensor, group: Group, whole_buffer: torch.Tensor | None) -> None:
+        """A slice back on fp32 sends what error feedback still owed it, then forgets it."""
+        if not self.residuals:
+            return
+        pos = 0
+        for s in group.slices:
+            r = self.residuals.pop(s.name, None)
+            if r is not None:
+                start = s.offset if whole_buffer is not None else pos
+                x[start : start + s.numel].add_(r)
+            pos += s.numel
+
+    def _begin_step(self) -> None:
+        self._step_open = True
+        self._saw_last = False
+        self._probed = False
+        self._records = []
+
+    def _finish_step(self) -> None:
+        """Fold the finished step's agreed control words into stats and health state."""
+        recs = sorted(self._records, key=lambda r: r.index)
+        phase = self.controller.phase(self.step)
+        st = StepStats(step=self.step, phase=phase.name, buckets=len(recs))
+        reasons: dict[str, set[str]] = {}
+        probe_regions: frozenset[str] = frozenset()
+        for r in recs:
+            st.wire_bytes += int(round(r.wire_bytes))
+            st.fp32_wire_bytes += int(round(r.fp32_wire_bytes))
+            for k, v in r.elements.items():
+                st.route_elements[k] = st.route_elements.get(k, 0) + v
+            for why, region in r.routes.fallbacks:
+                reasons.setdefault(why, set()).add(region)
+            st.skipped |= r.nonfinite
+            st.grad_norm += r.grad_sq
+            st.hook_time_s += r.hook_time_s
+            if r.probe_cosine is not None:
+                st.fidelity_cosine, probe_regions = r.probe_cosine, r.probe_regions
+        st.grad_norm = math.sqrt(st.grad_norm)
+        st.loss = next((r.loss for r in recs if r.loss is not None), None)
+        lossy = frozenset(
+            s.region for p in self.plans.values() for s in p.slices
+            if self.controller.wanted_route(phase, s) != "fp32"
+        )
+        obs = health_mod.Observation(self.step, st.loss, st.grad_norm, st.skipped, st.fidelity_cosine, probe_regions)
+        events = health_mod.update(self.health, self.profile.health, obs, lossy)
+        if st.skipped:
+            reasons.setdefault("nonfinite", set())
+        for e in events:
+            st.events.append(f"{e.kind}:{e.reason}:{','.join(e.regions)}")
+            if e.kind == "fallback":
+                reasons.setdefault(e.reason, set()).update(e.regions)
+            log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
+        self.events.extend(events)
+        st.fallback = bool(reasons)
+        st.fallback_reason = "; ".join(
+            f"{why}({','.join(sorted(regs))})" if regs else why for why, regs in sorted(reasons.items())
+        )
+        self.history.append(st)
+        self.step += 1
+        self._step_open = False
+        self._saw_last = False
+        self._records = []
+        self._loss_local = None
+
+
+def _gather(buffer: torch.Tensor, group: Group) -> torch.Tensor:
+    """The group's slices as one contiguous fp32 tensor (a copy)."""
+    if group.whole:
+        return buffer.clone()
+    return torch.cat([buffer[s.offset : s.offset + s.numel] for s in group.slices])
+
+
+def _scatter(buffer: torch.Tensor, group: Group, values: torch.Tensor) -> None:
+    """Write a group's reduced values back to each slice's own offset."""
+    if group.whole:
+        buffer.copy_(values)
+        return
+    pos = 0
+    for s in group.slices:
+        buffer[s.offset : s.offset + s.numel].copy_(values[pos : pos + s.numel])
+        pos += s.numel
+
+
+def nfab_hook(state: Runtime, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The function registered with `DistributedDataParallel.register_comm_hook`."""
+    return state.hook(bucket)
