@@ -208,6 +208,16 @@ def _allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) ->
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _decode_scaled(containers, layout, numel, values, scales, lengths) -> torch.Tensor:
+    """Table decode times the per-segment scale; one segment folds the scale into the table.
+
+    fl(value * scale) is the same number either way, so both branches give identical bits.
+    """
+    if len(lengths) == 1:
+        return decode_table(containers, layout, numel, values * scales.reshape(-1)[0])
+    return codecs.scale_segments_(decode_table(containers, layout, numel, values), scales, lengths)
+
+
 class AllReduce(Reducer):
     """Plain SUM all-reduce in fp32, bf16 or fp16, pre-scaled by 1/W (as DDP does) to avoid overflow."""
 
@@ -267,9 +277,9 @@ class _SignReducer(Reducer):
 
     def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size) -> torch.Tensor:
         """Count lanes -> vote x mean scale, by table (one lookup per group of lanes on CPU)."""
-        out = decode_table(containers, layout, numel, self._vote_values(layout, world_size, containers.device))
         assert scale_mean is not None
-        return codecs.scale_segments_(out, scale_mean, lengths)
+        return _decode_scaled(containers, layout, numel, self._vote_values(layout, world_size, containers.device),
+                              scale_mean, lengths)
 
     def _decode_counts(self, counts, scale_mean, lengths, world_size) -> torch.Tensor:
         table = codecs.vote_table(world_size, self.vote, counts.device)
@@ -416,8 +426,9 @@ class QSum(Reducer):
         t.add_(torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype))
         levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
         payload = pack(levels, self._layout)
-        local = decode_table(payload, self._layout, x.numel(), self.level_values(world_size, 1, x.device))
-        return Encoded(payload, None, codecs.scale_segments_(local, shared_scale, lengths))
+        local = _decode_scaled(payload, self._layout, x.numel(), self.level_values(world_size, 1, x.device),
+                               shared_scale, lengths)
+        return Encoded(payload, None, local)
 
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
@@ -430,8 +441,8 @@ class QSum(Reducer):
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size):
         assert scale_mean is not None
-        out = decode_table(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device))
-        return codecs.scale_segments_(out, scale_mean, lengths)
+        return _decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),
+                              scale_mean, lengths)
 
 
 REDUCERS: dict[str, Reducer] = {
