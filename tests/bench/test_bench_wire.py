@@ -1,0 +1,36 @@
+"""`nfab bench wire`: the library rows, the JSON schema, and the CLI (no timing assertions)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from nfab.bench.wire import WORLD_SIZES, bench_wire, write_rows
+from nfab.cli.app import app
+from nfab.wire.reducers import REDUCERS
+
+KEYS = {"reducer", "world_size", "bits_per_element", "fp32_bits_per_element", "encode_decode_gbps",
+        "copy_gbps", "ratio_to_copy", "capacity_ok"}
+
+
+def test_rows_cover_every_reducer_and_world_size(tmp_path):
+    rows = bench_wire(numel=4099, reps=1)
+    assert {(r.reducer, r.world_size) for r in rows} == {(k, w) for k in REDUCERS for w in WORLD_SIZES}
+    path = tmp_path / "wire.json"
+    write_rows(path, rows)
+    data = json.loads(path.read_text())
+    assert all(KEYS <= set(d) for d in data)
+    by = {(d["reducer"], d["world_size"]): d for d in data}
+    sc4 = by[("signcount", 4)]
+    assert sc4["bits_per_element"] <= sc4["fp32_bits_per_element"] / 10
+    assert by[("allreduce-fp32", 4)]["bits_per_element"] == sc4["fp32_bits_per_element"] == 48.0
+    q2 = by[("qsum-q2", 4)]
+    assert not q2["capacity_ok"] and q2["bits_per_element"] is None
+    assert all(d["encode_decode_gbps"] > 0 and d["copy_gbps"] > 0 for d in data)
+
+
+def test_cli_prints_table_and_writes_json(tmp_path):
+    path = tmp_path / "out.json"
+    result = CliRunner().invoke(app, ["bench", "wire", "--numel", "2048", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "nfab bench wire" in result.output
+    assert len(json.loads(path.read_text())) == len(REDUCERS) * len(WORLD_SIZES)

@@ -1,0 +1,53 @@
+"""The CPU fast paths (numpy, lookup tables) give the same bits as the plain torch paths."""
+
+import pytest
+import torch
+
+from nfab.wire import codecs
+from nfab.wire.lanes import count_lane_bits, decode_table, layout_for, pack, unpack
+
+SIZES = [0, 1, 7, 8, 21, 22, 63, 1001]
+
+
+@pytest.mark.parametrize("lane_bits", list(range(1, 13)))
+@pytest.mark.parametrize("numel", SIZES)
+def test_pack_fast_path_matches_torch_path(lane_bits, numel):
+    layout = layout_for(lane_bits)
+    g = torch.Generator().manual_seed(lane_bits * 1000 + numel)
+    votes = torch.randint(0, 2, (numel,), generator=g)
+    assert torch.equal(pack(votes.bool(), layout), pack(votes.long(), layout))  # numpy vs torch
+    if lane_bits <= 8:
+        levels = torch.randint(0, layout.max_value + 1, (numel,), generator=g)
+        assert torch.equal(pack(levels.to(torch.uint8), layout), pack(levels, layout))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 16, 31, 100])
+@pytest.mark.parametrize("numel", SIZES)
+def test_decode_table_matches_unpack_and_gather(world_size, numel):
+    layout = layout_for(count_lane_bits(world_size))
+    g = torch.Generator().manual_seed(world_size * 7 + numel)
+    total = pack(torch.randint(0, 2, (numel,), generator=g).bool(), layout).long()
+    total = total.to(layout.container)
+    for _ in range(world_size - 1):
+        total += pack(torch.randint(0, 2, (numel,), generator=g).bool(), layout)
+    values = torch.randn(layout.max_value + 1, generator=g)
+    expected = values[unpack(total, layout, numel).long()]
+    assert torch.equal(decode_table(total, layout, numel, values), expected)
+
+
+def test_sign_fast_paths_on_zeros_nan_and_strided_input():
+    x = torch.tensor([0.0, -0.0, 1.5, -2.0, float("nan"), float("-inf"), 3.0] * 5)
+    assert torch.equal(codecs.sign_bits(x), x >= 0)  # -0.0 votes positive, NaN negative
+    strided = torch.randn(2 * 1001)[::2]
+    assert torch.equal(codecs.sign_bits(strided), strided >= 0)
+    lengths = [400, 601]
+    scales = codecs.segment_mean_abs(strided, lengths)
+    expected = torch.stack([p.abs().mean() for p in torch.split(strided, lengths)])
+    assert torch.allclose(scales, expected, rtol=1e-5)
+    bits = strided >= 0
+    local = codecs.sign_values(bits, scales, lengths)
+    ref = torch.where(bits, 1.0, -1.0) * torch.repeat_interleave(scales, torch.tensor(lengths))
+    assert torch.equal(local, ref)
+    one = codecs.sign_values(bits, scales[:1], [1001])  # one segment: the scale rides in the table
+    assert torch.equal(one, torch.where(bits, 1.0, -1.0) * scales[0])
+    assert codecs.sign_values(torch.zeros(0, dtype=torch.bool), scales[:1], [0]).numel() == 0
