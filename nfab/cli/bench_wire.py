@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         for key, rs in by_key.items():
             first = rs[0]
             cells = [f"{r.bits_per_element:.2f} / {r.fp32_bits_per_element:.0f}" if r.capacity_ok
-                     else f"[dim]over capacity: {r.capacity}[/]" for r in rs]
+                     else "[dim]over capacity[/]" for r in rs]
             table.add_row(key, f"{first.encode_decode_gbps:.2f}", f"{first.copy_gbps:.2f}",
                           f"{first.ratio_to_copy:.3f}", *cells)
         console.print(table)
