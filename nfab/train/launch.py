@@ -1,0 +1,173 @@
+"""`nfab train`'s parent process: validate everything, then run the ranks under torchrun.
+
+Every user error (config, model, data set, profile, run dir) is found here, before
+anything is written, and raised as one `NfabError` line. Then torchrun
+(`python -m torch.distributed.run ... -m nfab.train.worker CONFIG.json`) starts the
+ranks; a worker failure comes back as one line naming the rank and its error, with
+torchrun's own output kept in `RUN_DIR/logs/node{N}.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nfab.data import build_dataset, make_loader
+from nfab.errors import ConfigError, NfabError
+from nfab.fsutil import atomic_write_text
+from nfab.models import build_model, model_signature
+from nfab.profile.schema import Profile
+from nfab.train import checkpoint, fault
+from nfab.train.config import TrainConfig, load_config
+from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
+from nfab.train.setup import check_pairing
+from nfab.train.worker import ERROR_MARK
+from nfab.wire.cost import CostModel
+
+CONFIG_FILE = "config.json"
+LOG_DIR = "logs"
+_NOT_PERSISTED = ("launch", "resume", "overwrite", "command", "quiet")
+
+
+class WorkerError(NfabError):
+    """The ranks started but the run failed; `code` is the exit code to hand on."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_config(config_path: str | None, overrides: list[str], flags: list[str]) -> TrainConfig:
+    """Config file (or, for `--resume` without one, the run dir's saved config) + overrides + flags."""
+    probe = load_config(config_path, overrides + flags)
+    base = None
+    if config_path is None and probe.resume and probe.run_dir:
+        saved = Path(probe.run_dir) / CONFIG_FILE
+        if saved.is_file():
+            base = {k: v for k, v in json.loads(saved.read_text()).items() if k not in _NOT_PERSISTED}
+    if base is None:
+        return probe
+    try:
+        return load_config(None, overrides + flags, base=base)
+    except ConfigError as exc:
+        raise ConfigError(f"{saved}: {exc}") from exc
+
+
+def default_run_dir(cfg: TrainConfig) -> str:
+    c = cfg.comm
+    label = "fp32" if c.fp32 else Path(c.profile).stem if c.profile else c.route if isinstance(c.route, str) else "mixed"
+    name = cfg.model.name.rsplit(":", 1)[-1]
+    return str(Path("runs") / f"{name}-{label}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def has_run(run_dir: Path) -> bool:
+    return any((run_dir / p).exists() for p in (SUMMARY_FILE, METRICS_FILE, checkpoint.CHECKPOINT_DIR))
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check everything a user can get wrong, writing nothing; return the config with its run dir set."""
+    cfg.comm.check_choice()
+    fault.faults_from_env()
+    spec = build_model(cfg.model.name, device="meta", **cfg.model.options)
+    data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
+    check_pairing(spec, data)
+    world = cfg.launch.world_size
+    make_loader(data, batch_size=cfg.data.batch_size, rank=0, world_size=world, seed=cfg.seed)
+    if cfg.comm.profile is not None:
+        profile = Profile.load(cfg.comm.profile)
+        profile.check_model(spec.name, model_signature(spec.module))
+        if not profile.check_world_size(world):
+            raise NfabError(f"profile {cfg.comm.profile} is valid for world sizes {profile.world_size.min}.."
+                            f"{profile.world_size.max}, this run has {world} ranks")
+    if cfg.comm.route is not None:
+        Profile.static(cfg.comm.route)
+    if cfg.comm.cost_model not in ("measure", "none"):
+        CostModel.load(cfg.comm.cost_model)
+    if cfg.run_dir is None:
+        cfg.run_dir = default_run_dir(cfg)
+    run_dir = Path(cfg.run_dir)
+    if cfg.launch.node_rank == 0:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise NfabError(f"run dir {run_dir} is a file")
+        if cfg.resume and checkpoint.latest(run_dir) is None:
+            raise NfabError(f"--resume: no checkpoint in {run_dir}")
+        if has_run(run_dir) and not (cfg.resume or cfg.overwrite):
+            summary = run_dir / SUMMARY_FILE
+            done = summary.is_file() and json.loads(summary.read_text() or "{}").get("complete") is True
+            state = "a finished run" if done else "an unfinished run"
+            raise NfabError(f"run dir {run_dir} already holds {state}; pass --resume to continue it "
+                            "or --overwrite to replace it")
+    return cfg
+
+
+def torchrun_argv(cfg: TrainConfig, config_file: Path) -> list[str]:
+    lc = cfg.launch
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(lc.nnodes),
+            "--nproc-per-node", str(lc.nproc), "--max-restarts", str(lc.max_restarts), "--monitor-interval", "0.5"]
+    if lc.rdzv_endpoint:
+        argv += ["--rdzv-endpoint", lc.rdzv_endpoint, "--node-rank", str(lc.node_rank)]
+    if lc.rdzv_backend:
+        argv += ["--rdzv-backend", lc.rdzv_backend]
+    return argv + ["-m", "nfab.train.worker", str(config_file)]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchResult:
+    run_dir: Path
+    summary: dict[str, Any] | None
+
+
+def launch(cfg: TrainConfig) -> LaunchResult:
+    """Validate, prepare the run dir (node 0), run torchrun, and surface a failure as one line."""
+    cfg = validate(cfg)
+    run_dir = Path(cfg.run_dir)  # type: ignore[arg-type]
+    node = cfg.launch.node_rank
+    if node == 0:
+        if cfg.overwrite and run_dir.is_dir():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        persisted = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_PERSISTED}
+        atomic_write_text(run_dir / CONFIG_FILE, json.dumps(persisted, indent=2) + "\n")
+    log_path = run_dir / LOG_DIR / f"node{node}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="nfab-train-") as tmp:
+        config_file = Path(tmp) / "config.json"
+        config_file.write_text(cfg.to_json())
+        with log_path.open("w") as log:
+            code = subprocess.run(torchrun_argv(cfg, config_file), stderr=log, env=env).returncode
+    if code != 0:
+        message, worker_code = explain_failure(log_path.read_text(errors="replace"))
+        raise WorkerError(f"training failed: {message} (log: {log_path})", worker_code)
+    summary_path = run_dir / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if node == 0 and summary_path.is_file() else None
+    return LaunchResult(run_dir, summary)
+
+
+def explain_failure(log: str) -> tuple[str, int]:
+    """One line from torchrun's log: the first failed rank's own error, else its exit code."""
+    marks = re.findall(rf"{re.escape(ERROR_MARK)}\[(\d)\] rank (\d+): (.*)$", log, flags=re.M)
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, flags=re.S)
+    if root:
+        rank, exitcode = root.group(1), int(root.group(2))
+        own = [m for m in marks if m[1] == rank]
+        if own:
+            return f"rank {rank}: {own[-1][2]}", int(own[-1][0])
+        if marks:
+            return f"rank {rank} exited with code {exitcode}; rank {marks[-1][1]}: {marks[-1][2]}", 1
+        return f"rank {rank} exited with code {exitcode} without an error message", 1
+    if marks:
+        return f"rank {marks[-1][1]}: {marks[-1][2]}", int(marks[-1][0])
+    lines = [ln for ln in log.strip().splitlines() if ln.strip()]
+    return (lines[-1].strip() if lines else "torchrun failed with no output"), 1
+

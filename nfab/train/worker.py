@@ -1,0 +1,60 @@
+"""torchrun's entry point for one rank: `python -m nfab.train.worker CONFIG.json`.
+
+Joins the process group (NCCL when CUDA is present, else gloo), agrees on rank 0's
+config, trains, and turns any failure into one marked line on stderr that the launcher
+shows to the user (`nfab-worker-error: rank R: ...`), with the traceback in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nfab.errors import NfabError
+from nfab.train.config import config_from_dict
+from nfab.train.loop import train
+
+ERROR_MARK = "nfab-worker-error:"
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        data = json.loads(Path(args[0]).read_text())
+        device = _device()
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+        box = [data]
+        dist.broadcast_object_list(box, src=0)  # every rank trains rank 0's config
+        train(config_from_dict(box[0]), device)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    except NfabError as exc:
+        print(f"{ERROR_MARK}[2] rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one marked line for the launcher, the traceback for the log
+        traceback.print_exc()
+        print(f"{ERROR_MARK}[1] rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
