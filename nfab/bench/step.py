@@ -49,6 +49,7 @@ VARIANTS: dict[str, str] = {
     "plain": "DDP, FP32 all-reduce",
     "floor": "hook that sends nothing (no-communication floor)",
     "fp16": "torch fp16_compress_hook",
+    "allreduce-hook": "torch allreduce_hook (a Python hook, same collective as plain)",
     "powersgd": "torch powerSGD_hook, rank 2, one bucket",
     "nfab-fp32": "nfab, route fp32",
     "nfab-sign": "nfab, static route sign",
@@ -159,6 +160,8 @@ def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
         ddp.register_comm_hook(None, no_comm_hook)
     elif name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "allreduce-hook":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif name == "powersgd":
         run.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
         ddp.register_comm_hook(run.state, psgd.powerSGD_hook)
