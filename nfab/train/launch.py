@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from nfab.wire.cost import CostModel
 
 CONFIG_FILE = "config.json"
 LOG_DIR = "logs"
-_NOT_PERSISTED = ("launch", "resume", "overwrite", "command", "quiet")
+_NOT_PERSISTED = ("resume", "overwrite", "command", "quiet")
 
 
 class WorkerError(NfabError):
@@ -64,7 +63,12 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
 
 def default_run_dir(cfg: TrainConfig) -> str:
     c = cfg.comm
-    label = "fp32" if c.fp32 else Path(c.profile).stem if c.profile else c.route if isinstance(c.route, str) else "mixed"
+    if c.fp32:
+        label = "fp32"
+    elif c.profile:
+        label = Path(c.profile).stem
+    else:
+        label = c.route if isinstance(c.route, str) else "mixed"
     name = cfg.model.name.rsplit(":", 1)[-1]
     return str(Path("runs") / f"{name}-{label}-{time.strftime('%Y%m%d-%H%M%S')}")
 
@@ -110,8 +114,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def torchrun_argv(cfg: TrainConfig, config_file: Path) -> list[str]:
+    """torchrun's arguments (what follows `torchrun` on a command line)."""
     lc = cfg.launch
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(lc.nnodes),
+    argv = ["--nnodes", str(lc.nnodes),
             "--nproc-per-node", str(lc.nproc), "--max-restarts", str(lc.max_restarts), "--monitor-interval", "0.5"]
     if lc.rdzv_endpoint:
         argv += ["--rdzv-endpoint", lc.rdzv_endpoint, "--node-rank", str(lc.node_rank)]
@@ -139,35 +144,50 @@ def launch(cfg: TrainConfig) -> LaunchResult:
         atomic_write_text(run_dir / CONFIG_FILE, json.dumps(persisted, indent=2) + "\n")
     log_path = run_dir / LOG_DIR / f"node{node}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="nfab-train-") as tmp:
         config_file = Path(tmp) / "config.json"
         config_file.write_text(cfg.to_json())
-        with log_path.open("w") as log:
-            code = subprocess.run(torchrun_argv(cfg, config_file), stderr=log, env=env).returncode
-    if code != 0:
-        message, worker_code = explain_failure(log_path.read_text(errors="replace"))
+        failure = run_torchrun(torchrun_argv(cfg, config_file), log_path)
+    if failure is not None:
+        message, worker_code = explain_failure(log_path.read_text(errors="replace"), *failure)
         raise WorkerError(f"training failed: {message} (log: {log_path})", worker_code)
     summary_path = run_dir / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if node == 0 and summary_path.is_file() else None
     return LaunchResult(run_dir, summary)
 
 
-def explain_failure(log: str) -> tuple[str, int]:
-    """One line from torchrun's log: the first failed rank's own error, else its exit code."""
-    marks = re.findall(rf"{re.escape(ERROR_MARK)}\[(\d)\] rank (\d+): (.*)$", log, flags=re.M)
-    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", log, flags=re.S)
-    if root:
-        rank, exitcode = root.group(1), int(root.group(2))
-        own = [m for m in marks if m[1] == rank]
-        if own:
-            return f"rank {rank}: {own[-1][2]}", int(own[-1][0])
-        if marks:
-            return f"rank {rank} exited with code {exitcode}; rank {marks[-1][1]}: {marks[-1][2]}", 1
-        return f"rank {rank} exited with code {exitcode} without an error message", 1
-    if marks:
-        return f"rank {marks[-1][1]}: {marks[-1][2]}", int(marks[-1][0])
-    lines = [ln for ln in log.strip().splitlines() if ln.strip()]
-    return (lines[-1].strip() if lines else "torchrun failed with no output"), 1
+def run_torchrun(argv: list[str], log_path: Path) -> tuple[int, int] | None:
+    """Run torchrun in this process with stderr (its logs and the workers') sent to `log_path`.
 
+    Returns None on success, else (global rank, exit code) of the first failed worker.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(argv)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log_fd, 2)
+    try:
+        run(args)
+        return None
+    except ChildFailedError as exc:
+        rank, first = exc.get_first_failure()
+        return rank, first.exitcode
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(log_fd)
+
+
+def explain_failure(log: str, rank: int, exitcode: int) -> tuple[str, int]:
+    """One line for a failed run: the first failed rank's own error, else its exit code."""
+    marks = re.findall(rf"{re.escape(ERROR_MARK)}\[(\d)\] rank (\d+): (.*)$", log, flags=re.M)
+    own = [m for m in marks if int(m[1]) == rank]
+    if own:
+        return f"rank {rank}: {own[-1][2]}", int(own[-1][0])
+    if exitcode < 0:
+        return f"rank {rank} was killed by signal {-exitcode}", 1
+    return f"rank {rank} exited with code {exitcode} without an error message", 1

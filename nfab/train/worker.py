@@ -29,8 +29,9 @@ def _device() -> torch.device:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
+    threads = os.environ.get("OMP_NUM_THREADS")  # an explicit choice wins (same threads, same bits)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // local_world))
     return torch.device("cpu")
 
 

@@ -1,0 +1,142 @@
+"""End-to-end `nfab train` runs: 2 gloo ranks under torchrun, artifacts, resume, restart, multi-node."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from trainrun import GPT, RESNET, Result, metrics, nfab_train, start_train
+
+from nfab.distributed import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.world_size(2)]
+
+COLUMNS = {
+    "step": "int64", "phase": "object|str", "loss": "float64", "lr": "float64", "grad_norm": "float64",
+    "wire_bytes": "int64", "fp32_wire_bytes": "int64", "route_mix": "object|str", "fallback": "bool",
+    "fallback_reason": "object|str", "skipped": "bool", "fidelity_cosine": "float64", "hook_time_s": "float64",
+    "step_time_s": "float64", "eval_loss": "float64", "eval_accuracy": "float64", "events": "object|str",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Result]]:
+    """Every run these tests inspect, two launches at a time (2 cores; much of a launch is waiting)."""
+    root = tmp_path_factory.mktemp("runs")
+    crash = {"NFAB_FAULT": "crash@step=5,rank=1"}
+
+    def plain(name: str, base: list[str], *flags: str, env: dict[str, str] | None = None) -> tuple[Path, Result]:
+        out = root / name
+        return out, nfab_train(*base, *flags, "--nproc", "2", "--run-dir", str(out), env=env, timeout=240)
+
+    def crash_then_resume() -> tuple[Path, Result]:
+        out, crashed = plain("gpt-resume", GPT, "--route", "sign", env=crash)
+        snapshot = (crashed, json.loads((out / "summary.json").read_text()), metrics(out))
+        resumed = nfab_train("--resume", "--run-dir", str(out), "--quiet", timeout=240)
+        return out, Result(resumed.code, resumed.stdout, resumed.stderr, snapshot)
+
+    def two_nodes() -> tuple[Path, Result]:
+        out, endpoint = root / "gpt-2nodes", f"127.0.0.1:{free_port()}"
+        procs = [start_train(*GPT, "--route", "sign", "--nproc", "1", "--nnodes", "2", "--node-rank", str(n),
+                             "--rdzv-endpoint", endpoint, "--run-dir", str(out)) for n in (0, 1)]
+        outs = [p.communicate(timeout=240) for p in procs]
+        code = max(p.returncode for p in procs)
+        return out, Result(code, outs[0][0], "\n".join(o[1] for o in outs))
+
+    jobs: dict[str, Callable[[], tuple[Path, Result]]] = {
+        "gpt-sign": lambda: plain("gpt-sign", GPT, "--route", "sign"),
+        "gpt-resume": crash_then_resume,
+        "gpt-restart": lambda: plain("gpt-restart", GPT, "--route", "sign", "--max-restarts", "1", env=crash),
+        "gpt-2nodes": two_nodes,
+        "resnet-fp32": lambda: plain("resnet-fp32", RESNET, "--fp32"),
+        "resnet-route-fp32": lambda: plain("resnet-route-fp32", RESNET, "--route", "fp32"),
+    }
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def ok(runs: dict[str, tuple[Path, Result]], name: str) -> Path:
+    out, r = runs[name]
+    assert r.code == 0, r.stderr
+    return out
+
+
+def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest / "state.pt", weights_only=True)["model"]
+
+
+def check_artifacts(run_dir: Path, steps: int, lm: bool) -> tuple[dict, object]:
+    m = metrics(run_dir)
+    assert list(m.columns) == list(COLUMNS)
+    for col, kinds in COLUMNS.items():
+        assert str(m[col].dtype) in kinds.split("|"), (col, m[col].dtype)
+    assert m["step"].tolist() == list(range(steps))
+    assert m["loss"].map(math.isfinite).all()
+    assert m["loss"].iloc[-2:].mean() < m["loss"].iloc[:2].mean()
+    for mix in m["route_mix"]:
+        assert abs(sum(json.loads(mix).values()) - 1) < 1e-9
+    evals = m[m["eval_loss"].notna()]
+    assert len(evals) >= 1 and evals["step"].iloc[-1] == steps - 1
+    assert m["eval_accuracy"].isna().all() if lm else evals["eval_accuracy"].between(0, 1).all()
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["complete"] is True and s["steps"] == steps and s["world_size"] == 2
+    assert s["wire_bytes_total"] == m["wire_bytes"].sum()
+    assert ("perplexity" in s["final_eval"]) == lm and ("accuracy" in s["final_eval"]) == (not lm)
+    return s, m
+
+
+def test_gpt_sign_artifacts(runs) -> None:
+    s, m = check_artifacts(ok(runs, "gpt-sign"), 8, lm=True)
+    assert s["compression_ratio"] > 1 and s["route"] == "sign" and s["fp32"] is False and s["profile"] is None
+    assert (m["wire_bytes"] < m["fp32_wire_bytes"]).iloc[1:].all()  # step 0 runs before DDP's bucket rebuild
+
+
+def test_resnet_fp32_equals_route_fp32(runs) -> None:
+    plain, m_plain = check_artifacts(ok(runs, "resnet-fp32"), 6, lm=False)
+    routed, m_routed = check_artifacts(ok(runs, "resnet-route-fp32"), 6, lm=False)
+    assert m_plain["loss"].tolist() == m_routed["loss"].tolist()
+    assert plain["compression_ratio"] == 1 and plain["route"] == "fp32" and plain["fp32"] is True
+    assert routed["route"] == "fp32" and routed["fp32"] is False
+
+
+def test_crash_then_resume_matches_uninterrupted(runs) -> None:
+    out = ok(runs, "gpt-resume")
+    crashed, summary, partial = runs["gpt-resume"][1].extra
+    assert crashed.code != 0
+    assert len(crashed.stderr.strip().splitlines()) == 1, crashed.stderr
+    assert "rank 1 exited with code 1" in crashed.stderr
+    assert summary["complete"] is False
+    assert partial["step"].tolist() == list(range(len(partial))) and len(partial) >= 3  # what it did is on disk
+    reference = ok(runs, "gpt-sign")
+    assert metrics(out)["loss"].tolist() == metrics(reference)["loss"].tolist()
+    a, b = final_model(out), final_model(reference)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchrun_restart_loses_and_repeats_no_step(runs) -> None:
+    m = metrics(ok(runs, "gpt-restart"))
+    assert m["step"].tolist() == list(range(8))
+    assert m["loss"].tolist() == metrics(ok(runs, "gpt-sign"))["loss"].tolist()
+
+
+def test_two_nodes_on_one_machine_match_one_node(runs) -> None:
+    out, reference = ok(runs, "gpt-2nodes"), ok(runs, "gpt-sign")
+    s, m = check_artifacts(out, 8, lm=True)
+    assert m["loss"].tolist() == metrics(reference)["loss"].tolist()
+    assert s["wire_bytes_total"] == json.loads((reference / "summary.json").read_text())["wire_bytes_total"]
+
+
+def test_finished_run_dir_is_refused(runs) -> None:
+    done = ok(runs, "gpt-sign")
+    before = sorted(str(p) for p in done.rglob("*"))
+    r = nfab_train(*GPT, "--route", "sign", "--nproc", "2", "--run-dir", str(done))
+    assert r.code == 2 and "already holds a finished run" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert sorted(str(p) for p in done.rglob("*")) == before
