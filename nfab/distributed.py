@@ -35,7 +35,7 @@ def _rank_main(
     rank: int,
     world_size: int,
     port: int,
-    args: tuple[Any, ...],
+    args_blob: bytes,
     queue: Any,
     pg_timeout_s: float,
 ) -> None:
@@ -46,6 +46,7 @@ def _rank_main(
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
+        args = torch.load(io.BytesIO(args_blob), weights_only=False)
         result = fn(rank, world_size, *args)
         blob = io.BytesIO()
         torch.save(result, blob)  # by value: shared-memory tensors die with this process
@@ -71,10 +72,14 @@ def run_ranks(
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
+    # Arguments travel by value: tensors pickled by torch.multiprocessing would share one
+    # storage between all ranks, and in-place updates on one rank would leak into another.
+    blob = io.BytesIO()
+    torch.save(args, blob)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, queue, pg_timeout_s),
+            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s),
             daemon=True,
         )
         for rank in range(world_size)

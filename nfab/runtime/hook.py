@@ -90,7 +90,8 @@ class Runtime:
         self.plans: dict[tuple[int, ...], BucketPlan] = {}
         self.residuals: dict[str, torch.Tensor] = {}
         self.health = health_mod.HealthState()
-        self.generator = torch.Generator().manual_seed(seed * 1_000_003 + self.rank)
+        self.seed = seed
+        self.param_index = {n: i for i, n in enumerate(self.names.values())}
         self.step = 0
         self.history: list[StepStats] = []
         self.events: list[health_mod.HealthEvent] = []
@@ -112,14 +113,13 @@ class Runtime:
         return self.history[-1] if self.history else None
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: residuals, step, health, RNG state."""
+        """Everything needed to continue exactly: residuals, step and health (noise is seeded per step)."""
         self.step_stats()
         return {
             "version": 1,
             "step": self.step,
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "health": self.health.to_dict(),
-            "generator": self.generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -128,7 +128,6 @@ class Runtime:
         self.step = int(state["step"])
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self.health = health_mod.HealthState.from_dict(state["health"])
-        self.generator.set_state(state["generator"])
 
     # ---- the hook -------------------------------------------------------------------
     _saw_last = False
@@ -179,7 +178,7 @@ class Runtime:
             if red.needs_shared_scale:
                 shared = red.local_scale(x, group.lengths)
                 dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
-            enc = red.encode(x, group.lengths, w, shared, self.generator)
+            enc = red.encode(x, group.lengths, w, shared, self._noise(group) if red.needs_shared_scale else None)
             if use_ef and enc.local is not None:
                 self._stage_residuals(rec, group, x - enc.local)
             scale_cols = None
@@ -252,6 +251,15 @@ class Runtime:
     def _probe_step(self) -> bool:
         every = self.profile.health.probe_every
         return every > 0 and self.step % every == 0
+
+    def _noise(self, group: Group) -> list[torch.Generator]:
+        """One rounding-noise generator per slice, seeded by (seed, rank, step, parameter)."""
+        gens = []
+        for s in group.slices:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(hash((self.seed, self.rank, self.step, self.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
+            gens.append(g)
+        return gens
 
     def _add_residuals(self, x: torch.Tensor, group: Group) -> None:
         pos = 0

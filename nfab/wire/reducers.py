@@ -423,7 +423,7 @@ class QSum(Reducer):
             torch.div(x[start : start + n], s if s > 0 else 1.0, out=t[start : start + n])
             start += n
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
-        t.add_(torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype))
+        t.add_(_uniform_noise(t, lengths, generator))
         levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
         payload = pack(levels, self._layout)
         local = _decode_scaled(payload, self._layout, x.numel(), self.level_values(world_size, 1, x.device),
@@ -443,6 +443,22 @@ class QSum(Reducer):
         assert scale_mean is not None
         return _decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),
                               scale_mean, lengths)
+
+
+def _uniform_noise(
+    t: torch.Tensor, lengths: Sequence[int], generator: torch.Generator | Sequence[torch.Generator] | None
+) -> torch.Tensor:
+    """U[0,1) rounding noise: from one generator, or one generator per segment.
+
+    Per-segment generators (the runtime seeds one per parameter and step) make the noise
+    a parameter sees independent of which bucket, and which neighbours, it travels with —
+    so a resumed run, whose first step uses DDP's initial buckets, rounds exactly as the
+    uninterrupted run did with the rebuilt ones.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype)
+    parts = [torch.rand(n, generator=g, device=t.device, dtype=t.dtype) for n, g in zip(lengths, generator, strict=True)]
+    return torch.cat(parts) if parts else torch.empty_like(t)
 
 
 REDUCERS: dict[str, Reducer] = {

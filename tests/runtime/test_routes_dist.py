@@ -1,0 +1,181 @@
+"""Mixed buckets, non-finite gradients, capacity fallback and state round trips on real gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).parent))
+import twins  # noqa: E402
+
+import nfab  # noqa: E402
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.runtime.bindings import classify  # noqa: E402
+
+ROUTE = {"conv": "q4", "linear": "sign", "head": "q8", "norm": "fp32"}
+MIXED = {"norm": "fp32", "bias": "fp32", "small": "fp32", "conv": "sign", "linear": "sign",
+         "embedding": "sign", "head": "sign", "other": "sign"}
+
+
+def _local_grads(model: torch.nn.Module, x, y) -> dict[str, torch.Tensor]:
+    twin = copy.deepcopy(model)
+    twin.zero_grad(set_to_none=True)
+    twins.loss_fn(twin, x, y).backward()
+    return {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+
+
+def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool) -> dict:
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    regions = {n: b.region for n, b in classify(model).items()}
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
+    rt = nfab.attach(ddp, route=MIXED, error_feedback=error_feedback, cost_model=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    report = {"fp32_mismatch": [], "sign_mismatch": [], "replica_mismatch": [], "regions": regions, "stats": []}
+    for step in range(steps):
+        x, y = twins.batch(rank, step)
+        local = _local_grads(model, x, y)
+        opt.zero_grad()
+        twins.loss_fn(ddp, x, y).backward()
+        report["stats"].append(rt.step_stats())
+        for name, p in model.named_parameters():
+            if name not in local:
+                continue
+            g = local[name]
+            if MIXED[regions[name]] == "fp32":
+                ref = g * (1.0 / world_size)
+                dist.all_reduce(ref)
+                if world_size == 2 and not torch.equal(p.grad, ref):
+                    report["fp32_mismatch"].append(f"{step}:{name}")
+                elif not torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7):
+                    report["fp32_mismatch"].append(f"{step}:{name}")
+            elif not error_feedback or step == 0:
+                votes = (g >= 0).to(torch.int64)
+                dist.all_reduce(votes)
+                majority = torch.sign(2 * votes - world_size)
+                if not torch.equal(torch.sign(p.grad), majority.to(p.grad.dtype)):
+                    report["sign_mismatch"].append(f"{step}:{name}")
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        if not all(torch.equal(gathered[0], t) for t in gathered[1:]):
+            report["replica_mismatch"].append(step)
+    return report
+
+
+@pytest.mark.world_size(3)
+@pytest.mark.parametrize("world_size,error_feedback", [(2, True), (3, False)])
+def test_mixed_bucket_keeps_fp32_semantics_and_majority_signs(world_size, error_feedback):
+    res = run_ranks(_mixed, world_size, 6, error_feedback, timeout_s=180)
+    for r in res:
+        assert r["fp32_mismatch"] == []
+        assert r["sign_mismatch"] == []
+        assert r["replica_mismatch"] == []
+    stats = res[0]["stats"]
+    assert len(stats) == 6 and [s.step for s in stats] == list(range(6))
+    mix = stats[-1].route_mix
+    assert mix.get("fp32", 0) > 0 and mix.get("signgather", 0) + mix.get("signcount", 0) > 0.5
+    assert 0 < stats[-1].wire_bytes < stats[-1].fp32_wire_bytes / 4
+
+
+def _nonfinite(rank: int, world_size: int, bad_step: int) -> dict:
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
+    rt = nfab.attach(ddp, route="sign", cost_model=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    out = {"stats": [], "replicas_equal": True, "grads_zero_at_bad": None}
+    for step in range(bad_step + 4):
+        x, y = twins.batch(rank, step)
+        opt.zero_grad()
+        loss = twins.loss_fn(ddp, x, y)
+        if step == bad_step and rank == world_size - 1:
+            loss = loss * float("nan")
+        rt.observe_loss(loss)
+        loss.backward()
+        out["stats"].append(rt.step_stats())
+        if step == bad_step:
+            out["grads_zero_at_bad"] = all(bool((p.grad == 0).all()) for p in model.parameters() if p.grad is not None)
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        out["replicas_equal"] &= all(torch.equal(gathered[0], t) for t in gathered[1:])
+        out["finite"] = bool(torch.isfinite(flat).all())
+    out["events"] = [str(e) for e in rt.events]
+    return out
+
+
+@pytest.mark.world_size(3)
+def test_nonfinite_on_one_rank_is_skipped_identically_everywhere():
+    res = run_ranks(_nonfinite, 3, 3, timeout_s=120)
+    for r in res:
+        assert r["replicas_equal"] and r["finite"] and r["grads_zero_at_bad"]
+        bad = r["stats"][3]
+        assert bad.skipped and bad.fallback and "nonfinite" in bad.fallback_reason
+        assert not any(s.skipped for i, s in enumerate(r["stats"]) if i != 3)
+        assert r["events"] == res[0]["events"] and any("nonfinite" in e for e in r["events"])
+
+
+def _train(rank: int, world_size: int, steps: int, start_state: dict | None, stop_at: int | None,
+           route: object = ROUTE) -> dict:
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
+    rt = nfab.attach(ddp, route=route, cost_model=None) if route is not None else None
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    first = 0
+    if start_state is not None:
+        model.load_state_dict(start_state["model"])
+        opt.load_state_dict(start_state["opt"])
+        if rt:
+            rt.load_state_dict(start_state["hook"][rank])
+        first = start_state["step"]
+    for step in range(first, steps):
+        if stop_at is not None and step == stop_at:
+            states = [None] * world_size
+            dist.all_gather_object(states, rt.state_dict() if rt else None)
+            return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                    "hook": states, "step": step}
+        x, y = twins.batch(rank, step)
+        opt.zero_grad()
+        twins.loss_fn(ddp, x, y).backward()
+        opt.step()
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "residuals": sorted(rt.residuals) if rt else []}
+
+
+@pytest.mark.world_size(2)
+def test_state_dict_round_trip_continues_exactly():
+    straight = run_ranks(_train, 2, 8, None, None)
+    saved = run_ranks(_train, 2, 8, None, 4)[0]
+    resumed = run_ranks(_train, 2, 8, saved, None)
+    assert straight[0]["residuals"]  # error feedback was live
+    for r in range(2):
+        assert torch.equal(straight[r]["params"], resumed[r]["params"])
+
+
+def _capacity(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True)
+    rt = nfab.attach(ddp, route="q2", cost_model=None)
+    x, y = twins.batch(rank, 0)
+    twins.loss_fn(ddp, x, y).backward()
+    st = rt.step_stats()
+    return {"mix": st.route_mix, "fallback": st.fallback, "reason": st.fallback_reason}
+
+
+@pytest.mark.world_size(4)
+def test_route_over_capacity_falls_back_to_fp32_with_reason():
+    res = run_ranks(_capacity, 4, timeout_s=120)  # q2 lanes hold < 2 levels per rank at W=4
+    for r in res:
+        assert r["mix"] == {"fp32": 1.0}
+        assert r["fallback"] and r["reason"].startswith("capacity(")
