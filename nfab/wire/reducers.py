@@ -457,7 +457,8 @@ def _uniform_noise(
     """
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype)
-    parts = [torch.rand(n, generator=g, device=t.device, dtype=t.dtype) for n, g in zip(lengths, generator, strict=True)]
+    parts = [torch.rand(n, generator=g, device=t.device, dtype=t.dtype)
+             for n, g in zip(lengths, generator, strict=True)]
     return torch.cat(parts) if parts else torch.empty_like(t)
 
 

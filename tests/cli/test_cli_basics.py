@@ -1,0 +1,53 @@
+"""The CLI surface: help, version, inspect, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from nfab import __version__
+from nfab.cli.app import app
+
+runner = CliRunner()
+NFAB = str(Path(sys.executable).parent / "nfab")
+
+
+def test_help_lists_every_subcommand():
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0
+    for cmd in ("calibrate", "fit", "train", "report", "inspect", "bench"):
+        assert cmd in res.output
+
+
+def test_version():
+    res = subprocess.run([NFAB, "--version"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and __version__ in res.stdout
+
+
+def test_inspect_plans_a_billion_parameter_model_on_meta():
+    res = subprocess.run([NFAB, "inspect", "gpt", "--size", "1.3b", "--world-size", "64"],
+                         capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": ""})
+    assert res.returncode == 0, res.stderr
+    assert "1,315,819,520 parameters" in res.stdout
+    assert "signcount" in res.stdout and "fewer bytes" in res.stdout
+
+
+def test_inspect_mixed_route_keeps_norms_fp32():
+    res = runner.invoke(app, ["inspect", "resnet18", "--world-size", "4", "--route",
+                              "conv:sign,norm:fp32,bias:fp32", "width=16", "small_input=true", "num_classes=10"],
+                        env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    norm_row = next(line for line in res.output.splitlines() if line.strip().startswith("│ norm"))
+    assert "fp32" in norm_row
+
+
+def test_user_errors_are_one_line_and_exit_2():
+    for args in (["inspect", "nosuchmodel"], ["inspect", "gpt", "--size", "huge"],
+                 ["inspect", "gpt", "--profile", "/nonexistent/profile.json"]):
+        res = subprocess.run([NFAB, *args], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2, (args, res.stderr)
+        assert "Traceback" not in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
