@@ -24,7 +24,7 @@ def _params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _twin_fp32(rank: int, world_size: int, steps: int, bucket_cap_mb: float, as_view: bool) -> dict:
+def _twin_fp32(rank: int, world_size: int, steps: int, bucket_cap_mb: float, as_view: bool, accum: int) -> dict:
     torch.manual_seed(0)
     plain, ours = twins.Awkward(), twins.Awkward()
     ours.load_state_dict(plain.state_dict())
@@ -35,10 +35,15 @@ def _twin_fp32(rank: int, world_size: int, steps: int, bucket_cap_mb: float, as_
     opt_o = torch.optim.SGD(d_ours.parameters(), lr=0.1, momentum=0.9)
     mismatches = []
     for step in range(steps):
-        x, y = twins.batch(rank, step)
         for model, opt in ((d_plain, opt_p), (d_ours, opt_o)):
             opt.zero_grad()
-            twins.loss_fn(model, x, y).backward()
+            for micro in range(accum):  # gradient accumulation: no_sync on all but the last
+                x, y = twins.batch(rank, step * accum + micro)
+                if micro < accum - 1:
+                    with model.no_sync():
+                        twins.loss_fn(model, x, y).backward()
+                else:
+                    twins.loss_fn(model, x, y).backward()
         gp, go = _grads(plain), _grads(ours)
         mismatches += [f"{step}:{n}:{(gp[n] - go[n]).abs().max():.3g}" for n in gp if not torch.equal(gp[n], go[n])]
         opt_p.step()
@@ -47,9 +52,10 @@ def _twin_fp32(rank: int, world_size: int, steps: int, bucket_cap_mb: float, as_
 
 
 @pytest.mark.world_size(3)
-@pytest.mark.parametrize("world_size,bucket_cap_mb,as_view", [(2, 25.0, False), (3, 0.01, True), (3, 25.0, False)])
-def test_fp32_route_is_bit_identical_to_plain_ddp(world_size, bucket_cap_mb, as_view):
-    res = run_ranks(_twin_fp32, world_size, 12, bucket_cap_mb, as_view, timeout_s=180)
+@pytest.mark.parametrize("world_size,bucket_cap_mb,as_view,accum", [(2, 25.0, False, 1), (3, 0.01, True, 1),
+                                                                    (3, 25.0, False, 2)])
+def test_fp32_route_is_bit_identical_to_plain_ddp(world_size, bucket_cap_mb, as_view, accum):
+    res = run_ranks(_twin_fp32, world_size, 12, bucket_cap_mb, as_view, accum, timeout_s=180)
     for r in res:
         assert r["mismatches"] == [], "\n".join(r["mismatches"][:3])
     for r in res[1:]:
