@@ -90,12 +90,15 @@ class CalibrationConfig:
     eval_samples: int = 256
     """Held-out samples in the fixed batch that scores the trials."""
     seed: int = 0
+    threads: int = 1
+    """torch intra-op threads for the sweep (1: robust on a shared 2-core machine)."""
 
     def __post_init__(self) -> None:
         unknown = [r for r in self.routes if r not in ROUTES]
         if unknown:
             raise ConfigError(f"unknown route {unknown[0]!r}; routes are {', '.join(ROUTES)}")
-        for key in ("world_size", "batch_size", "steps", "phases", "trial_steps", "ef_steps", "eval_samples"):
+        for key in ("world_size", "batch_size", "steps", "phases", "trial_steps", "ef_steps", "eval_samples",
+                    "threads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"calibrate: {key} must be >= 1, got {getattr(self, key)}")
         if self.phases > self.steps:

@@ -102,6 +102,11 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b)) / (na * nb)
 
 
+def true_means(steps: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The exact mean gradient of each step (accumulated in fp64)."""
+    return [torch.stack(list(grads)).to(torch.float64).mean(0).to(torch.float32) for grads in steps]
+
+
 def measure(
     reducer: Reducer,
     steps: Sequence[Sequence[torch.Tensor]],
@@ -109,25 +114,27 @@ def measure(
     *,
     error_feedback: bool,
     seed: int = 0,
+    truths: Sequence[torch.Tensor] | None = None,
 ) -> Fidelity:
     """Replay consecutive steps (`steps[t][rank]` flat gradients) through `reducer`.
 
     With error feedback each rank carries e <- x + e - local from step to step, so the
     later steps show what EF recovers (or, for a biased codec, what it accumulates).
+    `truths` (the true mean per step, see `true_means`) saves recomputing them per route.
     """
+    truths = true_means(steps) if truths is None else truths
     world_size = len(steps[0])
     gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(world_size)]
     residuals: list[torch.Tensor | None] = [None] * world_size
     cos, rel, agree, secs = [], [], [], []
     sum_est = sum_true = None
-    for grads in steps:
+    for grads, true in zip(steps, truths, strict=True):
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
         t0 = time.perf_counter()
         est, locals_ = reduce_virtual(reducer, xs, lengths, gens)
         secs.append(time.perf_counter() - t0)
         if error_feedback and reducer.lossy:
             residuals = [x - loc if loc is not None else None for x, loc in zip(xs, locals_, strict=True)]
-        true = torch.stack(list(grads)).to(torch.float64).mean(0).to(torch.float32)
         cos.append(_cos(est, true))
         nt = float(torch.linalg.vector_norm(true))
         rel.append(float(torch.linalg.vector_norm(est - true)) / nt if nt > 0 else 0.0)

@@ -22,7 +22,7 @@ import torch
 from nfab import __version__
 from nfab.calibrate.config import CalibrationConfig
 from nfab.calibrate.fit import fit_profile
-from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, replay_reducer
+from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, replay_reducer, true_means
 from nfab.calibrate.table import read_table, write_table
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import checkpoint_grid, phase_points, run_reference, run_trial
@@ -52,7 +52,17 @@ def _noop(stage: str, done: int, total: int) -> None:
 
 def run_sweep(cfg: CalibrationConfig, progress: Progress | None = None, command: str = "") -> SweepResult:
     """Measure every (phase, region, route, EF) cell of the calibration table."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _sweep(cfg, progress, command)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(cfg: CalibrationConfig, progress: Progress | None, command: str) -> SweepResult:
     t0 = time.perf_counter()
+    cpu0 = time.process_time()
     progress = progress or _noop
     task = Task(cfg)
     w = cfg.world_size
@@ -90,13 +100,14 @@ def run_sweep(cfg: CalibrationConfig, progress: Progress | None = None, command:
         for region in task.regions.values():
             idx = task.region_index(region.name)
             steps_x = [[g.index_select(0, idx) for g in grads] for grads in base.captured]
+            truths = true_means(steps_x)
             fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))
             for route in cfg.all_routes:
                 reducer = replay_reducer(route, w)
                 wire = cheapest_wire(route, region.numel, w, len(region.lengths))
                 for ef in (False, True):
                     fid = NAN_FIDELITY if reducer is None else measure(
-                        reducer, steps_x, region.lengths, error_feedback=ef, seed=cfg.seed + step)
+                        reducer, steps_x, region.lengths, error_feedback=ef, seed=cfg.seed + step, truths=truths)
                     cells[(region.name, route, ef)] = {
                         "model": cfg.model, "dataset": cfg.dataset, "optimizer": cfg.optimizer.name,
                         "world_size": w, "phase": name, "phase_kind": kind, "step": step,
@@ -148,6 +159,7 @@ def run_sweep(cfg: CalibrationConfig, progress: Progress | None = None, command:
         "phases": [{"name": f"p{i}-{k}", "step": s, "kind": k} for i, (s, k) in enumerate(points)],
         "reference": {"loss": _finite(ref.loss), "grad_norm": _finite(ref.grad_norm), "lr": ref.lr},
         "seconds": round(time.perf_counter() - t0, 2),
+        "cpu_seconds": round(time.process_time() - cpu0, 2),
     }
     return SweepResult(rows, meta, time.perf_counter() - t0)
 

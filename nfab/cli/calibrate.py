@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -43,6 +42,18 @@ class SweepProgress:
         self._bar.update(task, completed=done, total=total)
 
 
+def _command_line(params: dict) -> str:
+    """The command as typed, rebuilt from the parsed parameters (recorded in the artifacts)."""
+    parts = ["nfab", "calibrate", params["model"]]
+    for key, value in params.items():
+        if key in ("model", "overrides") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, str(value)]
+    parts += list(params.get("overrides") or [])
+    return " ".join(shlex.quote(p) for p in parts)
+
+
 def profile_table(profile: Profile) -> Table:
     """Phases x region classes with the chosen route (EF marked), the profile's W range and health."""
     regions = [r for r in ("conv", "linear", "embedding", "head", "norm", "bias", "small", "other")
@@ -64,6 +75,7 @@ def profile_table(profile: Profile) -> Table:
 def register(app: typer.Typer) -> None:
     @app.command("calibrate")
     def calibrate(
+        ctx: typer.Context,
         model: Annotated[str, typer.Argument(metavar="MODEL", help="resnet18, vit, gpt or module.path:factory.",
                                              show_default=False)],
         overrides: Annotated[list[str] | None, typer.Argument(
@@ -102,7 +114,7 @@ def register(app: typer.Typer) -> None:
                 routes=tuple(r.strip() for r in routes.split(",") if r.strip()) if routes else None,
             )
             target = out if out is not None else Path("calibrations") / model.replace(":", "_").replace("/", "_")
-            command = "nfab " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+            command = _command_line(ctx.params)
             console.print(f"calibrating [bold]{cfg.model}[/] on {cfg.dataset}, W={cfg.world_size}, "
                           f"{cfg.steps} steps, {cfg.phases} phases, trials of {cfg.trial_steps} steps"
                           f"{' (quick)' if cfg.quick else ''}", highlight=False)

@@ -1,0 +1,100 @@
+"""`nfab calibrate` end to end on a tiny config, and `nfab fit`'s one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from nfab.calibrate import read_table
+from nfab.cli.app import app
+from nfab.profile.schema import Profile, file_sha256
+from nfab.report.artifacts import load_calibration
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cal") / "resnet18"
+    res = runner.invoke(app, ["calibrate", "resnet18", "--steps", "8", "--phases", "2", "--trial-steps", "2",
+                              "--routes", "fp32,q8,q2,sign", "--quick", "--out", str(out),
+                              "model.width=4", "ef_steps=2", "eval_samples=32", "batch_size=8"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_calibrate_writes_table_and_profile(calibrated: Path) -> None:
+    frame, meta = read_table(calibrated / "calibration.parquet")
+    assert {"model", "dataset", "world_size", "phase", "step", "region", "route", "error_feedback",
+            "bits_per_element", "cosine", "rel_error", "sign_agreement", "loss_delta", "wire_bytes",
+            "fp32_wire_bytes", "encode_decode_s", "capacity_ok"} <= set(frame.columns)
+    schema = pq.read_schema(calibrated / "calibration.parquet")
+    assert str(schema.field("world_size").type) == "int64" and str(schema.field("error_feedback").type) == "bool"
+    assert len(frame) == 2 * len(frame["region"].unique()) * 4 * 2  # phases x regions x routes x EF
+    q2 = frame[frame["route"] == "q2"]
+    assert not q2["capacity_ok"].any() and q2["cosine"].isna().all()  # over capacity at W=4
+    trials = frame[frame["loss_delta"].notna() & (frame["route"] != "fp32")]
+    assert set(trials["route"]) == {"q8", "sign"} and set(trials["error_feedback"]) == {False, True}
+    assert meta["world_size"] == 4 and meta["command"].startswith("nfab calibrate")
+    assert meta["model_options"]["width"] == 4 and len(meta["reference"]["loss"]) == 8
+    profile = Profile.load(calibrated / "profile.json")
+    assert profile.provenance["calibration_sha256"] == file_sha256(calibrated / "calibration.parquet")
+    assert profile.phases[0].start.fraction == 0.0
+    assert "q2" not in profile.routes_used()
+    # the report reads both files
+    cal = load_calibration(calibrated, "resnet18")
+    assert cal.table is not None and cal.profile is not None and cal.profile.model == "resnet18"
+
+
+def test_fit_refits_with_other_tolerances(calibrated: Path, tmp_path: Path) -> None:
+    out = tmp_path / "strict.json"
+    res = runner.invoke(app, ["fit", str(calibrated / "calibration.parquet"), "--tol-cosine", "1.5",
+                              "--tol-loss", "-1", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    p = Profile.load(out)
+    assert p.routes_used() == {"fp32"}
+    assert json.loads(out.read_text())["provenance"]["tol_cosine"] == 1.5
+
+
+def _one_line_error(args: list[str]) -> str:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in res.output, res.output
+    return lines[0]
+
+
+def test_fit_rejects_truncated_foreign_and_incomplete_tables(calibrated: Path, tmp_path: Path) -> None:
+    good = (calibrated / "calibration.parquet").read_bytes()
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good[: len(good) // 2])
+    assert "truncated or not Parquet" in _one_line_error(["fit", str(truncated)])
+    foreign = tmp_path / "foreign.parquet"
+    pd.DataFrame({"a": [1, 2], "b": ["x", "y"]}).to_parquet(foreign)
+    assert "not an nfab calibration table" in _one_line_error(["fit", str(foreign)])
+    partial = tmp_path / "partial.parquet"
+    pd.read_parquet(calibrated / "calibration.parquet").drop(columns=["loss_delta"]).to_parquet(partial)
+    assert "loss_delta" in _one_line_error(["fit", str(partial)])
+    assert "does not exist" in _one_line_error(["fit", str(tmp_path / "nope.parquet")])
+
+
+def test_fit_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    proc = subprocess.run([sys.executable, "-c", "from nfab.cli.app import main; main()", "fit", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "error" in proc.stderr
+
+
+def test_calibrate_bad_input_is_one_line() -> None:
+    assert "unknown model" in _one_line_error(["calibrate", "nosuchmodel", "--dataset", "digits"])
+    assert "unknown route" in _one_line_error(["calibrate", "resnet18", "--routes", "fp32,q3"])
+    assert "unknown option" in _one_line_error(["calibrate", "resnet18", "nosuchkey=1"])
