@@ -185,6 +185,8 @@ def make_config(model: str, *, dataset: str | None = None, overrides: dict[str, 
     A plain key is a config field, an optimizer field (`lr`, `momentum`, ...), else a model
     and/or data option (`image_size` goes to both builders when both take it).
     """
+    if model not in MODELS and ":" not in model:
+        raise ConfigError(f"unknown model {model!r}; choose one of {sorted(MODELS)} or give module.path:factory")
     base = dict(_DEFAULTS.get(model, {"dataset": None}))
     if dataset is not None and dataset != base.get("dataset"):
         base["data_options"] = {}

@@ -179,10 +179,17 @@ class Task:
 
     @torch.no_grad()
     def eval_loss(self) -> float:
-        self.model.eval()
+        """Loss on the fixed held-out batch, a function of the weights alone.
+
+        Normalisation uses the batch's own statistics (train mode, buffers restored): early
+        in training running statistics lag the weights, and a trial's score would measure
+        that lag instead of the route.
+        """
+        saved = [b.clone() for b in self.buffers]
         x, y = self.eval_batch
         loss = float(loss_fn(self.spec, self.model(x), y))
-        self.model.train()
+        for b, s in zip(self.buffers, saved, strict=True):
+            b.copy_(s)
         return loss
 
     def region_index(self, region: str) -> torch.Tensor:

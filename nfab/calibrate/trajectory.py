@@ -113,6 +113,7 @@ class TrialResult:
     """The end of a K-step continuation: held-out loss, training losses, captured gradients."""
 
     eval_loss: float
+    """Held-out loss averaged over the trial's last quarter of steps (at least the last one)."""
     train_loss: list[float]
     captured: list[list[torch.Tensor]] = field(default_factory=list)
     """Per-rank flat gradients of the first `capture` steps (the FP32 trial keeps them)."""
@@ -142,7 +143,9 @@ def run_trial(
     residuals: dict[str, list[torch.Tensor | None]] = {}
     index = {name: task.region_index(name) for name in routes}
     losses: list[float] = []
+    evals: list[float] = []
     captured: list[list[torch.Tensor]] = []
+    scored = max(1, steps // 4)
     for step in range(start, start + steps):
         grads, loss = task.rank_grads(step)
         losses.append(loss)
@@ -165,7 +168,9 @@ def run_trial(
                 residuals[region] = [x - loc if loc is not None else None for x, loc in zip(xs, locals_, strict=True)]
             mean.index_copy_(0, idx, est)
         task.apply(mean, step)
+        if step >= start + steps - scored:
+            evals.append(task.eval_loss())
         if tick:
             tick()
-    ev = task.eval_loss()
+    ev = sum(evals) / len(evals)
     return TrialResult(ev if math.isfinite(ev) else math.inf, losses, captured)
