@@ -1,18 +1,22 @@
-"""Atomic file writes: a temp file in the same folder, then rename.
+"""Atomic file writes: a temp file in the same folder, fsync, then rename.
 
-A crash mid-write leaves the previous file intact, never a half-written one.
+A crash mid-write leaves the previous file intact, never a half-written one. Every
+artifact nfab writes (profiles, tables, summaries, reports, benchmark JSON) goes
+through here.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call `write(tmp_path)`, then rename the temp file onto `path`."""
+    """Call `write(tmp_path)`, fsync it, then rename the temp file onto `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -20,6 +24,8 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     tmp_path = Path(tmp)
     try:
         write(tmp_path)
+        with open(tmp_path, "rb") as handle:
+            os.fsync(handle.fileno())
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
@@ -27,6 +33,16 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return path
 
 
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write bytes atomically."""
+    return atomic_write(path, lambda p: p.write_bytes(data))
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write text atomically."""
-    return atomic_write(path, lambda p: p.write_text(text))
+    """Write UTF-8 text atomically."""
+    return atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def atomic_write_json(path: str | Path, payload: Any) -> Path:
+    """Write JSON (indented, keys sorted) atomically."""
+    return atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")

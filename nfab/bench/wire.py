@@ -8,15 +8,13 @@ come from each reducer's `wire_bytes` (what a rank actually sends) at W = 2, 4, 
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from nfab.fsutil import atomic_write_json
+from nfab.wire.cost import best_time
 from nfab.wire.reducers import REDUCERS, Reducer, SignGather
 
 WORLD_SIZES: tuple[int, ...] = (2, 4, 8, 16)
@@ -40,16 +38,6 @@ class WireRow:
     copy_gbps: float
     ratio_to_copy: float
     numel: int
-
-
-def _best_time(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _encode_decode_fn(red: Reducer, x: torch.Tensor, world_size: int):
@@ -92,9 +80,9 @@ def bench_wire(numel: int = 1 << 22, reps: int = 5, seed: int = 0) -> list[WireR
         fp32 = REDUCERS["allreduce-fp32"]
         for key, red in REDUCERS.items():
             # time the copy right beside each reducer: drift on a shared machine cancels in the ratio
-            copy_gbps = gb / _best_time(lambda: dst.copy_(x), reps)
+            copy_gbps = gb / best_time(lambda: dst.copy_(x), reps)
             w_speed = SPEED_WORLD_SIZE if red.capacity(SPEED_WORLD_SIZE).ok else 2
-            ed_gbps = gb / _best_time(_encode_decode_fn(red, x, w_speed), reps)
+            ed_gbps = gb / best_time(_encode_decode_fn(red, x, w_speed), reps)
             for w in WORLD_SIZES:
                 ok, text = _capacity_text(red, w)
                 rows.append(WireRow(
@@ -114,23 +102,8 @@ def bench_wire(numel: int = 1 << 22, reps: int = 5, seed: int = 0) -> list[WireR
         torch.set_num_threads(threads)
 
 
-def write_json_atomic(path: str | Path, payload: object) -> None:
-    """Write JSON to a temp file in the same folder, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_rows(path: str | Path, rows: list[WireRow]) -> None:
-    write_json_atomic(path, [asdict(r) for r in rows])
+    atomic_write_json(path, [asdict(r) for r in rows])
 
 
 def _measure_rank(rank: int, world_size: int, large_numel: int) -> str:

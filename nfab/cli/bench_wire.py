@@ -20,7 +20,8 @@ def register(app: typer.Typer) -> None:
             "--cost", help="Also measure the cost model on 2 gloo ranks and save its JSON here.")] = None,
     ) -> None:
         """Encode+decode GB/s beside a plain copy (one core), and bits per element at W=2,4,8,16."""
-        from nfab.bench.wire import WORLD_SIZES, bench_wire, measure_cost, write_json_atomic, write_rows
+        from nfab.bench.wire import WORLD_SIZES, bench_wire, measure_cost, write_rows
+        from nfab.fsutil import atomic_write_json
 
         rows = bench_wire(numel)
         table = Table(title=f"nfab bench wire  (numel={numel:,}, one core)")
@@ -47,5 +48,5 @@ def register(app: typer.Typer) -> None:
             model = measure_cost(2)
             import json
 
-            write_json_atomic(cost, json.loads(model))
+            atomic_write_json(cost, json.loads(model))
             console.print(f"wrote {cost}")

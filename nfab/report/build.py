@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from nfab.errors import NfabError
-from nfab.report import atomic, plots
+from nfab.fsutil import atomic_write_bytes, atomic_write_text
+from nfab.report import plots
 from nfab.report.discover import discover
 from nfab.report.html import render_html
 from nfab.report.model import CalibrationView, Report
@@ -39,7 +40,7 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
             ("Cumulative wire traffic vs step", "wire_bytes.png", plots.wire_plot(inputs.runs)),
             ("Route mix over time, per run", "route_mix.png", plots.route_mix_plot(inputs.runs)),
         ):
-            written.append(atomic.write_bytes(out / name, png))
+            written.append(atomic_write_bytes(out / name, png))
             images.append((title, name))
     views = []
     for cal in inputs.calibrations:
@@ -47,15 +48,15 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
         heatmap = None
         if cal.profile is not None and len(table):
             heatmap = f"calibration_{_slug(cal.name)}.png"
-            written.append(atomic.write_bytes(out / heatmap,
+            written.append(atomic_write_bytes(out / heatmap,
                                               plots.calibration_heatmap(cal.name, table)))
         views.append(CalibrationView(name=cal.name, table=table, fitted=cal.profile is not None,
                                      heatmap=heatmap))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(
             {c: "Int64" for c in ("world_size", "steps", "fallback_steps")})  # 4, not 4.0
-        written.append(atomic.write_text(out / "summary.csv", csv.to_csv(index=False)))
+        written.append(atomic_write_text(out / "summary.csv", csv.to_csv(index=False)))
     report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views),
                     images=tuple(images))
-    written.append(atomic.write_text(out / "report.html", render_html(report)))
+    written.append(atomic_write_text(out / "report.html", render_html(report)))
     return replace(report, files=tuple(written))

@@ -89,8 +89,9 @@ def default_cost_model(world_size: int, bandwidth_bps: float = 1.25e9, latency_s
     return CostModel("unmeasured", world_size, link, link, {}, source="default")
 
 
-def _time_collective(fn, reps: int) -> float:
-    fn()  # warm-up (connection set-up, allocation)
+def best_time(fn, reps: int) -> float:
+    """Best of `reps` timed calls after one warm-up call (connection set-up, allocation)."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -106,7 +107,7 @@ def measure_codecs(world_size: int, numel: int = 1 << 18, reps: int = 3) -> dict
     for key, red in REDUCERS.items():
         if key == "allreduce-fp32" or not red.capacity(world_size).ok:
             continue
-        out[key] = _time_collective(lambda r=red: _encode_decode(r, x, world_size), reps) / numel
+        out[key] = best_time(lambda r=red: _encode_decode(r, x, world_size), reps) / numel
     return out
 
 
@@ -136,14 +137,14 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
     points: dict[str, list[tuple[float, float]]] = {"allreduce": [], "allgather": []}
     for n in (small_numel, large_numel):
         buf = torch.zeros(n)
-        t = _time_collective(lambda b=buf: dist.all_reduce(b, group=group), reps)
+        t = best_time(lambda b=buf: dist.all_reduce(b, group=group), reps)
         points["allreduce"].append((fp32.wire_bytes(n, w), t))
         nbytes = n * 4
         src = torch.zeros(nbytes, dtype=torch.uint8)
         dst = torch.empty(nbytes * w, dtype=torch.uint8)
         from nfab.wire.reducers import _all_gather_flat
 
-        t = _time_collective(lambda s=src, d=dst: _all_gather_flat(d, s, group=group), reps)
+        t = best_time(lambda s=src, d=dst: _all_gather_flat(d, s, group=group), reps)
         points["allgather"].append(((w - 1) * nbytes, t))
     codec = measure_codecs(w)
     keys = sorted(codec)

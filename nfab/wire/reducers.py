@@ -126,9 +126,15 @@ class Reducer(ABC):
     def launch(self, payload: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.futures.Future:
         """Start the one payload collective asynchronously; the future's value is the result."""
 
-    @abstractmethod
     def combine(self, payloads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """What the collective computes, for W virtual ranks in one process (replay)."""
+        """What the collective computes, for W virtual ranks in one process (replay).
+
+        The default is the SUM all-reduce, added in rank order; all-gather paths override.
+        """
+        out = payloads[0].clone()
+        for p in payloads[1:]:
+            out += p
+        return out
 
     @abstractmethod
     def decode(
@@ -244,12 +250,6 @@ class AllReduce(Reducer):
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
 
-    def combine(self, payloads):
-        out = payloads[0].clone()
-        for p in payloads[1:]:
-            out += p
-        return out
-
     def decode(self, reduced, scale_mean, numel, lengths, world_size):
         return reduced.to(torch.float32)
 
@@ -320,12 +320,6 @@ class SignCount(_SignReducer):
 
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
-
-    def combine(self, payloads):
-        out = payloads[0].clone()
-        for p in payloads[1:]:
-            out += p
-        return out
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size):
         return self._decode_containers(reduced, self.layout(world_size), scale_mean, numel, lengths, world_size)
@@ -432,12 +426,6 @@ class QSum(Reducer):
 
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
-
-    def combine(self, payloads):
-        out = payloads[0].clone()
-        for p in payloads[1:]:
-            out += p
-        return out
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size):
         assert scale_mean is not None
