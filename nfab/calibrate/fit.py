@@ -2,7 +2,8 @@
 
 Per phase and region class the fit takes the cheapest route (wire bits per element at
 the calibrated W) that is exact at W and whose fidelity and loss delta meet the
-tolerances; a route without a trial passes only on a very high cosine. Each phase
+tolerances (a trial's held-out and training loss deltas both within `tol_loss`: early in
+training one alone is noisy); a route without a trial passes only on a very high cosine. Each phase
 runs with one error-feedback setting: the one whose validated routes send fewer bytes
 (a tie keeps EF off). Health thresholds come from the reference run's own statistics.
 """
@@ -27,6 +28,8 @@ TOL_COSINE = 0.3
 """Default: a route's estimate must point within ~73 degrees of the true mean gradient."""
 TOL_LOSS = 0.02
 """Default: at most 2 % higher held-out loss than FP32 after a K-step trial."""
+MAX_REL_ERROR = 2.0
+"""A route whose error is more than twice the true gradient's norm is noise with a bias."""
 HIGH_COSINE = 0.99
 """A route with no trial passes only at or above this cosine (e.g. bf16 on a tiny region)."""
 MARGIN = 1.5
@@ -42,7 +45,8 @@ def _num(x: Any) -> float | None:
     return None if math.isnan(v) else v
 
 
-def _passes(row: pd.Series, tol_cosine: float, tol_loss: float, high_cosine: float) -> bool:
+def _passes(row: pd.Series, tol_cosine: float, tol_loss: float, high_cosine: float,
+            max_rel_error: float = MAX_REL_ERROR) -> bool:
     if row["route"] == "fp32":
         return True
     if not bool(row.get("capacity_ok", True)):
@@ -50,9 +54,13 @@ def _passes(row: pd.Series, tol_cosine: float, tol_loss: float, high_cosine: flo
     cos, delta = _num(row["cosine"]), _num(row["loss_delta"])
     if cos is None or cos < tol_cosine:
         return False
+    rel = _num(row.get("rel_error"))
+    if rel is not None and rel > max_rel_error:
+        return False
     if delta is None:
         return cos >= high_cosine
-    return delta <= tol_loss
+    train = _num(row.get("train_loss_delta"))  # the trial must not hurt the training loss either
+    return delta <= tol_loss and (train is None or train <= tol_loss)
 
 
 def _choose(rows: pd.DataFrame, tol_cosine: float, tol_loss: float, high_cosine: float) -> dict[str, Any]:

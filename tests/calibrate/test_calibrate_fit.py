@@ -103,3 +103,12 @@ def test_world_range() -> None:
 def test_missing_columns_are_one_error() -> None:
     with pytest.raises(NfabError, match="missing column"):
         fit_profile(table().drop(columns=["cosine"]))
+
+
+def test_a_trial_must_not_hurt_the_training_loss_either() -> None:
+    t = table()
+    t["train_loss_delta"] = math.nan
+    sel = (t["phase"] == "p0-start") & (t["route"] == "sign") & t["error_feedback"]
+    t.loc[sel, "train_loss_delta"] = 0.5  # held-out fine (0.01), training loss 50 % worse
+    p = fit_profile(t, tol_cosine=0.3, tol_loss=0.02)
+    assert p.phases[0].routes["conv"] == "q8"
