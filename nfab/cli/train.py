@@ -7,6 +7,7 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from nfab.cli.output import console, fail
 
@@ -67,7 +68,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = launch(cfg)
         except WorkerError as exc:
-            fail(str(exc), code=exc.code)
+            fail(escape(str(exc)), code=exc.code)  # torch errors hold [brackets] rich reads as markup
         s = result.summary
         if s is None:
             return

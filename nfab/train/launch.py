@@ -120,6 +120,11 @@ def torchrun_argv(cfg: TrainConfig, config_file: Path) -> list[str]:
             "--nproc-per-node", str(lc.nproc), "--max-restarts", str(lc.max_restarts), "--monitor-interval", "0.5"]
     if lc.rdzv_endpoint:
         argv += ["--rdzv-endpoint", lc.rdzv_endpoint, "--node-rank", str(lc.node_rank)]
+    elif not lc.rdzv_backend:
+        # One node: a c10d store on a free port. Each restart is a new rendezvous round with its
+        # own keys; the static backend reuses the first round's store, and a restarted rank
+        # could read a dead peer's address from it.
+        argv += ["--standalone"]
     if lc.rdzv_backend:
         argv += ["--rdzv-backend", lc.rdzv_backend]
     return argv + ["-m", "nfab.train.worker", str(config_file)]

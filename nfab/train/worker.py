@@ -7,8 +7,10 @@ shows to the user (`nfab-worker-error: rank R: ...`), with the traceback in the 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -35,13 +37,26 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def _init_process_group(device: torch.device) -> None:
+    """Join the group through torchrun's store, under a key prefix of its own per restart attempt.
+
+    torchrun keeps one store across restarts; without the prefix a restarted rank can read a
+    dead peer's gloo address from the first attempt and fail or hang connecting to it.
+    """
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore(
+        f"nfab/attempt{attempt}", store), rank=rank, world_size=world, timeout=timedelta(minutes=10))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
     try:
         data = json.loads(Path(args[0]).read_text())
         device = _device()
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+        _init_process_group(device)
         box = [data]
         dist.broadcast_object_list(box, src=0)  # every rank trains rank 0's config
         train(config_from_dict(box[0]), device)
