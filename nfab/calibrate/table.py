@@ -1,7 +1,7 @@
 """The calibration table (`calibration.parquet`): typed schema, atomic write, checked read.
 
 One row per (phase, region class, route, error feedback). The file's key-value metadata
-holds `nfab.meta`: a JSON object with the nfab version, the command, the sweep's
+holds `nfab.version`, `nfab.command` and `nfab.meta`: a JSON object with the nfab version, the command, the sweep's
 configuration and the FP32 reference run's statistics, so `nfab fit` can refit the
 profile (health thresholds included) from the file alone.
 """
@@ -63,7 +63,11 @@ FIT_NUMERIC: tuple[str, ...] = ("step", "phase_fraction", "bits_per_element", "c
 def write_table(path: str | Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
     """Write rows with the typed schema and `nfab.meta`, atomically (temp file + rename)."""
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    table = table.replace_schema_metadata({META_KEY: json.dumps(meta, allow_nan=False).encode()})
+    table = table.replace_schema_metadata({
+        META_KEY: json.dumps(meta, allow_nan=False).encode(),
+        b"nfab.version": str(meta.get("nfab_version", "")).encode(),
+        b"nfab.command": str(meta.get("command", "")).encode(),
+    })
     return atomic_write(path, lambda p: pq.write_table(table, p))
 
 

@@ -43,6 +43,7 @@ def test_calibrate_writes_table_and_profile(calibrated: Path) -> None:
     trials = frame[frame["loss_delta"].notna() & (frame["route"] != "fp32")]
     assert set(trials["route"]) == {"q8", "sign"} and set(trials["error_feedback"]) == {False, True}
     assert meta["world_size"] == 4 and meta["command"].startswith("nfab calibrate")
+    assert schema.metadata[b"nfab.command"].startswith(b"nfab calibrate resnet18")
     assert meta["model_options"]["width"] == 4 and len(meta["reference"]["loss"]) == 8
     profile = Profile.load(calibrated / "profile.json")
     assert profile.provenance["calibration_sha256"] == file_sha256(calibrated / "calibration.parquet")
