@@ -85,6 +85,7 @@ class Controller:
         self.explicit = explicit
         self.total_steps = total_steps
         self._cache: dict[tuple, BucketRoutes] = {}
+        self._lossy_cache: dict[tuple, frozenset[str]] = {}
         self.admitted: dict[str, list[str]] = {}
         self.capacity_notes: dict[str, str] = {}
         for route in sorted(profile.routes_used() | {"fp32"}):
@@ -112,6 +113,15 @@ class Controller:
             if fnmatchcase(s.name, glob):
                 return route
         return phase.route_for(s.region)
+
+    def lossy_regions(self, plan: BucketPlan, phase: Phase) -> frozenset[str]:
+        """Regions of a bucket whose profile route (before any fallback) is not fp32 (cached)."""
+        ck = ("lossy", plan.key, phase.name)
+        hit = self._lossy_cache.get(ck)
+        if hit is None:
+            hit = frozenset(s.region for s in plan.slices if self.wanted_route(phase, s) != "fp32")
+            self._lossy_cache[ck] = hit
+        return hit
 
     def _pick(self, route: str, numel: int, segments: int) -> str | None:
         keys = self.admitted.get(route, [])

@@ -6,9 +6,9 @@ Per bucket, in the hook body (DDP calls it in bucket order on every rank):
    state, so every rank launches the same collectives in the same order);
 2. encode each group (adding error-feedback residuals on lossy routes) and launch its
    one payload collective asynchronously; qsum first agrees a scale (MAX);
-3. launch the control word: an all-gather of [non-finite flag, local |g|^2, loss, has
-   loss, per-slice scales] — averaged in rank order, so bits match on every rank and in
-   the one-process replay;
+3. launch the control word: an all-gather of [non-finite flag, loss, has loss,
+   per-slice scales] — averaged in rank order, so bits match on every rank and in the
+   one-process replay (only buckets with a lossy group, and the step's first bucket);
 4. return a future whose callback decodes, writes every slice back to its own offset,
    and zeroes the bucket on all ranks if any rank saw a non-finite gradient.
 
@@ -41,7 +41,7 @@ from nfab.wire.reducers import REDUCERS, _all_gather_flat, allgather_factor, all
 
 log = logging.getLogger(__name__)
 
-_CTRL_HEAD = 4  # nonfinite, local |g|^2, loss, has_loss
+_CTRL_HEAD = 3  # nonfinite, loss, has_loss
 
 
 @dataclass(slots=True)
@@ -49,6 +49,7 @@ class _BucketRecord:
     """One bucket's bookkeeping for the current step (written by the hook and its callback)."""
 
     index: int
+    plan: BucketPlan
     routes: BucketRoutes
     elements: dict[str, int]
     wire_bytes: float
@@ -136,7 +137,8 @@ class Runtime:
         t0 = time.perf_counter()
         if self._saw_last:
             self._finish_step()
-        if not self._step_open:
+        carrier = not self._step_open  # the step's first bucket carries the loss
+        if carrier:
             self._begin_step()
         buffer = bucket.buffer()
         plan = self._plan(bucket, buffer)
@@ -144,77 +146,84 @@ class Runtime:
         routes = self.controller.routes(plan, phase, self.health.demoted())
         w = self.world_size
         use_ef = self.error_feedback and phase.error_feedback
-        rec = _BucketRecord(bucket.index(), routes, {}, 0.0,
-                            REDUCERS[FP32].wire_bytes(buffer.numel(), w))
+        probing = routes.has_lossy and not self._probed and self._probe_step()
+        rec = _BucketRecord(bucket.index(), plan, routes, {}, 0.0, REDUCERS[FP32].wire_bytes(buffer.numel(), w))
         self._records.append(rec)
         if bucket.is_last():
             self._saw_last = True
 
-        local_sq = float(torch.linalg.vector_norm(buffer)) ** 2
-        nonfinite = not math.isfinite(local_sq)
-        if nonfinite:
-            buffer.nan_to_num_(0.0, 0.0, 0.0)  # keep encoders sane; the bucket is zeroed later
-            local_sq = 0.0
-
         launched: list[tuple[Group, torch.futures.Future, list[int] | None, Any]] = []
         scales: list[torch.Tensor] = []
         probe_parts: list[torch.Tensor] = []
+        nonfinite = False
         for group in routes.groups:
             red = REDUCERS[group.key]
             rec.elements[group.label] = rec.elements.get(group.label, 0) + group.numel
             rec.wire_bytes += red.wire_bytes(group.numel, w, len(group.slices))
+            # a whole-bucket group works on the bucket itself: it is overwritten by the result
+            x = buffer if group.whole else _gather(buffer, group)
             if group.key == FP32:
-                x = buffer if group.whole else _gather(buffer, group)
                 self._flush_residuals(x, group, buffer if group.whole else None)
                 x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W)
                 launched.append((group, red.launch(x, w, self.group), None, None))
                 continue
-            x = _gather(buffer, group)
-            if group.lossy:
+            if probing:
                 probe_parts.append(x.clone())
-                if use_ef:
-                    self._add_residuals(x, group)
+            if use_ef and group.lossy:
+                self._add_residuals(x, group)
             shared = None
             if red.needs_shared_scale:
                 shared = red.local_scale(x, group.lengths)
+                nonfinite |= not bool(torch.isfinite(shared).all())
                 dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
             enc = red.encode(x, group.lengths, w, shared, self._noise(group) if red.needs_shared_scale else None)
             if use_ef and enc.local is not None:
                 self._stage_residuals(rec, group, x - enc.local)
             scale_cols = None
             if enc.scales is not None:
-                start = _CTRL_HEAD + sum(s.numel() for s in scales)
+                # a non-finite element makes its segment's scale non-finite: no extra pass
+                nonfinite |= not bool(torch.isfinite(enc.scales).all())
+                start = _CTRL_HEAD + sum(t.numel() for t in scales)
                 scale_cols = list(range(start, start + enc.scales.numel()))
                 scales.append(enc.scales)
             launched.append((group, red.launch(enc.payload, w, self.group), scale_cols, shared))
 
         probe_fut = None
-        if probe_parts and self._probe_step() and not self._probed:
+        if probe_parts:
             self._probed = True
-            probe = torch.cat(probe_parts).div_(w)
+            probe = torch.cat(probe_parts).mul_(1.0 / w)
             rec.probe_regions = frozenset(s.region for g in routes.groups if g.lossy for s in g.slices)
             rec.wire_bytes += allreduce_factor(w) * probe.numel() * 4
             probe_fut = REDUCERS[FP32].launch(probe, w, self.group)
 
-        loss = self._loss_local
-        ctrl = torch.cat([torch.tensor([float(nonfinite), local_sq, loss or 0.0, float(loss is not None)]), *scales])
-        gathered = torch.empty(w * ctrl.numel())
-        ctrl_fut = _all_gather_flat(gathered, ctrl, group=self.group, async_op=True).get_future()
-        rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
-
-        futs = [ctrl_fut] + [f for _, f, _, _ in launched] + ([probe_fut] if probe_fut is not None else [])
+        # The control word rides with every bucket that has a lossy group (its scales and
+        # a non-finite flag that decoding would otherwise hide) and with the step's first
+        # bucket (the loss). FP32-only buckets need none: a non-finite element on any rank
+        # shows in the reduced result itself, identically on every rank.
+        gathered = None
+        if routes.has_lossy or carrier:
+            loss = self._loss_local if carrier else None
+            head = torch.tensor([float(nonfinite), loss or 0.0, float(loss is not None)])
+            ctrl = torch.cat([head, *scales])
+            gathered = torch.empty(w * ctrl.numel())
+            launched_ctrl = _all_gather_flat(gathered, ctrl, group=self.group, async_op=True).get_future()
+            rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
+        futs = [f for _, f, _, _ in launched]
+        if gathered is not None:
+            futs.append(launched_ctrl)
+        if probe_fut is not None:
+            futs.append(probe_fut)
         rec.hook_time_s += time.perf_counter() - t0
 
         def finish(_: torch.futures.Future) -> torch.Tensor:
             t1 = time.perf_counter()
-            table = gathered.view(w, -1)
-            rec.nonfinite = bool(table[:, 0].sum() > 0)
-            has = table[:, 3] > 0
-            rec.loss = float(table[has, 2].sum() / has.sum()) if bool(has.any()) else None
-            if rec.nonfinite:
-                buffer.zero_()
-            else:
-                decoded_lossy = []
+            table = gathered.view(w, -1) if gathered is not None else None
+            if table is not None:
+                rec.nonfinite = bool(table[:, 0].sum() > 0)
+                has = table[:, 2] > 0
+                rec.loss = float(table[has, 1].sum() / has.sum()) if bool(has.any()) else None
+            decoded_lossy = []
+            if not rec.nonfinite:
                 for group, fut, cols, shared in launched:
                     reduced = fut.value()
                     if group.key == FP32:
@@ -225,14 +234,19 @@ class Runtime:
                     scale_mean = mean_of_ranks(table[:, cols]) if cols is not None else shared
                     out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
                     _scatter(buffer, group, out)
-                    if group.lossy:
+                    if probe_fut is not None and group.lossy:
                         decoded_lossy.append(out)
-                if probe_fut is not None and decoded_lossy:
-                    ref = probe_fut.value()
-                    est = torch.cat(decoded_lossy)
+            grad_sq = float(torch.linalg.vector_norm(buffer)) ** 2 if not rec.nonfinite else math.inf
+            if not math.isfinite(grad_sq):  # any rank's NaN/Inf: the same zeroed bucket everywhere
+                rec.nonfinite = True
+                buffer.zero_()
+                grad_sq = 0.0
+            else:
+                if decoded_lossy:
+                    est, ref = torch.cat(decoded_lossy), probe_fut.value()
                     rec.probe_cosine = float(torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30))
                 self.residuals.update(rec.pending_residuals)
-            rec.grad_sq = float(torch.linalg.vector_norm(buffer)) ** 2
+            rec.grad_sq = grad_sq
             rec.hook_time_s += time.perf_counter() - t1
             return buffer
 
@@ -314,10 +328,7 @@ class Runtime:
                 st.fidelity_cosine, probe_regions = r.probe_cosine, r.probe_regions
         st.grad_norm = math.sqrt(st.grad_norm)
         st.loss = next((r.loss for r in recs if r.loss is not None), None)
-        lossy = frozenset(
-            s.region for p in self.plans.values() for s in p.slices
-            if self.controller.wanted_route(phase, s) != "fp32"
-        )
+        lossy = frozenset().union(*(self.controller.lossy_regions(r.plan, phase) for r in recs))
         obs = health_mod.Observation(self.step, st.loss, st.grad_norm, st.skipped, st.fidelity_cosine, probe_regions)
         events = health_mod.update(self.health, self.profile.health, obs, lossy)
         if st.skipped:

@@ -121,42 +121,64 @@ def _encode_decode(red: Reducer, x: torch.Tensor, world_size: int) -> torch.Tens
     return red.decode(payload, scale, x.numel(), lengths, world_size)
 
 
-def _fit(small: tuple[float, float], large: tuple[float, float]) -> LinkCost:
-    (b1, t1), (b2, t2) = small, large
-    bw = (b2 - b1) / max(t2 - t1, 1e-9)
-    lat = max(t1 - b1 / bw, 1e-7)
-    return LinkCost(latency_s=lat, bandwidth_bps=bw)
+MIN_BANDWIDTH_BPS = 1e6  # 8 Mbit/s: anything slower is a measurement accident
+MAX_BANDWIDTH_BPS = 1e12
+MIN_LATENCY_S = 1e-6
+MAX_LATENCY_S = 0.1
 
 
-def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, reps: int = 3) -> CostModel:
-    """Measure the cost model on the live process group; all ranks get identical constants."""
+def median_time(fn, reps: int) -> float:
+    """Median of `reps` timed calls after one warm-up call (robust to a noisy neighbour)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def fit_link(points: list[tuple[float, float]]) -> LinkCost:
+    """Least-squares time = latency + bytes / bandwidth over (bytes, seconds) points, clamped.
+
+    Clamping keeps one noisy sample from claiming an infinite or negative bandwidth, which
+    would flip every routing decision.
+    """
+    n = len(points)
+    mb = sum(b for b, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    var = sum((b - mb) ** 2 for b, _ in points)
+    slope = sum((b - mb) * (t - mt) for b, t in points) / var if var > 0 else 0.0
+    slope = min(max(slope, 1.0 / MAX_BANDWIDTH_BPS), 1.0 / MIN_BANDWIDTH_BPS)
+    latency = min(max(mt - slope * mb, MIN_LATENCY_S), MAX_LATENCY_S)
+    return LinkCost(latency_s=latency, bandwidth_bps=1.0 / slope)
+
+
+def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, reps: int = 5) -> CostModel:
+    """Measure the cost model on the live process group; all ranks get identical constants.
+
+    Three sizes per collective, median of `reps` each, a least-squares line through them;
+    every rank then takes the slowest rank's timings (MAX) so all decide alike.
+    """
+    from nfab.wire.reducers import _all_gather_flat
+
     w = dist.get_world_size(group)
-    small_numel = 256
+    sizes = (256, large_numel // 8, large_numel)
     fp32 = REDUCERS["allreduce-fp32"]
-    gather = REDUCERS["signgather"]
-    points: dict[str, list[tuple[float, float]]] = {"allreduce": [], "allgather": []}
-    for n in (small_numel, large_numel):
+    timings: list[float] = []
+    for n in sizes:
         buf = torch.zeros(n)
-        t = best_time(lambda b=buf: dist.all_reduce(b, group=group), reps)
-        points["allreduce"].append((fp32.wire_bytes(n, w), t))
-        nbytes = n * 4
-        src = torch.zeros(nbytes, dtype=torch.uint8)
-        dst = torch.empty(nbytes * w, dtype=torch.uint8)
-        from nfab.wire.reducers import _all_gather_flat
-
-        t = best_time(lambda s=src, d=dst: _all_gather_flat(d, s, group=group), reps)
-        points["allgather"].append(((w - 1) * nbytes, t))
+        timings.append(median_time(lambda b=buf: dist.all_reduce(b, group=group), reps))
+    for n in sizes:
+        src = torch.zeros(n * 4, dtype=torch.uint8)
+        dst = torch.empty(n * 4 * w, dtype=torch.uint8)
+        timings.append(median_time(lambda s=src, d=dst: _all_gather_flat(d, s, group=group), reps))
     codec = measure_codecs(w)
     keys = sorted(codec)
-    # agree: every rank takes the slowest rank's numbers (MAX), so decisions match
-    vec = torch.tensor(
-        [points["allreduce"][0][1], points["allreduce"][1][1], points["allgather"][0][1], points["allgather"][1][1]]
-        + [codec[k] for k in keys],
-        dtype=torch.float64,
-    )
+    vec = torch.tensor(timings + [codec[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     v = vec.tolist()
-    ar = _fit((points["allreduce"][0][0], v[0]), (points["allreduce"][1][0], v[1]))
-    ag = _fit((points["allgather"][0][0], v[2]), (points["allgather"][1][0], v[3]))
-    del gather
-    return CostModel(dist.get_backend(group), w, ar, ag, dict(zip(keys, v[4:], strict=True)), source="measured")
+    k = len(sizes)
+    ar = fit_link([(fp32.wire_bytes(n, w), t) for n, t in zip(sizes, v[:k], strict=True)])
+    ag = fit_link([((w - 1) * n * 4.0, t) for n, t in zip(sizes, v[k : 2 * k], strict=True)])
+    return CostModel(dist.get_backend(group), w, ar, ag, dict(zip(keys, v[2 * k :], strict=True)), source="measured")
