@@ -116,17 +116,22 @@ def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]
     n = bits.numel()
     if bits.device.type == "cpu" and n:
         packed = np.packbits(bits.reshape(-1).contiguous().numpy(), bitorder="little")
-        out = np.empty(packed.size * 8, dtype=np.float32)
-        table = _unit_sign_table()
-        if len(list(lengths)) == 1:  # fold the one scale into the table: fl(+-1 * s) either way
-            table = (table.view(np.float32) * scales.reshape(-1)[0].item()).astype(np.float32).view("V32")
-            np.take(table, packed, mode="clip", out=out.view("V32"))
-            return torch.from_numpy(out)[:n]
-        np.take(table, packed, mode="clip", out=out.view("V32"))
-        local = torch.from_numpy(out)[:n]
-    else:
-        local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)
+        return sign_values_packed(packed, n, scales, lengths)
+    local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)
     return scale_segments_(local, scales, lengths)
+
+
+def sign_values_packed(packed: np.ndarray, n: int, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """`sign_values` from votes packed 1 bit per element (little-endian bit order), on CPU."""
+    lengths = list(lengths)
+    out = np.empty(packed.size * 8, dtype=np.float32)
+    table = _unit_sign_table()
+    if len(lengths) == 1:  # fold the one scale into the table: fl(+-1 * s) either way
+        table = (table.view(np.float32) * scales.reshape(-1)[0].item()).astype(np.float32).view("V32")
+        np.take(table, packed, mode="clip", out=out.view("V32"))
+        return torch.from_numpy(out)[:n]
+    np.take(table, packed, mode="clip", out=out.view("V32"))
+    return scale_segments_(torch.from_numpy(out)[:n], scales, lengths)
 
 
 def vote_table(world_size: int, vote: str, device: torch.device | None = None) -> torch.Tensor:

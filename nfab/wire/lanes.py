@@ -119,7 +119,7 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     """
     flat = values.reshape(-1)
     if _numpy_ok(flat) and flat.dtype in (torch.bool, torch.uint8):
-        fast = _pack_bytes_np(flat.contiguous().numpy().view(np.uint8), layout)
+        fast = _pack_bytes_np(flat.contiguous().numpy().view(np.uint8), layout, flat.dtype == torch.bool)
         if fast is not None:
             return torch.from_numpy(fast)
     n = flat.numel()
@@ -153,17 +153,25 @@ def unpack(containers: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Te
     return out[:numel]
 
 
-def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor) -> torch.Tensor:
+def decode_table(
+    containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`values[lane value]` for the first `numel` lanes: unpack and look up in one go (fp32).
 
     `values` is a float32 table of length max_value + 1 (e.g. count -> vote). The CPU path
     looks up whole groups of lanes per table entry; both paths return identical values.
+    With `out` (fp32, `numel` elements) the result is written there and `out` is returned.
     """
     m = containers.numel()
     if m == 0 or numel == 0:
+        if out is not None:
+            return out.zero_()
         return torch.zeros(numel, dtype=torch.float32, device=containers.device)
-    if _numpy_ok(containers) and values.numel() == layout.max_value + 1 and layout.lane_bits <= _TABLE_BITS:
-        out = np.empty(m * layout.lanes, dtype=np.float32)
+    direct = out is None or (_numpy_ok(out) and out.dtype == torch.float32 and out.is_contiguous())
+    if (_numpy_ok(containers) and direct and values.numel() == layout.max_value + 1
+            and layout.lane_bits <= _TABLE_BITS):
+        res = torch.empty(numel, dtype=torch.float32) if out is None else out
+        dst = res.view(-1).numpy()
         c = containers.contiguous().numpy()
         vals = values.detach().to(torch.float32).contiguous().numpy()
         b = layout.lane_bits
@@ -171,7 +179,9 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
             g = l1 - l0
             sub = max(d for d in range(1, g + 1) if g % d == 0 and d * b <= _TABLE_BITS)
             table = _value_table_np(vals, b, sub)
-            block = out[m * l0 : m * l1]
+            base = m * l0  # first element of this block
+            if base >= numel:
+                break
             if layout.container == torch.uint8:
                 idx = c
             else:
@@ -181,10 +191,20 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
                 for i in range(k):
                     np.bitwise_and(c >> ((l0 + i * sub) * b), chunk_mask, out=idx[:, i])
                 idx = idx.reshape(-1)
-            np.take(table, idx, mode="clip", out=block.view(table.dtype))
-        return torch.from_numpy(out[:numel])
+            items = idx.size  # each item covers `sub` consecutive elements from `base`
+            full = min(items, (numel - base) // sub)
+            if full:
+                np.take(table, idx[:full], mode="clip", out=dst[base : base + full * sub].view(table.dtype))
+            end = min(numel, base + items * sub)
+            if base + full * sub < end:  # a lookup that straddles `numel`
+                rest = np.take(table, idx[full : full + 1], mode="clip").view(np.float32)
+                dst[base + full * sub : end] = rest[: end - base - full * sub]
+        return res
     lanes = unpack(containers, layout, numel)
-    return values.to(torch.float32)[lanes.to(torch.int64)]
+    res = values.to(torch.float32)[lanes.to(torch.int64)]
+    if out is not None:
+        return out.copy_(res.view(out.shape))
+    return res
 
 
 @cache
@@ -228,10 +248,10 @@ def _bit_magic(lane_bits: int) -> tuple[int, int, int]:
     return magic, k, lsb
 
 
-def _pack_bytes_np(v: np.ndarray, layout: LaneLayout) -> np.ndarray | None:
+def _pack_bytes_np(v: np.ndarray, layout: LaneLayout, is_bool: bool = False) -> np.ndarray | None:
     """CPU fast path of `pack` for uint8/bool values; None when no fast path applies."""
     b, lanes = layout.lane_bits, layout.lanes
-    if layout.container != torch.uint8 and (b % 2 == 0 or b > 7 or int(v.max(initial=0)) > 1):
+    if layout.container != torch.uint8 and (b % 2 == 0 or b > 7 or (not is_bool and int(v.max(initial=0)) > 1)):
         return None  # int containers: only 0/1 votes at odd widths take the multiply path
     n = v.size
     m = layout.containers_for(n)
@@ -264,3 +284,208 @@ def _pack_bytes_np(v: np.ndarray, layout: LaneLayout) -> np.ndarray | None:
         field <<= np.uint64(l0 * b)
         out |= field
     return out.view(_NP_CONTAINER[torch.int64]).astype(_NP_CONTAINER[layout.container], copy=False)
+
+
+# ---- fused CPU sign encode ---------------------------------------------------------------
+_SIGN_CHUNK = 1 << 16  # x elements per pass of the fused sign encoder (chunk + scratch stay in L2)
+
+
+def sign_pack_supported(x: torch.Tensor, layout: LaneLayout) -> bool:
+    """Whether `sign_pack` has a fused CPU path for this input and layout."""
+    if not (_numpy_ok(x) and x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous()):
+        return False
+    if layout.container == torch.uint8:
+        return layout.lane_bits in (1, 2, 4, 8)
+    return layout.lane_bits % 2 == 1 and layout.lane_bits <= 7
+
+
+def sign_pack(
+    x: torch.Tensor, lengths: list[int], layout: LaneLayout, want_bits: bool = True
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+    """Fused sign encode on CPU: one chunked pass over `x` (fp32, 1-D, contiguous).
+
+    Per chunk it takes the votes (x >= 0: -0.0 votes positive, NaN negative, as
+    `codecs.sign_bits`), adds |x| to its segment's sum, and packs the votes into lanes
+    (the containers are exactly `pack(x >= 0, layout)`). Returns (containers, |x| sums per
+    segment as float64, the votes packed 1 bit per element little-endian or None). The sum
+    order is a pure function of (numel, lengths, layout), so every rank and every replay
+    gets the same bits. Requires `sign_pack_supported(x, layout)`.
+    """
+    xn = x.numpy()
+    xt = x
+    n = xn.size
+    b, lanes = layout.lane_bits, layout.lanes
+    m = layout.containers_for(n)
+    sums = np.zeros(len(lengths), dtype=np.float64)
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64)).tolist()
+    seg = [0]  # current segment (x is visited in increasing order)
+    absbuf = torch.empty(min(_SIGN_CHUNK, max(n, 1)), dtype=torch.float32)
+    vbuf = np.zeros(_SIGN_CHUNK + 8, dtype=np.uint8)
+    bits = np.empty(-(-n // 8), dtype=np.uint8) if want_bits else None
+
+    def votes(a: int, e: int) -> np.ndarray:
+        """0/1 votes of x[a:e] (e - a <= chunk), |x| summed per segment; a is a multiple of 8."""
+        ln = e - a
+        v = vbuf[:ln]
+        np.greater_equal(xn[a:e], np.float32(0), out=v.view(np.bool_))
+        i = a
+        while i < e:
+            while ends[seg[0]] <= i:
+                seg[0] += 1
+            j = min(e, ends[seg[0]])
+            part = absbuf[: j - i]
+            torch.abs(xt[i:j], out=part)
+            sums[seg[0]] += part.sum().item()
+            i = j
+        if bits is not None:
+            bits[a // 8 : a // 8 + -(-ln // 8)] = np.packbits(v, bitorder="little")
+        return v
+
+    if layout.container == torch.uint8:
+        out = np.empty(m, dtype=np.uint8)
+        for a in range(0, n, _SIGN_CHUNK):
+            e = min(a + _SIGN_CHUNK, n)
+            v = votes(a, e)
+            j0, ln = a // lanes, e - a
+            pad = -(-ln // lanes) * lanes
+            if b == 1:
+                if bits is not None:
+                    out[j0 : j0 + pad // 8] = bits[a // 8 : a // 8 + pad // 8]
+                else:
+                    out[j0 : j0 + pad // 8] = np.packbits(v, bitorder="little")
+                continue
+            vbuf[ln:pad] = 0
+            if b == 8:
+                out[j0 : j0 + pad] = vbuf[:pad]
+                continue
+            word, magic, shift = _BYTE_MAGIC[b]
+            prod = np.multiply(vbuf[:pad].view(word), word(magic), dtype=word)
+            out[j0 : j0 + pad // lanes] = prod.view(np.uint8)[shift // 8 :: np.dtype(word).itemsize]
+        containers = out
+    else:
+        magic, k, lsb = _bit_magic(b)
+        out = np.zeros(m, dtype=np.uint64)
+        cc = _SIGN_CHUNK // 8  # containers per chunk (a multiple of 8, so chunks start on bytes)
+        grid = np.zeros((cc, 8), dtype=np.uint8)
+        fld = np.empty(cc, dtype=np.uint64)
+        for l0, l1 in layout.blocks:
+            g = l1 - l0
+            for j0 in range(0, m, cc):
+                a = m * l0 + g * j0
+                if a >= n:
+                    break
+                e = min(a + g * min(cc, m - j0), n)
+                v = votes(a, e)
+                ln = e - a
+                rows = -(-ln // g)
+                if g == 8:
+                    vbuf[ln : rows * 8] = 0
+                    words = vbuf[: rows * 8].view(np.uint64)
+                else:
+                    vbuf[ln : rows * g] = 0
+                    grid[:rows, :g] = vbuf[: rows * g].reshape(rows, g)
+                    words = grid[:rows].reshape(-1).view(np.uint64)
+                f = fld[:rows]
+                np.multiply(words, np.uint64(magic), out=f)
+                np.right_shift(f, np.uint64(k), out=f)
+                np.bitwise_and(f, np.uint64(lsb), out=f)
+                if l0:
+                    np.left_shift(f, np.uint64(l0 * b), out=f)
+                dst = out[j0 : j0 + rows]
+                np.bitwise_or(dst, f, out=dst)
+        containers = out.view(_NP_CONTAINER[torch.int64]).astype(_NP_CONTAINER[layout.container], copy=False)
+    return torch.from_numpy(containers), sums, bits
+
+
+# ---- bit-sliced counting of W one-bit rows (all-gathered signs) -------------------------
+_PLANE_CHUNK = 1 << 16  # bytes of bit rows (8x as many elements) per lookup pass
+_PLANE_TABLE_BYTES = 1 << 18
+
+
+def _plane_group(planes: int) -> int:
+    """Elements per table lookup for `planes` count bits: the table stays <= 256 KiB."""
+    e = 8
+    while e > 1 and (1 << (e * planes)) * 4 * e > _PLANE_TABLE_BYTES:
+        e //= 2
+    return e
+
+
+def _plane_table_np(vals: np.ndarray, planes: int, e: int) -> np.ndarray:
+    """2**(e*planes) entries: key (plane p's e bits at bits e*p..) -> e fp32 values as one void item."""
+    key = (vals.tobytes(), -planes, e)
+    hit = _VALUE_TABLES.get(key)
+    if hit is not None:
+        return hit
+    keys = np.arange(1 << (e * planes), dtype=np.int64)
+    counts = np.zeros((keys.size, e), dtype=np.int64)
+    for i in range(e):
+        for p in range(planes):
+            counts[:, i] |= ((keys >> (e * p + i)) & 1) << p
+    t = np.ascontiguousarray(vals[counts]).view(f"V{4 * e}").reshape(-1)
+    if len(_VALUE_TABLES) > 64:
+        _VALUE_TABLES.clear()
+    _VALUE_TABLES[key] = t
+    return t
+
+
+def count_planes(rows: np.ndarray) -> list[np.ndarray]:
+    """Bit-sliced sum of W rows of packed bits (W, nbytes): planes[p] holds bit p of each count."""
+    planes: list[np.ndarray] = []
+    for r in range(rows.shape[0]):
+        carry = rows[r]
+        for p in range(len(planes)):
+            nxt = planes[p] & carry
+            planes[p] ^= carry
+            carry = nxt
+        if len(planes) < count_lane_bits(r + 1):
+            planes.append(carry.copy())  # a count of r + 1 rows needs one more bit
+    return planes
+
+
+def decode_bit_rows(rows: np.ndarray, numel: int, vals: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`vals[count]` per element, count = how many of the W packed 1-bit rows (W, nbytes) have it set.
+
+    `vals` has 2**count_lane_bits(W) float32 entries. The counts are never materialised:
+    the rows are added bit-sliced (a few byte-wise ops per 8 elements), and each table
+    lookup turns `e` elements' count bits into their `e` fp32 values at once.
+    """
+    if out is None:
+        out = np.empty(numel, dtype=np.float32)
+    if numel == 0:
+        return out
+    planes = count_planes(rows)
+    nb = len(planes)
+    e = _plane_group(nb)
+    table = _plane_table_np(vals, nb, e)
+    q = 8 // e  # lookups per byte
+    mask = np.uint8((1 << e) - 1)
+    full = numel // e  # lookups that lie wholly inside `numel`
+    nbytes = rows.shape[1]
+    idx = np.empty(_PLANE_CHUNK * q, dtype=np.intp)
+    tmp = np.empty(_PLANE_CHUNK, dtype=np.uint8)
+    for a in range(0, nbytes, _PLANE_CHUNK):
+        z = min(a + _PLANE_CHUNK, nbytes)
+        k = (z - a) * q
+        ix = idx[:k].reshape(z - a, q)
+        t = tmp[: z - a]
+        for s in range(q):
+            col = ix[:, s]
+            for p in range(nb):
+                if e == 8:
+                    src = planes[p][a:z]
+                else:
+                    np.right_shift(planes[p][a:z], np.uint8(s * e), out=t)
+                    np.bitwise_and(t, mask, out=t)
+                    src = t
+                if p == 0:
+                    col[...] = src
+                else:
+                    col |= src.astype(np.intp) << (e * p)
+        lo, hi = a * q, min(a * q + k, full)
+        if hi > lo:
+            np.take(table, idx[: hi - lo], mode="clip", out=out[lo * e : hi * e].view(table.dtype))
+        if lo <= full < a * q + k and full * e < numel:  # the last, partial lookup
+            start = max(full, lo)
+            rest = np.take(table, idx[start - lo : start - lo + 1], mode="clip").view(np.float32)
+            out[start * e : numel] = rest[: numel - start * e]
+    return out

@@ -17,14 +17,16 @@ sends 2(W-1)/W of its payload, all-gather sends (W-1)/W of W payloads.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from nfab.errors import CapacityError
 from nfab.wire import codecs
+from nfab.wire import lanes as _lanes
 from nfab.wire.lanes import LaneLayout, count_lane_bits, decode_table, layout_for, pack, unpack
 
 
@@ -40,19 +42,45 @@ class Capacity:
     reason: str = ""
 
 
-@dataclass(slots=True)
 class Encoded:
     """One rank's encoded contribution.
 
     `payload` goes into the reducer's collective; `scales` (one fp32 per segment, or
     None) are averaged across ranks; `local` is what this rank's contribution decodes
     to on its own, in gradient units (None for lossless paths) — error feedback keeps
-    `x - local` for the next step.
+    `x - local` for the next step. A reducer may hand `make_local` instead of `local`:
+    then `local` is computed on first use (from state the encoder kept, never from the
+    payload, which an in-place collective may overwrite), so paths without error
+    feedback never pay for it.
     """
 
-    payload: torch.Tensor
-    scales: torch.Tensor | None
-    local: torch.Tensor | None
+    __slots__ = ("payload", "scales", "_local", "_make_local")
+
+    def __init__(
+        self,
+        payload: torch.Tensor,
+        scales: torch.Tensor | None,
+        local: torch.Tensor | None = None,
+        make_local: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
+        self.payload = payload
+        self.scales = scales
+        self._local = local
+        self._make_local = make_local
+
+    @property
+    def local(self) -> torch.Tensor | None:
+        if self._local is None and self._make_local is not None:
+            self._local = self._make_local()
+            self._make_local = None
+        return self._local
+
+    @local.setter
+    def local(self, value: torch.Tensor | None) -> None:
+        self._local, self._make_local = value, None
+
+    def __repr__(self) -> str:
+        return f"Encoded(payload={self.payload!r}, scales={self.scales!r}, local={self.local!r})"
 
 
 def allreduce_factor(world_size: int) -> float:
@@ -144,8 +172,13 @@ class Reducer(ABC):
         numel: int,
         lengths: Sequence[int],
         world_size: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The mean gradient estimate (fp32, length `numel`) from the reduced payload."""
+        """The mean gradient estimate (fp32, length `numel`) from the reduced payload.
+
+        With `out` (fp32, `numel` elements, e.g. a slice of the DDP bucket) the estimate is
+        written there and `out` is returned; the values are the same either way.
+        """
 
     # ---- shared scales (qsum) -----------------------------------------------------
     def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
@@ -214,14 +247,21 @@ def _allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) ->
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _decode_scaled(containers, layout, numel, values, scales, lengths) -> torch.Tensor:
+def _decode_scaled(containers, layout, numel, values, scales, lengths, out=None) -> torch.Tensor:
     """Table decode times the per-segment scale; one segment folds the scale into the table.
 
     fl(value * scale) is the same number either way, so both branches give identical bits.
     """
     if len(lengths) == 1:
-        return decode_table(containers, layout, numel, values * scales.reshape(-1)[0])
-    return codecs.scale_segments_(decode_table(containers, layout, numel, values), scales, lengths)
+        return decode_table(containers, layout, numel, values * scales.reshape(-1)[0], out)
+    return codecs.scale_segments_(decode_table(containers, layout, numel, values, out), scales, lengths)
+
+
+def _into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """`value`, copied into `out` when one is given."""
+    if out is None:
+        return value
+    return out.copy_(value.view(out.shape))
 
 
 class AllReduce(Reducer):
@@ -250,8 +290,8 @@ class AllReduce(Reducer):
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
 
-    def decode(self, reduced, scale_mean, numel, lengths, world_size):
-        return reduced.to(torch.float32)
+    def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
+        return _into(out, reduced.to(torch.float32))
 
 
 class _SignReducer(Reducer):
@@ -263,11 +303,19 @@ class _SignReducer(Reducer):
         codecs.vote_table(2, vote)  # validate early
         self.vote = vote
 
-    def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int], layout: LaneLayout) -> Encoded:
+        """Votes packed into `layout`, per-segment mean |x|, and (lazily) this rank's ±scale values."""
+        lengths = list(lengths)
+        n = x.numel()
+        if n and _lanes.sign_pack_supported(x, layout):
+            gather = layout.lane_bits == 1  # the payload is the packed votes themselves
+            payload, sums, packed = _lanes.sign_pack(x, lengths, layout, want_bits=not gather)
+            scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1)).astype(np.float32))
+            bits = payload.numpy().copy() if gather else packed
+            return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
         bits = codecs.sign_bits(x)
         scales = codecs.segment_mean_abs(x, lengths)
-        local = codecs.sign_values(bits, scales, lengths)
-        return bits, scales, local
+        return Encoded(pack(bits, layout), scales, make_local=lambda: codecs.sign_values(bits, scales, lengths))
 
     def _vote_values(self, layout: LaneLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Vote per lane value, padded with 0 to the lane's range (sums above W never occur)."""
@@ -275,17 +323,17 @@ class _SignReducer(Reducer):
         table[: world_size + 1] = codecs.vote_table(world_size, self.vote, device)
         return table
 
-    def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size) -> torch.Tensor:
+    def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size, out=None):
         """Count lanes -> vote x mean scale, by table (one lookup per group of lanes on CPU)."""
         assert scale_mean is not None
         return _decode_scaled(containers, layout, numel, self._vote_values(layout, world_size, containers.device),
-                              scale_mean, lengths)
+                              scale_mean, lengths, out)
 
-    def _decode_counts(self, counts, scale_mean, lengths, world_size) -> torch.Tensor:
+    def _decode_counts(self, counts, scale_mean, lengths, world_size, out=None) -> torch.Tensor:
         table = codecs.vote_table(world_size, self.vote, counts.device)
-        out = table[counts.to(torch.int64)]
+        res = _into(out, table[counts.to(torch.int64)])
         assert scale_mean is not None
-        return codecs.scale_segments_(out, scale_mean, lengths)
+        return codecs.scale_segments_(res, scale_mean, lengths)
 
 
 class SignCount(_SignReducer):
@@ -315,14 +363,13 @@ class SignCount(_SignReducer):
                 + allgather_factor(world_size) * 4 * segments)
 
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
-        bits, scales, local = self._sign_encode(x, lengths)
-        return Encoded(pack(bits, self.layout(world_size)), scales, local)
+        return self._sign_encode(x, lengths, self.layout(world_size))
 
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
 
-    def decode(self, reduced, scale_mean, numel, lengths, world_size):
-        return self._decode_containers(reduced, self.layout(world_size), scale_mean, numel, lengths, world_size)
+    def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
+        return self._decode_containers(reduced, self.layout(world_size), scale_mean, numel, lengths, world_size, out)
 
 
 class SignGather(_SignReducer):
@@ -341,8 +388,7 @@ class SignGather(_SignReducer):
         return allgather_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
 
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
-        bits, scales, local = self._sign_encode(x, lengths)
-        return Encoded(pack(bits, self._layout), scales, local)
+        return self._sign_encode(x, lengths, self._layout)
 
     def launch(self, payload, world_size, group):
         out = torch.empty(world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
@@ -352,18 +398,29 @@ class SignGather(_SignReducer):
     def combine(self, payloads):
         return torch.cat(list(payloads))
 
-    def decode(self, reduced, scale_mean, numel, lengths, world_size):
+    def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
         rows = reduced.view(world_size, -1)
+        count_layout = layout_for(count_lane_bits(world_size))
+        if (_lanes._numpy_ok(reduced) and count_layout.lane_bits <= 4 and numel
+                and (out is None or (out.dtype == torch.float32 and out.is_contiguous() and _lanes._numpy_ok(out)))):
+            # bit-sliced counts, one table lookup per group of elements (vote x scale folded in)
+            assert scale_mean is not None
+            lengths = list(lengths)
+            vals = self._vote_values(count_layout, world_size, reduced.device)
+            if len(lengths) == 1:
+                vals = vals * scale_mean.reshape(-1)[0]
+            res = torch.empty(numel, dtype=torch.float32) if out is None else out
+            _lanes.decode_bit_rows(rows.contiguous().numpy(), numel, vals.numpy(), res.view(-1).numpy())
+            return res if len(lengths) == 1 else codecs.scale_segments_(res, scale_mean, lengths)
         small = world_size <= 255
         counts = torch.zeros(numel, dtype=torch.uint8 if small else torch.int32, device=reduced.device)
         for r in range(world_size):
             counts += unpack(rows[r], self._layout, numel)
-        count_layout = layout_for(count_lane_bits(world_size))
         if small and count_layout.container == torch.uint8:
             # re-lane the counts (one multiply per word) and decode a container per lookup
             return self._decode_containers(pack(counts, count_layout), count_layout, scale_mean, numel,
-                                           lengths, world_size)
-        return self._decode_counts(counts, scale_mean, lengths, world_size)
+                                           lengths, world_size, out)
+        return self._decode_counts(counts, scale_mean, lengths, world_size, out)
 
 
 class QSum(Reducer):
@@ -427,10 +484,10 @@ class QSum(Reducer):
     def launch(self, payload, world_size, group):
         return _allreduce_future(payload, group)
 
-    def decode(self, reduced, scale_mean, numel, lengths, world_size):
+    def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
         assert scale_mean is not None
         return _decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),
-                              scale_mean, lengths)
+                              scale_mean, lengths, out)
 
 
 def _uniform_noise(

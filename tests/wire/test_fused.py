@@ -1,0 +1,116 @@
+"""The fused CPU sign encoder, the bit-sliced signgather decode and `decode(out=)` match the plain paths."""
+
+import numpy as np
+import pytest
+import torch
+
+from nfab.wire import codecs
+from nfab.wire.lanes import count_lane_bits, decode_bit_rows, layout_for, pack, sign_pack, sign_pack_supported, unpack
+from nfab.wire.reducers import REDUCERS, Encoded
+
+SHAPES = [
+    (1, [1]),
+    (7, [7]),
+    (21, [10, 0, 11]),
+    (1001, [400, 601]),
+    (70_001, [3, 0, 69_990, 8]),  # crosses the chunk boundary, empty segment
+    (200_003, [200_003]),
+]
+
+
+def _x(numel, seed):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    if numel >= 8:
+        x[:6] = torch.tensor([0.0, -0.0, float("nan"), float("-inf"), float("inf"), -1e-30])
+    return x
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 16, 31, 64])
+@pytest.mark.parametrize("numel,lengths", SHAPES)
+def test_sign_pack_matches_pack_of_votes(world_size, numel, lengths):
+    layout = layout_for(count_lane_bits(world_size))
+    x = _x(numel, world_size + numel)
+    if not sign_pack_supported(x, layout):
+        pytest.skip("no fused path for this layout")
+    containers, sums, bits = sign_pack(x, lengths, layout)
+    votes = x >= 0
+    assert torch.equal(containers, pack(votes.long(), layout))  # the torch path
+    assert np.array_equal(bits, np.packbits(votes.numpy(), bitorder="little"))
+    expected = np.array([p.abs().double().sum().item() for p in torch.split(x, lengths)])
+    assert np.allclose(sums, expected, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", ["signcount", "signgather"])
+@pytest.mark.parametrize("world_size", [1, 2, 4, 5, 16])
+@pytest.mark.parametrize("numel,lengths", SHAPES)
+def test_sign_encode_local_is_lazy_and_exact(name, world_size, numel, lengths):
+    red = REDUCERS[name]
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    enc = red.encode(x, lengths, world_size)
+    assert enc._local is None  # nothing computed until asked for
+    payload = enc.payload.clone()
+    enc.payload.fill_(0)  # an in-place collective must not change this rank's own decode
+    assert torch.equal(enc.local, codecs.sign_values(x >= 0, enc.scales, lengths))
+    assert enc.local is enc.local
+    ref = codecs.segment_mean_abs(x, lengths)
+    assert torch.allclose(enc.scales, ref, rtol=1e-5)
+    layout = red.layout(world_size) if name == "signcount" else layout_for(1)
+    assert torch.equal(payload, pack(x >= 0, layout))
+
+
+def test_encoded_keeps_plain_local():
+    t = torch.ones(3)
+    enc = Encoded(t, None, t)
+    assert enc.local is t
+    assert Encoded(t, None).local is None
+
+
+@pytest.mark.parametrize("vote", ["majority", "mean"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 15, 16])
+@pytest.mark.parametrize("numel,lengths", [(1, [1]), (13, [13]), (1001, [400, 601]), (600_001, [600_000, 1])])
+def test_signgather_decode_matches_counted_votes(vote, world_size, numel, lengths):
+    from nfab.wire.reducers import SignGather
+
+    red = SignGather(vote)
+    g = torch.Generator().manual_seed(world_size * 31 + numel)
+    votes = [torch.randint(0, 2, (numel,), generator=g).bool() for _ in range(world_size)]
+    reduced = torch.cat([pack(v, layout_for(1)) for v in votes])
+    scales = torch.rand(len(lengths), generator=g) + 0.5
+    counts = torch.stack(votes).long().sum(0)
+    expected = codecs.vote_table(world_size, vote)[counts] * torch.repeat_interleave(scales, torch.tensor(lengths))
+    got = red.decode(reduced, scales, numel, lengths, world_size)
+    assert torch.equal(got, expected)
+    out = torch.full((numel,), 7.0)
+    assert red.decode(reduced, scales, numel, lengths, world_size, out=out) is out
+    assert torch.equal(out, expected)
+    layout = layout_for(count_lane_bits(world_size))
+    vals = torch.zeros(layout.max_value + 1)
+    vals[: world_size + 1] = codecs.vote_table(world_size, vote)
+    rows = reduced.view(world_size, -1).numpy()
+    assert np.array_equal(decode_bit_rows(rows, numel, vals.numpy()), vals[counts].numpy())
+
+
+@pytest.mark.parametrize("name", ["allreduce-fp32", "allreduce-bf16", "signcount", "signgather", "qsum-q4", "qsum-q2"])
+@pytest.mark.parametrize("numel,lengths", [(5, [5]), (1001, [400, 601]), (4099, [4099])])
+def test_decode_into_out_matches(name, numel, lengths):
+    red = REDUCERS[name]
+    w = 4 if red.capacity(4).ok else 2
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(w)]
+    shared = torch.stack([red.local_scale(x, lengths) for x in xs]).amax(0) if red.needs_shared_scale else None
+    encs = [red.encode(x, lengths, w, shared, torch.Generator().manual_seed(9)) for x in xs]
+    reduced = red.combine([e.payload for e in encs])
+    scale = shared if shared is not None else (
+        torch.stack([e.scales for e in encs]).mean(0) if encs[0].scales is not None else None)
+    ref = red.decode(reduced.clone(), scale, numel, lengths, w)
+    buf = torch.full((numel + 3,), 5.0)
+    out = buf[1 : 1 + numel]
+    assert red.decode(reduced.clone(), scale, numel, lengths, w, out=out) is out
+    assert torch.equal(out, ref)
+    assert buf[0] == 5.0 and torch.all(buf[1 + numel :] == 5.0)
+
+
+def test_unpack_still_matches_after_fused_pack():
+    layout = layout_for(3)
+    x = torch.randn(12345)
+    containers, _, _ = sign_pack(x, [12345], layout, want_bits=False)
+    assert torch.equal(unpack(containers, layout, 12345).bool(), x >= 0)
