@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 
 from nfab import __version__
@@ -193,7 +192,3 @@ def fit_file(table_path: str | Path, out: str | Path, *, tol_cosine: float | Non
         "calibration_file": str(table_path), "calibration_sha256": file_sha256(table_path)}, **kwargs)
     profile.save(out)
     return profile
-
-
-def load_frame(path: str | Path) -> pd.DataFrame:
-    return read_table(path)[0]
