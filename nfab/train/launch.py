@@ -178,6 +178,13 @@ def run_torchrun(argv: list[str], log_path: Path) -> tuple[int, int] | None:
         run(args)
         return None
     except ChildFailedError as exc:
+        # A rank that died silently (killed, os._exit) is the cause; peers then fail on
+        # closed connections, sometimes first. Prefer the silent one when the log shows it.
+        log = log_path.read_text(errors="replace")
+        loud = {int(r) for r in re.findall(rf"{re.escape(ERROR_MARK)}\[\d\] rank (\d+):", log)}
+        silent = sorted((r, f.exitcode) for r, f in exc.failures.items() if r not in loud)
+        if silent:
+            return silent[0]
         rank, first = exc.get_first_failure()
         return rank, first.exitcode
     finally:
