@@ -461,26 +461,30 @@ def decode_bit_rows(rows: np.ndarray, numel: int, vals: np.ndarray, out: np.ndar
     mask = np.uint8((1 << e) - 1)
     full = numel // e  # lookups that lie wholly inside `numel`
     nbytes = rows.shape[1]
-    idx = np.empty(_PLANE_CHUNK * q, dtype=np.intp)
-    tmp = np.empty(_PLANE_CHUNK, dtype=np.uint8)
+    kdt = np.uint8 if e * nb <= 8 else np.uint16  # keys never need more than 16 bits
+    idx = np.empty(_PLANE_CHUNK * q, dtype=kdt)
+    t8 = np.empty(_PLANE_CHUNK, dtype=np.uint8)
+    acc = np.empty(_PLANE_CHUNK, dtype=kdt)
+    wide = np.empty(_PLANE_CHUNK, dtype=kdt)
     for a in range(0, nbytes, _PLANE_CHUNK):
         z = min(a + _PLANE_CHUNK, nbytes)
         k = (z - a) * q
         ix = idx[:k].reshape(z - a, q)
-        t = tmp[: z - a]
+        t, ac, wd = t8[: z - a], acc[: z - a], wide[: z - a]
         for s in range(q):
-            col = ix[:, s]
+            if e == 8:
+                ix[:, 0] = planes[0][a:z]
+                continue
             for p in range(nb):
-                if e == 8:
-                    src = planes[p][a:z]
-                else:
-                    np.right_shift(planes[p][a:z], np.uint8(s * e), out=t)
-                    np.bitwise_and(t, mask, out=t)
-                    src = t
+                np.right_shift(planes[p][a:z], np.uint8(s * e), out=t)
+                np.bitwise_and(t, mask, out=t)
                 if p == 0:
-                    col[...] = src
+                    np.copyto(ac, t)
                 else:
-                    col |= src.astype(np.intp) << (e * p)
+                    np.copyto(wd, t)
+                    np.left_shift(wd, kdt(e * p), out=wd)
+                    np.bitwise_or(ac, wd, out=ac)
+            ix[:, s] = ac
         lo, hi = a * q, min(a * q + k, full)
         if hi > lo:
             np.take(table, idx[: hi - lo], mode="clip", out=out[lo * e : hi * e].view(table.dtype))
