@@ -305,11 +305,12 @@ def sign_pack(
     """Fused sign encode on CPU: one chunked pass over `x` (fp32, 1-D, contiguous).
 
     Per chunk it takes the votes (x >= 0: -0.0 votes positive, NaN negative, as
-    `codecs.sign_bits`), adds |x| to its segment's sum, and packs the votes into lanes
+    `codecs.sign_bits`) and packs them into lanes
     (the containers are exactly `pack(x >= 0, layout)`). Returns (containers, |x| sums per
-    segment as float64, the votes packed 1 bit per element little-endian or None). The sum
-    order is a pure function of (numel, lengths, layout), so every rank and every replay
-    gets the same bits. Requires `sign_pack_supported(x, layout)`.
+    segment as float64, the votes packed 1 bit per element little-endian or None). A
+    segment's |x| sum depends only on its own elements, never on its neighbours or its
+    offset, so every rank, every replay and every bucket layout gets the same bits.
+    Requires `sign_pack_supported(x, layout)`.
     """
     xn = x.numpy()
     xt = x
@@ -318,25 +319,26 @@ def sign_pack(
     m = layout.containers_for(n)
     sums = np.zeros(len(lengths), dtype=np.float64)
     ends = np.cumsum(np.asarray(lengths, dtype=np.int64)).tolist()
-    seg = [0]  # current segment (x is visited in increasing order)
     absbuf = torch.empty(min(_SIGN_CHUNK, max(n, 1)), dtype=torch.float32)
+    # |x| per segment in chunks counted from the segment's own start: a parameter's scale
+    # must not depend on where DDP put it in a bucket (the first iteration after a resume
+    # uses DDP's initial layout, later ones the rebuilt layout).
+    start = 0
+    for si, end in enumerate(ends):
+        for i in range(start, end, _SIGN_CHUNK):
+            j = min(i + _SIGN_CHUNK, end)
+            part = absbuf[: j - i]
+            torch.abs(xt[i:j], out=part)
+            sums[si] += part.sum().item()
+        start = end
     vbuf = np.zeros(_SIGN_CHUNK + 8, dtype=np.uint8)
     bits = np.empty(-(-n // 8), dtype=np.uint8) if want_bits else None
 
     def votes(a: int, e: int) -> np.ndarray:
-        """0/1 votes of x[a:e] (e - a <= chunk), |x| summed per segment; a is a multiple of 8."""
+        """0/1 votes of x[a:e] (e - a <= chunk); a is a multiple of 8."""
         ln = e - a
         v = vbuf[:ln]
         np.greater_equal(xn[a:e], np.float32(0), out=v.view(np.bool_))
-        i = a
-        while i < e:
-            while ends[seg[0]] <= i:
-                seg[0] += 1
-            j = min(e, ends[seg[0]])
-            part = absbuf[: j - i]
-            torch.abs(xt[i:j], out=part)
-            sums[seg[0]] += part.sum().item()
-            i = j
         if bits is not None:
             bits[a // 8 : a // 8 + -(-ln // 8)] = np.packbits(v, bitorder="little")
         return v

@@ -72,19 +72,6 @@ def final_model(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / latest / "state.pt", weights_only=True)["model"]
 
 
-def exact_or_known_runtime_drift(resumed: list[float], reference: list[float]) -> None:
-    """Resumed losses must equal the uninterrupted run's exactly.
-
-    Since runtime commit 959d595 (whole-bucket groups encoded in place) the first sign step
-    of a fresh process differs by one float32 ulp from the same step of an uninterrupted run
-    (reported to the runtime owner); until that is fixed this is an expected failure.
-    """
-    if resumed != reference:
-        close = all(abs(x - y) <= 1e-6 * max(1.0, abs(y)) for x, y in zip(resumed, reference, strict=True))
-        assert close, (resumed, reference)
-        pytest.xfail("runtime: a resumed sign run drifts by 1 float32 ulp from an uninterrupted one")
-
-
 def check_artifacts(run_dir: Path, steps: int, lm: bool) -> tuple[dict, object]:
     m = metrics(run_dir)
     assert list(m.columns) == list(COLUMNS)
@@ -131,14 +118,14 @@ def test_crash_then_resume_matches_uninterrupted(runs) -> None:
     assert metrics(out)["step"].tolist() == list(range(8))
     a, b = final_model(out), final_model(reference)
     assert a.keys() == b.keys()
-    exact_or_known_runtime_drift(metrics(out)["loss"].tolist(), metrics(reference)["loss"].tolist())
+    assert metrics(out)["loss"].tolist() == metrics(reference)["loss"].tolist()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_torchrun_restart_loses_and_repeats_no_step(runs) -> None:
     m = metrics(ok(runs, "gpt-restart"))
     assert m["step"].tolist() == list(range(8))
-    exact_or_known_runtime_drift(m["loss"].tolist(), metrics(ok(runs, "gpt-sign"))["loss"].tolist())
+    assert m["loss"].tolist() == metrics(ok(runs, "gpt-sign"))["loss"].tolist()
 
 
 def test_two_nodes_on_one_machine_match_one_node(runs) -> None:
