@@ -26,11 +26,18 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         write(tmp_path)
         with open(tmp_path, "rb") as handle:
             os.fsync(handle.fileno())
+        os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp makes 0600; artifacts are for everyone
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
