@@ -232,8 +232,11 @@ class Runtime:
                         continue
                     red = REDUCERS[group.key]
                     scale_mean = mean_of_ranks(table[:, cols]) if cols is not None else shared
-                    out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
-                    _scatter(buffer, group, out)
+                    if group.whole:  # decode straight into the bucket: no temporary, no copy
+                        out = red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=buffer)
+                    else:
+                        out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
+                        _scatter(buffer, group, out)
                     if probe_fut is not None and group.lossy:
                         decoded_lossy.append(out)
             grad_sq = float(torch.linalg.vector_norm(buffer)) ** 2 if not rec.nonfinite else math.inf
