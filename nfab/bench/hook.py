@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from nfab.bench import step as step_mod
 from nfab.bench.step import BenchConfig, Run
-from nfab.wire.reducers import _all_gather_flat
+from nfab.wire.reducers import all_gather_flat
 
 HOOK_VARIANTS: tuple[str, ...] = ("plain", "allreduce-hook", "nfab-fp32", "nfab-sign", "fp16")
 """`allreduce-hook` (PyTorch's Python allreduce hook) separates the cost of any Python hook
@@ -85,12 +85,12 @@ def breakdown(run: Run, rounds: int = 20) -> dict[str, Any]:
 
     def ctrl_allgather() -> None:
         for _ in bufs:
-            _all_gather_flat(gathered, ctrl, async_op=True).wait()
+            all_gather_flat(gathered, ctrl, async_op=True).wait()
 
     def both() -> None:
         for b in bufs:
             a = dist.all_reduce(b, async_op=True)
-            c = _all_gather_flat(gathered, ctrl, async_op=True)
+            c = all_gather_flat(gathered, ctrl, async_op=True)
             a.wait()
             c.wait()
 

@@ -37,7 +37,7 @@ from nfab.runtime.controller import FP32, BucketRoutes, Controller, Group
 from nfab.runtime.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
-from nfab.wire.reducers import REDUCERS, _all_gather_flat, allgather_factor, allreduce_factor, mean_of_ranks
+from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor, mean_of_ranks
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class Runtime:
             head = torch.tensor([float(nonfinite), loss or 0.0, float(loss is not None)])
             ctrl = torch.cat([head, *scales])
             gathered = torch.empty(w * ctrl.numel())
-            launched_ctrl = _all_gather_flat(gathered, ctrl, group=self.group, async_op=True).get_future()
+            launched_ctrl = all_gather_flat(gathered, ctrl, group=self.group, async_op=True).get_future()
             rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
         futs = [f for _, f, _, _ in launched]
         if gathered is not None:
@@ -215,7 +215,8 @@ class Runtime:
             futs.append(probe_fut)
         rec.hook_time_s += time.perf_counter() - t0
 
-        def finish(_: torch.futures.Future) -> torch.Tensor:
+        def finish(done: torch.futures.Future) -> torch.Tensor:
+            done.value()  # a failed collective (e.g. a peer timed out) raises its own error before results are read
             t1 = time.perf_counter()
             table = gathered.view(w, -1) if gathered is not None else None
             if table is not None:

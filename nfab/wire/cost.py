@@ -160,7 +160,7 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
     Three sizes per collective, median of `reps` each, a least-squares line through them;
     every rank then takes the slowest rank's timings (MAX) so all decide alike.
     """
-    from nfab.wire.reducers import _all_gather_flat
+    from nfab.wire.reducers import all_gather_flat
 
     w = dist.get_world_size(group)
     sizes = (256, large_numel // 8, large_numel)
@@ -172,7 +172,7 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
     for n in sizes:
         src = torch.zeros(n * 4, dtype=torch.uint8)
         dst = torch.empty(n * 4 * w, dtype=torch.uint8)
-        timings.append(median_time(lambda s=src, d=dst: _all_gather_flat(d, s, group=group), reps))
+        timings.append(median_time(lambda s=src, d=dst: all_gather_flat(d, s, group=group), reps))
     codec = measure_codecs(w)
     keys = sorted(codec)
     vec = torch.tensor(timings + [codec[k] for k in keys], dtype=torch.float64)
