@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from nfab.cli.output import console, fail
+from nfab.cli.output import console, err_console, fail
 
 
 def _flags(**values: object) -> list[str]:
@@ -20,6 +20,11 @@ def _flags(**values: object) -> list[str]:
             continue
         out.append(f"{key}={'true' if value is True else value}")
     return out
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr: a safe fallback the user should know about (not markup)."""
+    err_console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -66,12 +71,14 @@ def register(app: typer.Typer) -> None:
         cfg = resolve_config(config, extra, flags)
         cfg.command = shlex.join(["nfab", *sys.argv[1:]])
         try:
-            result = launch(cfg)
+            result = launch(cfg, warn=warn)
         except WorkerError as exc:
             fail(escape(str(exc)), code=exc.code)  # torch errors hold [brackets] rich reads as markup
         s = result.summary
         if s is None:
             return
+        if s.get("replicas_identical") is False:
+            warn(f"{result.run_dir}: the ranks' parameters differ at the end of the run (replicas_identical: false)")
         ev = s.get("final_eval", {})
         parts = [f"{s['steps']} steps", f"{s['wall_time_s']:.1f} s", f"eval loss {ev.get('loss', float('nan')):.4f}"]
         if "accuracy" in ev:

@@ -262,9 +262,16 @@ class Profile:
         """Read and validate a profile; every problem is one clear `ProfileError` line."""
         p = Path(path)
         try:
-            text = p.read_text()
+            raw = p.read_bytes()
         except OSError as exc:
             raise ProfileError(f"cannot read profile {p}: {exc.strerror or exc}") from exc
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:  # never unpickled or loaded as anything but JSON
+            kind = "a pickle" if raw[:1] == b"\x80" else "binary data"
+            raise ProfileError(f"profile {p} is {kind}, not JSON: profiles are JSON only, never pickles") from exc
+        if text.lstrip()[:1] not in ("{", "["):
+            raise ProfileError(f"profile {p} is not a JSON object (profiles are JSON only, never pickles)")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

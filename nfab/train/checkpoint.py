@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,29 @@ def latest(run_dir: str | Path) -> Path | None:
     return path if (path / "state.pt").is_file() else None
 
 
+def read(path: str | Path, mmap: bool = False) -> Any:
+    """`torch.load(weights_only=True)` of one checkpoint file; an unreadable one is one NfabError line."""
+    try:
+        return torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - pickle, zip and OS errors all mean "not a checkpoint we can read"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise NfabError(f"checkpoint file {path} cannot be read ({first})") from exc
+
+
+def check_model_state(state: Mapping[str, Any], module: torch.nn.Module, where: str | Path) -> None:
+    """Refuse a checkpoint whose model state does not fit `module` (names and shapes), in one line."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    reshaped = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or reshaped:
+        example = (missing or unexpected or reshaped)[0]
+        raise NfabError(
+            f"checkpoint {where} was written for another model ({len(missing)} tensors missing, "
+            f"{len(unexpected)} unexpected, {len(reshaped)} of another shape, e.g. {example!r}); "
+            "resume with the run's own model, or start a new run dir")
+
+
 def save(run_dir: str | Path, step: int, state: dict[str, Any] | None, rank_state: dict[str, Any]) -> Path | None:
     """Collective: gather every rank's `rank_state`; rank 0 writes `state` and all of them."""
     world = dist.get_world_size()
@@ -71,7 +95,8 @@ def save(run_dir: str | Path, step: int, state: dict[str, Any] | None, rank_stat
     root = Path(run_dir) / CHECKPOINT_DIR
     name = f"step-{step:06d}"
     final, tmp = root / name, root / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in root.glob(".step-*.tmp"):  # left by a save that was killed (only rank 0 writes here)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     torch.save(state, tmp / "state.pt")
     for r, rs in enumerate(gathered):
@@ -97,8 +122,11 @@ def load(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
             if len(files) != world:
                 error = f"checkpoint {path} was written by {len(files)} ranks; this run has {world}"
             else:
-                box = [torch.load(path / "state.pt", weights_only=True)]
-                per_rank = [torch.load(path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+                try:
+                    box = [read(path / "state.pt")]
+                    per_rank = [read(path / f"rank{r}.pt") for r in range(world)]
+                except NfabError as exc:  # said on every rank, never a peer left waiting
+                    error = str(exc)
         box = [{"error": error}] if error else box
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:

@@ -150,6 +150,8 @@ class LaunchConfig:
     """torchrun rendezvous backend (None: torchrun's default, `static`)."""
     max_restarts: int = 0
     """torchrun restarts after a worker failure; each resumes from the last checkpoint."""
+    timeout_s: float = 300.0
+    """Process-group timeout in seconds: a collective whose peer never arrives fails after this."""
 
     def __post_init__(self) -> None:
         _positive("launch.nproc", self.nproc)
@@ -158,6 +160,8 @@ class LaunchConfig:
             raise ConfigError(f"launch.node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.max_restarts < 0:
             raise ConfigError(f"launch.max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"launch.timeout_s must be > 0, got {self.timeout_s}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ConfigError("a multi-node run needs --rdzv-endpoint HOST:PORT")
 

@@ -10,12 +10,14 @@ torchrun's own output kept in `RUN_DIR/logs/node{N}.log`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from nfab.errors import ConfigError, NfabError
 from nfab.fsutil import atomic_write_text
 from nfab.models import build_model, model_signature
 from nfab.profile.schema import Profile
+from nfab.runtime.controller import candidates
 from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig, load_config
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
@@ -35,6 +38,8 @@ from nfab.wire.cost import CostModel
 CONFIG_FILE = "config.json"
 LOG_DIR = "logs"
 _NOT_PERSISTED = ("resume", "overwrite", "command", "quiet")
+log = logging.getLogger(__name__)
+Warn = Callable[[str], None]
 
 
 class WorkerError(NfabError):
@@ -77,7 +82,43 @@ def has_run(run_dir: Path) -> bool:
     return any((run_dir / p).exists() for p in (SUMMARY_FILE, METRICS_FILE, checkpoint.CHECKPOINT_DIR))
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
+def check_world(profile: Profile, world: int, where: str, warn: Warn) -> None:
+    """World size against the profile's range and each route's reducer capacity.
+
+    Over the range or a reducer's capacity, the route falls back to FP32 with a warning (the
+    runtime checks capacity per reducer, so that is safe); with `fallback.on_capacity: error`
+    the run is refused.
+    """
+    strict = profile.fallback.on_capacity == "error"
+    if not profile.check_world_size(world):
+        span = f"{profile.world_size.min}..{profile.world_size.max}"
+        if strict:
+            raise NfabError(f"{where} is valid for world sizes {span}, this run has {world} ranks "
+                            "(fallback.on_capacity is 'error')")
+        warn(f"{where} is valid for world sizes {span}, this run has {world} ranks: training anyway, "
+             "routes over a reducer's capacity fall back to fp32")
+    for route in sorted(profile.routes_used()):
+        reducers = candidates(route)
+        if reducers and not any(r.capacity(world).ok for r in reducers):
+            why = "; ".join(f"{r.name}: {r.capacity(world).reason}" for r in reducers)
+            if strict:
+                raise NfabError(f"route {route} cannot run exactly at W={world} ({why}); "
+                                "fallback.on_capacity is 'error'")
+            warn(f"route {route} cannot run exactly at W={world} ({why}): its regions fall back to fp32")
+
+
+def check_resume(run_dir: Path, module: Any) -> None:
+    """`--resume`: a checkpoint exists, is readable (weights only) and fits the model to build."""
+    path = checkpoint.latest(run_dir)
+    if path is None:
+        raise NfabError(f"--resume: no checkpoint in {run_dir}")
+    state = checkpoint.read(path / "state.pt", mmap=True)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise NfabError(f"checkpoint {path} is not an nfab checkpoint (no model state)")
+    checkpoint.check_model_state(state["model"], module, path)
+
+
+def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     """Check everything a user can get wrong, writing nothing; return the config with its run dir set."""
     cfg.comm.check_choice()
     fault.faults_from_env()
@@ -89,11 +130,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.comm.profile is not None:
         profile = Profile.load(cfg.comm.profile)
         profile.check_model(spec.name, model_signature(spec.module))
-        if not profile.check_world_size(world):
-            raise NfabError(f"profile {cfg.comm.profile} is valid for world sizes {profile.world_size.min}.."
-                            f"{profile.world_size.max}, this run has {world} ranks")
+        check_world(profile, world, f"profile {cfg.comm.profile}", warn)
     if cfg.comm.route is not None:
-        Profile.static(cfg.comm.route)
+        check_world(Profile.static(cfg.comm.route), world, "route", warn)
     if cfg.comm.cost_model not in ("measure", "none"):
         CostModel.load(cfg.comm.cost_model)
     if cfg.run_dir is None:
@@ -102,8 +141,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.launch.node_rank == 0:
         if run_dir.exists() and not run_dir.is_dir():
             raise NfabError(f"run dir {run_dir} is a file")
-        if cfg.resume and checkpoint.latest(run_dir) is None:
-            raise NfabError(f"--resume: no checkpoint in {run_dir}")
+        if cfg.resume:
+            check_resume(run_dir, spec.module)
         if has_run(run_dir) and not (cfg.resume or cfg.overwrite):
             summary = run_dir / SUMMARY_FILE
             done = summary.is_file() and json.loads(summary.read_text() or "{}").get("complete") is True
@@ -136,9 +175,12 @@ class LaunchResult:
     summary: dict[str, Any] | None
 
 
-def launch(cfg: TrainConfig) -> LaunchResult:
-    """Validate, prepare the run dir (node 0), run torchrun, and surface a failure as one line."""
-    cfg = validate(cfg)
+def launch(cfg: TrainConfig, warn: Warn = log.warning) -> LaunchResult:
+    """Validate, prepare the run dir (node 0), run torchrun, and surface a failure as one line.
+
+    `warn` receives one line per safe fallback decided before launch (world size, capacity).
+    """
+    cfg = validate(cfg, warn)
     run_dir = Path(cfg.run_dir)  # type: ignore[arg-type]
     node = cfg.launch.node_rank
     if node == 0:
@@ -152,7 +194,8 @@ def launch(cfg: TrainConfig) -> LaunchResult:
     with tempfile.TemporaryDirectory(prefix="nfab-train-") as tmp:
         config_file = Path(tmp) / "config.json"
         config_file.write_text(cfg.to_json())
-        failure = run_torchrun(torchrun_argv(cfg, config_file), log_path)
+        ranks = range(node * cfg.launch.nproc, (node + 1) * cfg.launch.nproc) if cfg.launch.nnodes == 1 else range(0)
+        failure = run_torchrun(torchrun_argv(cfg, config_file), log_path, ranks)
     if failure is not None:
         message, worker_code = explain_failure(log_path.read_text(errors="replace"), *failure)
         raise WorkerError(f"training failed: {message} (log: {log_path})", worker_code)
@@ -161,10 +204,13 @@ def launch(cfg: TrainConfig) -> LaunchResult:
     return LaunchResult(run_dir, summary)
 
 
-def run_torchrun(argv: list[str], log_path: Path) -> tuple[int, int] | None:
+def run_torchrun(argv: list[str], log_path: Path, ranks: range = range(0),
+                 ) -> tuple[int, int, tuple[int, ...]] | None:
     """Run torchrun in this process with stderr (its logs and the workers') sent to `log_path`.
 
-    Returns None on success, else (global rank, exit code) of the first failed worker.
+    Returns None on success, else (global rank, exit code) of the first failed worker and the
+    ranks among `ranks` (this node's) that were still running when it failed: torchrun stops
+    them, and after a collective timeout they are the ones that never arrived.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -180,13 +226,17 @@ def run_torchrun(argv: list[str], log_path: Path) -> tuple[int, int] | None:
     except ChildFailedError as exc:
         # A rank that died silently (killed, os._exit) is the cause; peers then fail on
         # closed connections, sometimes first. Prefer the silent one when the log shows it.
-        log = log_path.read_text(errors="replace")
-        loud = {int(r) for r in re.findall(rf"{re.escape(ERROR_MARK)}\[\d\] rank (\d+):", log)}
-        silent = sorted((r, f.exitcode) for r, f in exc.failures.items() if r not in loud)
+        text = log_path.read_text(errors="replace")
+        loud = {int(r) for r in re.findall(rf"{re.escape(ERROR_MARK)}\[\d\] rank (\d+):", text)}
+        # Ranks torchrun itself stopped after the first failure were still running: not a cause.
+        stopped = {r for r, f in exc.failures.items() if f"Sending process {f.pid} closing signal" in text}
+        alive = tuple(sorted({r for r in ranks if r not in exc.failures} | stopped))
+        silent = sorted((r, f.exitcode) for r, f in exc.failures.items() if r not in loud and r not in stopped)
         if silent:
-            return silent[0]
-        rank, first = exc.get_first_failure()
-        return rank, first.exitcode
+            return (*silent[0], alive)
+        causes = {r: f for r, f in exc.failures.items() if r not in stopped} or exc.failures
+        rank = min(causes, key=lambda r: (causes[r].timestamp, r))
+        return rank, causes[rank].exitcode, tuple(r for r in alive if r != rank)
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)
@@ -194,12 +244,18 @@ def run_torchrun(argv: list[str], log_path: Path) -> tuple[int, int] | None:
         os.close(log_fd)
 
 
-def explain_failure(log: str, rank: int, exitcode: int) -> tuple[str, int]:
-    """One line for a failed run: the first failed rank's own error, else its exit code."""
+def explain_failure(log: str, rank: int, exitcode: int, alive: tuple[int, ...] = ()) -> tuple[str, int]:
+    """One line for a failed run: the first failed rank's own error, else its exit code.
+
+    After a collective timeout, the ranks still running are named: they never arrived.
+    """
     marks = re.findall(rf"{re.escape(ERROR_MARK)}\[(\d)\] rank (\d+): (.*)$", log, flags=re.M)
     own = [m for m in marks if int(m[1]) == rank]
     if own:
-        return f"rank {rank}: {own[-1][2]}", int(own[-1][0])
+        message = f"rank {rank}: {own[-1][2]}"
+        if alive and "timed out" in message:
+            message += f"; rank {', '.join(map(str, alive))} never arrived and was stopped"
+        return message, int(own[-1][0])
     if exitcode < 0:
         return f"rank {rank} was killed by signal {-exitcode}", 1
     return f"rank {rank} exited with code {exitcode} without an error message", 1

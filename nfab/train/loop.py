@@ -8,8 +8,10 @@ restarted the worker group (TORCHELASTIC_RESTART_COUNT > 0).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,16 @@ from nfab.train.setup import BatchStream, build_optimizer, fp32_wire_bytes, loss
 from nfab.wire import cost as cost_mod
 
 log = logging.getLogger(__name__)
+_STAGE = ["setup"]
+
+
+def stage() -> str:
+    """Where this rank's training is (which collective it may be waiting in), for timeout errors."""
+    return _STAGE[0]
+
+
+def _at(where: str) -> None:
+    _STAGE[0] = where
 
 
 @dataclass(slots=True)
@@ -72,6 +84,17 @@ def mean_loss(loss: float, device: torch.device) -> float:
     return float(torch.cat(gathered).sum().item() / len(gathered))
 
 
+def replicas_identical(module: torch.nn.Module, device: torch.device) -> bool:
+    """Collective: do all ranks hold bit-identical parameters? (a SHA-256 of every parameter, all-gathered)."""
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    local = torch.tensor(list(digest.digest()[:16]), dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
 def route_label(cfg: TrainConfig) -> str | None:
     """summary.json's `route`: the route string, a dict as JSON, "fp32" for --fp32, None with a profile."""
     c = cfg.comm
@@ -101,6 +124,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     faults = fault.faults_from_env()
     session_start = time.perf_counter()
 
+    _at("checkpoint load (broadcast)")
     resumed = None
     if cfg.resume or fault.restart_attempt() > 0:
         resumed = checkpoint.load(run_dir)
@@ -112,11 +136,13 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     spec = build_model(cfg.model.name, seed=cfg.seed, **cfg.model.options)
     module = spec.module.to(device)
     if shared:
+        checkpoint.check_model_state(shared["model"], module, run_dir / checkpoint.CHECKPOINT_DIR)
         module.load_state_dict(shared["model"])
     train_data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
     test_data = build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)
     stream = BatchStream(train_data, batch_size=cfg.data.batch_size, rank=rank, world_size=world, seed=cfg.seed)
     eval_loader = make_eval_loader(test_data, batch_size=cfg.data.eval_batch_size, rank=rank, world_size=world)
+    _at("setup (DDP construction, cost-model measurement)")
     ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
                                   bucket_cap_mb=cfg.comm.bucket_cap_mb)
     runtime: Runtime | None = None
@@ -159,13 +185,21 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             "wall_time_s": wall(), "cost_model": cost_json, "config": cfg.to_json(),
         } if master else None
         own_state = {"rng": checkpoint.rng_state(), "hook": runtime.state_dict() if runtime is not None else None}
+        _at(f"step {step - 1}: checkpoint (gather to rank 0)")
         checkpoint.save(run_dir, step, state, own_state)
 
+    final: dict[str, Any] = {}
+
     def write(complete: bool) -> None:
+        if complete:
+            _at("end of run (replica checksum all-gather)")
+            final["replicas_identical"] = replicas_identical(module, device)
+            if not final["replicas_identical"]:
+                log.warning("rank %d: the replicas' parameters differ at the end of the run", rank)
         if master:
             write_metrics(run_dir / METRICS_FILE, rows)
             write_summary(run_dir / SUMMARY_FILE, identity, rows, lm=spec.task == "lm", complete=complete,
-                          wall_time_s=wall())
+                          wall_time_s=wall(), extra=final if complete else None)
 
     title = f"{spec.name} {identity['route'] or Path(cfg.comm.profile or '').name} W={world}"
     bar = ProgressBar(cfg.steps, start, title, enabled=master and not cfg.quiet)
@@ -176,6 +210,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     try:
         for step in range(start, cfg.steps):
             fault.inject(faults, step, rank)
+            factor = fault.loss_factor(faults, step, rank)
+            _at(f"step {step}: forward/backward (gradient all-reduce in DDP)")
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
             loss_sum = 0.0
@@ -184,11 +220,14 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 last = micro == cfg.accum_steps - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     loss = loss_fn(spec.task, ddp(x), y)
+                    if factor is not None:  # injected NaN / Inf / spike (NFAB_FAULT)
+                        loss = loss * factor
                     loss_sum += float(loss.detach())
                     if runtime is not None and last:
                         runtime.observe_loss(loss_sum / cfg.accum_steps)
                     (loss / cfg.accum_steps).backward()
             row = _step_row(runtime, step, lr, plain_bytes, module)
+            _at(f"step {step}: loss all-gather")
             row["loss"] = mean_loss(loss_sum / cfg.accum_steps, device)
             if cfg.optim.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
@@ -199,6 +238,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             row["step_time_s"] = time.perf_counter() - t0
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                _at(f"step {step}: evaluation (all-reduce)")
                 ev = evaluate(module, eval_loader, spec.task, cfg.data.eval_batches, device)
                 row["eval_loss"] = ev.loss
                 row["eval_accuracy"] = ev.accuracy if ev.accuracy is not None else float("nan")
@@ -226,8 +266,11 @@ def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, m
     if runtime is None:
         grads = [p.grad.detach().double().norm() ** 2 for p in module.parameters() if p.grad is not None]
         norm = float(torch.stack(grads).sum().sqrt()) if grads else 0.0
+        # the reduced gradient is the same on every rank, so is this decision: skip, never step on NaN/Inf
+        bad = not math.isfinite(norm)
         return make_row(step=step, phase="fp32", loss=float("nan"), lr=lr, grad_norm=norm,
-                        wire_bytes=plain_bytes, fp32_wire_bytes=plain_bytes, route_mix={"fp32": 1.0})
+                        wire_bytes=plain_bytes, fp32_wire_bytes=plain_bytes, route_mix={"fp32": 1.0},
+                        skipped=bad, fallback_reason="nonfinite" if bad else "")
     st = runtime.step_stats()
     assert st is not None and st.step == step, f"hook stats for step {st and st.step}, loop at {step}"
     return make_row(step=step, phase=st.phase, loss=float("nan"), lr=lr, grad_norm=st.grad_norm,

@@ -112,8 +112,11 @@ class Totals:
 
 
 def write_summary(path: str | Path, identity: dict[str, Any], rows: list[dict[str, Any]], *, lm: bool,
-                  complete: bool, wall_time_s: float) -> dict[str, Any]:
-    """Write summary.json from the run's identity and its metrics rows, atomically."""
+                  complete: bool, wall_time_s: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write summary.json from the run's identity and its metrics rows, atomically.
+
+    `extra` holds end-of-run checks (`replicas_identical`: all ranks' parameters bit-identical).
+    """
     t = Totals.of(rows, lm)
     summary = {
         **{k: identity[k] for k in ("model", "dataset", "world_size")},
@@ -126,6 +129,7 @@ def write_summary(path: str | Path, identity: dict[str, Any], rows: list[dict[st
         "fallback_steps": t.fallback_steps,
         "skipped_steps": t.skipped_steps,
         "wall_time_s": wall_time_s,
+        **(extra or {}),
         **{k: v for k, v in identity.items() if k not in ("model", "dataset", "world_size")},
     }
     atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
