@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = launch(cfg, warn=warn)
         except WorkerError as exc:
-            fail(escape(str(exc)), code=exc.code)  # torch errors hold [brackets] rich reads as markup
+            fail(str(exc), code=exc.code)  # `fail` prints it as text: torch's [brackets] stay as they are
         s = result.summary
         if s is None:
             return

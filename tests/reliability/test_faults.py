@@ -39,7 +39,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Resu
 
     jobs = {
         "hang": run("hang", "hang@step=2,rank=1", *GPT, "--steps", "6", "--route", "sign", "launch.timeout_s=10",
-                    timeout=120),
+                    timeout=200),
         "nan": run("nan", "nan@step=2,rank=1;inf@step=4,rank=0", *GPT, "--steps", "6", "--route", "sign"),
         "spike": run("spike", f"spike@step={SPIKE_AT},factor=10;slow@step=3,rank=1,seconds=2", *GPT,
                      "--steps", "12", "--profile", str(profile), "launch.timeout_s=10"),
@@ -122,7 +122,7 @@ def test_a_rank_that_never_arrives_times_out_with_one_line(runs) -> None:
     assert line.startswith("error: training failed: rank 0: a collective timed out after 10 s (launch.timeout_s)")
     assert "in step 2: forward/backward (gradient all-reduce" in line and "rank 1 never arrived" in line
     assert "Traceback" not in r.stderr
-    assert r.seconds < 100  # start-up + 10 s timeout + teardown, never the 300 s default or a hang
+    assert r.seconds < 150  # start-up (slow on a loaded machine) + 10 s timeout + teardown: not the 300 s default
     # torchrun stopped the hung rank: no worker of this run is left
     log = (out / "logs" / "node0.log").read_text()
     pids = {int(x) for pair in re.findall(r"Sending process (\d+) closing signal|\(pid: (\d+)\)", log)
