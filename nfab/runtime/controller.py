@@ -127,8 +127,10 @@ class Controller:
         keys = self.admitted.get(route, [])
         if not keys:
             return None
-        if len(keys) == 1 or self.cost_model is None:
+        if len(keys) == 1:
             return keys[0]
+        if self.cost_model is None:  # no link model: the fewest bytes on the wire
+            return min(keys, key=lambda k: REDUCERS[k].wire_bytes(numel, self.world_size, segments))
         return min(keys, key=lambda k: self.cost_model.time(k, numel, self.world_size, segments))  # type: ignore[union-attr]
 
     def routes(self, plan: BucketPlan, phase: Phase, demoted: frozenset[str]) -> BucketRoutes:
