@@ -83,6 +83,9 @@ def test_mixed_bucket_keeps_fp32_semantics_and_majority_signs(world_size, error_
     mix = stats[-1].route_mix
     assert mix.get("fp32", 0) > 0 and mix.get("signgather", 0) + mix.get("signcount", 0) > 0.5
     assert 0 < stats[-1].wire_bytes < stats[-1].fp32_wire_bytes / 4
+    # step 0 is a probe step: one bucket's lossy slices were also sampled in FP32
+    assert stats[0].fidelity_cosine is not None and 0.2 < stats[0].fidelity_cosine <= 1.0
+    assert all(s.fidelity_cosine is None for s in stats[1:])
 
 
 def _nonfinite(rank: int, world_size: int, bad_step: int) -> dict:
