@@ -14,7 +14,9 @@ Files hold only tensors and plain containers, read with `torch.load(weights_only
 
 from __future__ import annotations
 
+import pickle
 import random
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,7 +67,12 @@ def read(path: str | Path, mmap: bool = False) -> Any:
     """`torch.load(weights_only=True)` of one checkpoint file; an unreadable one is one NfabError line."""
     try:
         return torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
-    except Exception as exc:  # noqa: BLE001 - pickle, zip and OS errors all mean "not a checkpoint we can read"
+    except pickle.UnpicklingError as exc:  # weights-only refused a global: never retried as a full unpickle
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" ({found.group(1)})" if found else ""
+        raise NfabError(f"checkpoint file {path} holds objects other than tensors and plain containers{what}; "
+                        "nfab loads checkpoints weights-only and refuses it") from exc
+    except Exception as exc:  # noqa: BLE001 - zip and OS errors all mean "not a checkpoint we can read"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise NfabError(f"checkpoint file {path} cannot be read ({first})") from exc
 

@@ -114,7 +114,8 @@ def build_cases(root: Path) -> dict[str, Case]:
             "was written for another model", watch=gpt_ckpt),
         "pickle-code-in-checkpoint": Case(
             ["train", *GPT, *W2, "--route", "sign", "--resume", "--run-dir", str(evil)],
-            "state.pt cannot be read (Weights only load failed", watch=evil),
+            "state.pt holds objects other than tensors and plain containers (posix.system); nfab loads "
+            "checkpoints weights-only and refuses it", watch=evil),
         "fit-truncated-parquet": Case(["fit", str(truncated), "-o", str(root / "fit-out" / "p.json")],
                                       f"cannot read {truncated}", watch=root / "fit-out"),
         "fit-not-parquet": Case(["fit", str(not_parquet), "-o", str(root / "fit-out" / "p.json")],
