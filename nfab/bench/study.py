@@ -2,10 +2,12 @@
 profile, side by side on the same model, data, seed and steps, each run through the real
 `nfab train` CLI, then one `nfab report` over all of them.
 
-The profile runs use a copy of the shipped profile with `fallback.cost_gate: false`: on
-loopback the measured cost model finds compression never pays and would send every
-bucket to FP32, which would make a study of accuracy and traffic meaningless. The copy
-is written into the study's out dir and the results say so.
+Every compressed run uses `comm.cost_model=none`, and the profile runs a copy of the
+shipped profile with `fallback.cost_gate: false`: on loopback the measured cost model
+finds compression never pays and would send every bucket to FP32, and its noisy latency
+terms would pick between signgather and signcount by chance. Without a cost model the
+runtime takes the reducer with the fewest wire bytes, so the study measures accuracy and
+traffic, deterministically. The results say so.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ MODELS: dict[str, StudyModel] = {
 }
 STATIC_VARIANTS: dict[str, list[str]] = {
     "fp32": ["--fp32"],
-    "sign": ["--route", "sign", "comm.error_feedback=false"],
-    "sign-ef": ["--route", "sign"],
+    "sign": ["--route", "sign", "comm.error_feedback=false", "comm.cost_model=none"],
+    "sign-ef": ["--route", "sign", "comm.cost_model=none"],
 }
 VARIANTS = (*STATIC_VARIANTS, "profile", "refit")
 QUICK_STEPS = 40
@@ -189,9 +191,11 @@ def variants_for(cfg: StudyConfig, model: str) -> dict[str, list[str]]:
     """Variant name -> `nfab train` comm flags (profiles copied with the cost gate off)."""
     out = dict(STATIC_VARIANTS)
     prof_dir = cfg.out / "profiles"
-    out["profile"] = ["--profile", str(gate_off_profile(MODELS[model].profile, prof_dir / f"{model}.json"))]
+    out["profile"] = ["--profile", str(gate_off_profile(MODELS[model].profile, prof_dir / f"{model}.json")),
+                      "comm.cost_model=none"]
     if model in cfg.extra_profiles:
-        out["refit"] = ["--profile", str(gate_off_profile(cfg.extra_profiles[model], prof_dir / f"{model}-refit.json"))]
+        out["refit"] = ["--profile", str(gate_off_profile(cfg.extra_profiles[model], prof_dir / f"{model}-refit.json")),
+                        "comm.cost_model=none"]
     return {k: v for k, v in out.items() if cfg.variants is None or k in cfg.variants}
 
 
@@ -239,7 +243,8 @@ def run_study(cfg: StudyConfig, command: str = "", log=print) -> dict:
         "schema": "nfab.bench.study", "version": 1, "command": command,
         "total_s": time.perf_counter() - t0, "nproc": cfg.nproc,
         "steps": {m: cfg.steps_for(m) for m in cfg.models},
-        "note": "profile/refit runs use a copy of the profile with fallback.cost_gate=false (OUT/profiles/): on "
+        "note": "compressed runs use comm.cost_model=none (sign takes the reducer with the fewest wire bytes) and "
+                "profile/refit runs a copy of the profile with fallback.cost_gate=false (OUT/profiles/): on "
                 "loopback the cost gate would send every bucket to FP32",
         "report": str(report_dir) if report_ok else None,
         "rows": [asdict(r) for r in rows], "targets": targets(rows),
