@@ -90,6 +90,8 @@ class BenchConfig:
     lr: float = 0.01
     link: str | None = None
     """A tc rate (`1gbit`, `100mbit`) to shape the ranks' loopback to, or None."""
+    nfab_bucket_mb: float = 25.0
+    """DDP bucket cap for the nfab variants: smaller compressed buckets overlap backward more."""
     profile: dict[str, Any] | None = None
     """The profile (as its JSON dict) for `nfab-profile`; None: `test_profile()`."""
     profile_source: str = "test profile (conv/linear/head sign)"
@@ -153,7 +155,12 @@ class Run:
 def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
     """Wrap a copy of `module` in DDP and attach variant `name`'s communication."""
     module = copy.deepcopy(module)
-    ddp = DDP(module, bucket_cap_mb=POWERSGD_BUCKET_MB) if name == "powersgd" else DDP(module)
+    if name == "powersgd":
+        ddp = DDP(module, bucket_cap_mb=POWERSGD_BUCKET_MB)
+    elif name.startswith("nfab-"):
+        ddp = DDP(module, bucket_cap_mb=cfg.nfab_bucket_mb)
+    else:
+        ddp = DDP(module)
     run = Run(name, ddp, torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9))
     total = cfg.warmup + cfg.steps
     if name == "floor":

@@ -61,6 +61,8 @@ def register(app: typer.Typer) -> None:
         variants: Annotated[str | None, typer.Option(
             "--variants", help="Comma-separated subset of: plain, floor, fp16, powersgd, nfab-fp32, "
                                "nfab-sign, nfab-profile, allreduce-hook.")] = None,
+        nfab_bucket_mb: Annotated[float, typer.Option(
+            "--nfab-bucket-mb", min=0.1, help="DDP bucket cap for the nfab variants (others keep DDP's 25).")] = 25.0,
         json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     ) -> None:
         """Step time per variant, side by side in one run (W=2 gloo ranks), with ratios to FP32 DDP."""
@@ -77,7 +79,8 @@ def register(app: typer.Typer) -> None:
         if variants is not None:
             kw["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())
         cfg = step_mod.BenchConfig(model=model, width=width, batch=batch, steps=steps, warmup=warmup, data=data,
-                                   image_size=image_size, link=link, profile=prof, profile_source=source, **kw)
+                                   image_size=image_size, link=link, profile=prof, profile_source=source,
+                                   nfab_bucket_mb=nfab_bucket_mb, **kw)
         console.print(f"nfab bench step: {', '.join(cfg.variants)}; profile: {source}", highlight=False)
         doc = step_mod.report(cfg, step_mod.run(cfg))
         print_report(doc, f"nfab bench step  (resnet18 width {width}, {link or 'loopback'})")
