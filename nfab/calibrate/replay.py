@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nfab.wire.reducers import REDUCERS, Reducer, candidates, mean_of_ranks
+from nfab.wire.reducers import REDUCERS, Reducer, candidates
 
 
 def replay_reducer(route: str, world_size: int) -> Reducer | None:
@@ -50,22 +50,7 @@ def reduce_virtual(
     generators: Sequence[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """(mean estimate, each rank's local decode) for flat fp32 `xs` of W virtual ranks."""
-    world_size = len(xs)
-    reducer.check(world_size)
-    numel = xs[0].numel()
-    lengths = list(lengths)
-    gens = list(generators) if generators is not None else [None] * world_size
-    shared = None
-    if reducer.needs_shared_scale:
-        shared = torch.stack([reducer.local_scale(x, lengths) for x in xs]).amax(0)
-    encs = [reducer.encode(x, lengths, world_size, shared, g) for x, g in zip(xs, gens, strict=True)]
-    reduced = reducer.combine([e.payload for e in encs])
-    scale_mean = None
-    if encs[0].scales is not None:
-        scale_mean = mean_of_ranks(torch.stack([e.scales for e in encs]))  # type: ignore[misc]
-    if shared is not None:
-        scale_mean = shared
-    return reducer.decode(reduced, scale_mean, numel, lengths, world_size), [e.local for e in encs]
+    return reducer.replay_with_locals(xs, lengths, generators)
 
 
 def fp32_mean(xs: Sequence[torch.Tensor]) -> torch.Tensor:

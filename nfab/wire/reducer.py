@@ -214,13 +214,22 @@ class Reducer(ABC):
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> torch.Tensor:
         """The same arithmetic as `reduce` for W virtual ranks in one process."""
+        return self.replay_with_locals(xs, lengths, generators)[0]
+
+    def replay_with_locals(
+        self,
+        xs: Sequence[torch.Tensor],
+        lengths: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """`replay`, plus each virtual rank's own decoded contribution (error feedback keeps x - local)."""
         world_size = len(xs)
         self.check(world_size)
         flat = [x.reshape(-1).to(torch.float32) for x in xs]
         numel = flat[0].numel()
         lengths = [numel] if lengths is None else list(lengths)
         if numel == 0:
-            return flat[0].clone()
+            return flat[0].clone(), [None] * world_size
         gens = list(generators) if generators is not None else [None] * world_size
         shared = None
         if self.needs_shared_scale:
@@ -232,7 +241,7 @@ class Reducer(ABC):
             scale_mean = mean_of_ranks(torch.stack([e.scales for e in encs]))  # type: ignore[misc]
         if shared is not None:
             scale_mean = shared
-        return self.decode(reduced, scale_mean, numel, lengths, world_size)
+        return self.decode(reduced, scale_mean, numel, lengths, world_size), [e.local for e in encs]
 
 
 def allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
