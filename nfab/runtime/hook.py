@@ -343,7 +343,9 @@ class Runtime:
                 reasons.setdefault(e.reason, set()).update(e.regions)
             log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
         self.events.extend(events)
-        st.fallback = bool(reasons)
+        # `fallback` flags a safety event (health, capacity, non-finite); the cost gate's
+        # steady routing to FP32 where compression does not pay is named in the reason only
+        st.fallback = any(why != "cost" for why in reasons)
         st.fallback_reason = "; ".join(
             f"{why}({','.join(sorted(regs))})" if regs else why for why, regs in sorted(reasons.items())
         )

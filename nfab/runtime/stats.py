@@ -19,7 +19,9 @@ class StepStats:
     route_elements: dict[str, int] = field(default_factory=dict)
     """Gradient elements per route (sign split into signcount / signgather)."""
     fallback: bool = False
+    """A safety fallback this step: health demotion, reducer capacity or a non-finite gradient."""
     fallback_reason: str = ""
+    """Every reason a slice left its profile route, e.g. `health(conv); cost(norm)`."""
     skipped: bool = False
     """A non-finite gradient on some rank: the step's gradients were zeroed everywhere."""
     fidelity_cosine: float | None = None
