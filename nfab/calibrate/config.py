@@ -16,6 +16,7 @@ from typing import Any
 from nfab.errors import ConfigError
 from nfab.models.options import accepted_options
 from nfab.models.registry import MODELS
+from nfab.overrides import parse_kv
 from nfab.wire.codecs import ROUTES
 
 DEFAULT_ROUTES: tuple[str, ...] = ("fp32", "bf16", "q8", "q4", "q2", "sign")
@@ -147,30 +148,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def parse_value(text: str) -> Any:
-    """A `key=value` string as int, float, bool, None or str (in that order)."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """`["a=1", "model.width=8"]` -> {"a": 1, "model.width": 8}; malformed items are errors."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"expected key=value, got {item!r}")
-        out[key.strip()] = parse_value(value)
-    return out
+    return parse_kv(items)
 
 
 _FIELDS = {f.name for f in dataclasses.fields(CalibrationConfig)} - {"model", "model_options", "data_options",

@@ -8,8 +8,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from nfab.cli.options import parse_kv, parse_route
+from nfab.cli.options import parse_route
 from nfab.cli.output import console
+from nfab.overrides import parse_kv
 
 _META_MIN_PARAMS = 50_000_000
 

@@ -1,27 +1,10 @@
-"""Shared CLI pieces: `key=value` parsing for model/data options and route strings."""
+"""Shared CLI pieces: route strings (`key=value` parsing lives in nfab.overrides)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
-
-import yaml
 
 from nfab.errors import ConfigError
-
-
-def parse_kv(items: list[str]) -> dict[str, Any]:
-    """`["width=16", "small_input=true"]` -> {"width": 16, "small_input": True} (YAML scalars)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"expected key=value, got {item!r}")
-        try:
-            out[key.strip()] = yaml.safe_load(raw) if raw else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"cannot parse value of {key!r}: {exc}") from exc
-    return out
 
 
 def parse_route(text: str) -> str | dict[str, str]:

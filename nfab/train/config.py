@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from nfab.errors import ConfigError
+from nfab.overrides import parse_value
 
 OPTIMIZERS = ("auto", "sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
@@ -289,11 +290,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r} must look like key=value (dotted keys for sections)")
-    try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
+    return key.split("."), parse_value(raw)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
