@@ -1,7 +1,8 @@
 """`key=value` overrides from the command line, parsed one way everywhere.
 
 Values are numbers first (so `lr=1e-3` is a float: PyYAML alone would read it as a
-string), then YAML scalars and lists (`true`, `null`, `[0.9, 0.95]`), else the text.
+string), then YAML scalars and lists (`true`, `null`, `[0.9, 0.95]`), else the text
+(`none` stays the word: `comm.cost_model=none` names a choice).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ def parse_value(raw: str) -> Any:
             return kind(text)
         except ValueError:
             pass
-    if text.lower() == "none":
-        return None
     try:
         return yaml.safe_load(text) if text else ""
     except yaml.YAMLError:

@@ -7,7 +7,7 @@ from nfab.overrides import parse_kv, parse_value
 
 
 @pytest.mark.parametrize("raw,value", [
-    ("1e-3", 1e-3), ("3", 3), ("0.05", 0.05), ("true", True), ("null", None), ("none", None),
+    ("1e-3", 1e-3), ("3", 3), ("0.05", 0.05), ("true", True), ("null", None), ("none", "none"),
     ("[0.9, 0.95]", [0.9, 0.95]), ("stdlib-text", "stdlib-text"), ("", ""),
 ])
 def test_values(raw, value):
