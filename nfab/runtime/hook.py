@@ -45,6 +45,18 @@ _CTRL_HEAD = 3  # nonfinite, loss, has_loss
 
 
 @dataclass(slots=True)
+class _Launched:
+    """One group's payload collective in flight, and what decoding it needs."""
+
+    group: Group
+    future: torch.futures.Future
+    scale_cols: list[int] | None
+    """Columns of the control word that hold this group's per-slice scales."""
+    shared: torch.Tensor | None
+    """The scale qsum encoded with (agreed by MAX before encoding)."""
+
+
+@dataclass(slots=True)
 class _BucketRecord:
     """One bucket's bookkeeping for the current step (written by the hook and its callback)."""
 
@@ -61,6 +73,11 @@ class _BucketRecord:
     probe_cosine: float | None = None
     probe_regions: frozenset[str] = frozenset()
     pending_residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffer: torch.Tensor | None = None
+    launched: list[_Launched] = field(default_factory=list)
+    gathered: torch.Tensor | None = None
+    """This bucket's all-gathered control word (W rows), when one was sent."""
+    probe: torch.futures.Future | None = None
 
 
 class Runtime:
@@ -147,12 +164,12 @@ class Runtime:
         w = self.world_size
         use_ef = self.error_feedback and phase.error_feedback
         probing = routes.has_lossy and not self._probed and self._probe_step()
-        rec = _BucketRecord(bucket.index(), plan, routes, {}, 0.0, REDUCERS[FP32].wire_bytes(buffer.numel(), w))
+        rec = _BucketRecord(bucket.index(), plan, routes, {}, 0.0, REDUCERS[FP32].wire_bytes(buffer.numel(), w),
+                            buffer=buffer)
         self._records.append(rec)
         if bucket.is_last():
             self._saw_last = True
 
-        launched: list[tuple[Group, torch.futures.Future, list[int] | None, Any]] = []
         scales: list[torch.Tensor] = []
         probe_parts: list[torch.Tensor] = []
         nonfinite = False
@@ -165,7 +182,7 @@ class Runtime:
             if group.key == FP32:
                 self._flush_residuals(x, group, buffer if group.whole else None)
                 x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W)
-                launched.append((group, red.launch(x, w, self.group), None, None))
+                rec.launched.append(_Launched(group, red.launch(x, w, self.group), None, None))
                 continue
             if probing:
                 probe_parts.append(x[_probe_index(group.numel)].clone())  # a strided sample, before EF
@@ -186,75 +203,75 @@ class Runtime:
                 start = _CTRL_HEAD + sum(t.numel() for t in scales)
                 scale_cols = list(range(start, start + enc.scales.numel()))
                 scales.append(enc.scales)
-            launched.append((group, red.launch(enc.payload, w, self.group), scale_cols, shared))
+            rec.launched.append(_Launched(group, red.launch(enc.payload, w, self.group), scale_cols, shared))
 
-        probe_fut = None
         if probe_parts:
             self._probed = True
             probe = torch.cat(probe_parts).mul_(1.0 / w)
             rec.probe_regions = frozenset(s.region for g in routes.groups if g.lossy for s in g.slices)
             rec.wire_bytes += allreduce_factor(w) * probe.numel() * 4
-            probe_fut = REDUCERS[FP32].launch(probe, w, self.group)
+            rec.probe = REDUCERS[FP32].launch(probe, w, self.group)
 
         # The control word rides with every bucket that has a lossy group (its scales and
         # a non-finite flag that decoding would otherwise hide) and with the step's first
         # bucket (the loss). FP32-only buckets need none: a non-finite element on any rank
         # shows in the reduced result itself, identically on every rank.
-        gathered = None
+        futs = [launched.future for launched in rec.launched]
         if routes.has_lossy or carrier:
             loss = self._loss_local if carrier else None
             head = torch.tensor([float(nonfinite), loss or 0.0, float(loss is not None)])
             ctrl = torch.cat([head, *scales])
-            gathered = torch.empty(w * ctrl.numel())
-            launched_ctrl = all_gather_flat(gathered, ctrl, group=self.group, async_op=True).get_future()
+            rec.gathered = torch.empty(w * ctrl.numel())
+            futs.append(all_gather_flat(rec.gathered, ctrl, group=self.group, async_op=True).get_future())
             rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
-        futs = [f for _, f, _, _ in launched]
-        if gathered is not None:
-            futs.append(launched_ctrl)
-        if probe_fut is not None:
-            futs.append(probe_fut)
+        if rec.probe is not None:
+            futs.append(rec.probe)
         rec.hook_time_s += time.perf_counter() - t0
+        return torch.futures.collect_all(futs).then(lambda done: self._finish_bucket(rec, done))
 
-        def finish(done: torch.futures.Future) -> torch.Tensor:
-            done.value()  # a failed collective (e.g. a peer timed out) raises its own error before results are read
-            t1 = time.perf_counter()
-            table = gathered.view(w, -1) if gathered is not None else None
-            if table is not None:
-                rec.nonfinite = bool(table[:, 0].sum() > 0)
-                has = table[:, 2] > 0
-                rec.loss = float(table[has, 1].sum() / has.sum()) if bool(has.any()) else None
-            decoded_lossy = []
-            if not rec.nonfinite:
-                for group, fut, cols, shared in launched:
-                    reduced = fut.value()
-                    if group.key == FP32:
-                        if not group.whole:
-                            _scatter(buffer, group, reduced)
-                        continue
-                    red = REDUCERS[group.key]
-                    scale_mean = mean_of_ranks(table[:, cols]) if cols is not None else shared
-                    if group.whole:  # decode straight into the bucket: no temporary, no copy
-                        out = red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=buffer)
-                    else:
-                        out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
-                        _scatter(buffer, group, out)
-                    if probe_fut is not None and group.lossy:
-                        decoded_lossy.append(out[_probe_index(group.numel)])
-            grad_sq = float(torch.linalg.vector_norm(buffer)) ** 2 if not rec.nonfinite else math.inf
-            if not math.isfinite(grad_sq):  # any rank's NaN/Inf: the same zeroed bucket everywhere
-                rec.nonfinite = True
-                buffer.zero_()
-                grad_sq = 0.0
-            else:
-                if decoded_lossy:
-                    est, ref = torch.cat(decoded_lossy), probe_fut.value()
-                    rec.probe_cosine = float(torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30))
-                self.residuals.update(rec.pending_residuals)
-            rec.grad_sq = grad_sq
-            rec.hook_time_s += time.perf_counter() - t1
-            return buffer
-
-        return torch.futures.collect_all(futs).then(finish)
+    def _finish_bucket(self, rec: _BucketRecord, done: torch.futures.Future) -> torch.Tensor:
+        """Decode every group into its slices; agree on non-finite buckets. Runs as a future
+        callback (any thread, any order across buckets): it launches no collective."""
+        done.value()  # a failed collective (e.g. a peer timed out) raises its own error before results are read
+        t1 = time.perf_counter()
+        w, buffer = self.world_size, rec.buffer
+        assert buffer is not None
+        table = rec.gathered.view(w, -1) if rec.gathered is not None else None
+        if table is not None:
+            rec.nonfinite = bool(table[:, 0].sum() > 0)
+            has = table[:, 2] > 0
+            rec.loss = float(table[has, 1].sum() / has.sum()) if bool(has.any()) else None
+        decoded_lossy = []
+        if not rec.nonfinite:
+            for launched in rec.launched:
+                group, reduced = launched.group, launched.future.value()
+                if group.key == FP32:
+                    if not group.whole:
+                        _scatter(buffer, group, reduced)
+                    continue
+                red = REDUCERS[group.key]
+                scale_mean = mean_of_ranks(table[:, launched.scale_cols]) if launched.scale_cols else launched.shared
+                if group.whole:  # decode straight into the bucket: no temporary, no copy
+                    out = red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=buffer)
+                else:
+                    out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
+                    _scatter(buffer, group, out)
+                if rec.probe is not None and group.lossy:
+                    decoded_lossy.append(out[_probe_index(group.numel)])
+        grad_sq = float(torch.linalg.vector_norm(buffer)) ** 2 if not rec.nonfinite else math.inf
+        if not math.isfinite(grad_sq):  # any rank's NaN/Inf: the same zeroed bucket everywhere
+            rec.nonfinite = True
+            buffer.zero_()
+            grad_sq = 0.0
+        else:
+            if decoded_lossy:
+                est, ref = torch.cat(decoded_lossy), rec.probe.value()  # type: ignore[union-attr]
+                rec.probe_cosine = float(torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30))
+            self.residuals.update(rec.pending_residuals)
+        rec.grad_sq = grad_sq
+        rec.launched, rec.gathered, rec.probe, rec.buffer = [], None, None, None  # free tensors early
+        rec.hook_time_s += time.perf_counter() - t1
+        return buffer
 
     # ---- internals ------------------------------------------------------------------
     def _plan(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> BucketPlan:
