@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nfab.errors import ConfigError
+from nfab.models.attention import SelfAttention
 from nfab.models.spec import ModelSpec
 
 BYTE_VOCAB = 256
@@ -49,22 +49,6 @@ GPT_SIZES: dict[str, GPTSize] = {
 }
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused qkv projection."""
-
-    def __init__(self, d_model: int, n_head: int) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_head, c // self.n_head).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
 class MLP(nn.Module):
     """Two-layer GELU MLP, 4x wide."""
 
@@ -84,7 +68,7 @@ class Block(nn.Module):
     def __init__(self, d_model: int, n_head: int) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head)
+        self.attn = SelfAttention(d_model, n_head, causal=True)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nfab.errors import ConfigError
+from nfab.models.attention import SelfAttention
 from nfab.models.spec import ModelSpec
 
 
@@ -39,22 +39,6 @@ VIT_SIZES: dict[str, ViTSize] = {
 }
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
-
-
 class MLP(nn.Module):
     """Two-layer GELU MLP."""
 
@@ -74,7 +58,7 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int, mlp_ratio: int) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
+        self.attn = SelfAttention(dim, heads, causal=False)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, mlp_ratio * dim)
 
