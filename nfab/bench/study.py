@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from nfab.errors import NfabError
 from nfab.fsutil import atomic_write_json, atomic_write_text
+from nfab.report.artifacts import load_run
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,22 +148,23 @@ def phase_table(metrics: pd.DataFrame) -> list[dict]:
 
 
 def read_run(row: StudyRow) -> StudyRow:
-    """Fill a row from the run dir's summary.json and metrics.parquet."""
-    run = Path(row.run_dir)
-    s = json.loads((run / "summary.json").read_text())
-    ev = s.get("final_eval", {})
-    row.eval_loss = ev.get("loss")
-    row.eval_accuracy = ev.get("accuracy")
-    row.wire_mb = s["wire_bytes_total"] / 1e6
-    row.fp32_wire_mb = s["fp32_wire_bytes_total"] / 1e6
-    row.compression_ratio = s["compression_ratio"]
-    row.fallback_steps = s["fallback_steps"]
-    row.skipped_steps = s["skipped_steps"]
-    row.wall_time_s = s["wall_time_s"]
-    row.ok = bool(s.get("complete", True))
-    metrics_path = run / "metrics.parquet"
-    if metrics_path.exists():
-        row.phases = phase_table(pd.read_parquet(metrics_path))
+    """Fill a row from the run dir's summary.json and metrics.parquet (the report's checked readers)."""
+    run = load_run(Path(row.run_dir), row.variant)
+    s = run.summary
+    if s is None:
+        raise NfabError(f"{row.run_dir} has no summary.json")
+    row.eval_loss = s.final_loss
+    row.eval_accuracy = s.final_accuracy
+    row.wire_mb = s.wire_bytes_total / 1e6 if s.wire_bytes_total is not None else None
+    row.fp32_wire_mb = s.fp32_wire_bytes_total / 1e6 if s.fp32_wire_bytes_total is not None else None
+    if s.wire_bytes_total and s.fp32_wire_bytes_total is not None:
+        row.compression_ratio = s.fp32_wire_bytes_total / s.wire_bytes_total
+    row.fallback_steps = s.fallback_steps
+    row.skipped_steps = s.skipped_steps
+    row.wall_time_s = s.wall_time_s
+    row.ok = s.complete
+    if run.metrics is not None:
+        row.phases = phase_table(run.metrics)
     return row
 
 
@@ -184,7 +187,11 @@ def run_one(cfg: StudyConfig, model: str, variant: str, comm: list[str]) -> Stud
     if res.returncode != 0:
         row.error = (res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1]
         return row
-    return read_run(row)
+    try:
+        return read_run(row)
+    except NfabError as exc:  # the run exited 0 but its artifacts do not read: a failed row, not a crash
+        row.error = str(exc)
+        return row
 
 
 def variants_for(cfg: StudyConfig, model: str) -> dict[str, list[str]]:
