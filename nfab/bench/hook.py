@@ -108,7 +108,7 @@ def breakdown(run: Run, rounds: int = 20) -> dict[str, Any]:
     for _ in range(rounds):  # interleave the parts round by round
         for k, fn in parts.items():
             samples[k].append(_median_ms(fn, 1))
-    hist = rt.history[1:] or rt.history
+    hist = list(rt.history)[1:] or list(rt.history)
     out = {k: float(np.median(v)) for k, v in samples.items()}
     out["allreduce_launch_only"] = 1e3 * float(np.median(launch_s))
     out["hook_cpu"] = 1e3 * float(np.median([h.hook_time_s for h in hist]))

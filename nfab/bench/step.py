@@ -239,7 +239,7 @@ def nfab_info(run: Run, warmup: int) -> dict[str, Any] | None:
     rt = run.runtime
     if rt is None:
         return None
-    hist = rt.history[warmup:] or rt.history
+    hist = list(rt.history)[warmup:] or list(rt.history)
     last = hist[-1]
     cm = rt.controller.cost_model
     return {

@@ -21,8 +21,8 @@ start of the next step, before any route for that step is chosen.
 # against dist.GradBucket and torch.futures.Future at registration.
 import logging
 import math
-import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allr
 log = logging.getLogger(__name__)
 
 _CTRL_HEAD = 3  # nonfinite, loss, has_loss
+HISTORY_STEPS = 4096
 
 
 @dataclass(slots=True)
@@ -111,13 +112,14 @@ class Runtime:
         self.seed = seed
         self.param_index = {n: i for i, n in enumerate(self.names.values())}
         self.step = 0
-        self.history: list[StepStats] = []
+        self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)
+        """The latest steps' statistics (bounded: a run of days must not grow without end)."""
         self.events: list[health_mod.HealthEvent] = []
         self._records: list[_BucketRecord] = []
         self._step_open = False
+        self._saw_last = False
         self._probed = False
         self._loss_local: float | None = None
-        self._lock = threading.Lock()
 
     # ---- public ---------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor | float) -> None:
@@ -148,8 +150,6 @@ class Runtime:
         self.health = health_mod.HealthState.from_dict(state["health"])
 
     # ---- the hook -------------------------------------------------------------------
-    _saw_last = False
-
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         t0 = time.perf_counter()
         if self._saw_last:
