@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
-from nfab.runtime.hook import Runtime, nfab_hook
+from nfab.runtime.hook import QSUM_SCALES, Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ def attach(
     seed: int = 0,
     head_modules: tuple[str, ...] | None = None,
     model_signature: str | None = None,
+    qsum_scale: str = "delayed",
 ) -> Runtime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
 
@@ -38,7 +39,13 @@ def attach(
     `cost_model`: "measure" (default: a short collective measurement, agreed by all
     ranks), a path to a JSON from `nfab bench wire --cost`, a `CostModel`, or None
     (no cost gate; sign picks by bytes). Every rank must call `attach` identically.
+
+    `qsum_scale`: "delayed" (default: q8/q4/q2 slices encode with the max of their agreed
+    max |x| over recent steps, so the hook never blocks on a scale agreement) or "exact"
+    (agree each step's scale with a blocking MAX all-reduce; what calibrate replays).
     """
+    if qsum_scale not in QSUM_SCALES:
+        raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
     if not isinstance(ddp_model, DistributedDataParallel):
         raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model")
     if (profile is None) == (route is None):
@@ -58,6 +65,7 @@ def attach(
     else:
         cm = cost_model
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=error_feedback,
-                      total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules)
+                      total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
+                      qsum_scale=qsum_scale)
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime

@@ -5,16 +5,29 @@ Per bucket, in the hook body (DDP calls it in bucket order on every rank):
 1. look up the bucket plan and this step's groups (controller: pure function of agreed
    state, so every rank launches the same collectives in the same order);
 2. encode each group (adding error-feedback residuals on lossy routes) and launch its
-   one payload collective asynchronously; qsum first agrees a scale (MAX);
+   one payload collective asynchronously; qsum encodes with a scale every rank already
+   agrees on (see "qsum scales" below);
 3. launch the control word: an all-gather of [non-finite flag, loss, has loss,
-   per-slice scales] — averaged in rank order, so bits match on every rank and in the
-   one-process replay (only buckets with a lossy group, and the step's first bucket);
+   per-slice sign scales, per-slice qsum max |x|] — averaged in rank order, so bits
+   match on every rank and in the one-process replay (only buckets with a lossy group,
+   and the step's first bucket);
 4. return a future whose callback decodes, writes every slice back to its own offset,
    and zeroes the bucket on all ranks if any rank saw a non-finite gradient.
 
 No collective is ever launched from a callback (callbacks finish in different orders on
 different ranks). What the control words say is folded into the health state at the
 start of the next step, before any route for that step is chosen.
+
+qsum scales ("delayed scaling", as FP8 training recipes scale by an amax history):
+every rank must encode with the same scale before its lanes can be summed. Agreeing it
+in the step itself is a blocking all-reduce (MAX) inside the hook, and on a busy link
+that small collective queues behind the payloads already in flight, stalling backward.
+So a slice that was on qsum in the previous step encodes with the max of its agreed
+max |x| over the last `AMAX_HISTORY` steps (carried by the control words, identical on
+every rank); elements beyond it saturate at +-scale (counted in
+`StepStats.saturated_slices`; the next step's scale covers them). A slice's first qsum
+step, or its first after a gap, agrees exactly with the blocking MAX
+(`StepStats.scale_rounds`). `qsum_scale="exact"` always does.
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
@@ -43,6 +56,9 @@ log = logging.getLogger(__name__)
 
 _CTRL_HEAD = 3  # nonfinite, loss, has_loss
 HISTORY_STEPS = 4096
+AMAX_HISTORY = 16
+"""Steps of agreed max |x| a qsum slice's delayed scale is the max of."""
+QSUM_SCALES = ("delayed", "exact")
 
 
 @dataclass(slots=True)
@@ -52,9 +68,11 @@ class _Launched:
     group: Group
     future: torch.futures.Future
     scale_cols: list[int] | None
-    """Columns of the control word that hold this group's per-slice scales."""
+    """Columns of the control word that hold this group's per-slice sign scales."""
     shared: torch.Tensor | None
-    """The scale qsum encoded with (agreed by MAX before encoding)."""
+    """The scale qsum encoded with (delayed, or agreed by MAX before encoding)."""
+    amax_cols: list[int] | None = None
+    """Columns of the control word that hold this group's per-slice max |x| (qsum)."""
 
 
 @dataclass(slots=True)
@@ -74,6 +92,10 @@ class _BucketRecord:
     probe_cosine: float | None = None
     probe_regions: frozenset[str] = frozenset()
     pending_residuals: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending_amax: dict[str, float] = field(default_factory=dict)
+    """Agreed (MAX over ranks) max |x| per qsum slice this step, for the delayed scales."""
+    saturated_slices: int = 0
+    scale_rounds: int = 0
     buffer: torch.Tensor | None = None
     launched: list[_Launched] = field(default_factory=list)
     gathered: torch.Tensor | None = None
@@ -95,8 +117,12 @@ class Runtime:
         cost_model: CostModel | None = None,
         seed: int = 0,
         head_modules: tuple[str, ...] | None = None,
+        qsum_scale: str = "delayed",
     ) -> None:
+        if qsum_scale not in QSUM_SCALES:
+            raise ValueError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
         self.profile = profile
+        self.qsum_scale = qsum_scale
         self.group = getattr(ddp, "process_group", None)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -108,6 +134,8 @@ class Runtime:
         self.regions = {n: b.region for n, b in self.bindings.items()}
         self.plans: dict[tuple[int, ...], BucketPlan] = {}
         self.residuals: dict[str, torch.Tensor] = {}
+        self.amax: dict[str, deque[tuple[int, float]]] = {}
+        """Per qsum slice: (step, agreed max |x|) of its latest consecutive qsum steps."""
         self.health = health_mod.HealthState()
         self.seed = seed
         self.param_index = {n: i for i, n in enumerate(self.names.values())}
@@ -140,6 +168,7 @@ class Runtime:
             "step": self.step,
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "health": self.health.to_dict(),
+            "amax": {k: [list(e) for e in h] for k, h in self.amax.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,6 +177,9 @@ class Runtime:
         self.step = int(state["step"])
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
         self.health = health_mod.HealthState.from_dict(state["health"])
+        # absent in states saved before delayed scaling: those slices agree exactly once
+        self.amax = {k: deque(((int(st), float(a)) for st, a in h), maxlen=AMAX_HISTORY)
+                     for k, h in state.get("amax", {}).items()}
 
     # ---- the hook -------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -170,7 +202,7 @@ class Runtime:
         if bucket.is_last():
             self._saw_last = True
 
-        scales: list[torch.Tensor] = []
+        ctrl_cols: list[torch.Tensor] = []  # per-slice columns of the control word after its head
         probe_parts: list[torch.Tensor] = []
         nonfinite = False
         for group in routes.groups:
@@ -188,11 +220,18 @@ class Runtime:
                 probe_parts.append(x[_probe_index(group.numel)].clone())  # a strided sample, before EF
             if use_ef and group.lossy:
                 self._add_residuals(x, group)
-            shared = None
+            shared = amax_cols = None
             if red.needs_shared_scale:
-                shared = red.local_scale(x, group.lengths)
-                nonfinite |= not bool(torch.isfinite(shared).all())
-                dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
+                amax = red.local_scale(x, group.lengths)
+                nonfinite |= not bool(torch.isfinite(amax).all())
+                shared = self._delayed_scale(group)
+                if shared is None:  # no recent agreed history: agree now (blocking)
+                    shared = amax.clone()
+                    dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
+                    rec.scale_rounds += 1
+                else:  # qsum's wire_bytes counts the MAX round this step did not send
+                    rec.wire_bytes -= allreduce_factor(w) * 4 * len(group.slices)
+                amax_cols = _columns(ctrl_cols, amax)
             enc = red.encode(x, group.lengths, w, shared, self._noise(group) if red.needs_shared_scale else None)
             if use_ef and enc.local is not None:
                 self._stage_residuals(rec, group, x - enc.local)
@@ -200,10 +239,9 @@ class Runtime:
             if enc.scales is not None:
                 # a non-finite element makes its segment's scale non-finite: no extra pass
                 nonfinite |= not bool(torch.isfinite(enc.scales).all())
-                start = _CTRL_HEAD + sum(t.numel() for t in scales)
-                scale_cols = list(range(start, start + enc.scales.numel()))
-                scales.append(enc.scales)
-            rec.launched.append(_Launched(group, red.launch(enc.payload, w, self.group), scale_cols, shared))
+                scale_cols = _columns(ctrl_cols, enc.scales)
+            rec.launched.append(_Launched(group, red.launch(enc.payload, w, self.group), scale_cols, shared,
+                                          amax_cols))
 
         if probe_parts:
             self._probed = True
@@ -220,7 +258,7 @@ class Runtime:
         if routes.has_lossy or carrier:
             loss = self._loss_local if carrier else None
             head = torch.tensor([float(nonfinite), loss or 0.0, float(loss is not None)])
-            ctrl = torch.cat([head, *scales])
+            ctrl = torch.cat([head, *ctrl_cols])
             rec.gathered = torch.empty(w * ctrl.numel())
             futs.append(all_gather_flat(rec.gathered, ctrl, group=self.group, async_op=True).get_future())
             rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
@@ -250,6 +288,8 @@ class Runtime:
                         _scatter(buffer, group, reduced)
                     continue
                 red = REDUCERS[group.key]
+                if launched.amax_cols is not None:
+                    self._stage_amax(rec, launched, table)
                 scale_mean = mean_of_ranks(table[:, launched.scale_cols]) if launched.scale_cols else launched.shared
                 if group.whole:  # decode straight into the bucket: no temporary, no copy
                     out = red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=buffer)
@@ -304,6 +344,29 @@ class Runtime:
                 x[pos : pos + s.numel].add_(r)
             pos += s.numel
 
+    def _delayed_scale(self, group: Group) -> torch.Tensor | None:
+        """The group's delayed qsum scales: the max of each slice's agreed history, or None
+        (agree now) when any slice was not on qsum in the previous step."""
+        if self.qsum_scale != "delayed":
+            return None
+        out = []
+        for s in group.slices:
+            h = self.amax.get(s.name)
+            if not h or h[-1][0] != self.step - 1:
+                return None
+            out.append(max(a for _, a in h))
+        return torch.tensor(out, dtype=torch.float32)
+
+    @staticmethod
+    def _stage_amax(rec: _BucketRecord, launched: _Launched, table: torch.Tensor | None) -> None:
+        """Record the slices' agreed max |x| (MAX over ranks' control words), and count the
+        slices whose elements saturated at the scale they were encoded with."""
+        assert table is not None and launched.shared is not None and launched.amax_cols is not None
+        agreed = table[:, launched.amax_cols].amax(dim=0)
+        rec.saturated_slices += int((agreed > launched.shared).sum())
+        for s, a in zip(launched.group.slices, agreed.tolist(), strict=True):
+            rec.pending_amax[s.name] = a
+
     def _stage_residuals(self, rec: _BucketRecord, group: Group, resid: torch.Tensor) -> None:
         pos = 0
         for s in group.slices:
@@ -321,6 +384,14 @@ class Runtime:
                 start = s.offset if whole_buffer is not None else pos
                 x[start : start + s.numel].add_(r)
             pos += s.numel
+
+    def _fold_amax(self, agreed: dict[str, float]) -> None:
+        """Append this step's agreed max |x| to each slice's history (restarted after a gap)."""
+        for name, a in agreed.items():
+            h = self.amax.get(name)
+            if h is None or h[-1][0] != self.step - 1:
+                h = self.amax[name] = deque(maxlen=AMAX_HISTORY)
+            h.append((self.step, a))
 
     def _begin_step(self) -> None:
         self._step_open = True
@@ -345,6 +416,10 @@ class Runtime:
             st.skipped |= r.nonfinite
             st.grad_norm += r.grad_sq
             st.hook_time_s += r.hook_time_s
+            st.saturated_slices += r.saturated_slices
+            st.scale_rounds += r.scale_rounds
+            if not r.nonfinite:
+                self._fold_amax(r.pending_amax)
             if r.probe_cosine is not None:
                 st.fidelity_cosine, probe_regions = r.probe_cosine, r.probe_regions
         st.grad_norm = math.sqrt(st.grad_norm)
@@ -382,6 +457,13 @@ sample estimates the cosine well and keeps the probe's bytes negligible."""
 def _probe_index(numel: int) -> slice:
     """The elements a fidelity probe samples from a group of `numel`: every k-th."""
     return slice(0, numel, max(1, -(-numel // PROBE_ELEMENTS)))
+
+
+def _columns(ctrl_cols: list[torch.Tensor], values: torch.Tensor) -> list[int]:
+    """Append `values` to the control word's columns; the indices they will occupy."""
+    start = _CTRL_HEAD + sum(t.numel() for t in ctrl_cols)
+    ctrl_cols.append(values)
+    return list(range(start, start + values.numel()))
 
 
 def _gather(buffer: torch.Tensor, group: Group) -> torch.Tensor:

@@ -28,6 +28,10 @@ class StepStats:
     grad_norm: float = 0.0
     loss: float | None = None
     hook_time_s: float = 0.0
+    saturated_slices: int = 0
+    """qsum slices whose elements exceeded their delayed scale (clipped to +-scale)."""
+    scale_rounds: int = 0
+    """Blocking qsum scale agreements this step (a slice's first qsum step, or exact mode)."""
     buckets: int = 0
     events: list[str] = field(default_factory=list)
 

@@ -120,8 +120,12 @@ class CommConfig:
     """`measure` (a short collective benchmark at start, kept for resumes), `none`, or a JSON path."""
     bucket_cap_mb: float = 25.0
     """DDP bucket size in MB."""
+    qsum_scale: str = "delayed"
+    """q8/q4/q2 scales: `delayed` (from recent steps' agreed max |x|; no blocking round) or `exact`."""
 
     def __post_init__(self) -> None:
+        if self.qsum_scale not in ("delayed", "exact"):
+            raise ConfigError(f"comm.qsum_scale must be delayed or exact, got {self.qsum_scale!r}")
         if isinstance(self.route, str) and not self.route:
             raise ConfigError("comm.route must not be empty")
         if self.bucket_cap_mb <= 0:

@@ -154,6 +154,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             ddp, profile=cfg.comm.profile, route=cfg.comm.route, error_feedback=cfg.comm.error_feedback,
             total_steps=cfg.steps, cost_model=cm, seed=cfg.seed, head_modules=spec.head_modules,
             model_signature=model_signature(module) if cfg.comm.profile else None,
+            qsum_scale=cfg.comm.qsum_scale,
         )
     optimizer = build_optimizer(spec, module, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
