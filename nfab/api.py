@@ -27,6 +27,7 @@ def attach(
     head_modules: tuple[str, ...] | None = None,
     model_signature: str | None = None,
     qsum_scale: str = "delayed",
+    coalesce: bool = True,
 ) -> Runtime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
 
@@ -43,6 +44,10 @@ def attach(
     `qsum_scale`: "delayed" (default: q8/q4/q2 slices encode with the max of their agreed
     max |x| over recent steps, so the hook never blocks on a scale agreement) or "exact"
     (agree each step's scale with a blocking MAX all-reduce; what calibrate replays).
+
+    `coalesce`: a bucket with a signgather group goes out as ONE all-gather (control word
+    and every group's payload) when that is modelled cheaper than a collective per group
+    (always at W=2). False keeps one collective per group (for A/B comparisons).
     """
     if qsum_scale not in QSUM_SCALES:
         raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
@@ -66,6 +71,6 @@ def attach(
         cm = cost_model
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=error_feedback,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
-                      qsum_scale=qsum_scale)
+                      qsum_scale=qsum_scale, coalesce=coalesce)
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime

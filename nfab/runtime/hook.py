@@ -59,6 +59,10 @@ HISTORY_STEPS = 4096
 AMAX_HISTORY = 16
 """Steps of agreed max |x| a qsum slice's delayed scale is the max of."""
 QSUM_SCALES = ("delayed", "exact")
+SIGNGATHER = "signgather"
+COALESCE_EXTRA_BYTES = 64 * 1024
+"""Without a cost model, a bucket is coalesced into one all-gather when that sends at
+most this many bytes more than separate collectives would (zero at W=2)."""
 
 
 @dataclass(slots=True)
@@ -66,13 +70,18 @@ class _Launched:
     """One group's payload collective in flight, and what decoding it needs."""
 
     group: Group
-    future: torch.futures.Future
+    future: torch.futures.Future | None
+    """The group's own collective (None while unlaunched, or when it rides the coalesced gather)."""
     scale_cols: list[int] | None
     """Columns of the control word that hold this group's per-slice sign scales."""
     shared: torch.Tensor | None
     """The scale qsum encoded with (delayed, or agreed by MAX before encoding)."""
     amax_cols: list[int] | None = None
     """Columns of the control word that hold this group's per-slice max |x| (qsum)."""
+    payload: torch.Tensor | None = None
+    """What the group sends, until it is launched."""
+    part: tuple[int, int, torch.dtype] | None = None
+    """(byte offset, bytes, dtype) of the payload in each row of the coalesced all-gather."""
 
 
 @dataclass(slots=True)
@@ -99,7 +108,12 @@ class _BucketRecord:
     buffer: torch.Tensor | None = None
     launched: list[_Launched] = field(default_factory=list)
     gathered: torch.Tensor | None = None
-    """This bucket's all-gathered control word (W rows), when one was sent."""
+    """This bucket's all-gathered control word (W rows), when one was sent on its own."""
+    coalesced: torch.Tensor | None = None
+    """The bucket's one all-gather (W rows of control word + payloads), when coalesced."""
+    ctrl_numel: int = 0
+    """Length of the control word at the start of each coalesced row (0: none)."""
+    collectives: int = 0
     probe: torch.futures.Future | None = None
 
 
@@ -118,11 +132,14 @@ class Runtime:
         seed: int = 0,
         head_modules: tuple[str, ...] | None = None,
         qsum_scale: str = "delayed",
+        coalesce: bool = True,
     ) -> None:
         if qsum_scale not in QSUM_SCALES:
             raise ValueError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
         self.profile = profile
         self.qsum_scale = qsum_scale
+        self.coalesce = coalesce
+        """Send a bucket with a signgather group as one all-gather when that is cheaper."""
         self.group = getattr(ddp, "process_group", None)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -208,13 +225,12 @@ class Runtime:
         for group in routes.groups:
             red = REDUCERS[group.key]
             rec.elements[group.label] = rec.elements.get(group.label, 0) + group.numel
-            rec.wire_bytes += red.wire_bytes(group.numel, w, len(group.slices))
             # a whole-bucket group works on the bucket itself: it is overwritten by the result
             x = buffer if group.whole else _gather(buffer, group)
             if group.key == FP32:
                 self._flush_residuals(x, group, buffer if group.whole else None)
                 x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W)
-                rec.launched.append(_Launched(group, red.launch(x, w, self.group), None, None))
+                rec.launched.append(_Launched(group, None, None, None, payload=x))
                 continue
             if probing:
                 probe_parts.append(x[_probe_index(group.numel)].clone())  # a strided sample, before EF
@@ -229,8 +245,8 @@ class Runtime:
                     shared = amax.clone()
                     dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
                     rec.scale_rounds += 1
-                else:  # qsum's wire_bytes counts the MAX round this step did not send
-                    rec.wire_bytes -= allreduce_factor(w) * 4 * len(group.slices)
+                    rec.collectives += 1
+                    rec.wire_bytes += allreduce_factor(w) * shared.numel() * 4
                 amax_cols = _columns(ctrl_cols, amax)
             enc = red.encode(x, group.lengths, w, shared, self._noise(group) if red.needs_shared_scale else None)
             if use_ef and enc.local is not None:
@@ -240,8 +256,7 @@ class Runtime:
                 # a non-finite element makes its segment's scale non-finite: no extra pass
                 nonfinite |= not bool(torch.isfinite(enc.scales).all())
                 scale_cols = _columns(ctrl_cols, enc.scales)
-            rec.launched.append(_Launched(group, red.launch(enc.payload, w, self.group), scale_cols, shared,
-                                          amax_cols))
+            rec.launched.append(_Launched(group, None, scale_cols, shared, amax_cols, payload=enc.payload))
 
         if probe_parts:
             self._probed = True
@@ -249,23 +264,97 @@ class Runtime:
             rec.probe_regions = frozenset(s.region for g in routes.groups if g.lossy for s in g.slices)
             rec.wire_bytes += allreduce_factor(w) * probe.numel() * 4
             rec.probe = REDUCERS[FP32].launch(probe, w, self.group)
+            rec.collectives += 1
 
         # The control word rides with every bucket that has a lossy group (its scales and
         # a non-finite flag that decoding would otherwise hide) and with the step's first
         # bucket (the loss). FP32-only buckets need none: a non-finite element on any rank
         # shows in the reduced result itself, identically on every rank.
-        futs = [launched.future for launched in rec.launched]
+        ctrl = None
         if routes.has_lossy or carrier:
             loss = self._loss_local if carrier else None
             head = torch.tensor([float(nonfinite), loss or 0.0, float(loss is not None)])
             ctrl = torch.cat([head, *ctrl_cols])
-            rec.gathered = torch.empty(w * ctrl.numel())
-            futs.append(all_gather_flat(rec.gathered, ctrl, group=self.group, async_op=True).get_future())
-            rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
+        if self._coalesce(routes.groups):
+            futs = [self._launch_coalesced(rec, ctrl)]
+        else:
+            futs = self._launch_each(rec, ctrl)
         if rec.probe is not None:
             futs.append(rec.probe)
         rec.hook_time_s += time.perf_counter() - t0
         return torch.futures.collect_all(futs).then(lambda done: self._finish_bucket(rec, done))
+
+    def _launch_each(self, rec: _BucketRecord, ctrl: torch.Tensor | None) -> list[torch.futures.Future]:
+        """One collective per group, as its reducer sends it, plus the control word's all-gather."""
+        w = self.world_size
+        futs = []
+        for launched in rec.launched:
+            payload, launched.payload = launched.payload, None
+            assert payload is not None
+            key = launched.group.key
+            factor = allgather_factor(w) if key == SIGNGATHER else allreduce_factor(w)
+            rec.wire_bytes += factor * payload.numel() * payload.element_size()
+            launched.future = REDUCERS[key].launch(payload, w, self.group)
+            futs.append(launched.future)
+        if ctrl is not None:
+            rec.gathered = torch.empty(w * ctrl.numel())
+            futs.append(all_gather_flat(rec.gathered, ctrl, group=self.group, async_op=True).get_future())
+            rec.wire_bytes += allgather_factor(w) * ctrl.numel() * 4
+        rec.collectives += len(futs)
+        return futs
+
+    def _launch_coalesced(self, rec: _BucketRecord, ctrl: torch.Tensor | None) -> torch.futures.Future:
+        """The control word and every group's payload as the bytes of ONE all-gather.
+
+        Each rank then combines the W copies of each payload as its collective would have
+        (`Reducer.combine`: the integer lane SUM for qsum, rank-order sums for fp32/bf16,
+        the rows for signgather), so results match the per-group path on every rank.
+        """
+        w = self.world_size
+        parts: list[torch.Tensor] = []
+        written = 0
+
+        def put(data: torch.Tensor) -> int:
+            """Append `data`'s bytes at the next 8-byte boundary; their offset."""
+            nonlocal written
+            at = _aligned(written)
+            if at > written:
+                parts.append(torch.zeros(at - written, dtype=torch.uint8))
+            raw = data.contiguous().view(torch.uint8)
+            parts.append(raw)
+            written = at + raw.numel()
+            return at
+
+        if ctrl is not None:
+            put(ctrl)
+            rec.ctrl_numel = ctrl.numel()
+        for launched in rec.launched:
+            assert launched.payload is not None
+            payload, launched.payload = launched.payload, None
+            launched.part = (put(payload), payload.numel() * payload.element_size(), payload.dtype)
+        flat = torch.cat(parts)
+        rec.coalesced = torch.empty(w * flat.numel(), dtype=torch.uint8)
+        rec.wire_bytes += allgather_factor(w) * flat.numel()
+        rec.collectives += 1
+        return all_gather_flat(rec.coalesced, flat, group=self.group, async_op=True).get_future()
+
+    def _coalesce(self, groups: tuple[Group, ...]) -> bool:
+        """Send the bucket as one all-gather? Only beside a signgather group (whose payload is
+        an all-gather anyway), and only when gathering the other payloads (W copies instead
+        of a ring all-reduce's 2(W-1)/W) costs less wire time than the collectives it saves."""
+        if not self.coalesce or not any(g.key == SIGNGATHER for g in groups):
+            return False
+        w = self.world_size
+        others = [g for g in groups if g.key != SIGNGATHER]
+        extra = sum((allgather_factor(w) - allreduce_factor(w)) * REDUCERS[g.key].payload_bytes(g.numel, w)
+                    for g in others)
+        if extra <= 0:
+            return True
+        cm = self.controller.cost_model
+        if cm is None:
+            return extra <= COALESCE_EXTRA_BYTES
+        saved = cm.allgather.latency_s + cm.allreduce.latency_s * len(others)
+        return extra / cm.allgather.bandwidth_bps < saved
 
     def _finish_bucket(self, rec: _BucketRecord, done: torch.futures.Future) -> torch.Tensor:
         """Decode every group into its slices; agree on non-finite buckets. Runs as a future
@@ -274,7 +363,11 @@ class Runtime:
         t1 = time.perf_counter()
         w, buffer = self.world_size, rec.buffer
         assert buffer is not None
-        table = rec.gathered.view(w, -1) if rec.gathered is not None else None
+        rows = rec.coalesced.view(w, -1) if rec.coalesced is not None else None
+        if rows is not None and rec.ctrl_numel:
+            table = rows[:, : 4 * rec.ctrl_numel].contiguous().view(torch.float32)
+        else:
+            table = rec.gathered.view(w, -1) if rec.gathered is not None else None
         if table is not None:
             rec.nonfinite = bool(table[:, 0].sum() > 0)
             has = table[:, 2] > 0
@@ -282,12 +375,19 @@ class Runtime:
         decoded_lossy = []
         if not rec.nonfinite:
             for launched in rec.launched:
-                group, reduced = launched.group, launched.future.value()
+                group, red = launched.group, REDUCERS[launched.group.key]
+                if launched.part is not None:  # this group's W payloads inside the one all-gather
+                    assert rows is not None
+                    off, nbytes, dtype = launched.part
+                    payloads = rows[:, off : off + nbytes].contiguous().view(dtype)
+                    reduced = red.combine(list(payloads))
+                else:
+                    assert launched.future is not None
+                    reduced = launched.future.value()
                 if group.key == FP32:
                     if not group.whole:
                         _scatter(buffer, group, reduced)
                     continue
-                red = REDUCERS[group.key]
                 if launched.amax_cols is not None:
                     self._stage_amax(rec, launched, table)
                 scale_mean = mean_of_ranks(table[:, launched.scale_cols]) if launched.scale_cols else launched.shared
@@ -309,7 +409,7 @@ class Runtime:
                 rec.probe_cosine = float(torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30))
             self.residuals.update(rec.pending_residuals)
         rec.grad_sq = grad_sq
-        rec.launched, rec.gathered, rec.probe, rec.buffer = [], None, None, None  # free tensors early
+        rec.launched, rec.gathered, rec.coalesced, rec.probe, rec.buffer = [], None, None, None, None  # free early
         rec.hook_time_s += time.perf_counter() - t1
         return buffer
 
@@ -418,6 +518,7 @@ class Runtime:
             st.hook_time_s += r.hook_time_s
             st.saturated_slices += r.saturated_slices
             st.scale_rounds += r.scale_rounds
+            st.collectives += r.collectives
             if not r.nonfinite:
                 self._fold_amax(r.pending_amax)
             if r.probe_cosine is not None:
@@ -464,6 +565,11 @@ def _columns(ctrl_cols: list[torch.Tensor], values: torch.Tensor) -> list[int]:
     start = _CTRL_HEAD + sum(t.numel() for t in ctrl_cols)
     ctrl_cols.append(values)
     return list(range(start, start + values.numel()))
+
+
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of 8 (every payload dtype can be viewed in place)."""
+    return -(-nbytes // 8) * 8
 
 
 def _gather(buffer: torch.Tensor, group: Group) -> torch.Tensor:

@@ -33,6 +33,8 @@ class StepStats:
     scale_rounds: int = 0
     """Blocking qsum scale agreements this step (a slice's first qsum step, or exact mode)."""
     buckets: int = 0
+    collectives: int = 0
+    """Collectives launched (payloads, control words, scale rounds, probes; a coalesced bucket is one)."""
     events: list[str] = field(default_factory=list)
 
     @property

@@ -30,12 +30,12 @@ def _local_grads(model: torch.nn.Module, x, y) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
 
 
-def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool) -> dict:
+def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool, coalesce: bool) -> dict:
     torch.manual_seed(0)
     model = twins.Awkward()
     regions = {n: b.region for n, b in classify(model).items()}
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
-    rt = nfab.attach(ddp, route=MIXED, error_feedback=error_feedback, cost_model=None)
+    rt = nfab.attach(ddp, route=MIXED, error_feedback=error_feedback, cost_model=None, coalesce=coalesce)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     report = {"fp32_mismatch": [], "sign_mismatch": [], "replica_mismatch": [], "regions": regions, "stats": []}
     for step in range(steps):
@@ -71,9 +71,10 @@ def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool) -> dict
 
 
 @pytest.mark.world_size(3)
-@pytest.mark.parametrize("world_size,error_feedback", [(2, True), (3, False)])
-def test_mixed_bucket_keeps_fp32_semantics_and_majority_signs(world_size, error_feedback):
-    res = run_ranks(_mixed, world_size, 6, error_feedback, timeout_s=180)
+@pytest.mark.parametrize("world_size,error_feedback,coalesce", [(2, True, True), (3, False, True), (2, False, False),
+                                                                (3, True, False)])
+def test_mixed_bucket_keeps_fp32_semantics_and_majority_signs(world_size, error_feedback, coalesce):
+    res = run_ranks(_mixed, world_size, 6, error_feedback, coalesce, timeout_s=180)
     for r in res:
         assert r["fp32_mismatch"] == []
         assert r["sign_mismatch"] == []
@@ -83,6 +84,9 @@ def test_mixed_bucket_keeps_fp32_semantics_and_majority_signs(world_size, error_
     mix = stats[-1].route_mix
     assert mix.get("fp32", 0) > 0 and mix.get("signgather", 0) + mix.get("signcount", 0) > 0.5
     assert 0 < stats[-1].wire_bytes < stats[-1].fp32_wire_bytes / 4
+    # coalesced: one all-gather per bucket; else a collective per group plus control words
+    per_bucket = stats[-1].collectives / stats[-1].buckets
+    assert per_bucket == 1.0 if coalesce else per_bucket > 2.0
     # step 0 is a probe step: one bucket's lossy slices were also sampled in FP32
     assert stats[0].fidelity_cosine is not None and 0.2 < stats[0].fidelity_cosine <= 1.0
     assert all(s.fidelity_cosine is None for s in stats[1:])
