@@ -225,6 +225,13 @@ class Runtime:
         for group in routes.groups:
             red = REDUCERS[group.key]
             rec.elements[group.label] = rec.elements.get(group.label, 0) + group.numel
+            if group.lossy and not (group.whole or red.needs_shared_scale or probing or use_ef):
+                # nothing to add or sample: encode the slices where they lie, no gathered copy
+                enc = red.encode_views(_views(buffer, group), group.lengths, w)
+                nonfinite |= enc.scales is not None and not bool(torch.isfinite(enc.scales).all())
+                scale_cols = _columns(ctrl_cols, enc.scales) if enc.scales is not None else None
+                rec.launched.append(_Launched(group, None, scale_cols, None, payload=enc.payload))
+                continue
             # a whole-bucket group works on the bucket itself: it is overwritten by the result
             x = buffer if group.whole else _gather(buffer, group)
             if group.key == FP32:
@@ -393,7 +400,10 @@ class Runtime:
                 scale_mean = mean_of_ranks(table[:, launched.scale_cols]) if launched.scale_cols else launched.shared
                 if group.whole:  # decode straight into the bucket: no temporary, no copy
                     out = red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=buffer)
-                else:
+                elif rec.probe is None:  # decode, scale and write each slice at its offset, one pass
+                    red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=_views(buffer, group))
+                    continue
+                else:  # the probe compares the group's decoded values as one tensor
                     out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
                     _scatter(buffer, group, out)
                 if rec.probe is not None and group.lossy:
@@ -577,6 +587,11 @@ def _gather(buffer: torch.Tensor, group: Group) -> torch.Tensor:
     if group.whole:
         return buffer.clone()
     return torch.cat([buffer[s.offset : s.offset + s.numel] for s in group.slices])
+
+
+def _views(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """The group's slices as views of the bucket (decode destinations)."""
+    return [buffer[s.offset : s.offset + s.numel] for s in group.slices]
 
 
 def _scatter(buffer: torch.Tensor, group: Group, values: torch.Tensor) -> None:

@@ -92,6 +92,13 @@ def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int
     return x
 
 
+def scale_segments_into(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
+                        dests: Sequence[torch.Tensor]) -> None:
+    """dests[i] = segment i of `x` times scales[i]: scaling and scattering in one pass."""
+    for part, s, d in zip(torch.split(x, list(lengths)), scales.tolist(), dests, strict=True):
+        torch.mul(part, s, out=d)
+
+
 def sign_bits(x: torch.Tensor) -> torch.Tensor:
     """One vote per element: True where x >= 0 (a zero votes positive, as in signSGD).
 

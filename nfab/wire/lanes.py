@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -290,6 +291,38 @@ def _pack_bytes_np(v: np.ndarray, layout: LaneLayout, is_bool: bool = False) -> 
 _SIGN_CHUNK = 1 << 16  # x elements per pass of the fused sign encoder (chunk + scratch stay in L2)
 
 
+def segment_abs_sums(segments: Sequence[torch.Tensor]) -> np.ndarray:
+    """sum |x| of each segment (float64), in chunks counted from the segment's own start.
+
+    A parameter's scale must not depend on where DDP put it in a bucket (the first
+    iteration after a resume uses DDP's initial layout, later ones the rebuilt layout),
+    nor on whether the segments arrive as one tensor or as views of the bucket.
+    """
+    sums = np.zeros(len(segments), dtype=np.float64)
+    longest = max((t.numel() for t in segments), default=0)
+    absbuf = torch.empty(min(_SIGN_CHUNK, max(longest, 1)), dtype=torch.float32)
+    for si, seg in enumerate(segments):
+        for i in range(0, seg.numel(), _SIGN_CHUNK):
+            j = min(i + _SIGN_CHUNK, seg.numel())
+            part = absbuf[: j - i]
+            torch.abs(seg[i:j], out=part)
+            sums[si] += part.sum().item()
+    return sums
+
+
+def sign_bits_views(segments: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """Votes (x >= 0) of consecutive segments packed 1 bit per element, little-endian, and
+    their |x| sums: `sign_pack` for the 1-bit layout, read straight from views of a bucket
+    (fp32, 1-D, contiguous, on CPU) with no gathered copy. Same bits as `sign_pack`."""
+    n = sum(t.numel() for t in segments)
+    votes = np.zeros(-(-n // 8) * 8, dtype=np.uint8)
+    pos = 0
+    for seg in segments:
+        np.greater_equal(seg.numpy(), np.float32(0), out=votes[pos : pos + seg.numel()].view(np.bool_))
+        pos += seg.numel()
+    return torch.from_numpy(np.packbits(votes, bitorder="little")), segment_abs_sums(segments)
+
+
 def sign_pack_supported(x: torch.Tensor, layout: LaneLayout) -> bool:
     """Whether `sign_pack` has a fused CPU path for this input and layout."""
     if not (_numpy_ok(x) and x.dtype == torch.float32 and x.dim() == 1 and x.is_contiguous()):
@@ -313,24 +346,10 @@ def sign_pack(
     Requires `sign_pack_supported(x, layout)`.
     """
     xn = x.numpy()
-    xt = x
     n = xn.size
     b, lanes = layout.lane_bits, layout.lanes
     m = layout.containers_for(n)
-    sums = np.zeros(len(lengths), dtype=np.float64)
-    ends = np.cumsum(np.asarray(lengths, dtype=np.int64)).tolist()
-    absbuf = torch.empty(min(_SIGN_CHUNK, max(n, 1)), dtype=torch.float32)
-    # |x| per segment in chunks counted from the segment's own start: a parameter's scale
-    # must not depend on where DDP put it in a bucket (the first iteration after a resume
-    # uses DDP's initial layout, later ones the rebuilt layout).
-    start = 0
-    for si, end in enumerate(ends):
-        for i in range(start, end, _SIGN_CHUNK):
-            j = min(i + _SIGN_CHUNK, end)
-            part = absbuf[: j - i]
-            torch.abs(xt[i:j], out=part)
-            sums[si] += part.sum().item()
-        start = end
+    sums = segment_abs_sums(torch.split(x, lengths))
     vbuf = np.zeros(_SIGN_CHUNK + 8, dtype=np.uint8)
     bits = np.empty(-(-n // 8), dtype=np.uint8) if want_bits else None
 

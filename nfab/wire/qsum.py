@@ -7,7 +7,15 @@ from collections.abc import Sequence
 import torch
 
 from nfab.wire.lanes import layout_for, pack
-from nfab.wire.reducer import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, decode_scaled
+from nfab.wire.reducer import (
+    Capacity,
+    Encoded,
+    Reducer,
+    allreduce_factor,
+    allreduce_future,
+    decode_scaled,
+    finish_segments,
+)
 
 
 class QSum(Reducer):
@@ -55,18 +63,22 @@ class QSum(Reducer):
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
         assert shared_scale is not None, "qsum needs the shared (MAX) scale"
         m = self.max_level(world_size)
-        t = torch.empty_like(x, dtype=torch.float32)
-        start = 0
-        for n, s in zip(lengths, shared_scale.tolist(), strict=True):
-            torch.div(x[start : start + n], s if s > 0 else 1.0, out=t[start : start + n])
-            start += n
+        lengths = list(lengths)
+        safe = torch.where(shared_scale > 0, shared_scale, torch.ones_like(shared_scale)).to(torch.float32)
+        if len(lengths) == 1:
+            t = torch.div(x, safe.reshape(-1)[0])
+        else:  # one division for all segments (a bucket's norms and biases are many small ones)
+            t = torch.div(x, torch.repeat_interleave(safe, torch.tensor(lengths), output_size=x.numel()))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
         t.add_(_uniform_noise(t, lengths, generator))
         levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
         payload = pack(levels, self._layout)
-        local = decode_scaled(payload, self._layout, x.numel(), self.level_values(world_size, 1, x.device),
-                               shared_scale, lengths)
-        return Encoded(payload, None, local)
+        values = self.level_values(world_size, 1, x.device)
+
+        def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
+            return finish_segments(values[levels.long()], shared_scale, lengths, None)
+
+        return Encoded(payload, None, make_local=local)
 
     def launch(self, payload, world_size, group):
         return allreduce_future(payload, group)

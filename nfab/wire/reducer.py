@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -143,6 +144,12 @@ class Reducer(ABC):
         generator: torch.Generator | None = None,
     ) -> Encoded: ...
 
+    def encode_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int) -> Encoded:
+        """`encode` of the concatenated `views` (segments read in place, e.g. a mixed
+        bucket's slices), for reducers that need no shared scale or noise. Reducers that
+        can read the views directly override this to skip the gathered copy."""
+        return self.encode(torch.cat(list(views)), lengths, world_size)
+
     @abstractmethod
     def launch(self, payload: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.futures.Future:
         """Start the one payload collective asynchronously; the future's value is the result."""
@@ -165,12 +172,14 @@ class Reducer(ABC):
         numel: int,
         lengths: Sequence[int],
         world_size: int,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        out: Out = None,
+    ) -> Any:
         """The mean gradient estimate (fp32, length `numel`) from the reduced payload.
 
         With `out` (fp32, `numel` elements, e.g. a slice of the DDP bucket) the estimate is
-        written there and `out` is returned; the values are the same either way.
+        written there and `out` is returned; with a list of per-segment destinations (see
+        `Out`) each segment is written to its own and the list is returned. The values are
+        the same either way.
         """
 
     # ---- shared scales (qsum) -----------------------------------------------------
@@ -249,20 +258,51 @@ def allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) -> 
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def decode_scaled(containers, layout, numel, values, scales, lengths, out=None) -> torch.Tensor:
+Out = torch.Tensor | Sequence[torch.Tensor] | None
+"""Where a decode writes: nowhere (a new tensor), one fp32 tensor of `numel` elements, or
+one destination view per segment (a mixed bucket's slices: decoded, scaled and written
+to their own offsets in one pass, with no temporary group tensor to scatter)."""
+
+
+def split_out(out: Out) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """(one destination tensor or None, per-segment destinations or None)."""
+    if out is None or isinstance(out, torch.Tensor):
+        return out, None
+    dests = list(out)
+    if len(dests) == 1:
+        return dests[0], None
+    return None, dests
+
+
+def finish_segments(unit: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], out: Out) -> Any:
+    """Scale a decode's unit values per segment, in place or into per-segment destinations."""
+    _, dests = split_out(out)
+    if dests is not None:
+        codecs.scale_segments_into(unit, scales, lengths, dests)
+        return dests
+    return codecs.scale_segments_(unit, scales, lengths)
+
+
+def decode_scaled(containers, layout, numel, values, scales, lengths, out: Out = None) -> Any:
     """Table decode times the per-segment scale; one segment folds the scale into the table.
 
     fl(value * scale) is the same number either way, so both branches give identical bits.
     """
+    one, dests = split_out(out)
     if len(lengths) == 1:
-        return decode_table(containers, layout, numel, values * scales.reshape(-1)[0], out)
-    return codecs.scale_segments_(decode_table(containers, layout, numel, values, out), scales, lengths)
+        return decode_table(containers, layout, numel, values * scales.reshape(-1)[0], one)
+    return finish_segments(decode_table(containers, layout, numel, values, one), scales, lengths, out)
 
 
-def write_into(out: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    """`value`, copied into `out` when one is given."""
-    if out is None:
+def write_into(out: Out, value: torch.Tensor) -> Any:
+    """`value`, copied into `out` (one tensor, or per-segment destinations) when one is given."""
+    one, dests = split_out(out)
+    if dests is not None:
+        for part, d in zip(torch.split(value.reshape(-1), [t.numel() for t in dests]), dests, strict=True):
+            d.copy_(part)
+        return dests
+    if one is None:
         return value
-    return out.copy_(value.view(out.shape))
+    return one.copy_(value.view(one.shape))
 
 

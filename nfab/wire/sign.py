@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,10 @@ from nfab.wire.reducer import (
     allgather_factor,
     allreduce_factor,
     allreduce_future,
+    Out,
     decode_scaled,
+    finish_segments,
+    split_out,
     write_into,
 )
 
@@ -58,11 +62,14 @@ class _SignReducer(Reducer):
         return decode_scaled(containers, layout, numel, self._vote_values(layout, world_size, containers.device),
                               scale_mean, lengths, out)
 
-    def _decode_counts(self, counts, scale_mean, lengths, world_size, out=None) -> torch.Tensor:
+    def _decode_counts(self, counts, scale_mean, lengths, world_size, out: Out = None) -> Any:
         table = codecs.vote_table(world_size, self.vote, counts.device)
-        res = write_into(out, table[counts.to(torch.int64)])
+        one, dests = split_out(out)
+        res = table[counts.to(torch.int64)]
         assert scale_mean is not None
-        return codecs.scale_segments_(res, scale_mean, lengths)
+        if dests is None:
+            return codecs.scale_segments_(write_into(one, res), scale_mean, lengths)
+        return finish_segments(res, scale_mean, lengths, dests)
 
 
 class SignCount(_SignReducer):
@@ -119,6 +126,16 @@ class SignGather(_SignReducer):
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
         return self._sign_encode(x, lengths, self._layout)
 
+    def encode_views(self, views, lengths, world_size) -> Encoded:
+        views, lengths = list(views), list(lengths)
+        if not views or not all(_lanes.sign_pack_supported(v, self._layout) for v in views):
+            return super().encode_views(views, lengths, world_size)
+        payload, sums = _lanes.sign_bits_views(views)
+        scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1)).astype(np.float32))
+        bits = payload.numpy()  # an all-gather reads its input and never overwrites it
+        n = sum(lengths)
+        return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
+
     def launch(self, payload, world_size, group):
         out = torch.empty(world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
         work = all_gather_flat(out, payload, group=group, async_op=True)
@@ -130,17 +147,18 @@ class SignGather(_SignReducer):
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
         rows = reduced.view(world_size, -1)
         count_layout = layout_for(count_lane_bits(world_size))
+        one, _ = split_out(out)
         if (_lanes._numpy_ok(reduced) and count_layout.lane_bits <= 4 and numel
-                and (out is None or (out.dtype == torch.float32 and out.is_contiguous() and _lanes._numpy_ok(out)))):
+                and (one is None or (one.dtype == torch.float32 and one.is_contiguous() and _lanes._numpy_ok(one)))):
             # bit-sliced counts, one table lookup per group of elements (vote x scale folded in)
             assert scale_mean is not None
             lengths = list(lengths)
             vals = self._vote_values(count_layout, world_size, reduced.device)
             if len(lengths) == 1:
                 vals = vals * scale_mean.reshape(-1)[0]
-            res = torch.empty(numel, dtype=torch.float32) if out is None else out
+            res = torch.empty(numel, dtype=torch.float32) if one is None else one
             _lanes.decode_bit_rows(rows.contiguous().numpy(), numel, vals.numpy(), res.view(-1).numpy())
-            return res if len(lengths) == 1 else codecs.scale_segments_(res, scale_mean, lengths)
+            return res if len(lengths) == 1 else finish_segments(res, scale_mean, lengths, out)
         small = world_size <= 255
         counts = torch.zeros(numel, dtype=torch.uint8 if small else torch.int32, device=reduced.device)
         for r in range(world_size):

@@ -51,3 +51,38 @@ def test_sign_fast_paths_on_zeros_nan_and_strided_input():
     one = codecs.sign_values(bits, scales[:1], [1001])  # one segment: the scale rides in the table
     assert torch.equal(one, torch.where(bits, 1.0, -1.0) * scales[0])
     assert codecs.sign_values(torch.zeros(0, dtype=torch.bool), scales[:1], [0]).numel() == 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("key", ["allreduce-fp32", "allreduce-bf16", "signcount", "signgather", "qsum-q8",
+                                 "qsum-q4", "qsum-q2"])
+@pytest.mark.parametrize("lengths", [[37], [5, 17, 1, 40, 0, 9]])
+def test_decode_into_per_segment_destinations_matches_one_tensor(key, world_size, lengths):
+    """A mixed bucket's decode writes each slice at its own offset: same bits as decode + scatter."""
+    from nfab.wire.reducers import REDUCERS
+
+    red = REDUCERS[key]
+    if not red.capacity(world_size).ok:
+        pytest.skip("over capacity")
+    g = torch.Generator().manual_seed(world_size * 31 + len(lengths))
+    n = sum(lengths)
+    xs = [torch.randn(n, generator=g) for _ in range(world_size)]
+    shared = torch.stack([red.local_scale(x, lengths) for x in xs]).amax(0) if red.needs_shared_scale else None
+    encs = [red.encode(x, lengths, world_size, shared, torch.Generator().manual_seed(r)) for r, x in enumerate(xs)]
+    reduced = red.combine([e.payload for e in encs])
+    scale = shared if shared is not None else (
+        torch.stack([e.scales for e in encs]).mean(0) if encs[0].scales is not None else None)
+    whole = red.decode(reduced, scale, n, lengths, world_size)
+    bucket = torch.full((3 * n + 8,), 7.0)
+    offsets, at = [], 3
+    for ln in lengths:  # scattered, with gaps that must stay untouched
+        offsets.append(at)
+        at += ln + 2
+    dests = [bucket[o : o + ln] for o, ln in zip(offsets, lengths, strict=True)]
+    red.decode(reduced, scale, n, lengths, world_size, out=dests)
+    got = torch.cat([bucket[o : o + ln] for o, ln in zip(offsets, lengths, strict=True)])
+    assert torch.equal(got, whole)
+    mask = torch.ones_like(bucket, dtype=torch.bool)
+    for o, ln in zip(offsets, lengths, strict=True):
+        mask[o : o + ln] = False
+    assert bool((bucket[mask] == 7.0).all())

@@ -114,3 +114,22 @@ def test_unpack_still_matches_after_fused_pack():
     x = torch.randn(12345)
     containers, _, _ = sign_pack(x, [12345], layout, want_bits=False)
     assert torch.equal(unpack(containers, layout, 12345).bool(), x >= 0)
+
+
+@pytest.mark.parametrize("lengths", [[1], [13], [5, 17, 1, 40, 9], [70000, 3, 66000]])
+def test_signgather_encode_from_views_matches_encode_of_the_copy(lengths):
+    """A mixed bucket's sign slices are encoded where they lie: same payload, scales and local."""
+    from nfab.wire.reducers import REDUCERS
+
+    red = REDUCERS["signgather"]
+    g = torch.Generator().manual_seed(sum(lengths))
+    bucket = torch.randn(sum(lengths) + 3 * len(lengths) + 5, generator=g)
+    bucket[4] = -0.0
+    views, at = [], 2
+    for ln in lengths:
+        views.append(bucket[at : at + ln])
+        at += ln + 3
+    a = red.encode_views(views, lengths, 2)
+    b = red.encode(torch.cat(views), lengths, 2)
+    assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
+    assert torch.equal(a.local, b.local)
