@@ -463,12 +463,15 @@ def count_planes(rows: np.ndarray) -> list[np.ndarray]:
     return planes
 
 
-def decode_bit_rows(rows: np.ndarray, numel: int, vals: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def decode_bit_rows(
+    rows: np.ndarray, numel: int, vals: np.ndarray, out: np.ndarray | None = None, scale: float | None = None
+) -> np.ndarray:
     """`vals[count]` per element, count = how many of the W packed 1-bit rows (W, nbytes) have it set.
 
     `vals` has 2**count_lane_bits(W) float32 entries. The counts are never materialised:
     the rows are added bit-sliced (a few byte-wise ops per 8 elements), and each table
-    lookup turns `e` elements' count bits into their `e` fp32 values at once.
+    lookup turns `e` elements' count bits into their `e` fp32 values at once. `scale`
+    multiplies the table (fl(v * s), the same bits as scaling the output afterwards).
     """
     if out is None:
         out = np.empty(numel, dtype=np.float32)
@@ -478,6 +481,8 @@ def decode_bit_rows(rows: np.ndarray, numel: int, vals: np.ndarray, out: np.ndar
     nb = len(planes)
     e = _plane_group(nb)
     table = _plane_table_np(vals, nb, e)
+    if scale is not None:
+        table = (table.view(np.float32) * np.float32(scale)).view(table.dtype)
     q = 8 // e  # lookups per byte
     mask = np.uint8((1 << e) - 1)
     full = numel // e  # lookups that lie wholly inside `numel`

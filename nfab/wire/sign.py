@@ -156,8 +156,18 @@ class SignGather(_SignReducer):
             vals = self._vote_values(count_layout, world_size, reduced.device)
             if len(lengths) == 1:
                 vals = vals * scale_mean.reshape(-1)[0]
+            rows_np = rows.contiguous().numpy()
+            starts = np.cumsum([0, *lengths[:-1]]).tolist()
+            _, dests = split_out(out)
+            if len(lengths) > 1 and all(a % 8 == 0 for a in starts) and (dests is not None or one is not None):
+                # every segment starts on a whole byte: decode each with its scale folded
+                # into the table, straight into its destination (no unit pass, no scaling pass)
+                targets = dests if dests is not None else [one.view(-1)[a : a + n] for a, n in zip(starts, lengths)]
+                for a, n, s, d in zip(starts, lengths, scale_mean.tolist(), targets, strict=True):
+                    _lanes.decode_bit_rows(rows_np[:, a // 8 : -(-(a + n) // 8)], n, vals.numpy(), d.numpy(), s)
+                return out
             res = torch.empty(numel, dtype=torch.float32) if one is None else one
-            _lanes.decode_bit_rows(rows.contiguous().numpy(), numel, vals.numpy(), res.view(-1).numpy())
+            _lanes.decode_bit_rows(rows_np, numel, vals.numpy(), res.view(-1).numpy())
             return res if len(lengths) == 1 else finish_segments(res, scale_mean, lengths, out)
         small = world_size <= 255
         counts = torch.zeros(numel, dtype=torch.uint8 if small else torch.int32, device=reduced.device)

@@ -56,7 +56,7 @@ def test_sign_fast_paths_on_zeros_nan_and_strided_input():
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 9])
 @pytest.mark.parametrize("key", ["allreduce-fp32", "allreduce-bf16", "signcount", "signgather", "qsum-q8",
                                  "qsum-q4", "qsum-q2"])
-@pytest.mark.parametrize("lengths", [[37], [5, 17, 1, 40, 0, 9]])
+@pytest.mark.parametrize("lengths", [[37], [5, 17, 1, 40, 0, 9], [16, 8, 0, 24, 41]])  # last: byte-aligned starts
 def test_decode_into_per_segment_destinations_matches_one_tensor(key, world_size, lengths):
     """A mixed bucket's decode writes each slice at its own offset: same bits as decode + scatter."""
     from nfab.wire.reducers import REDUCERS
