@@ -50,9 +50,9 @@ class CostModel:
         w = world_size or self.world_size
         red = REDUCERS[key]
         link = self.allgather if isinstance(red, SignGather) else self.allreduce
+        # qsum's scale agreement is not priced as a round: the runtime's delayed scales ride
+        # the control word, so only a slice's first qsum step blocks on a MAX all-reduce
         t = link.latency_s + red.wire_bytes(numel, w, segments) / link.bandwidth_bps
-        if red.needs_shared_scale:
-            t += self.allreduce.latency_s  # the blocking MAX of scales
         return t + self.codec_s_per_element.get(key, 0.0) * numel
 
     def cheaper_than_fp32(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> bool:

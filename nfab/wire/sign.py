@@ -14,12 +14,12 @@ from nfab.wire.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpac
 from nfab.wire.reducer import (
     Capacity,
     Encoded,
+    Out,
     Reducer,
     all_gather_flat,
     allgather_factor,
     allreduce_factor,
     allreduce_future,
-    Out,
     decode_scaled,
     finish_segments,
     split_out,
@@ -162,7 +162,11 @@ class SignGather(_SignReducer):
             if len(lengths) > 1 and all(a % 8 == 0 for a in starts) and (dests is not None or one is not None):
                 # every segment starts on a whole byte: decode each with its scale folded
                 # into the table, straight into its destination (no unit pass, no scaling pass)
-                targets = dests if dests is not None else [one.view(-1)[a : a + n] for a, n in zip(starts, lengths)]
+                if dests is not None:
+                    targets = dests
+                else:
+                    assert one is not None
+                    targets = [one.view(-1)[a : a + n] for a, n in zip(starts, lengths, strict=True)]
                 for a, n, s, d in zip(starts, lengths, scale_mean.tolist(), targets, strict=True):
                     _lanes.decode_bit_rows(rows_np[:, a // 8 : -(-(a + n) // 8)], n, vals.numpy(), d.numpy(), s)
                 return out
