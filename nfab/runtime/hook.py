@@ -4,15 +4,20 @@ Per bucket, in the hook body (DDP calls it in bucket order on every rank):
 
 1. look up the bucket plan and this step's groups (controller: pure function of agreed
    state, so every rank launches the same collectives in the same order);
-2. encode each group (adding error-feedback residuals on lossy routes) and launch its
-   one payload collective asynchronously; qsum encodes with a scale every rank already
-   agrees on (see "qsum scales" below);
-3. launch the control word: an all-gather of [non-finite flag, loss, has loss,
-   per-slice sign scales, per-slice qsum max |x|] — averaged in rank order, so bits
-   match on every rank and in the one-process replay (only buckets with a lossy group,
-   and the step's first bucket);
-4. return a future whose callback decodes, writes every slice back to its own offset,
-   and zeroes the bucket on all ranks if any rank saw a non-finite gradient.
+2. encode each group (adding error-feedback residuals on lossy routes; slices that need
+   neither residuals nor a probe sample are read where they lie in the bucket); qsum
+   encodes with a scale every rank already agrees on (see "qsum scales" below);
+3. build the control word: [non-finite flag, loss, has loss, per-slice sign scales,
+   per-slice qsum max |x|], all-gathered and averaged in rank order, so bits match on
+   every rank and in the one-process replay (only buckets with a lossy group, and the
+   step's first bucket);
+4. launch, asynchronously: one collective per group plus the control word's all-gather,
+   or — beside a signgather group, when the cost model says it is cheaper (always at
+   W=2) — the control word and every payload as the bytes of ONE all-gather, each
+   group's W copies combined on receipt exactly as its own collective would;
+5. return a future whose callback decodes, writes every slice back to its own offset
+   (decoded, scaled and written in one pass), and zeroes the bucket on all ranks if any
+   rank saw a non-finite gradient.
 
 No collective is ever launched from a callback (callbacks finish in different orders on
 different ranks). What the control words say is folded into the health state at the
@@ -60,9 +65,6 @@ AMAX_HISTORY = 16
 """Steps of agreed max |x| a qsum slice's delayed scale is the max of."""
 QSUM_SCALES = ("delayed", "exact")
 SIGNGATHER = "signgather"
-COALESCE_EXTRA_BYTES = 64 * 1024
-"""Without a cost model, a bucket is coalesced into one all-gather when that sends at
-most this many bytes more than separate collectives would (zero at W=2)."""
 
 
 @dataclass(slots=True)
@@ -347,8 +349,9 @@ class Runtime:
 
     def _coalesce(self, groups: tuple[Group, ...]) -> bool:
         """Send the bucket as one all-gather? Only beside a signgather group (whose payload is
-        an all-gather anyway), and only when gathering the other payloads (W copies instead
-        of a ring all-reduce's 2(W-1)/W) costs less wire time than the collectives it saves."""
+        an all-gather anyway), and only when gathering the other payloads (W-1 copies instead
+        of a ring all-reduce's 2(W-1)/W) adds no bytes (W=2, or nothing else to send) or,
+        under a cost model, costs less wire time than the collectives it saves."""
         if not self.coalesce or not any(g.key == SIGNGATHER for g in groups):
             return False
         w = self.world_size
@@ -358,8 +361,8 @@ class Runtime:
         if extra <= 0:
             return True
         cm = self.controller.cost_model
-        if cm is None:
-            return extra <= COALESCE_EXTRA_BYTES
+        if cm is None:  # no link model: never send more bytes (as sign then picks by bytes)
+            return False
         saved = cm.allgather.latency_s + cm.allreduce.latency_s * len(others)
         return extra / cm.allgather.bandwidth_bps < saved
 

@@ -277,4 +277,5 @@ def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, m
     return make_row(step=step, phase=st.phase, loss=float("nan"), lr=lr, grad_norm=st.grad_norm,
                     wire_bytes=st.wire_bytes, fp32_wire_bytes=st.fp32_wire_bytes, route_mix=st.route_mix,
                     fallback=st.fallback, fallback_reason=st.fallback_reason, skipped=st.skipped,
-                    fidelity_cosine=st.fidelity_cosine, hook_time_s=st.hook_time_s, events="; ".join(st.events))
+                    fidelity_cosine=st.fidelity_cosine, hook_time_s=st.hook_time_s, collectives=st.collectives,
+                    scale_rounds=st.scale_rounds, saturated_slices=st.saturated_slices, events="; ".join(st.events))

@@ -34,6 +34,9 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("skipped", pa.bool_()),
     ("fidelity_cosine", pa.float64()),
     ("hook_time_s", pa.float64()),
+    ("collectives", pa.int64()),
+    ("scale_rounds", pa.int64()),
+    ("saturated_slices", pa.int64()),
     ("step_time_s", pa.float64()),
     ("eval_loss", pa.float64()),
     ("eval_accuracy", pa.float64()),
@@ -41,6 +44,9 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
 )
 SCHEMA = pa.schema([pa.field(name, kind, nullable=False) for name, kind in COLUMNS])
 NAN = float("nan")
+
+
+_COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0}
 
 
 def _nan(value: float | None) -> float:
@@ -62,6 +68,9 @@ def make_row(
     skipped: bool = False,
     fidelity_cosine: float | None = None,
     hook_time_s: float = 0.0,
+    collectives: int = 0,
+    scale_rounds: int = 0,
+    saturated_slices: int = 0,
     step_time_s: float = 0.0,
     events: str = "",
 ) -> dict[str, Any]:
@@ -72,12 +81,14 @@ def make_row(
         "route_mix": json.dumps(route_mix, sort_keys=True), "fallback": bool(fallback),
         "fallback_reason": fallback_reason or "", "skipped": bool(skipped),
         "fidelity_cosine": _nan(fidelity_cosine), "hook_time_s": float(hook_time_s),
+        "collectives": int(collectives), "scale_rounds": int(scale_rounds), "saturated_slices": int(saturated_slices),
         "step_time_s": float(step_time_s), "eval_loss": NAN, "eval_accuracy": NAN, "events": events or "",
     }
 
 
 def write_metrics(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     """Write all rows as metrics.parquet with the exact column types, atomically."""
+    rows = [{**_COUNTERS_ABSENT, **r} for r in rows]  # rows from a checkpoint written before the counters
     table = pa.Table.from_pylist(rows, schema=SCHEMA) if rows else SCHEMA.empty_table()
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 

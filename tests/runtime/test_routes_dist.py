@@ -17,6 +17,7 @@ import twins  # noqa: E402
 import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
+from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
 ROUTE = {"conv": "q4", "linear": "sign", "head": "q8", "norm": "fp32"}
 MIXED = {"norm": "fp32", "bias": "fp32", "small": "fp32", "conv": "sign", "linear": "sign",
@@ -35,7 +36,10 @@ def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool, coalesc
     model = twins.Awkward()
     regions = {n: b.region for n, b in classify(model).items()}
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
-    rt = nfab.attach(ddp, route=MIXED, error_feedback=error_feedback, cost_model=None, coalesce=coalesce)
+    # a slow-latency link model: coalescing pays at W=3 too (without one it never adds bytes)
+    slow = CostModel("gloo", world_size, LinkCost(1e-2, 1e9), LinkCost(1e-2, 1e9), source="test")
+    rt = nfab.attach(ddp, route=MIXED, error_feedback=error_feedback, cost_model=slow if world_size > 2 else None,
+                     coalesce=coalesce)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     report = {"fp32_mismatch": [], "sign_mismatch": [], "replica_mismatch": [], "regions": regions, "stats": []}
     for step in range(steps):

@@ -20,7 +20,8 @@ COLUMNS = {
     "step": "int64", "phase": "object|str", "loss": "float64", "lr": "float64", "grad_norm": "float64",
     "wire_bytes": "int64", "fp32_wire_bytes": "int64", "route_mix": "object|str", "fallback": "bool",
     "fallback_reason": "object|str", "skipped": "bool", "fidelity_cosine": "float64", "hook_time_s": "float64",
-    "step_time_s": "float64", "eval_loss": "float64", "eval_accuracy": "float64", "events": "object|str",
+    "collectives": "int64", "scale_rounds": "int64", "saturated_slices": "int64", "step_time_s": "float64",
+    "eval_loss": "float64", "eval_accuracy": "float64", "events": "object|str",
 }
 
 
@@ -96,6 +97,7 @@ def test_gpt_sign_artifacts(runs) -> None:
     s, m = check_artifacts(ok(runs, "gpt-sign"), 8, lm=True)
     assert s["compression_ratio"] > 1 and s["route"] == "sign" and s["fp32"] is False and s["profile"] is None
     assert (m["wire_bytes"] < m["fp32_wire_bytes"]).iloc[1:].all()  # step 0 runs before DDP's bucket rebuild
+    assert (m["collectives"] > 0).all() and (m["scale_rounds"] == 0).all()  # the hook ran; sign has no scale round
 
 
 def test_resnet_fp32_equals_route_fp32(runs) -> None:
