@@ -26,7 +26,7 @@ def attach(
     seed: int = 0,
     head_modules: tuple[str, ...] | None = None,
     model_signature: str | None = None,
-    qsum_scale: str = "delayed",
+    qsum_scale: str = "exact",
     coalesce: bool = True,
 ) -> Runtime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
@@ -41,9 +41,12 @@ def attach(
     ranks), a path to a JSON from `nfab bench wire --cost`, a `CostModel`, or None
     (no cost gate; sign picks by bytes). Every rank must call `attach` identically.
 
-    `qsum_scale`: "delayed" (default: q8/q4/q2 slices encode with the max of their agreed
-    max |x| over recent steps, so the hook never blocks on a scale agreement) or "exact"
-    (agree each step's scale with a blocking MAX all-reduce; what calibrate replays).
+    `qsum_scale`: how q8/q4/q2 slices summed on the wire agree their shared scale —
+    "exact" (default: a blocking MAX all-reduce in the hook, what calibrate replays) or
+    "delayed" (the max of the slice's agreed max |x| over its last 16 qsum steps, carried
+    by the control word: the hook never blocks, but elements above it saturate for a
+    step). Slices that travel in a coalesced all-gather need no agreement at all: each
+    rank encodes with its own scale.
 
     `coalesce`: a bucket with a signgather group goes out as ONE all-gather (control word
     and every group's payload) when that is modelled cheaper than a collective per group

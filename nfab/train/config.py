@@ -120,8 +120,8 @@ class CommConfig:
     """`measure` (a short collective benchmark at start, kept for resumes), `none`, or a JSON path."""
     bucket_cap_mb: float = 25.0
     """DDP bucket size in MB."""
-    qsum_scale: str = "delayed"
-    """q8/q4/q2 scales: `delayed` (from recent steps' agreed max |x|; no blocking round) or `exact`."""
+    qsum_scale: str = "exact"
+    """Shared q8/q4/q2 scales: `exact` (blocking MAX each step) or `delayed` (recent agreed max |x|)."""
 
     def __post_init__(self) -> None:
         if self.qsum_scale not in ("delayed", "exact"):

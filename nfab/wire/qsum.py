@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -10,11 +11,13 @@ from nfab.wire.lanes import layout_for, pack
 from nfab.wire.reducer import (
     Capacity,
     Encoded,
+    Out,
     Reducer,
     allreduce_factor,
     allreduce_future,
     decode_scaled,
     finish_segments,
+    write_into,
 )
 
 
@@ -87,6 +90,27 @@ class QSum(Reducer):
         assert scale_mean is not None
         return decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),
                               scale_mean, lengths, out)
+
+    def decode_gathered(
+        self, payloads: Sequence[torch.Tensor], scales: torch.Tensor, numel: int, lengths: Sequence[int],
+        out: Out = None,
+    ) -> Any:
+        """The mean of W gathered payloads, each encoded with its OWN rank's scales.
+
+        When the payloads travel in an all-gather (a coalesced bucket) nothing needs to be
+        summed on the wire, so ranks need not agree on a scale first: each encodes with
+        its own per-segment max |x| (no blocking round, no saturation, finer levels) and
+        every rank decodes each row with that row's scales (`scales`: W x segments) and
+        adds them in rank order — the same bits on every rank.
+        """
+        w = len(payloads)
+        lengths = list(lengths)
+        values = self.level_values(w, 1, payloads[0].device)
+        total = decode_scaled(payloads[0], self._layout, numel, values, scales[0], lengths)
+        for r in range(1, w):
+            total += decode_scaled(payloads[r], self._layout, numel, values, scales[r], lengths)
+        total.mul_(1.0 / w)
+        return write_into(out, total)
 
 
 def _uniform_noise(

@@ -133,3 +133,26 @@ def test_signgather_encode_from_views_matches_encode_of_the_copy(lengths):
     b = red.encode(torch.cat(views), lengths, 2)
     assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
     assert torch.equal(a.local, b.local)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_qsum_decode_gathered_is_the_mean_of_each_ranks_own_decode(bits, world_size):
+    """Gathered qsum rows (each rank's own scales) decode to the rank-order mean of what each
+    rank's encoding stands for on its own, and never clip."""
+    red = REDUCERS[f"qsum-q{bits}"]
+    if not red.capacity(world_size).ok:
+        pytest.skip("over capacity")
+    lengths = [7, 1, 30]
+    g = torch.Generator().manual_seed(bits * 10 + world_size)
+    xs = [torch.randn(sum(lengths), generator=g) * (r + 1) for r in range(world_size)]
+    own = [red.local_scale(x, lengths) for x in xs]
+    encs = [red.encode(x, lengths, world_size, s, torch.Generator().manual_seed(r))
+            for r, (x, s) in enumerate(zip(xs, own, strict=True))]
+    got = red.decode_gathered([e.payload for e in encs], torch.stack(own), sum(lengths), lengths)
+    ref = encs[0].local.clone()
+    for e in encs[1:]:
+        ref += e.local
+    assert torch.equal(got, ref.mul_(1.0 / world_size))
+    step = max(float(s.max()) for s in own) * 2 / red.max_level(world_size)
+    assert float((got - torch.stack(xs).mean(0)).abs().max()) <= step * (1 + 1e-6)
