@@ -44,6 +44,7 @@ from nfab.errors import ConfigError
 from nfab.fsutil import atomic_write_text
 from nfab.models import build_model
 from nfab.profile.schema import Profile
+from nfab.train.config import NFAB_BUCKET_MB
 
 VARIANTS: dict[str, str] = {
     "plain": "DDP, FP32 all-reduce",
@@ -90,8 +91,9 @@ class BenchConfig:
     lr: float = 0.01
     link: str | None = None
     """A tc rate (`1gbit`, `100mbit`) to shape the ranks' loopback to, or None."""
-    nfab_bucket_mb: float = 25.0
-    """DDP bucket cap for the nfab variants: smaller compressed buckets overlap backward more."""
+    nfab_bucket_mb: float = NFAB_BUCKET_MB
+    """DDP bucket cap for the nfab variants (nfab train's default under the hook): smaller
+    compressed buckets overlap backward more. The other variants keep DDP's 25."""
     profile: dict[str, Any] | None = None
     """The profile (as its JSON dict) for `nfab-profile`; None: `test_profile()`."""
     profile_source: str = "test profile (conv/linear/head sign)"

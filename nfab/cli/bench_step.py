@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from nfab.cli.output import console, fail
+from nfab.train.config import NFAB_BUCKET_MB
 
 
 def _routes(info: dict[str, Any] | None) -> str:
@@ -62,7 +63,8 @@ def register(app: typer.Typer) -> None:
             "--variants", help="Comma-separated subset of: plain, floor, fp16, powersgd, nfab-fp32, "
                                "nfab-sign, nfab-profile, allreduce-hook.")] = None,
         nfab_bucket_mb: Annotated[float, typer.Option(
-            "--nfab-bucket-mb", min=0.1, help="DDP bucket cap for the nfab variants (others keep DDP's 25).")] = 25.0,
+            "--nfab-bucket-mb", min=0.1,
+            help="DDP bucket cap for the nfab variants (nfab train's default; others: DDP's 25).")] = NFAB_BUCKET_MB,
         json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
     ) -> None:
         """Step time per variant, side by side in one run (W=2 gloo ranks), with ratios to FP32 DDP."""

@@ -144,7 +144,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     eval_loader = make_eval_loader(test_data, batch_size=cfg.data.eval_batch_size, rank=rank, world_size=world)
     _at("setup (DDP construction, cost-model measurement)")
     ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                  bucket_cap_mb=cfg.comm.bucket_cap_mb)
+                                  bucket_cap_mb=cfg.comm.bucket_mb)
     runtime: Runtime | None = None
     cost_json = shared.get("cost_model")
     if not cfg.comm.fp32:
