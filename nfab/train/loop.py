@@ -171,7 +171,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     plain_bytes = fp32_wire_bytes(module, world)
     identity = {
         "model": spec.name, "dataset": cfg.data.name, "world_size": world, "route": route_label(cfg),
-        "fp32": cfg.comm.fp32,
+        "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb,
         "profile": {"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)} if cfg.comm.profile else None,
         "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
     }

@@ -96,6 +96,7 @@ def check_artifacts(run_dir: Path, steps: int, lm: bool) -> tuple[dict, object]:
 def test_gpt_sign_artifacts(runs) -> None:
     s, m = check_artifacts(ok(runs, "gpt-sign"), 8, lm=True)
     assert s["compression_ratio"] > 1 and s["route"] == "sign" and s["fp32"] is False and s["profile"] is None
+    assert s["bucket_cap_mb"] == 4.0  # nfab's default bucket under the hook (DDP's 25 for --fp32)
     assert (m["wire_bytes"] < m["fp32_wire_bytes"]).iloc[1:].all()  # step 0 runs before DDP's bucket rebuild
     assert (m["collectives"] > 0).all() and (m["scale_rounds"] == 0).all()  # the hook ran; sign has no scale round
 
@@ -105,6 +106,7 @@ def test_resnet_fp32_equals_route_fp32(runs) -> None:
     routed, m_routed = check_artifacts(ok(runs, "resnet-route-fp32"), 6, lm=False)
     assert m_plain["loss"].tolist() == m_routed["loss"].tolist()
     assert plain["compression_ratio"] == 1 and plain["route"] == "fp32" and plain["fp32"] is True
+    assert plain["bucket_cap_mb"] == 25.0
     assert routed["route"] == "fp32" and routed["fp32"] is False
 
 
