@@ -47,6 +47,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -235,40 +236,38 @@ class Runtime:
         for group in routes.groups:
             red = REDUCERS[group.key]
             rec.elements[group.label] = rec.elements.get(group.label, 0) + group.numel
+            shared = amax_cols = None
             if group.lossy and not (group.whole or red.needs_shared_scale or probing or use_ef):
                 # nothing to add or sample: encode the slices where they lie, no gathered copy
                 enc = red.encode_views(_views(buffer, group), group.lengths, w)
-                nonfinite |= enc.scales is not None and not bool(torch.isfinite(enc.scales).all())
-                scale_cols = _columns(ctrl_cols, enc.scales) if enc.scales is not None else None
-                rec.launched.append(_Launched(group, None, scale_cols, None, payload=enc.payload))
-                continue
-            # a whole-bucket group works on the bucket itself: it is overwritten by the result
-            x = buffer if group.whole else _gather(buffer, group)
-            if group.key == FP32:
-                self._flush_residuals(x, group, buffer if group.whole else None)
-                x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W)
-                rec.launched.append(_Launched(group, None, None, None, payload=x))
-                continue
-            if probing:
-                probe_parts.append(x[_probe_index(group.numel)].clone())  # a strided sample, before EF
-            if use_ef and group.lossy:
-                self._add_residuals(x, group)
-            shared = amax_cols = None
-            if red.needs_shared_scale:
-                amax = red.local_scale(x, group.lengths)
-                nonfinite |= not bool(torch.isfinite(amax).all())
-                # gathered, not summed: each rank encodes with its own scale (in the control word)
-                shared = amax if coalesced else self._delayed_scale(group)
-                if shared is None:  # no recent agreed history: agree now (blocking)
-                    shared = amax.clone()
-                    dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
-                    rec.scale_rounds += 1
-                    rec.collectives += 1
-                    rec.wire_bytes += allreduce_factor(w) * shared.numel() * 4
-                amax_cols = _columns(ctrl_cols, amax)
-            enc = red.encode(x, group.lengths, w, shared, self._noise(group) if red.needs_shared_scale else None)
-            if use_ef and enc.local is not None:
-                self._stage_residuals(rec, group, x - enc.local)
+            else:
+                # a whole-bucket group works on the bucket itself: it is overwritten by the result
+                x = buffer if group.whole else _gather(buffer, group)
+                if group.key == FP32:
+                    self._flush_residuals(x, group, buffer if group.whole else None)
+                    x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W)
+                    rec.launched.append(_Launched(group, None, None, None, payload=x))
+                    continue
+                if probing:
+                    probe_parts.append(x[_probe_index(group.numel)].clone())  # a strided sample, before EF
+                if use_ef and group.lossy:
+                    self._add_residuals(x, group)
+                if red.needs_shared_scale:
+                    amax = red.local_scale(x, group.lengths)
+                    nonfinite |= not bool(torch.isfinite(amax).all())
+                    # gathered, not summed: each rank encodes with its own scale (in the control word)
+                    shared = amax if coalesced else self._delayed_scale(group)
+                    if shared is None:  # no recent agreed history: agree now (blocking)
+                        shared = amax.clone()
+                        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=self.group)
+                        rec.scale_rounds += 1
+                        rec.collectives += 1
+                        rec.wire_bytes += allreduce_factor(w) * shared.numel() * 4
+                    amax_cols = _columns(ctrl_cols, amax)
+                noise = self._noise(group) if red.needs_shared_scale else None
+                enc = red.encode(x, group.lengths, w, shared, noise)
+                if use_ef and enc.local is not None:
+                    self._stage_residuals(rec, group, x - enc.local)
             scale_cols = None
             if enc.scales is not None:
                 # a non-finite element makes its segment's scale non-finite: no extra pass
@@ -309,10 +308,9 @@ class Runtime:
         for launched in rec.launched:
             payload, launched.payload = launched.payload, None
             assert payload is not None
-            key = launched.group.key
-            factor = allgather_factor(w) if key == SIGNGATHER else allreduce_factor(w)
-            rec.wire_bytes += factor * payload.numel() * payload.element_size()
-            launched.future = REDUCERS[key].launch(payload, w, self.group)
+            red = REDUCERS[launched.group.key]
+            rec.wire_bytes += red.collective_factor(w) * payload.numel() * payload.element_size()
+            launched.future = red.launch(payload, w, self.group)
             futs.append(launched.future)
         if ctrl is not None:
             rec.gathered = torch.empty(w * ctrl.numel())
@@ -365,8 +363,8 @@ class Runtime:
             return False
         w = self.world_size
         others = [g for g in groups if g.key != SIGNGATHER]
-        extra = sum((allgather_factor(w) - allreduce_factor(w)) * REDUCERS[g.key].payload_bytes(g.numel, w)
-                    for g in others)
+        extra = sum((allgather_factor(w) - REDUCERS[g.key].collective_factor(w)) * REDUCERS[g.key].payload_bytes(
+            g.numel, w) for g in others)
         if extra <= 0:
             return True
         cm = self.controller.cost_model
@@ -395,41 +393,42 @@ class Runtime:
         if not rec.nonfinite:
             for launched in rec.launched:
                 group, red = launched.group, REDUCERS[launched.group.key]
+                gathered = None
                 if launched.part is not None:  # this group's W payloads inside the one all-gather
                     assert rows is not None
                     off, nbytes, dtype = launched.part
-                    payloads = rows[:, off : off + nbytes].contiguous().view(dtype)
-                    if isinstance(red, QSum):  # each row decoded with its own rank's scales
-                        assert table is not None and launched.amax_cols is not None
-                        self._stage_amax(rec, launched, table, per_rank=True)
-                        dest = buffer if group.whole else _views(buffer, group)
-                        own = red.decode_gathered(list(payloads), table[:, launched.amax_cols], group.numel,
-                                                  group.lengths, out=None if rec.probe is not None else dest)
-                        if rec.probe is not None:
-                            write_into(dest, own)
-                            if group.lossy:
-                                decoded_lossy.append(own[_probe_index(group.numel)])
-                        continue
-                    reduced = red.combine(list(payloads))
-                else:
-                    assert launched.future is not None
-                    reduced = launched.future.value()
-                if group.key == FP32:
-                    if not group.whole:
-                        _scatter(buffer, group, reduced)
-                    continue
+                    gathered = list(rows[:, off : off + nbytes].contiguous().view(dtype))
                 if launched.amax_cols is not None:
-                    self._stage_amax(rec, launched, table)
-                scale_mean = mean_of_ranks(table[:, launched.scale_cols]) if launched.scale_cols else launched.shared
+                    self._stage_amax(rec, launched, table, per_rank=gathered is not None)
+                if gathered is not None and isinstance(red, QSum):  # each row with its own rank's scales
+                    assert table is not None and launched.amax_cols is not None
+                    decode = partial(red.decode_gathered, gathered, table[:, launched.amax_cols], group.numel,
+                                     group.lengths)
+                else:
+                    if gathered is not None:
+                        reduced = red.combine(gathered)
+                    else:
+                        assert launched.future is not None
+                        reduced = launched.future.value()
+                    if group.key == FP32:
+                        if not group.whole:
+                            write_into(_views(buffer, group), reduced)
+                        continue
+                    scale_mean = launched.shared
+                    if launched.scale_cols:
+                        assert table is not None
+                        scale_mean = mean_of_ranks(table[:, launched.scale_cols])
+                    decode = partial(red.decode, reduced, scale_mean, group.numel, group.lengths, w)
+                probed = rec.probe is not None and group.lossy
                 if group.whole:  # decode straight into the bucket: no temporary, no copy
-                    out = red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=buffer)
-                elif rec.probe is None:  # decode, scale and write each slice at its offset, one pass
-                    red.decode(reduced, scale_mean, group.numel, group.lengths, w, out=_views(buffer, group))
+                    out = decode(out=buffer)
+                elif not probed:  # decode, scale and write each slice at its offset, one pass
+                    decode(out=_views(buffer, group))
                     continue
                 else:  # the probe compares the group's decoded values as one tensor
-                    out = red.decode(reduced, scale_mean, group.numel, group.lengths, w)
-                    _scatter(buffer, group, out)
-                if rec.probe is not None and group.lossy:
+                    out = decode(out=None)
+                    write_into(_views(buffer, group), out)
+                if probed:
                     decoded_lossy.append(out[_probe_index(group.numel)])
         grad_sq = float(torch.linalg.vector_norm(buffer)) ** 2 if not rec.nonfinite else math.inf
         if not math.isfinite(grad_sq):  # any rank's NaN/Inf: the same zeroed bucket everywhere
@@ -609,25 +608,12 @@ def _aligned(nbytes: int) -> int:
 
 def _gather(buffer: torch.Tensor, group: Group) -> torch.Tensor:
     """The group's slices as one contiguous fp32 tensor (a copy)."""
-    if group.whole:
-        return buffer.clone()
-    return torch.cat([buffer[s.offset : s.offset + s.numel] for s in group.slices])
+    return buffer.clone() if group.whole else torch.cat(_views(buffer, group))
 
 
 def _views(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
-    """The group's slices as views of the bucket (decode destinations)."""
+    """The group's slices as views of the bucket (encode sources, decode destinations)."""
     return [buffer[s.offset : s.offset + s.numel] for s in group.slices]
-
-
-def _scatter(buffer: torch.Tensor, group: Group, values: torch.Tensor) -> None:
-    """Write a group's reduced values back to each slice's own offset."""
-    if group.whole:
-        buffer.copy_(values)
-        return
-    pos = 0
-    for s in group.slices:
-        buffer[s.offset : s.offset + s.numel].copy_(values[pos : pos + s.numel])
-        pos += s.numel
 
 
 def nfab_hook(state: Runtime, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

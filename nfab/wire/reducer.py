@@ -130,6 +130,10 @@ class Reducer(ABC):
     def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
         """Bytes each rank sends for `numel` elements in `segments` scaled slices."""
 
+    def collective_factor(self, world_size: int) -> float:
+        """Bytes each rank sends per payload byte under this reducer's collective (ring all-reduce)."""
+        return allreduce_factor(world_size)
+
     def bits_per_element(self, world_size: int, numel: int = 1 << 20) -> float:
         """Wire bits per gradient element for a large tensor (scales amortised)."""
         return 8.0 * self.wire_bytes(numel, world_size) / numel

@@ -27,6 +27,11 @@ from nfab.wire.reducer import (
 )
 
 
+def _mean_abs(sums: np.ndarray, lengths: Sequence[int]) -> torch.Tensor:
+    """Per-segment mean |x| (fp32) from the float64 |x| sums of the fused encoders."""
+    return torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1)).astype(np.float32))
+
+
 class _SignReducer(Reducer):
     """Shared decode for sign votes: a positive count per element -> vote x mean scale."""
 
@@ -43,7 +48,7 @@ class _SignReducer(Reducer):
         if n and _lanes.sign_pack_supported(x, layout):
             gather = layout.lane_bits == 1  # the payload is the packed votes themselves
             payload, sums, packed = _lanes.sign_pack(x, lengths, layout, want_bits=not gather)
-            scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1)).astype(np.float32))
+            scales = _mean_abs(sums, lengths)
             bits = payload.numpy().copy() if gather else packed
             return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
         bits = codecs.sign_bits(x)
@@ -67,9 +72,7 @@ class _SignReducer(Reducer):
         one, dests = split_out(out)
         res = table[counts.to(torch.int64)]
         assert scale_mean is not None
-        if dests is None:
-            return codecs.scale_segments_(write_into(one, res), scale_mean, lengths)
-        return finish_segments(res, scale_mean, lengths, dests)
+        return finish_segments(res if dests is not None else write_into(one, res), scale_mean, lengths, out)
 
 
 class SignCount(_SignReducer):
@@ -120,6 +123,9 @@ class SignGather(_SignReducer):
     def payload_bytes(self, numel: int, world_size: int) -> int:
         return self._layout.containers_for(numel)
 
+    def collective_factor(self, world_size: int) -> float:
+        return allgather_factor(world_size)
+
     def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
         return allgather_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
 
@@ -131,7 +137,7 @@ class SignGather(_SignReducer):
         if not views or not all(_lanes.sign_pack_supported(v, self._layout) for v in views):
             return super().encode_views(views, lengths, world_size)
         payload, sums = _lanes.sign_bits_views(views)
-        scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1)).astype(np.float32))
+        scales = _mean_abs(sums, lengths)
         bits = payload.numpy()  # an all-gather reads its input and never overwrites it
         n = sum(lengths)
         return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
