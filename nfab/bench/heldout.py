@@ -6,7 +6,7 @@ code: it is torch's `nn.MultiheadAttention`, pre-norm blocks, learned positions 
 head tied to the token embedding, as in a user's repository. Use it as a user model,
 `nfab calibrate nfab.bench.heldout:user_gpt --dataset stdlib-text`, or build it directly.
 
-Module attributes tell nfab what a user model would declare: it is a language model
+Class attributes (read by nfab's model registry) tell nfab what a user model would declare: it is a language model
 trained with AdamW over bytes (vocab 256).
 """
 
@@ -40,6 +40,8 @@ class _Block(nn.Module):
 class UserGPT(nn.Module):
     """Byte-level decoder: token + learned position embeddings, `n_layer` blocks, tied head."""
 
+    task = task
+    optimizer = optimizer
     vocab_size = vocab_size
     block_size = block_size
 
