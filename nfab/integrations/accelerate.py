@@ -1,0 +1,55 @@
+"""nfab in Accelerate: attach nfab's hook to the DDP model `accelerator.prepare` returned.
+
+Accelerate's `DistributedDataParallelKwargs(comm_hook=...)` accepts only its own built-in
+hooks, so nfab registers on the prepared model directly, exactly as `nfab.attach` does in a
+plain loop. Call it once, after `prepare` and before the first backward, on every process.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+try:
+    from accelerate import Accelerator
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("nfab.integrations.accelerate needs Accelerate: pip install 'nfab[accelerate]'") from e
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from nfab.errors import NfabError
+from nfab.profile.schema import Profile
+from nfab.runtime.hook import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def attach(
+    accelerator: Accelerator,
+    prepared_model: torch.nn.Module,
+    profile: str | Path | Profile | None = None,
+    route: str | dict[str, str] | None = None,
+    **attach_kwargs: Any,
+) -> Runtime | None:
+    """Register nfab's hook on `prepared_model` and return its Runtime; None on a single process.
+
+    `profile` / `route` and `attach_kwargs` (`total_steps=`, `cost_model=`, ...) go to
+    `nfab.attach` untouched. One process has no gradients to exchange, so there is nothing to
+    compress: this logs one line and returns None, and the same script runs unchanged with
+    `accelerate launch --num_processes 1`. With several processes `prepared_model` must be
+    the DDP model Accelerate built (not FSDP or DeepSpeed, which own their communication).
+    """
+    if (profile is None) == (route is None):
+        raise NfabError("give exactly one of profile= or route=")
+    if accelerator.num_processes == 1:
+        log.info("nfab: one process, no gradient communication to compress; training without nfab")
+        return None
+    if not isinstance(prepared_model, DistributedDataParallel):
+        raise NfabError(
+            f"nfab needs the DistributedDataParallel model from accelerator.prepare, got "
+            f"{type(prepared_model).__name__} (distributed type {accelerator.distributed_type})"
+        )
+    from nfab.api import attach as nfab_attach
+
+    return nfab_attach(prepared_model, profile, route=route, **attach_kwargs)

@@ -1,0 +1,111 @@
+"""nfab in Lightning: a `DDPStrategy` that attaches nfab's hook on every device, CPU/gloo included.
+
+    trainer = L.Trainer(strategy=NfabDDPStrategy(route="sign"), accelerator="cpu", devices=2)
+
+Lightning's own `DDPStrategy` registers a communication hook only when its root device is CUDA
+(`_register_ddp_hooks`), so on CPU it would drop nfab silently. This strategy overrides the
+public `configure_ddp` instead — the step where Lightning wraps the module in DDP, after the
+process group exists and before the optimizers are set up — and calls `nfab.attach` on the
+wrapped model there, whatever the device. Overriding the private `_register_ddp_hooks` would
+also work but binds nfab to a Lightning internal.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("nfab.integrations.lightning needs Lightning: pip install 'nfab[lightning]'") from e
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from nfab.errors import NfabError
+from nfab.integrations.metrics import step_metrics
+from nfab.profile.schema import Profile
+from nfab.runtime.hook import Runtime
+
+
+class NfabDDPStrategy(DDPStrategy):
+    """Lightning's DDP with nfab's communication hook; the hook's state is `strategy.runtime`.
+
+    `profile` / `route` and `attach_kwargs` go to `nfab.attach` as given; `total_steps` (what a
+    profile's fractional phase starts are fractions of) defaults to the trainer's
+    `estimated_stepping_batches`. `strategy_kwargs` go to Lightning's `DDPStrategy` (e.g.
+    `find_unused_parameters=True`, `process_group_backend="gloo"`). Each optimizer step logs
+    nfab's statistics through the LightningModule's `log_dict` (`nfab/compression`,
+    `nfab/route/<route>`, `nfab/fallback`, ...), so they reach whatever logger the trainer has.
+    """
+
+    def __init__(
+        self,
+        profile: str | Path | Profile | None = None,
+        route: str | dict[str, str] | None = None,
+        *,
+        strategy_kwargs: Mapping[str, Any] | None = None,
+        **attach_kwargs: Any,
+    ) -> None:
+        if (profile is None) == (route is None):
+            raise NfabError("NfabDDPStrategy: give exactly one of profile= or route=")
+        strategy_kwargs = dict(strategy_kwargs or {})
+        if "ddp_comm_hook" in strategy_kwargs or "ddp_comm_wrapper" in strategy_kwargs:
+            raise NfabError("NfabDDPStrategy registers nfab's hook; DDP takes one, so drop ddp_comm_hook/wrapper")
+        super().__init__(**strategy_kwargs)
+        self._nfab_profile = profile
+        self._nfab_route = route
+        self._attach_kwargs = attach_kwargs
+        self.runtime: Runtime | None = None
+        """nfab's hook state on this rank, set when `fit` wraps the model in DDP."""
+        self._logged_step = -1
+
+    def configure_ddp(self) -> None:
+        """Wrap in DDP as Lightning does, then attach nfab on the wrapped model (any device)."""
+        super().configure_ddp()
+        assert isinstance(self.model, DistributedDataParallel)
+        from nfab.api import attach
+
+        kwargs = dict(self._attach_kwargs)
+        if "total_steps" not in kwargs:
+            kwargs["total_steps"] = _total_steps(self.lightning_module.trainer)
+        self.runtime = attach(self.model, self._nfab_profile, route=self._nfab_route, **kwargs)
+        self._logged_step = -1
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's training step; its loss feeds nfab's health monitor (it rides with the next control word)."""
+        out = super().training_step(*args, **kwargs)
+        loss = out.get("loss") if isinstance(out, Mapping) else out
+        if self.runtime is not None and isinstance(loss, torch.Tensor):
+            self.runtime.observe_loss(loss)
+        return out
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's optimizer step (its closure runs the backward, hence the hook), then log the step's stats."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._log_step()
+        return out
+
+    def _log_step(self) -> None:
+        stats = self.runtime.step_stats() if self.runtime is not None else None
+        # a closure that skipped backward, or a second optimizer, leaves the same step: log it once
+        if stats is None or stats.step == self._logged_step:
+            return
+        self._logged_step = stats.step
+        self.lightning_module.log_dict(step_metrics(stats), on_step=True, on_epoch=False, sync_dist=False)
+
+
+def _total_steps(trainer: pl.Trainer) -> int | None:
+    """Optimizer steps the trainer will take (None when unbounded, e.g. max_steps=-1 and max_epochs=-1)."""
+    steps = trainer.estimated_stepping_batches
+    return int(steps) if math.isfinite(steps) else None

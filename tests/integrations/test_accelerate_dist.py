@@ -1,0 +1,84 @@
+"""nfab.integrations.accelerate on 2 real gloo ranks (CPU), and on one process."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.errors import NfabError  # noqa: E402
+from nfab.integrations import accelerate as nfab_accelerate  # noqa: E402
+from nfab.profile.schema import Profile  # noqa: E402
+
+STEPS = 6
+PROBE_EVERY = Profile.static("sign").health.probe_every
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=g)
+    y = x[:, :4] * 2 + 0.1 * torch.randn(256, 4, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def _train(rank: int, world_size: int) -> dict:
+    accelerator = Accelerator(cpu=True)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt, loader = accelerator.prepare(model, opt, _loader())
+    runtime = nfab_accelerate.attach(accelerator, model, route="sign", cost_model=None, total_steps=STEPS)
+    assert runtime is not None
+    batches = iter(loader)
+    for _ in range(STEPS):
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        runtime.observe_loss(loss)
+        accelerator.backward(loss)
+        runtime.step_stats()  # the README loop: each step's stats right after its backward
+        opt.step()
+        opt.zero_grad()
+    return {
+        "distributed_type": str(accelerator.distributed_type),
+        "params": torch.cat([p.detach().reshape(-1) for p in accelerator.unwrap_model(model).parameters()]),
+        "history": [(s.step, s.wire_bytes, s.fp32_wire_bytes, s.route_mix, s.loss) for s in runtime.history],
+    }
+
+
+@pytest.mark.world_size(2)
+def test_attach_on_prepared_model_compresses_and_keeps_replicas_identical():
+    res = run_ranks(_train, 2, timeout_s=180)
+    for r in res:
+        assert r["distributed_type"].endswith("MULTI_CPU")
+        assert [h[0] for h in r["history"]] == list(range(STEPS))  # the hook ran every step
+        for step, wire, baseline, mix, loss in r["history"]:
+            if step % PROBE_EVERY:  # a fidelity-probe step also sends a sample in FP32
+                assert baseline / wire > 1.0
+            assert set(mix) <= {"signcount", "signgather"}
+            assert loss is not None
+    assert res[0]["history"] == res[1]["history"]
+    assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+def test_single_process_logs_one_line_and_returns_none(caplog):
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(_model())
+    with caplog.at_level(logging.INFO, logger="nfab.integrations.accelerate"):
+        assert nfab_accelerate.attach(accelerator, model, route="sign") is None
+    lines = [r.getMessage() for r in caplog.records if r.name == "nfab.integrations.accelerate"]
+    assert len(lines) == 1 and "one process" in lines[0]
+
+
+def test_needs_one_of_profile_or_route():
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(NfabError, match="exactly one"):
+        nfab_accelerate.attach(accelerator, _model())
