@@ -1,0 +1,104 @@
+"""nfab in the Transformers Trainer: a callback that attaches nfab's hook when training begins.
+
+The Trainer has no setting for a communication hook, and it wraps the model in DDP only
+inside `train()`. So `attach(trainer, ...)` adds a `TrainerCallback` that, at
+`on_train_begin`, calls `nfab.attach` on `trainer.model_wrapped` (the DDP model the Trainer
+just built, before the first backward) and then puts each logged step's nfab statistics into
+the Trainer's logs through `trainer.log`, so `log_history` and every `report_to` reporter
+see them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+try:
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("nfab.integrations.transformers needs Transformers: pip install 'nfab[transformers]'") from e
+from torch.nn.parallel import DistributedDataParallel
+
+from nfab.errors import NfabError
+from nfab.integrations.metrics import step_metrics
+from nfab.profile.schema import Profile
+from nfab.runtime.hook import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class NfabCallback(TrainerCallback):
+    """The handle `attach` returns: `.runtime` is nfab's hook state once `trainer.train()` has begun.
+
+    `.runtime` stays None before training and on a single process (nothing to compress).
+    Statistics are logged on the steps the Trainer logs (`logging_steps`, `logging_strategy`,
+    `logging_first_step`), keyed `nfab/compression`, `nfab/route/<route>`, `nfab/fallback`, ...;
+    every step's are in `runtime.history`.
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        profile: str | Path | Profile | None,
+        route: str | dict[str, str] | None,
+        attach_kwargs: dict[str, Any],
+    ) -> None:
+        self.trainer = trainer
+        self.profile = profile
+        self.route = route
+        self.attach_kwargs = attach_kwargs
+        self.runtime: Runtime | None = None
+        self._ddp: DistributedDataParallel | None = None
+        self._logged_step = -1
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        model = self.trainer.model_wrapped
+        if model is self._ddp:  # a second train() reuses the DDP model, and DDP takes one hook
+            return
+        if args.world_size == 1:
+            log.info("nfab: one process, no gradient communication to compress; training without nfab")
+            return
+        if not isinstance(model, DistributedDataParallel):
+            raise NfabError(f"nfab needs the Trainer to wrap the model in DistributedDataParallel, got "
+                            f"{type(model).__name__} (FSDP and DeepSpeed own their communication)")
+        from nfab.api import attach as nfab_attach
+
+        kw = dict(self.attach_kwargs)
+        if "total_steps" not in kw:
+            kw["total_steps"] = state.max_steps
+        self.runtime = nfab_attach(model, self.profile, route=self.route, **kw)
+        self._ddp = model
+        self._logged_step = -1
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        # DefaultFlowCallback (always first) has already decided whether this step is logged
+        if self.runtime is None or not control.should_log:
+            return
+        stats = self.runtime.step_stats()
+        if stats is None or stats.step == self._logged_step:
+            return
+        self._logged_step = stats.step
+        self.trainer.log(step_metrics(stats))
+
+
+def attach(
+    trainer: Trainer,
+    profile: str | Path | Profile | None = None,
+    route: str | dict[str, str] | None = None,
+    **attach_kwargs: Any,
+) -> NfabCallback:
+    """Make `trainer.train()` run with nfab's hook; the returned handle's `.runtime` is set when training begins.
+
+    `profile` / `route` and `attach_kwargs` go to `nfab.attach` untouched; `total_steps`
+    defaults to the Trainer's `max_steps` for the run. The Trainer hands callbacks no loss
+    before the backward, so nfab's loss-spike check has no loss here; its gradient-norm,
+    non-finite and fidelity checks run as usual.
+    """
+    if (profile is None) == (route is None):
+        raise NfabError("give exactly one of profile= or route=")
+    callback = NfabCallback(trainer, profile, route, dict(attach_kwargs))
+    trainer.add_callback(callback)
+    return callback

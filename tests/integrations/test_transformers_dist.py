@@ -1,0 +1,101 @@
+"""nfab.integrations.transformers on 2 real gloo ranks (CPU) with a tiny GPT-2 built from a config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.errors import NfabError  # noqa: E402
+from nfab.integrations import transformers as nfab_transformers  # noqa: E402
+from nfab.profile.schema import Profile  # noqa: E402
+
+STEPS = 5
+PROBE_EVERY = Profile.static("sign").health.probe_every
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Generated token sequences (a repeating pattern plus noise): no hub, no files."""
+
+    def __init__(self, n: int = 64, length: int = 16, vocab: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        base = torch.arange(length) % 8
+        self.ids = (base + torch.randint(0, 3, (n, length), generator=g)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=64, n_layer=1, n_head=2))
+
+
+def _args(out: str) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=out, per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-3, logging_steps=1,
+        report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0,
+    )
+
+
+def _train(rank: int, world_size: int, out: str) -> dict:
+    trainer = Trainer(model=_tiny_gpt2(), args=_args(out), train_dataset=_Tokens())
+    handle = nfab_transformers.attach(trainer, route="sign", cost_model=None)
+    assert handle.runtime is None  # the Trainer builds its DDP model inside train()
+    trainer.train()
+    rt = handle.runtime
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]),
+        "total_steps": rt.controller.total_steps,
+        "history": [(s.step, s.wire_bytes, s.fp32_wire_bytes, s.route_mix) for s in rt.history],
+        "logged": [row for row in trainer.state.log_history if "nfab/compression" in row],
+    }
+
+
+@pytest.mark.world_size(2)
+def test_trainer_runs_nfab_and_logs_its_stats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    res = run_ranks(_train, 2, str(tmp_path), timeout_s=180)
+    for r in res:
+        assert r["total_steps"] == STEPS  # from the Trainer's max_steps
+        assert [h[0] for h in r["history"]] == list(range(STEPS))  # the hook ran every step
+        for step, wire, baseline, mix in r["history"]:
+            if step % PROBE_EVERY:  # a fidelity-probe step also sends a sample in FP32
+                assert baseline / wire > 1.0
+            assert set(mix) <= {"signcount", "signgather"}
+        assert [row["step"] for row in r["logged"]] == list(range(1, STEPS + 1))  # logging_steps=1
+        for row, (_, wire, baseline, _) in zip(r["logged"], r["history"], strict=True):
+            assert row["nfab/compression"] == pytest.approx(baseline / wire)
+            assert sum(v for k, v in row.items() if k.startswith("nfab/route/")) == pytest.approx(1.0)
+            assert row["nfab/fallback"] == 0.0
+    assert res[0]["history"] == res[1]["history"]
+    assert torch.equal(res[0]["params"], res[1]["params"])
+
+
+def test_single_process_trains_without_nfab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert "WORLD_SIZE" not in os.environ
+    args = _args(str(tmp_path))
+    args.max_steps = 1
+    trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Tokens())
+    handle = nfab_transformers.attach(trainer, route="sign")
+    trainer.train()
+    assert handle.runtime is None
+    assert not any("nfab/compression" in row for row in trainer.state.log_history)
+
+
+def test_needs_one_of_profile_or_route(tmp_path: Path):
+    trainer = Trainer(model=_tiny_gpt2(), args=_args(str(tmp_path)), train_dataset=_Tokens())
+    with pytest.raises(NfabError, match="exactly one"):
+        nfab_transformers.attach(trainer)
