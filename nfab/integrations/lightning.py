@@ -4,10 +4,11 @@
 
 Lightning's own `DDPStrategy` registers a communication hook only when its root device is CUDA
 (`_register_ddp_hooks`), so on CPU it would drop nfab silently. This strategy overrides the
-public `configure_ddp` instead — the step where Lightning wraps the module in DDP, after the
-process group exists and before the optimizers are set up — and calls `nfab.attach` on the
-wrapped model there, whatever the device. Overriding the private `_register_ddp_hooks` would
-also work but binds nfab to a Lightning internal.
+public `setup(trainer)` instead: Lightning's own setup wraps the module in DDP
+(`configure_ddp`) and builds the optimizers; right after it, before the first batch, nfab
+attaches to the wrapped model whatever the device, and can be given the optimizer (which
+`error_feedback="auto"` reads). Overriding the private `_register_ddp_hooks` would bind nfab
+to a Lightning internal, and the public `configure_ddp` runs before the optimizers exist.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from nfab.errors import NfabError
+from nfab.integrations.defaults import attach_with_defaults
 from nfab.integrations.metrics import step_metrics
 from nfab.profile.schema import Profile
 from nfab.runtime.hook import Runtime
@@ -37,7 +39,8 @@ class NfabDDPStrategy(DDPStrategy):
 
     `profile` / `route` and `attach_kwargs` go to `nfab.attach` as given; `total_steps` (what a
     profile's fractional phase starts are fractions of) defaults to the trainer's
-    `estimated_stepping_batches`. `strategy_kwargs` go to Lightning's `DDPStrategy` (e.g.
+    `estimated_stepping_batches`, and `optimizer` (where `nfab.attach` takes one) to the
+    module's single optimizer. `strategy_kwargs` go to Lightning's `DDPStrategy` (e.g.
     `find_unused_parameters=True`, `process_group_backend="gloo"`). Each optimizer step logs
     nfab's statistics through the LightningModule's `log_dict` (`nfab/compression`,
     `nfab/route/<route>`, `nfab/fallback`, ...), so they reach whatever logger the trainer has.
@@ -64,16 +67,14 @@ class NfabDDPStrategy(DDPStrategy):
         """nfab's hook state on this rank, set when `fit` wraps the model in DDP."""
         self._logged_step = -1
 
-    def configure_ddp(self) -> None:
-        """Wrap in DDP as Lightning does, then attach nfab on the wrapped model (any device)."""
-        super().configure_ddp()
-        assert isinstance(self.model, DistributedDataParallel)
-        from nfab.api import attach
-
-        kwargs = dict(self._attach_kwargs)
-        if "total_steps" not in kwargs:
-            kwargs["total_steps"] = _total_steps(self.lightning_module.trainer)
-        self.runtime = attach(self.model, self._nfab_profile, route=self._nfab_route, **kwargs)
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Lightning's setup (DDP wrap in `configure_ddp`, then optimizers), then attach nfab on any device."""
+        super().setup(trainer)
+        if not isinstance(self.model, DistributedDataParallel):  # validate/test/predict: no DDP, no gradients
+            return
+        optimizer = self.optimizers[0] if len(self.optimizers) == 1 else None
+        self.runtime = attach_with_defaults(self.model, self._nfab_profile, self._nfab_route, self._attach_kwargs,
+                                            total_steps=_total_steps(trainer), optimizer=optimizer)
         self._logged_step = -1
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

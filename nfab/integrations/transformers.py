@@ -21,6 +21,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
+from nfab.integrations.defaults import attach_with_defaults
 from nfab.integrations.metrics import step_metrics
 from nfab.profile.schema import Profile
 from nfab.runtime.hook import Runtime
@@ -63,12 +64,8 @@ class NfabCallback(TrainerCallback):
         if not isinstance(model, DistributedDataParallel):
             raise NfabError(f"nfab needs the Trainer to wrap the model in DistributedDataParallel, got "
                             f"{type(model).__name__} (FSDP and DeepSpeed own their communication)")
-        from nfab.api import attach as nfab_attach
-
-        kw = dict(self.attach_kwargs)
-        if "total_steps" not in kw:
-            kw["total_steps"] = state.max_steps
-        self.runtime = nfab_attach(model, self.profile, route=self.route, **kw)
+        self.runtime = attach_with_defaults(model, self.profile, self.route, self.attach_kwargs,
+                                            total_steps=state.max_steps, optimizer=self.trainer.optimizer)
         self._ddp = model
         self._logged_step = -1
 
@@ -93,7 +90,8 @@ def attach(
     """Make `trainer.train()` run with nfab's hook; the returned handle's `.runtime` is set when training begins.
 
     `profile` / `route` and `attach_kwargs` go to `nfab.attach` untouched; `total_steps`
-    defaults to the Trainer's `max_steps` for the run. The Trainer hands callbacks no loss
+    defaults to the Trainer's `max_steps` for the run and `optimizer` (where `nfab.attach`
+    takes one) to the optimizer the Trainer built. The Trainer hands callbacks no loss
     before the backward, so nfab's loss-spike check has no loss here; its gradient-norm,
     non-finite and fidelity checks run as usual.
     """

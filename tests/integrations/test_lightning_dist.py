@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 
+import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
 from nfab.integrations.lightning import NfabDDPStrategy  # noqa: E402
@@ -80,6 +82,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict:
     return {
         "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
         "total_steps": rt.controller.total_steps,
+        "error_feedback": rt.error_feedback,
         "history": [(s.step, s.wire_bytes, s.fp32_wire_bytes, s.route_mix, s.loss) for s in rt.history],
         "logged": [m for _, m in logger.rows if any(k.startswith("nfab/") for k in m)],
     }
@@ -89,6 +92,8 @@ def _fit(rank: int, world_size: int, root: str) -> dict:
 def test_strategy_attaches_on_cpu_gloo_and_logs_each_step(tmp_path: Path):
     res = run_ranks(_fit, 2, str(tmp_path), timeout_s=180)
     for r in res:
+        if "optimizer" in inspect.signature(nfab.attach).parameters:  # error_feedback="auto" saw the SGD
+            assert r["error_feedback"] is True
         assert r["total_steps"] == STEPS  # from trainer.estimated_stepping_batches (optimizer steps)
         # the hook ran once per optimizer step: Lightning accumulates under DDP's no_sync
         assert [h[0] for h in r["history"]] == list(range(STEPS))

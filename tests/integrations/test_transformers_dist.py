@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
+import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
 from nfab.integrations import transformers as nfab_transformers  # noqa: E402
@@ -56,6 +58,7 @@ def _train(rank: int, world_size: int, out: str) -> dict:
     return {
         "params": torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]),
         "total_steps": rt.controller.total_steps,
+        "error_feedback": rt.error_feedback,
         "history": [(s.step, s.wire_bytes, s.fp32_wire_bytes, s.route_mix) for s in rt.history],
         "logged": [row for row in trainer.state.log_history if "nfab/compression" in row],
     }
@@ -66,6 +69,8 @@ def test_trainer_runs_nfab_and_logs_its_stats(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     res = run_ranks(_train, 2, str(tmp_path), timeout_s=180)
     for r in res:
+        if "optimizer" in inspect.signature(nfab.attach).parameters:  # error_feedback="auto" saw the AdamW
+            assert r["error_feedback"] is False
         assert r["total_steps"] == STEPS  # from the Trainer's max_steps
         assert [h[0] for h in r["history"]] == list(range(STEPS))  # the hook ran every step
         for step, wire, baseline, mix in r["history"]:

@@ -1,0 +1,40 @@
+"""What a framework knows that `nfab.attach` would otherwise have to be told: run length and optimizer."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from nfab.profile.schema import Profile
+from nfab.runtime.hook import Runtime
+
+
+def attach_with_defaults(
+    ddp_model: DistributedDataParallel,
+    profile: str | Path | Profile | None,
+    route: str | dict[str, str] | None,
+    attach_kwargs: dict[str, Any],
+    *,
+    total_steps: int | None,
+    optimizer: Any = None,
+) -> Runtime:
+    """`nfab.attach` with the user's keywords as given, plus the framework's `total_steps` and optimizer.
+
+    A keyword the user passed always wins. The framework's optimizer is passed as
+    `optimizer=` (unwrapped from Accelerate's `AcceleratedOptimizer`, whose `.optimizer` is
+    the torch one) only where `nfab.attach` takes that argument: `error_feedback="auto"`
+    needs it to tell SGD from Adam, and the user of a Trainer never holds the optimizer
+    before the Trainer builds it.
+    """
+    from nfab.api import attach
+
+    kwargs = dict(attach_kwargs)
+    kwargs.setdefault("total_steps", total_steps)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, torch.optim.Optimizer) and "optimizer" in inspect.signature(attach).parameters:
+        kwargs.setdefault("optimizer", inner)
+    return attach(ddp_model, profile, route=route, **kwargs)
