@@ -13,6 +13,7 @@ from accelerate import Accelerator  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
 from nfab.integrations import accelerate as nfab_accelerate  # noqa: E402
+from nfab.integrations.metrics import step_metrics  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 
 STEPS = 6
@@ -29,6 +30,11 @@ def _loader() -> torch.utils.data.DataLoader:
     x = torch.randn(256, 32, generator=g)
     y = x[:, :4] * 2 + 0.1 * torch.randn(256, 4, generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def _baseline(stats) -> int:
+    """Plain DDP's bytes for the step, read through the metrics the adapters log."""
+    return int(step_metrics(stats)["nfab/baseline_wire_bytes"])
 
 
 def _train(rank: int, world_size: int) -> dict:
@@ -50,7 +56,7 @@ def _train(rank: int, world_size: int) -> dict:
     return {
         "distributed_type": str(accelerator.distributed_type),
         "params": torch.cat([p.detach().reshape(-1) for p in accelerator.unwrap_model(model).parameters()]),
-        "history": [(s.step, s.wire_bytes, s.fp32_wire_bytes, s.route_mix, s.loss) for s in runtime.history],
+        "history": [(s.step, s.wire_bytes, _baseline(s), s.route_mix, s.loss) for s in runtime.history],
     }
 
 

@@ -17,6 +17,7 @@ import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
 from nfab.integrations.lightning import NfabDDPStrategy  # noqa: E402
+from nfab.integrations.metrics import step_metrics  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 
 STEPS = 6
@@ -66,6 +67,11 @@ class _MemoryLogger(Logger):
         self.rows.append((step, dict(metrics)))
 
 
+def _baseline(stats) -> int:
+    """Plain DDP's bytes for the step, read through the metrics the adapters log."""
+    return int(step_metrics(stats)["nfab/baseline_wire_bytes"])
+
+
 def _fit(rank: int, world_size: int, root: str) -> dict:
     torch.manual_seed(0)
     module = _Regressor()
@@ -83,7 +89,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict:
         "params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
         "total_steps": rt.controller.total_steps,
         "error_feedback": rt.error_feedback,
-        "history": [(s.step, s.wire_bytes, s.fp32_wire_bytes, s.route_mix, s.loss) for s in rt.history],
+        "history": [(s.step, s.wire_bytes, _baseline(s), s.route_mix, s.loss) for s in rt.history],
         "logged": [m for _, m in logger.rows if any(k.startswith("nfab/") for k in m)],
     }
 

@@ -16,6 +16,7 @@ import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
 from nfab.integrations import transformers as nfab_transformers  # noqa: E402
+from nfab.integrations.metrics import step_metrics  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 
 STEPS = 5
@@ -49,6 +50,11 @@ def _args(out: str) -> TrainingArguments:
     )
 
 
+def _baseline(stats) -> int:
+    """Plain DDP's bytes for the step, read through the metrics the adapters log."""
+    return int(step_metrics(stats)["nfab/baseline_wire_bytes"])
+
+
 def _train(rank: int, world_size: int, out: str) -> dict:
     trainer = Trainer(model=_tiny_gpt2(), args=_args(out), train_dataset=_Tokens())
     handle = nfab_transformers.attach(trainer, route="sign", cost_model=None)
@@ -59,7 +65,7 @@ def _train(rank: int, world_size: int, out: str) -> dict:
         "params": torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()]),
         "total_steps": rt.controller.total_steps,
         "error_feedback": rt.error_feedback,
-        "history": [(s.step, s.wire_bytes, s.fp32_wire_bytes, s.route_mix) for s in rt.history],
+        "history": [(s.step, s.wire_bytes, _baseline(s), s.route_mix) for s in rt.history],
         "logged": [row for row in trainer.state.log_history if "nfab/compression" in row],
     }
 
