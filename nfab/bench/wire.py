@@ -1,13 +1,17 @@
 """Wire benchmark: codec speed beside a plain copy, and bits on the wire beside fp32.
 
 Throughput is GB/s of fp32 gradient (numel * 4 bytes / seconds) on one core, for
-encode + decode of one rank's contribution, measured in the same run as a plain copy
-of the same tensor, so the ratio is meaningful on a noisy machine. Bits per element
-come from each reducer's `wire_bytes` (what a rank actually sends) at W = 2, 4, 8, 16.
+encode + decode of one rank's contribution at each world size (lane widths, and so the
+kernels, change with W), timed right beside a plain copy of the same tensor: the ratio
+is the figure to read on a shared machine. Bits per element come from each reducer's
+`wire_bytes` (what a rank actually sends) at W = 2, 4, 8, 16. `first_call_s` is the
+first encode+decode at that W in this process: it includes compiling the CPU kernels
+(or loading them from numba's on-disk cache).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,8 +22,6 @@ from nfab.wire.cost import best_time
 from nfab.wire.reducers import REDUCERS, Reducer, SignGather
 
 WORLD_SIZES: tuple[int, ...] = (2, 4, 8, 16)
-SPEED_WORLD_SIZE = 4
-"""Encode+decode is timed at this W (lane widths change with W; W=4 is the design point)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +36,11 @@ class WireRow:
     capacity_ok: bool
     capacity: str
     """Lane width / levels, or why the reducer cannot be exact at this W."""
-    encode_decode_gbps: float
+    encode_decode_gbps: float | None
+    """None when over capacity (nothing to time)."""
     copy_gbps: float
-    ratio_to_copy: float
+    ratio_to_copy: float | None
+    first_call_s: float | None
     numel: int
 
 
@@ -66,8 +70,8 @@ def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
     return True, ", ".join(parts)
 
 
-def bench_wire(numel: int = 1 << 22, reps: int = 5, seed: int = 0) -> list[WireRow]:
-    """Time every reducer's encode+decode beside a copy; bits per element at W = 2, 4, 8, 16."""
+def bench_wire(numel: int = 1 << 22, reps: int = 7, seed: int = 0) -> list[WireRow]:
+    """Time every reducer's encode+decode at W = 2, 4, 8, 16 beside a copy; bits per element."""
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
     threads = torch.get_num_threads()
@@ -79,12 +83,17 @@ def bench_wire(numel: int = 1 << 22, reps: int = 5, seed: int = 0) -> list[WireR
         rows: list[WireRow] = []
         fp32 = REDUCERS["allreduce-fp32"]
         for key, red in REDUCERS.items():
-            # time the copy right beside each reducer: drift on a shared machine cancels in the ratio
-            copy_gbps = gb / best_time(lambda: dst.copy_(x), reps)
-            w_speed = SPEED_WORLD_SIZE if red.capacity(SPEED_WORLD_SIZE).ok else 2
-            ed_gbps = gb / best_time(_encode_decode_fn(red, x, w_speed), reps)
             for w in WORLD_SIZES:
                 ok, text = _capacity_text(red, w)
+                # time the copy right beside each measurement: drift on a shared machine cancels in the ratio
+                copy_gbps = gb / best_time(lambda: dst.copy_(x), reps)
+                ed_gbps = first = None
+                if ok:
+                    run = _encode_decode_fn(red, x, w)
+                    t0 = time.perf_counter()
+                    run()
+                    first = time.perf_counter() - t0
+                    ed_gbps = gb / best_time(run, reps)
                 rows.append(WireRow(
                     reducer=key,
                     world_size=w,
@@ -94,7 +103,8 @@ def bench_wire(numel: int = 1 << 22, reps: int = 5, seed: int = 0) -> list[WireR
                     capacity=text,
                     encode_decode_gbps=ed_gbps,
                     copy_gbps=copy_gbps,
-                    ratio_to_copy=ed_gbps / copy_gbps,
+                    ratio_to_copy=ed_gbps / copy_gbps if ed_gbps is not None else None,
+                    first_call_s=first,
                     numel=numel,
                 ))
         return rows

@@ -8,7 +8,6 @@ these with lane packing and collectives. Route names are the user's vocabulary:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -16,26 +15,6 @@ import torch
 
 ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign")
 """Every route a profile or a user may name, cheapest-last is NOT implied."""
-
-
-@dataclass(frozen=True, slots=True)
-class Codec:
-    """A route's codec: its name, nominal bits per element, and whether it loses information."""
-
-    name: str
-    bits: int
-    lossy: bool
-
-
-CODECS: dict[str, Codec] = {
-    "fp32": Codec("fp32", 32, lossy=False),
-    "bf16": Codec("bf16", 16, lossy=True),
-    "fp16": Codec("fp16", 16, lossy=True),
-    "q8": Codec("q8", 8, lossy=True),
-    "q4": Codec("q4", 4, lossy=True),
-    "q2": Codec("q2", 2, lossy=True),
-    "sign": Codec("sign", 1, lossy=True),
-}
 
 
 _ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
@@ -154,25 +133,3 @@ def vote_table(world_size: int, vote: str, device: torch.device | None = None) -
     if vote == "mean":
         return diff / world_size
     raise ValueError(f"unknown vote {vote!r}: use 'majority' or 'mean'")
-
-
-def stochastic_levels(
-    x: torch.Tensor, scale: torch.Tensor, max_level: int, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Stochastically round x onto the grid {0..M} that spans [-scale, +scale].
-
-    Level v stands for scale * (2v/M - 1). Rounding up with probability equal to the
-    fractional part makes the code unbiased: E[decoded] = x for |x| <= scale.
-    `scale` is per element (already expanded). Returns int32 levels.
-    """
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    t = (x / safe + 1.0) * (0.5 * max_level)
-    noise = torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype)
-    return torch.floor(t + noise).clamp_(0, max_level).to(torch.int32)
-
-
-def levels_to_values(
-    levels: torch.Tensor, scale: torch.Tensor, max_level: int, count: int = 1
-) -> torch.Tensor:
-    """Decode a (summed over `count` ranks) level back to the mean value per element."""
-    return scale * (levels.to(torch.float32) * (2.0 / (max_level * count)) - 1.0)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from nfab.wire import fastpath
 from nfab.wire.lanes import layout_for, pack
 from nfab.wire.reducer import (
     Capacity,
@@ -68,20 +69,30 @@ class QSum(Reducer):
         m = self.max_level(world_size)
         lengths = list(lengths)
         safe = torch.where(shared_scale > 0, shared_scale, torch.ones_like(shared_scale)).to(torch.float32)
-        if len(lengths) == 1:
-            t = torch.div(x, safe.reshape(-1)[0])
-        else:  # one division for all segments (a bucket's norms and biases are many small ones)
-            t = torch.div(x, torch.repeat_interleave(safe, torch.tensor(lengths), output_size=x.numel()))
-        t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
-        t.add_(_uniform_noise(t, lengths, generator))
-        levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
-        payload = pack(levels, self._layout)
+        if x.dtype == torch.float32 and x.dim() == 1 and fastpath.supports(x, safe):
+            # one compiled pass: divide, shift, add the noise, round, clamp, lane-pack
+            noise = _uniform_noise(x, lengths, generator)
+            levels, payload = fastpath.qsum_levels(x, noise, safe.reshape(-1), lengths, m, self._layout)
+        else:
+            levels, payload = self._levels_reference(x, safe, lengths, m, generator)
         values = self.level_values(world_size, 1, x.device)
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
             return finish_segments(values[levels.long()], shared_scale, lengths, None)
 
         return Encoded(payload, None, make_local=local)
+
+    def _levels_reference(self, x, safe, lengths, m, generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(levels, containers) in torch ops on any device: the definition the fast path matches."""
+        if len(lengths) == 1:
+            t = torch.div(x.to(torch.float32), safe.reshape(-1)[0])
+        else:  # one division for all segments (a bucket's norms and biases are many small ones)
+            t = torch.div(x.to(torch.float32),
+                          torch.repeat_interleave(safe, torch.tensor(lengths, device=x.device), output_size=x.numel()))
+        t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
+        t.add_(_uniform_noise(t, lengths, generator))
+        levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
+        return levels, pack(levels, self._layout)
 
     def launch(self, payload, world_size, group):
         return allreduce_future(payload, group)
@@ -124,9 +135,12 @@ def _uniform_noise(
     uninterrupted run did with the rebuilt ones.
     """
     if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype)
-    parts = [torch.rand(n, generator=g, device=t.device, dtype=t.dtype)
-             for n, g in zip(lengths, generator, strict=True)]
-    return torch.cat(parts) if parts else torch.empty_like(t)
+        return torch.rand(t.shape, generator=generator, device=t.device, dtype=torch.float32)
+    out = torch.empty(t.numel(), device=t.device, dtype=torch.float32)
+    start = 0
+    for n, g in zip(lengths, generator, strict=True):
+        torch.rand(n, generator=g, out=out[start : start + n])
+        start += n
+    return out
 
 

@@ -8,8 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nfab.wire import codecs
-from nfab.wire import lanes as _lanes
+from nfab.wire import codecs, fastpath
 from nfab.wire.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
 from nfab.wire.reducer import (
     Capacity,
@@ -42,18 +41,30 @@ class _SignReducer(Reducer):
         self.vote = vote
 
     def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int], layout: LaneLayout) -> Encoded:
-        """Votes packed into `layout`, per-segment mean |x|, and (lazily) this rank's ±scale values."""
+        """Votes packed into `layout`, per-segment mean |x|, and (lazily) this rank's ±scale values.
+
+        On CPU one compiled pass reads `x` (fp32, bf16 or fp16, no fp32 copy) for votes and
+        scales; elsewhere the torch reference does (same payload bits).
+        """
         lengths = list(lengths)
         n = x.numel()
-        if n and _lanes.sign_pack_supported(x, layout):
-            gather = layout.lane_bits == 1  # the payload is the packed votes themselves
-            payload, sums, packed = _lanes.sign_pack(x, lengths, layout, want_bits=not gather)
-            scales = _mean_abs(sums, lengths)
-            bits = payload.numpy().copy() if gather else packed
-            return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
+        if n and fastpath.sign_supports(x):
+            bits, sums = fastpath.sign_votes(x, lengths)
+            return self._encoded(bits, sums, n, lengths, layout)
         bits = codecs.sign_bits(x)
         scales = codecs.segment_mean_abs(x, lengths)
         return Encoded(pack(bits, layout), scales, make_local=lambda: codecs.sign_values(bits, scales, lengths))
+
+    @staticmethod
+    def _encoded(bits: np.ndarray, sums: np.ndarray, n: int, lengths: list[int], layout: LaneLayout) -> Encoded:
+        """Packed votes -> the payload in `layout` (the bits themselves for 1-bit lanes)."""
+        scales = _mean_abs(sums, lengths)
+        if layout.lane_bits == 1:
+            payload = torch.from_numpy(bits)
+            bits = bits.copy()  # an all-reduce or all-gather never writes its input, but stay safe
+        else:
+            payload = fastpath.votes_to_lanes(bits, n, layout)
+        return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
 
     def _vote_values(self, layout: LaneLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Vote per lane value, padded with 0 to the lane's range (sums above W never occur)."""
@@ -134,13 +145,10 @@ class SignGather(_SignReducer):
 
     def encode_views(self, views, lengths, world_size) -> Encoded:
         views, lengths = list(views), list(lengths)
-        if not views or not all(_lanes.sign_pack_supported(v, self._layout) for v in views):
+        if not views or not all(fastpath.sign_supports(v) for v in views):
             return super().encode_views(views, lengths, world_size)
-        payload, sums = _lanes.sign_bits_views(views)
-        scales = _mean_abs(sums, lengths)
-        bits = payload.numpy()  # an all-gather reads its input and never overwrites it
-        n = sum(lengths)
-        return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
+        bits, sums = fastpath.sign_votes_views(views, lengths)
+        return self._encoded(bits, sums, sum(lengths), lengths, self._layout)
 
     def launch(self, payload, world_size, group):
         out = torch.empty(world_size * payload.numel(), dtype=payload.dtype, device=payload.device)
@@ -152,41 +160,28 @@ class SignGather(_SignReducer):
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
         rows = reduced.view(world_size, -1)
-        count_layout = layout_for(count_lane_bits(world_size))
-        one, _ = split_out(out)
-        if (_lanes._numpy_ok(reduced) and count_layout.lane_bits <= 4 and numel
-                and (one is None or (one.dtype == torch.float32 and one.is_contiguous() and _lanes._numpy_ok(one)))):
-            # bit-sliced counts, one table lookup per group of elements (vote x scale folded in)
-            assert scale_mean is not None
-            lengths = list(lengths)
-            vals = self._vote_values(count_layout, world_size, reduced.device)
-            if len(lengths) == 1:
-                vals = vals * scale_mean.reshape(-1)[0]
-            rows_np = rows.contiguous().numpy()
-            starts = np.cumsum([0, *lengths[:-1]]).tolist()
-            _, dests = split_out(out)
-            if len(lengths) > 1 and all(a % 8 == 0 for a in starts) and (dests is not None or one is not None):
-                # every segment starts on a whole byte: decode each with its scale folded
-                # into the table, straight into its destination (no unit pass, no scaling pass)
-                if dests is not None:
-                    targets = dests
-                else:
-                    assert one is not None
-                    targets = [one.view(-1)[a : a + n] for a, n in zip(starts, lengths, strict=True)]
-                for a, n, s, d in zip(starts, lengths, scale_mean.tolist(), targets, strict=True):
-                    _lanes.decode_bit_rows(rows_np[:, a // 8 : -(-(a + n) // 8)], n, vals.numpy(), d.numpy(), s)
-                return out
-            res = torch.empty(numel, dtype=torch.float32) if one is None else one
-            _lanes.decode_bit_rows(rows_np, numel, vals.numpy(), res.view(-1).numpy())
-            return res if len(lengths) == 1 else finish_segments(res, scale_mean, lengths, out)
-        small = world_size <= 255
-        counts = torch.zeros(numel, dtype=torch.uint8 if small else torch.int32, device=reduced.device)
+        one, dests = split_out(out)
+        targets = dests if dests is not None else [one] if one is not None else None
+        if (numel and world_size <= 255 and fastpath.supports(reduced)
+                and (targets is None or all(fastpath.supports(d) and d.dtype == torch.float32 for d in targets))):
+            return self._decode_rows(rows.numpy(), scale_mean, numel, list(lengths), world_size, one, dests)
+        counts = torch.zeros(numel, dtype=torch.uint8 if world_size <= 255 else torch.int32, device=reduced.device)
         for r in range(world_size):
             counts += unpack(rows[r], self._layout, numel)
-        if small and count_layout.container == torch.uint8:
-            # re-lane the counts (one multiply per word) and decode a container per lookup
-            return self._decode_containers(pack(counts, count_layout), count_layout, scale_mean, numel,
-                                           lengths, world_size, out)
         return self._decode_counts(counts, scale_mean, lengths, world_size, out)
 
-
+    def _decode_rows(self, rows: np.ndarray, scale_mean, numel: int, lengths: list[int], world_size: int,
+                     one: torch.Tensor | None, dests: list[torch.Tensor] | None) -> Any:
+        """Compiled CPU decode: count the W bit rows and look up vote x scale, per segment
+        straight into its destination (the scale folded into the table: fl(v * s) either way)."""
+        assert scale_mean is not None
+        vals = codecs.vote_table(world_size, self.vote).numpy()
+        res = torch.empty(numel, dtype=torch.float32) if one is None and dests is None else one
+        targets = dests if dests is not None else None
+        start = 0
+        for i, (n, s) in enumerate(zip(lengths, scale_mean.reshape(-1).tolist(), strict=True)):
+            dst = targets[i] if targets is not None else res[start : start + n]  # type: ignore[index]
+            table = (vals * np.float32(s)).astype(np.float32)
+            fastpath.decode_bit_rows(rows, start, n, table, dst.view(-1).numpy())
+            start += n
+        return dests if dests is not None else res

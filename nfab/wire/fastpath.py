@@ -1,0 +1,146 @@
+"""CPU fast paths of the codecs: tensors in, compiled kernels (`kernels.py`) on their memory.
+
+Every function here has a torch reference that runs on any device (`lanes.py`,
+`codecs.py`, the reducers' own torch code) and produces the same bits; the reducers
+call `supports(...)` and take the fast path only for CPU tensors on a little-endian
+machine with numba installed. Tests check both paths against each other bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from nfab.wire import lanes
+from nfab.wire.lanes import LaneLayout
+
+try:
+    from nfab.wire import kernels
+except ImportError:  # numba missing or unusable: the torch reference runs instead
+    kernels = None  # type: ignore[assignment]
+
+AVAILABLE = kernels is not None and sys.byteorder == "little"
+_HALF = {torch.bfloat16: True, torch.float16: False}
+SIGN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled CPU path may run on these tensors (CPU, contiguous)."""
+    return AVAILABLE and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def sign_supports(x: torch.Tensor) -> bool:
+    """Whether `sign_votes` runs on `x` (1-D, contiguous, fp32/bf16/fp16, on CPU)."""
+    return supports(x) and x.dim() == 1 and x.dtype in SIGN_DTYPES
+
+
+def _bounds(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    ends = np.cumsum(np.asarray(list(lengths), dtype=np.int64))
+    return ends - np.asarray(list(lengths), dtype=np.int64), ends
+
+
+def sign_votes(x: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(votes x >= 0 packed 1 bit per element little-endian, float64 |x| sum per segment).
+
+    One pass over `x`; bf16 and fp16 are read as they are (no fp32 copy).
+    """
+    return sign_votes_views([x], lengths, split=True)
+
+
+def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int],
+                     split: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """`sign_votes` of the concatenation of `views` (one segment each, or `lengths` over one
+    view when `split`), read in place: a mixed bucket's slices need no gathered copy."""
+    lengths = list(lengths)
+    n = sum(lengths)
+    bits = np.zeros(-(-n // 8), dtype=np.uint8)
+    sums = np.zeros(len(lengths), dtype=np.float64)
+    if split:
+        starts, ends = _bounds(lengths)
+        _sign_kernel(views[0], starts, ends, 0, bits, sums)
+        return bits, sums
+    pos = 0
+    one = np.zeros(1, dtype=np.int64)
+    for si, v in enumerate(views):
+        ln = v.numel()
+        _sign_kernel(v, one, np.full(1, ln, dtype=np.int64), pos, bits, sums[si : si + 1])
+        pos += ln
+    return bits, sums
+
+
+def _sign_kernel(x: torch.Tensor, starts, ends, base: int, bits, sums) -> None:
+    assert kernels is not None
+    if x.dtype == torch.float32:
+        kernels.sign_bits_f32(x.numpy(), starts, ends, base, bits, sums)
+    else:
+        kernels.sign_bits_half(x.view(torch.int16).numpy().view(np.uint16), _HALF[x.dtype], starts, ends, base,
+                               bits, sums)
+
+
+@lru_cache(maxsize=64)
+def _spread(lane_bits: int) -> np.ndarray:
+    assert kernels is not None
+    return kernels.spread_table(lane_bits)
+
+
+@lru_cache(maxsize=1)
+def _expand() -> np.ndarray:
+    assert kernels is not None
+    return kernels.count_expand_table()
+
+
+_NP = {torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def votes_to_lanes(bits: np.ndarray, numel: int, layout: LaneLayout) -> torch.Tensor:
+    """Packed votes -> count lane containers: the same tensor as `lanes.pack(x >= 0, layout)`."""
+    assert kernels is not None
+    out = np.zeros(layout.containers_for(numel), dtype=_NP[layout.container])
+    kernels.bits_to_lanes(bits, numel, layout.lane_bits, layout.lanes, out, _spread(layout.lane_bits))
+    return torch.from_numpy(out)
+
+
+def decode_bit_rows(rows: np.ndarray, start: int, numel: int, table: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[i] = table[how many of the W (<= 255) packed bit rows have bit start + i set]."""
+    assert kernels is not None
+    kernels.decode_bit_rows(rows, start, numel, table.astype(np.float32, copy=False), out, _expand())
+    return out
+
+
+def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """`lanes.decode_table`: one compiled pass on CPU, the torch reference elsewhere (same values)."""
+    fast = supports(containers) and values.numel() == layout.max_value + 1 and (
+        out is None or (supports(out) and out.dtype == torch.float32))
+    if not fast:
+        return lanes.decode_table(containers, layout, numel, values, out)
+    assert kernels is not None
+    res = torch.empty(numel, dtype=torch.float32) if out is None else out
+    if numel == 0:
+        return res
+    table = values.detach().to(torch.float32).contiguous().numpy()
+    kernels.decode_lanes(containers.numpy(), layout.lane_bits, layout.lanes, numel, table, res.view(-1).numpy())
+    return res
+
+
+def qsum_levels(x: torch.Tensor, noise: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
+                max_level: int, layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels uint8, lane containers) of qsum's stochastic rounding, fused in one pass.
+
+    `scales` are the safe (non-zero) per-segment scales; same bits as the torch reference.
+    """
+    assert kernels is not None
+    n = x.numel()
+    starts, ends = _bounds(lengths)
+    levels = np.empty(n, dtype=np.uint8)
+    kernels.qsum_levels(x.numpy(), noise.numpy(), starts, ends, scales.to(torch.float32).contiguous().numpy(),
+                        np.float32(1.0), np.float32(0.5 * max_level), max_level, levels)
+    if layout.lanes == 1:
+        return torch.from_numpy(levels), torch.from_numpy(levels.copy())  # the payload may be reduced in place
+    containers = np.empty(layout.containers_for(n), dtype=np.uint8)
+    kernels.pack_bytes(levels, layout.lane_bits, containers)
+    return torch.from_numpy(levels), torch.from_numpy(containers)

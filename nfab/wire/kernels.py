@@ -1,0 +1,339 @@
+"""Compiled CPU kernels for the codecs (numba): one pass over memory, no temporaries.
+
+Pure functions over numpy arrays (no torch). `nfab.wire.fastpath` decides when they
+apply and adapts tensors; `nfab.wire.lanes` holds the torch reference that runs on any
+device and defines what these kernels must produce, bit for bit.
+
+Numba compiles each kernel on its first call and caches the machine code on disk
+(`cache=True`), so a machine pays the compile once. The cache lives beside this file;
+when the install is read-only, numba's own fallback is a per-user cache directory, and
+when that is unusable too we point NUMBA_CACHE_DIR at a private temp directory before
+numba is imported (set it yourself to choose the place).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def _ensure_cache_dir() -> None:
+    """Give numba a writable cache directory when neither the package dir nor $HOME is."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    here = Path(__file__).parent
+    if os.access(here, os.W_OK):
+        return
+    home = Path(os.path.expanduser("~"))
+    if home.is_dir() and os.access(home, os.W_OK):
+        return  # numba's user-wide locator writes under ~/.cache
+    os.environ["NUMBA_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"nfab-numba-{os.getuid()}")
+
+
+_ensure_cache_dir()
+
+import numpy as np  # noqa: E402
+from numba import njit  # noqa: E402
+
+# ---- sign votes ------------------------------------------------------------------------------
+# A vote is x >= 0: +0.0 and -0.0 vote positive, NaN negative (torch's and numpy's >=).
+# Loops index slices from 0 (never x[c + i]): numba then knows the index is non-negative,
+# drops its negative-index handling, and LLVM vectorizes the loop.
+
+_CHUNK = 4096  # elements per inner pass: the chunk's scratch stays in L1
+_GATHER = np.uint64(0x0102040810204080)  # (8 bytes of 0/1) * this >> 56 = their bits, byte i -> bit i
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _abs_sum(xc):
+    """sum |x| of one chunk in float32 lanes (the compiler picks the lane order; reassociation
+    is the only licence: NaN and inf propagate as usual)."""
+    s = np.float32(0)
+    for i in range(xc.size):
+        s += abs(xc[i])
+    return s
+
+
+@njit(cache=True, nogil=True)
+def _put_byte(bits, g0, vb):
+    """OR 8 votes (bit j = element g0 + j) into a little-endian bit array at element g0."""
+    k = g0 >> 3
+    sh = g0 & 7
+    if sh == 0:
+        bits[k] |= vb
+    else:
+        bits[k] |= (vb << sh) & 0xFF
+        if k + 1 < bits.size:
+            bits[k + 1] |= vb >> (8 - sh)
+
+
+@njit(cache=True, nogil=True)
+def _sign_chunk(xc, v8, words, bits, g):
+    """Votes of fp32 chunk `xc` into `bits` at element g; returns the chunk's |x| sum."""
+    ln = xc.size
+    for i in range(ln):
+        v8[i] = xc[i] >= 0
+    pad = (ln + 7) & ~7
+    for i in range(ln, pad):
+        v8[i] = 0
+    nb = pad >> 3
+    if g & 7 == 0:  # whole bytes: no earlier segment shares them
+        bc = bits[g >> 3 : (g >> 3) + nb]
+        for k in range(nb):
+            bc[k] = np.uint8((words[k] * _GATHER) >> np.uint64(56))
+    else:
+        for k in range(nb):
+            _put_byte(bits, g + 8 * k, np.uint8((words[k] * _GATHER) >> np.uint64(56)))
+    return _abs_sum(xc)
+
+
+@njit(cache=True, nogil=True)
+def sign_bits_f32(x, seg_starts, seg_ends, base, bits, sums):
+    """Votes of fp32 `x` packed 1 bit per element (little-endian) into ZEROED `bits` from bit
+    `base` on, and the |x| sum of each segment [seg_starts[s], seg_ends[s]) of `x` into sums[s].
+
+    A segment's sum adds float32 chunk sums (chunks of 4096 counted from the segment's own
+    start) in float64: it depends only on the segment's own elements, never on its
+    neighbours or its offset in a bucket.
+    """
+    v8 = np.zeros(_CHUNK + 8, dtype=np.uint8)
+    words = v8.view(np.uint64)
+    for s in range(seg_starts.size):
+        a = seg_starts[s]
+        e = seg_ends[s]
+        tot = 0.0
+        for c0 in range(a, e, _CHUNK):
+            tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], v8, words, bits, base + c0)
+        sums[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def _f16_to_f32(u):
+    """An IEEE fp16 given as raw bits, widened exactly to float32."""
+    sign = np.float32(-1.0) if u & 0x8000 else np.float32(1.0)
+    e = (u >> 10) & 0x1F
+    m = u & 0x3FF
+    if e == 0:
+        return sign * np.float32(m * 5.9604644775390625e-08)  # 2**-24, exact
+    if e == 31:
+        return sign * np.float32(np.inf) if m == 0 else np.float32(np.nan)
+    return sign * np.float32((1024 + m) * 2.0 ** (np.int64(e) - 25))
+
+
+@njit(cache=True, nogil=True)
+def sign_bits_half(u, bf16, seg_starts, seg_ends, base, bits, sums):
+    """`sign_bits_f32` for bf16 (bf16=True) or fp16 inputs given as raw uint16 bits.
+
+    Each chunk is widened exactly to fp32 in an L1 scratch buffer (widening keeps every
+    sign, zero and NaN), so votes and sums are those of `sign_bits_f32` on the fp32 values.
+    """
+    v8 = np.zeros(_CHUNK + 8, dtype=np.uint8)
+    words = v8.view(np.uint64)
+    wide = np.empty(_CHUNK, dtype=np.uint32)
+    f32 = wide.view(np.float32)
+    for s in range(seg_starts.size):
+        a = seg_starts[s]
+        e = seg_ends[s]
+        tot = 0.0
+        for c0 in range(a, e, _CHUNK):
+            uc = u[c0 : min(c0 + _CHUNK, e)]
+            ln = uc.size
+            if bf16:
+                for i in range(ln):
+                    wide[i] = np.uint32(uc[i]) << 16
+            else:
+                for i in range(ln):
+                    f32[i] = _f16_to_f32(uc[i])
+            tot += _sign_chunk(f32[:ln], v8, words, bits, base + c0)
+        sums[s] = tot
+
+
+@njit(cache=True, nogil=True)
+def spread_table(lane_bits):
+    """256 entries: 8 votes -> the votes placed at lanes 0..7 of width `lane_bits` (uint64)."""
+    t = np.zeros(256, dtype=np.uint64)
+    for v in range(256):
+        w = np.uint64(0)
+        for j in range(8):
+            if (v >> j) & 1:
+                w |= np.uint64(1) << np.uint64(j * lane_bits)
+        t[v] = w
+    return t
+
+
+@njit(cache=True, nogil=True)
+def _get_bits(bits, start, count):
+    """`count` (<= 8) consecutive bits from element `start` of a little-endian bit array."""
+    k = start >> 3
+    sh = start & 7
+    w = np.int64(bits[k]) if k < bits.size else 0
+    if k + 1 < bits.size:
+        w |= np.int64(bits[k + 1]) << 8
+    return (w >> sh) & ((1 << count) - 1)
+
+
+@njit(cache=True, nogil=True)
+def _spread_block(bits, first, n, g, m, spread, shift, out):
+    """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes."""
+    if 8 % g == 0 and first & 7 == 0:
+        per = 8 // g  # containers per vote byte
+        gmask = (1 << g) - 1
+        whole = min(m, (n - first) // g) if n > first else 0
+        src = bits[first >> 3 :]
+        for j in range(whole):
+            v = (np.int64(src[j // per]) >> ((j % per) * g)) & gmask
+            out[j] |= spread[v] << shift
+        if whole < m and first + whole * g < n:
+            out[whole] |= spread[_get_bits(bits, first + whole * g, n - first - whole * g)] << shift
+        return
+    for j in range(m):
+        a = first + j * g
+        if a >= n:
+            break
+        out[j] |= spread[_get_bits(bits, a, min(g, n - a))] << shift
+
+
+@njit(cache=True, nogil=True)
+def bits_to_lanes(bits, n, lane_bits, lanes, out, spread):
+    """Votes (1 bit per element) -> count lanes in ZEROED `out` (the layout of `lanes.pack`).
+
+    uint8 containers hold consecutive elements; wider containers hold blocks of at most 8
+    lanes, element m*l0 + j*g + (l - l0) in lane l of container j (see lanes.py).
+    `spread` is `spread_table(lane_bits)`.
+    """
+    m = out.size
+    if out.itemsize == 1:
+        _spread_block(bits, 0, n, lanes, m, spread, np.uint64(0), out)
+        return
+    for l0 in range(0, lanes, 8):
+        g = min(l0 + 8, lanes) - l0
+        _spread_block(bits, m * l0, n, g, m, spread, np.uint64(l0 * lane_bits), out)
+
+
+# ---- counting gathered 1-bit rows ---------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def count_expand_table():
+    """256 entries: 8 bits -> 8 byte-lanes of a uint64 holding each bit (for counting)."""
+    t = np.zeros(256, dtype=np.uint64)
+    for v in range(256):
+        w = np.uint64(0)
+        for j in range(8):
+            if (v >> j) & 1:
+                w |= np.uint64(1) << np.uint64(8 * j)
+        t[v] = w
+    return t
+
+
+@njit(cache=True, nogil=True)
+def decode_bit_rows(rows, start, numel, table, out, expand):
+    """out[i] = table[count of rows with bit start+i set], i < numel; rows (W <= 255, nbytes).
+
+    Counts are kept one byte per element: each row's byte expands (`expand`, a table) to
+    eight byte-lanes of a uint64 that is added to the chunk's counts (no lane reaches 256,
+    so none carries); then one table lookup per element.
+    """
+    w = rows.shape[0]
+    i = 0
+    while i < numel and (start + i) & 7:  # elements before the first whole byte
+        g = start + i
+        c = 0
+        for r in range(w):
+            c += (rows[r, g >> 3] >> (g & 7)) & 1
+        out[i] = table[c]
+        i += 1
+    cnt = np.zeros(_CHUNK, dtype=np.uint8)
+    cnt64 = cnt.view(np.uint64)
+    while i < numel:
+        ln = min(_CHUNK, numel - i)
+        k0 = (start + i) >> 3
+        nb = (ln + 7) >> 3
+        for k in range(nb):
+            cnt64[k] = 0
+        for r in range(w):
+            rk = rows[r, k0 : k0 + nb]
+            for k in range(nb):
+                cnt64[k] += expand[rk[k]]
+        oc = out[i : i + ln]
+        for t in range(ln):
+            oc[t] = table[cnt[t]]
+        i += ln
+
+
+# ---- lane containers -> values --------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def decode_lanes(containers, lane_bits, lanes, numel, table, out):
+    """out[e] = table[lane value of element e] for e < numel (layout of `lanes.pack`)."""
+    m = containers.size
+    mask = (1 << lane_bits) - 1
+    if containers.itemsize == 1:
+        if lanes == 1:
+            for j in range(numel):
+                out[j] = table[containers[j]]
+            return
+        whole = min(m, numel // lanes)
+        grid = out[: whole * lanes].reshape(whole, lanes)
+        for j in range(whole):
+            c = np.int64(containers[j])
+            for lane in range(lanes):
+                grid[j, lane] = table[(c >> (lane * lane_bits)) & mask]
+        for e in range(whole * lanes, numel):
+            out[e] = table[(np.int64(containers[e // lanes]) >> ((e % lanes) * lane_bits)) & mask]
+        return
+    for l0 in range(0, lanes, 8):
+        g = min(l0 + 8, lanes) - l0
+        base = m * l0
+        for j in range(m):
+            a = base + j * g
+            if a >= numel:
+                break
+            c = np.int64(containers[j])
+            for lane in range(min(g, numel - a)):
+                out[a + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
+
+
+# ---- qsum levels ---------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def qsum_levels(x, noise, seg_starts, seg_ends, scales, one, half_m, max_level, levels):
+    """Stochastically rounded levels floor((x/s + 1) * M/2 + u) clamped to [0, M], in one pass.
+
+    The float32 operations and their order are those of the torch reference (`QSum.encode`),
+    so the levels are the same bits.
+    """
+    top = np.float32(max_level)
+    zero = np.float32(0)
+    for s in range(seg_starts.size):
+        sc = scales[s]
+        a = seg_starts[s]
+        e = seg_ends[s]
+        xs = x[a:e]
+        ns = noise[a:e]
+        ls = levels[a:e]
+        for i in range(xs.size):
+            t = np.floor((xs[i] / sc + one) * half_m + ns[i])
+            ls[i] = np.uint8(min(max(t, zero), top))
+
+
+@njit(cache=True, nogil=True)
+def pack_bytes(values, lane_bits, out):
+    """Lane-pack uint8 values (each < 2**lane_bits) into uint8 containers of 8 // lane_bits lanes."""
+    lanes = 8 // lane_bits
+    n = values.size
+    whole = n // lanes
+    grid = values[: whole * lanes].reshape(whole, lanes)
+    for j in range(whole):
+        c = 0
+        for lane in range(lanes):
+            c |= np.int64(grid[j, lane]) << (lane * lane_bits)
+        out[j] = c
+    if whole * lanes < n:
+        c = 0
+        for e in range(whole * lanes, n):
+            c |= np.int64(values[e]) << ((e - whole * lanes) * lane_bits)
+        out[whole] = c

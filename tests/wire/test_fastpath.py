@@ -1,0 +1,147 @@
+"""The compiled CPU kernels give the same bits as the torch reference (the path every other device runs).
+
+Sizes cover odd lengths, empty and one-element segments, segments that start mid-byte,
+and the kernels' 4096-element chunk boundaries.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nfab.wire import codecs, fastpath, lanes
+from nfab.wire.lanes import count_lane_bits, layout_for
+from nfab.wire.reducers import REDUCERS
+
+pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
+
+SHAPES = [
+    (1, [1]),
+    (7, [7]),
+    (21, [10, 0, 11]),
+    (1001, [400, 601]),
+    (8195, [4095, 1, 4097, 2]),  # chunk edges relative to each segment's start
+    (70_001, [3, 0, 69_990, 8]),
+]
+
+
+def _x(numel: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    if numel >= 8:
+        x[:6] = torch.tensor([0.0, -0.0, float("nan"), float("-inf"), float("inf"), -1e-30])
+        x[-1] = -0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel,lengths", SHAPES)
+def test_sign_votes_match_reference(dtype, numel, lengths):
+    x = _x(numel, numel, dtype)
+    bits, sums = fastpath.sign_votes(x, lengths)
+    assert np.array_equal(bits, np.packbits((x >= 0).numpy(), bitorder="little"))  # -0.0 +, NaN -
+    wide = x.to(torch.float64)
+    expected = np.array([p.abs().sum().item() for p in torch.split(wide, lengths)])
+    assert np.allclose(sums, expected, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("numel,lengths", SHAPES)
+def test_segment_sums_do_not_depend_on_neighbours_or_offset(numel, lengths):
+    """A slice's scale is the same alone, inside a bucket, and read as a view."""
+    x = _x(numel, 3)
+    _, together = fastpath.sign_votes(x, lengths)
+    parts = torch.split(x, lengths)
+    alone = [fastpath.sign_votes(p.clone(), [p.numel()])[1][0] for p in parts]
+    bits_v, views = fastpath.sign_votes_views(list(parts), lengths)
+    assert np.array_equal(together, np.array(alone), equal_nan=True)
+    assert np.array_equal(together, views, equal_nan=True)
+    assert np.array_equal(bits_v, fastpath.sign_votes(x, lengths)[0])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 31, 64, 100, 512])
+@pytest.mark.parametrize("numel", [1, 7, 9, 63, 1001, 8195])
+def test_votes_to_lanes_match_pack(world_size, numel):
+    layout = layout_for(count_lane_bits(world_size))
+    x = _x(numel, world_size)
+    bits, _ = fastpath.sign_votes(x, [numel])
+    assert torch.equal(fastpath.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8, 9, 16, 17, 100, 255])
+@pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000)])
+def test_decode_bit_rows_counts_every_row(world_size, start, numel):
+    g = torch.Generator().manual_seed(world_size + start)
+    votes = torch.randint(0, 2, (world_size, start + numel), generator=g, dtype=torch.uint8)
+    rows = np.stack([np.packbits(v.numpy(), bitorder="little") for v in votes])
+    table = torch.randn(world_size + 1, generator=g).numpy()
+    out = np.full(numel, 7.0, dtype=np.float32)
+    fastpath.decode_bit_rows(rows, start, numel, table, out)
+    assert np.array_equal(out, table[votes.long().sum(0).numpy()[start:]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 300), min_size=1, max_size=6), world_size=st.integers(1, 20),
+       seed=st.integers(0, 2**16))
+def test_sign_reducers_fast_equal_reference(lengths, world_size, seed):
+    """Whole encode -> combine -> decode, compiled vs torch reference: the same payload and
+    the same decoded bits for the same scales (scales are sums: equal to float rounding)."""
+    n = sum(lengths)
+    if n == 0:
+        return
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=g) for _ in range(world_size)]
+    for key in ("signcount", "signgather"):
+        red = REDUCERS[key]
+        fast = [red.encode(x, lengths, world_size) for x in xs]
+        with _reference():
+            ref = [red.encode(x, lengths, world_size) for x in xs]
+        for a, b in zip(fast, ref, strict=True):
+            assert torch.equal(a.payload, b.payload)
+            assert torch.allclose(a.scales, b.scales, rtol=1e-5)
+        for x, a in zip(xs, fast, strict=True):
+            assert torch.equal(a.local, codecs.sign_values(x >= 0, a.scales, lengths))
+        reduced = red.combine([e.payload for e in fast])
+        scales = torch.stack([e.scales for e in fast]).mean(0)
+        got = red.decode(reduced.clone(), scales, n, lengths, world_size)
+        with _reference():
+            want = red.decode(reduced.clone(), scales, n, lengths, world_size)
+        assert torch.equal(got, want), key
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel,lengths", SHAPES)
+@pytest.mark.parametrize("per_segment_noise", [False, True])
+def test_qsum_fast_equal_reference(bits, world_size, numel, lengths, per_segment_noise):
+    red = REDUCERS[f"qsum-q{bits}"]
+    if not red.capacity(world_size).ok:
+        pytest.skip("over capacity")
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3
+    shared = red.local_scale(x, lengths) * 0.7  # some elements saturate
+    shared[0] = 0.0  # an all-zero scale takes the safe path
+
+    def gens():
+        if per_segment_noise:
+            return [torch.Generator().manual_seed(i) for i in range(len(lengths))]
+        return torch.Generator().manual_seed(5)
+
+    fast = red.encode(x, lengths, world_size, shared, gens())
+    with _reference():
+        ref = red.encode(x, lengths, world_size, shared, gens())
+    assert torch.equal(fast.payload, ref.payload)
+    assert torch.equal(fast.local, ref.local)
+    got = red.decode(fast.payload.clone(), shared, numel, lengths, world_size)
+    with _reference():
+        want = red.decode(fast.payload.clone(), shared, numel, lengths, world_size)
+    assert torch.equal(got, want)
+
+
+class _reference:
+    """Run the torch reference on CPU (the compiled paths switched off) inside a `with`."""
+
+    def __enter__(self):
+        self._was = fastpath.AVAILABLE
+        fastpath.AVAILABLE = False
+
+    def __exit__(self, *exc):
+        fastpath.AVAILABLE = self._was
