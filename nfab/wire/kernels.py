@@ -287,12 +287,18 @@ def decode_lanes(containers, lane_bits, lanes, numel, table, out):
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
         base = m * l0
-        for j in range(m):
-            a = base + j * g
-            if a >= numel:
-                break
+        if base >= numel:
+            break
+        whole = min(m, (numel - base) // g)  # containers whose g elements all lie below numel
+        grid = out[base : base + whole * g].reshape(whole, g)
+        for j in range(whole):
             c = np.int64(containers[j])
-            for lane in range(min(g, numel - a)):
+            for lane in range(g):
+                grid[j, lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
+        a = base + whole * g
+        if whole < m and a < numel:
+            c = np.int64(containers[whole])
+            for lane in range(numel - a):
                 out[a + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
 
 
