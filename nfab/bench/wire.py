@@ -19,7 +19,7 @@ import torch
 
 from nfab.fsutil import atomic_write_json
 from nfab.wire.cost import best_time
-from nfab.wire.reducers import REDUCERS, Reducer, SignGather
+from nfab.wire.reducers import REDUCERS, Reducer
 
 WORLD_SIZES: tuple[int, ...] = (2, 4, 8, 16)
 
@@ -49,7 +49,7 @@ def _encode_decode_fn(red: Reducer, x: torch.Tensor, world_size: int):
     lengths = [x.numel()]
     shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
     enc = red.encode(x, lengths, world_size, shared, torch.Generator().manual_seed(0))
-    reduced = enc.payload.repeat(world_size) if isinstance(red, SignGather) else enc.payload.clone()
+    reduced = red.combine([enc.payload] * world_size)  # what the collective makes of W copies
     scale = enc.scales if enc.scales is not None else shared
 
     def run() -> None:

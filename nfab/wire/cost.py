@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.errors import NfabError
-from nfab.wire.reducers import REDUCERS, Reducer, SignGather
+from nfab.wire.reducers import REDUCERS, Reducer
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +49,12 @@ class CostModel:
         """Modelled seconds for reducer `key` to reduce `numel` elements."""
         w = world_size or self.world_size
         red = REDUCERS[key]
-        link = self.allgather if isinstance(red, SignGather) else self.allreduce
-        # qsum's scale agreement is not priced as a round: the runtime's delayed scales ride
-        # the control word, so only a slice's first qsum step blocks on a MAX all-reduce
-        t = link.latency_s + red.wire_bytes(numel, w, segments) / link.bandwidth_bps
+        # one latency per collective, each kind at its own bandwidth (a reduce-scatter is
+        # half a ring all-reduce: priced on the all-reduce link). qsum's scale agreement is
+        # not priced as a round: the runtime's delayed scales ride the control word.
+        links = {"allreduce": self.allreduce, "allgather": self.allgather}
+        t = sum(links[kind].latency_s + b / links[kind].bandwidth_bps
+                for kind, b in red.link_bytes(numel, w, segments).items())
         return t + self.codec_s_per_element.get(key, 0.0) * numel
 
     def cheaper_than_fp32(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> bool:
@@ -115,10 +117,10 @@ def _encode_decode(red: Reducer, x: torch.Tensor, world_size: int) -> torch.Tens
     lengths = [x.numel()]
     shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
     enc = red.encode(x, lengths, world_size, shared)
-    # decode a payload of the reduced shape (the all-gather result is W payloads)
-    payload = enc.payload.repeat(world_size) if isinstance(red, SignGather) else enc.payload
+    # decode a result of the reduced shape: what the collective makes of W copies of this payload
+    reduced = red.combine([enc.payload] * world_size)
     scale = enc.scales if enc.scales is not None else shared
-    return red.decode(payload, scale, x.numel(), lengths, world_size)
+    return red.decode(reduced, scale, x.numel(), lengths, world_size)
 
 
 MIN_BANDWIDTH_BPS = 1e6  # 8 Mbit/s: anything slower is a measurement accident

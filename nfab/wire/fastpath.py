@@ -144,3 +144,16 @@ def qsum_levels(x: torch.Tensor, noise: torch.Tensor, scales: torch.Tensor, leng
     containers = np.empty(layout.containers_for(n), dtype=np.uint8)
     kernels.pack_bytes(levels, layout.lane_bits, containers)
     return torch.from_numpy(levels), torch.from_numpy(containers)
+
+
+@lru_cache(maxsize=1)
+def _trit_digits() -> np.ndarray:
+    b = np.arange(256, dtype=np.int64)[:, None]
+    return ((b // np.array([1, 3, 9, 27, 81])[None, :]) % 3).astype(np.uint8)
+
+
+def decode_trits(packed: np.ndarray, start: int, numel: int, table: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out[i] = table[base-3 digit start + i of `packed` (5 digits per byte, digit j times 3**j)]."""
+    assert kernels is not None
+    kernels.decode_trits(packed, start, numel, table.astype(np.float32, copy=False), out, _trit_digits())
+    return out

@@ -343,3 +343,29 @@ def pack_bytes(values, lane_bits, out):
         for e in range(whole * lanes, n):
             c |= np.int64(values[e]) << ((e - whole * lanes) * lane_bits)
         out[whole] = c
+
+
+# ---- base-3 digits (signscatter's majority at even W) -------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def decode_trits(packed, start, numel, table, out, digits):
+    """out[i] = table[base-3 digit start+i]; 5 digits per byte (`digits`: byte -> its 5 digits)."""
+    i = 0
+    while i < numel and (start + i) % 5:
+        g = start + i
+        out[i] = table[digits[packed[g // 5], g % 5]]
+        i += 1
+    k0 = (start + i) // 5
+    whole = (numel - i) // 5
+    src = packed[k0 : k0 + whole]
+    grid = out[i : i + whole * 5].reshape(whole, 5)
+    for k in range(whole):
+        d = digits[src[k]]
+        for j in range(5):
+            grid[k, j] = table[d[j]]
+    i += whole * 5
+    while i < numel:
+        g = start + i
+        out[i] = table[digits[packed[g // 5], g % 5]]
+        i += 1

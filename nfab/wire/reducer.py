@@ -134,6 +134,12 @@ class Reducer(ABC):
         """Bytes each rank sends per payload byte under this reducer's collective (ring all-reduce)."""
         return allreduce_factor(world_size)
 
+    def link_bytes(self, numel: int, world_size: int, segments: int = 1) -> dict[str, float]:
+        """`wire_bytes` split by the kind of collective that sends them ("allreduce" for ring
+        all-reduce and reduce-scatter, "allgather"): the cost model prices each kind with its
+        own measured latency and bandwidth, one latency per collective."""
+        return {"allreduce": self.wire_bytes(numel, world_size, segments)}
+
     def bits_per_element(self, world_size: int, numel: int = 1 << 20) -> float:
         """Wire bits per gradient element for a large tensor (scales amortised)."""
         return 8.0 * self.wire_bytes(numel, world_size) / numel

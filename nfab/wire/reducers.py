@@ -11,7 +11,7 @@ arithmetic for W virtual ranks in one process (calibration). For the integer pat
 to the real reduction.
 
 Wire bytes count what each rank sends under the collective's algorithm: ring all-reduce
-sends 2(W-1)/W of its payload, all-gather sends (W-1)/W of W payloads.
+sends 2(W-1)/W of its payload, reduce-scatter (W-1)/W, all-gather (W-1)/W of W payloads.
 """
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ from nfab.wire.reducer import (  # re-exported: the reducer contract lives in re
     write_into,
 )
 from nfab.wire.sign import SignCount, SignGather
+from nfab.wire.signscatter import SignScatter
 
 __all__ = [
-    "REDUCERS", "AllReduce", "Capacity", "Encoded", "QSum", "Reducer", "SignCount", "SignGather",
+    "REDUCERS", "AllReduce", "Capacity", "Encoded", "QSum", "Reducer", "SignCount", "SignGather", "SignScatter",
     "all_gather_flat", "allgather_factor", "allreduce_factor", "candidates", "gather_scales", "mean_of_ranks",
 ]
 
@@ -75,6 +76,7 @@ REDUCERS: dict[str, Reducer] = {
     "allreduce-fp16": AllReduce(torch.float16),
     "signcount": SignCount(),
     "signgather": SignGather(),
+    "signscatter": SignScatter(),
     "qsum-q8": QSum(8),
     "qsum-q4": QSum(4),
     "qsum-q2": QSum(2),
@@ -82,7 +84,7 @@ REDUCERS: dict[str, Reducer] = {
 
 
 def candidates(route: str) -> list[Reducer]:
-    """Reducers that can carry a route; `sign` has two (chosen by cost and capacity)."""
+    """Reducers that can carry a route; `sign` has three (chosen by cost and capacity)."""
     if route == "fp32":
         return [REDUCERS["allreduce-fp32"]]
     if route in ("bf16", "fp16"):
@@ -90,5 +92,5 @@ def candidates(route: str) -> list[Reducer]:
     if route in ("q8", "q4", "q2"):
         return [REDUCERS[f"qsum-{route}"]]
     if route == "sign":
-        return [REDUCERS["signgather"], REDUCERS["signcount"]]
+        return [REDUCERS["signgather"], REDUCERS["signcount"], REDUCERS["signscatter"]]
     raise ValueError(f"unknown route {route!r}; routes are {', '.join(codecs.ROUTES)}")

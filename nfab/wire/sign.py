@@ -137,6 +137,9 @@ class SignGather(_SignReducer):
     def collective_factor(self, world_size: int) -> float:
         return allgather_factor(world_size)
 
+    def link_bytes(self, numel: int, world_size: int, segments: int = 1) -> dict[str, float]:
+        return {"allgather": self.wire_bytes(numel, world_size, segments)}
+
     def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
         return allgather_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
 
