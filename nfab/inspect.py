@@ -9,7 +9,8 @@ models here is close to the same thing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -57,6 +58,20 @@ class CapacityRow:
 
 
 @dataclass(slots=True)
+class LevelRow:
+    """Bytes per step and rank at one level of the reduction (one flat level today).
+
+    A two-level plan (node-local and inter-node groups) adds one row per level, each with
+    its own world size; the totals below add them up.
+    """
+
+    level: str
+    world_size: int
+    wire_bytes: float
+    fp32_wire_bytes: float
+
+
+@dataclass(slots=True)
 class Inspection:
     model: str
     world_size: int
@@ -66,6 +81,7 @@ class Inspection:
     buckets: list[BucketRow] = field(default_factory=list)
     capacity: list[CapacityRow] = field(default_factory=list)
     route_bytes: dict[str, float] = field(default_factory=dict)
+    levels: list[LevelRow] = field(default_factory=list)
 
     @property
     def wire_bytes(self) -> float:
@@ -74,6 +90,19 @@ class Inspection:
     @property
     def fp32_wire_bytes(self) -> float:
         return sum(b.fp32_wire_bytes for b in self.buckets)
+
+    @property
+    def ratio(self) -> float:
+        """How many times fewer bytes than FP32 DDP (all-reduce of every gradient in fp32)."""
+        return self.fp32_wire_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+
+    def to_dict(self, crossovers: list[tuple[int, str]] | None = None) -> dict[str, Any]:
+        """Everything the `nfab inspect` tables show (all buckets), with the totals, as JSON-ready data."""
+        out = asdict(self)
+        out.update(wire_bytes=self.wire_bytes, fp32_wire_bytes=self.fp32_wire_bytes, ratio=self.ratio)
+        if crossovers is not None:
+            out["crossovers"] = [{"from_world_size": w, "cheapest": k} for w, k in crossovers]
+        return out
 
 
 def ddp_buckets(model: nn.Module, bucket_cap_mb: float = 25.0) -> list[list[tuple[str, nn.Parameter]]]:
@@ -144,6 +173,7 @@ def inspect_model(
             ", ".join(sorted({f"{why}({reg})" for why, reg in routes.fallbacks})),
         ))
     out.regions = sorted(per_region.values(), key=lambda r: -r.elements)
+    out.levels = [LevelRow("flat", world_size, out.wire_bytes, out.fp32_wire_bytes)]
     for route in ROUTES:
         for red in candidates(route):
             cap = red.capacity(world_size)
@@ -156,9 +186,9 @@ def crossovers(cost_model: CostModel, numel: int, max_world: int = 1024) -> list
     """World sizes where the cheapest sign path (or fp32) changes, for a tensor of `numel`."""
     out: list[tuple[int, str]] = []
     prev = None
+    keys = ["allreduce-fp32"] + [k for k, r in REDUCERS.items() if r in candidates("sign")]
     for w in range(2, max_world + 1):
-        options = {k: cost_model.time(k, numel, w) for k in ("allreduce-fp32", "signgather", "signcount")
-                   if REDUCERS[k].capacity(w).ok}
+        options = {k: cost_model.time(k, numel, w) for k in keys if REDUCERS[k].capacity(w).ok}
         best = route_label(min(options, key=options.__getitem__))
         if best != prev:
             out.append((w, best))

@@ -29,6 +29,8 @@ def register(app: typer.Typer) -> None:
         bucket_cap_mb: Annotated[float, typer.Option(help="DDP bucket cap.")] = 25.0,
         cost: Annotated[Path | None, typer.Option(help="Cost model JSON from `nfab bench wire --cost`.")] = None,
         buckets: Annotated[int, typer.Option(help="Show at most this many buckets.")] = 12,
+        json_path: Annotated[Path | None, typer.Option(
+            "--json", help="Also write the plan (all buckets) as JSON.")] = None,
     ) -> None:
         """Show the plan: region classes, buckets with their routes, capacity, bytes vs FP32.
 
@@ -82,6 +84,12 @@ def register(app: typer.Typer) -> None:
                       f"FP32 DDP {res.fp32_wire_bytes / 1e6:.2f} MB — {ratio:.1f}x fewer bytes "
                       f"(cost model: {cm.source})")
         largest = max((row.elements for row in res.buckets), default=0)
-        if largest:
-            xs = ", ".join(f"W>={w}: {best}" for w, best in crossovers(cm, largest))
-            console.print(f"cheapest path for a {largest:,}-element bucket as W grows: {xs}")
+        xs = crossovers(cm, largest) if largest else []
+        if xs:
+            text = ", ".join(f"W>={w}: {best}" for w, best in xs)
+            console.print(f"cheapest path for a {largest:,}-element bucket as W grows: {text}")
+        if json_path is not None:
+            from nfab.fsutil import atomic_write_json
+
+            atomic_write_json(json_path, res.to_dict(xs))
+            console.print(f"wrote {json_path}")
