@@ -6,7 +6,9 @@ kernels, change with W), timed right beside a plain copy of the same tensor: the
 is the figure to read on a shared machine. Bits per element come from each reducer's
 `wire_bytes` (what a rank actually sends) at W = 2, 4, 8, 16. `first_call_s` is the
 first encode+decode at that W in this process: it includes compiling the CPU kernels
-(or loading them from numba's on-disk cache).
+(or loading them from numba's on-disk cache). Times are CPU seconds of this process
+(`time.process_time`, one thread): on a shared machine they leave out the time spent
+waiting for a core, which wall time would charge to whichever side it hit.
 """
 
 from __future__ import annotations
@@ -86,14 +88,14 @@ def bench_wire(numel: int = 1 << 22, reps: int = 7, seed: int = 0) -> list[WireR
             for w in WORLD_SIZES:
                 ok, text = _capacity_text(red, w)
                 # time the copy right beside each measurement: drift on a shared machine cancels in the ratio
-                copy_gbps = gb / best_time(lambda: dst.copy_(x), reps)
+                copy_gbps = gb / best_time(lambda: dst.copy_(x), reps, time.process_time)
                 ed_gbps = first = None
                 if ok:
                     run = _encode_decode_fn(red, x, w)
-                    t0 = time.perf_counter()
+                    t0 = time.process_time()
                     run()
-                    first = time.perf_counter() - t0
-                    ed_gbps = gb / best_time(run, reps)
+                    first = time.process_time() - t0
+                    ed_gbps = gb / best_time(run, reps, time.process_time)
                 rows.append(WireRow(
                     reducer=key,
                     world_size=w,
