@@ -100,7 +100,9 @@ def votes_to_lanes(bits: np.ndarray, numel: int, layout: LaneLayout) -> torch.Te
     """Packed votes -> count lane containers: the same tensor as `lanes.pack(x >= 0, layout)`."""
     assert kernels is not None
     out = np.zeros(layout.containers_for(numel), dtype=_NP[layout.container])
-    kernels.bits_to_lanes(bits, numel, layout.lane_bits, layout.lanes, out, _spread(layout.lane_bits))
+    padded = np.zeros(bits.size + 2, dtype=np.uint8)  # two zero bytes: the kernel reads 16-bit windows
+    padded[: bits.size] = bits
+    kernels.bits_to_lanes(padded, numel, layout.lane_bits, layout.lanes, out, _spread(layout.lane_bits))
     return torch.from_numpy(out)
 
 

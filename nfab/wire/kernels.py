@@ -175,23 +175,44 @@ def _get_bits(bits, start, count):
 
 @njit(cache=True, nogil=True)
 def _spread_block(bits, first, n, g, m, spread, shift, out):
-    """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes."""
-    if 8 % g == 0 and first & 7 == 0:
-        per = 8 // g  # containers per vote byte
-        gmask = (1 << g) - 1
-        whole = min(m, (n - first) // g) if n > first else 0
-        src = bits[first >> 3 :]
-        for j in range(whole):
-            v = (np.int64(src[j // per]) >> ((j % per) * g)) & gmask
-            out[j] |= spread[v] << shift
-        if whole < m and first + whole * g < n:
-            out[whole] |= spread[_get_bits(bits, first + whole * g, n - first - whole * g)] << shift
-        return
+    """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes.
+
+    `bits` carries two zero bytes past its end, so a 16-bit window never reads out of bounds.
+    """
+    gmask = np.uint64((1 << g) - 1)
     for j in range(m):
         a = first + j * g
         if a >= n:
             break
-        out[j] |= spread[_get_bits(bits, a, min(g, n - a))] << shift
+        k = np.uint64(a) >> np.uint64(3)  # unsigned: no negative-index handling
+        w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
+        v = (w >> np.uint64(a & 7)) & gmask
+        if n - a < g:
+            v &= np.uint64((1 << (n - a)) - 1)
+        out[j] |= spread[v] << shift
+
+
+@njit(cache=True, nogil=True)
+def _spread_bytes(bits, n, lanes, spread, out):
+    """uint8 containers of `lanes` (1, 2 or 4) lanes: each vote byte fills 8 // lanes containers
+    through one table row (`spread` of the byte's lane groups), the tail one by one."""
+    per = 8 // lanes
+    lmask = (1 << lanes) - 1
+    whole = n // 8  # vote bytes whose 8 votes all lie below n
+    grid = out[: whole * per].reshape(whole, per)
+    src = bits[:whole]
+    for k in range(whole):
+        b = np.int64(src[k])
+        for q in range(per):
+            grid[k, q] = spread[(b >> (q * lanes)) & lmask]
+    for j in range(whole * per, out.size):
+        a = j * lanes
+        if a >= n:
+            break
+        v = (np.int64(bits[a >> 3]) >> (a & 7)) & lmask
+        if n - a < lanes:
+            v &= (1 << (n - a)) - 1
+        out[j] = spread[v]
 
 
 @njit(cache=True, nogil=True)
@@ -203,6 +224,9 @@ def bits_to_lanes(bits, n, lane_bits, lanes, out, spread):
     `spread` is `spread_table(lane_bits)`.
     """
     m = out.size
+    if out.itemsize == 1 and 8 % lanes == 0:
+        _spread_bytes(bits, n, lanes, spread, out)
+        return
     if out.itemsize == 1:
         _spread_block(bits, 0, n, lanes, m, spread, np.uint64(0), out)
         return
@@ -276,11 +300,23 @@ def decode_lanes(containers, lane_bits, lanes, numel, table, out):
                 out[j] = table[containers[j]]
             return
         whole = min(m, numel // lanes)
-        grid = out[: whole * lanes].reshape(whole, lanes)
-        for j in range(whole):
-            c = np.int64(containers[j])
+        # container byte -> its lanes' fp32 values, moved as lanes/2 uint64 words per container
+        rows = np.empty((256, lanes), dtype=np.float32)
+        for c in range(256):
             for lane in range(lanes):
-                grid[j, lane] = table[(c >> (lane * lane_bits)) & mask]
+                rows[c, lane] = table[(c >> (lane * lane_bits)) & mask]
+        half = lanes // 2
+        rows64 = rows.reshape(-1).view(np.uint64).reshape(256, half)
+        grid = out[: whole * lanes].view(np.uint64).reshape(whole, half)
+        src = containers[:whole]
+        if half == 1:
+            for j in range(whole):
+                grid[j, 0] = rows64[src[j], 0]
+        else:
+            for j in range(whole):
+                c = src[j]
+                for q in range(half):
+                    grid[j, q] = rows64[c, q]
         for e in range(whole * lanes, numel):
             out[e] = table[(np.int64(containers[e // lanes]) >> ((e % lanes) * lane_bits)) & mask]
         return
