@@ -42,7 +42,7 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         for lo in range(start, start + n, _ABS_CHUNK):
             hi = min(lo + _ABS_CHUNK, start + n)
             part = buf[: hi - lo]
-            torch.abs(x[lo:hi], out=part)
+            part.copy_(x[lo:hi]).abs_()  # bf16/fp16 widen chunk by chunk, never a whole fp32 copy
             acc += part.sum()
         sums.append(acc)
         start += n

@@ -158,3 +158,17 @@ def test_numba_cache_dir_falls_back_to_temp_in_a_read_only_install(monkeypatch):
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/chosen")
     kernels._ensure_cache_dir()
     assert kernels.os.environ["NUMBA_CACHE_DIR"] == "/chosen"  # the user's choice wins
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("key", ["signcount", "signgather", "signscatter"])
+def test_half_precision_gradients_encode_alike_on_both_paths(dtype, key):
+    """bf16/fp16 buckets are encoded without an fp32 copy: same payload as the reference."""
+    x = _x(8195, 11, dtype)
+    lengths = [4095, 1, 4099]
+    red = REDUCERS[key]
+    fast = red.encode(x, lengths, 4)
+    with _reference():
+        ref = red.encode(x, lengths, 4)
+    assert torch.equal(fast.payload, ref.payload)
+    assert torch.allclose(fast.scales, ref.scales, rtol=1e-5, equal_nan=True)
