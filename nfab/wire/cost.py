@@ -44,15 +44,18 @@ class CostModel:
     codec_s_per_element: dict[str, float] = field(default_factory=dict)
     """Encode+decode seconds per element, keyed by reducer key (see REDUCERS)."""
     source: str = "default"
+    reducescatter: LinkCost | None = None
+    """Reduce-scatter's own constants (gloo's can be far from half an all-reduce); None:
+    priced as the all-reduce link (a ring all-reduce is a reduce-scatter plus an all-gather)."""
 
     def time(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> float:
         """Modelled seconds for reducer `key` to reduce `numel` elements."""
         w = world_size or self.world_size
         red = REDUCERS[key]
-        # one latency per collective, each kind at its own bandwidth (a reduce-scatter is
-        # half a ring all-reduce: priced on the all-reduce link). qsum's scale agreement is
+        # one latency per collective, each kind at its own measured bandwidth. qsum's scale agreement is
         # not priced as a round: the runtime's delayed scales ride the control word.
-        links = {"allreduce": self.allreduce, "allgather": self.allgather}
+        links = {"allreduce": self.allreduce, "allgather": self.allgather,
+                 "reducescatter": self.reducescatter or self.allreduce}
         t = sum(links[kind].latency_s + b / links[kind].bandwidth_bps
                 for kind, b in red.link_bytes(numel, w, segments).items())
         return t + self.codec_s_per_element.get(key, 0.0) * numel
@@ -73,6 +76,7 @@ class CostModel:
                 allgather=LinkCost(**d["allgather"]),
                 codec_s_per_element={str(k): float(v) for k, v in d.get("codec_s_per_element", {}).items()},
                 source=str(d.get("source", "file")),
+                reducescatter=LinkCost(**d["reducescatter"]) if d.get("reducescatter") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise NfabError(f"malformed cost model: {exc}") from exc
@@ -162,10 +166,11 @@ def fit_link(points: list[tuple[float, float]]) -> LinkCost:
 def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, reps: int = 5) -> CostModel:
     """Measure the cost model on the live process group; all ranks get identical constants.
 
-    Three sizes per collective, median of `reps` each, a least-squares line through them;
+    Three sizes per collective (all-reduce, all-gather, reduce-scatter), median of `reps`
+    each, a least-squares line through them;
     every rank then takes the slowest rank's timings (MAX) so all decide alike.
     """
-    from nfab.wire.reducers import all_gather_flat
+    from nfab.wire.reducer import all_gather_flat, reduce_scatter_flat
 
     w = dist.get_world_size(group)
     sizes = (256, large_numel // 8, large_numel)
@@ -178,6 +183,10 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
         src = torch.zeros(n * 4, dtype=torch.uint8)
         dst = torch.empty(n * 4 * w, dtype=torch.uint8)
         timings.append(median_time(lambda s=src, d=dst: all_gather_flat(d, s, group=group), reps))
+    for n in sizes:  # int32 count lanes, as signscatter sends them
+        full = torch.zeros(-(-n // w) * w, dtype=torch.int32)
+        part = torch.empty(full.numel() // w, dtype=torch.int32)
+        timings.append(median_time(lambda f=full, p=part: reduce_scatter_flat(p, f, group=group), reps))
     codec = measure_codecs(w)
     keys = sorted(codec)
     vec = torch.tensor(timings + [codec[k] for k in keys], dtype=torch.float64)
@@ -186,4 +195,6 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
     k = len(sizes)
     ar = fit_link([(fp32.wire_bytes(n, w), t) for n, t in zip(sizes, v[:k], strict=True)])
     ag = fit_link([((w - 1) * n * 4.0, t) for n, t in zip(sizes, v[k : 2 * k], strict=True)])
-    return CostModel(dist.get_backend(group), w, ar, ag, dict(zip(keys, v[2 * k :], strict=True)), source="measured")
+    rs = fit_link([((w - 1) / w * (-(-n // w) * w) * 4.0, t) for n, t in zip(sizes, v[2 * k : 3 * k], strict=True)])
+    return CostModel(dist.get_backend(group), w, ar, ag, dict(zip(keys, v[3 * k :], strict=True)), source="measured",
+                     reducescatter=rs)

@@ -89,6 +89,8 @@ def allgather_factor(world_size: int) -> float:
 
 # torch renamed all_gather_into_tensor to all_gather_single; use whichever this torch has.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# likewise reduce_scatter_tensor -> reduce_scatter_single: (output, input, op, group, async_op)
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def gather_scales(scales: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -135,9 +137,9 @@ class Reducer(ABC):
         return allreduce_factor(world_size)
 
     def link_bytes(self, numel: int, world_size: int, segments: int = 1) -> dict[str, float]:
-        """`wire_bytes` split by the kind of collective that sends them ("allreduce" for ring
-        all-reduce and reduce-scatter, "allgather"): the cost model prices each kind with its
-        own measured latency and bandwidth, one latency per collective."""
+        """`wire_bytes` split by the kind of collective that sends them ("allreduce",
+        "allgather", "reducescatter"): the cost model prices each kind with its own measured
+        latency and bandwidth, one latency per collective."""
         return {"allreduce": self.wire_bytes(numel, world_size, segments)}
 
     def bits_per_element(self, world_size: int, numel: int = 1 << 20) -> float:

@@ -36,6 +36,7 @@ from nfab.wire.reducer import (
     all_gather_flat,
     allgather_factor,
     finish_segments,
+    reduce_scatter_flat,
     split_out,
     write_into,
 )
@@ -88,7 +89,7 @@ class SignScatter(Reducer):
     def link_bytes(self, numel: int, world_size: int, segments: int = 1) -> dict[str, float]:
         shard = self.shard_numel(numel, world_size)
         return {
-            "allreduce": reduce_scatter_factor(world_size) * self.payload_bytes(numel, world_size),
+            "reducescatter": reduce_scatter_factor(world_size) * self.payload_bytes(numel, world_size),
             "allgather": allgather_factor(world_size) * (self.majority_bytes(shard, world_size) + 4 * segments),
         }
 
@@ -141,7 +142,7 @@ class SignScatter(Reducer):
     def launch(self, payload, world_size, group):
         shard = torch.empty(payload.numel() // world_size, dtype=payload.dtype, device=payload.device)
         # phase 1 runs to completion here, so phase 2 is launched by the caller too (never from a callback)
-        dist.reduce_scatter_tensor(shard, payload, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_flat(shard, payload, op=dist.ReduceOp.SUM, group=group)
         mine = self.owner_majority(shard, world_size)
         out = torch.empty(world_size * mine.numel(), dtype=torch.uint8, device=payload.device)
         work = all_gather_flat(out, mine, group=group, async_op=True)

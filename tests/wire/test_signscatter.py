@@ -4,6 +4,8 @@ Checked against an independent majority vote, its one-process replay against rea
 ranks (W = 2, 3, 4) bit for bit, and its compiled CPU decode against the torch reference.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -119,3 +121,16 @@ def test_real_gloo_equals_replay_and_independent_vote(world_size):
     assert torch.allclose(res, independent(xs, LENGTHS), rtol=1e-6, atol=0)
     strided = [rank_input(r, 2 * sum(LENGTHS))[::2] for r in range(world_size)]
     assert torch.equal(results[0]["strided"], REDUCERS["signscatter"].replay(strided, LENGTHS))
+
+
+def test_a_slow_reduce_scatter_is_priced_out():
+    from nfab.wire.cost import CostModel, LinkCost
+
+    n, fast, slow = 1 << 24, LinkCost(1e-4, 1e9), LinkCost(1e-4, 1e7)
+    keys = ("signgather", "signcount", "signscatter")
+    cm = CostModel("gloo", 16, fast, fast, source="test", reducescatter=slow)
+    assert min(keys, key=lambda k: cm.time(k, n)) == "signcount"
+    assert min(keys, key=lambda k: CostModel("gloo", 16, fast, fast).time(k, n)) == "signscatter"
+    data = json.loads(cm.to_json())
+    assert CostModel.from_dict(data) == cm
+    assert CostModel.from_dict({**data, "reducescatter": None}).reducescatter is None  # older files
