@@ -17,16 +17,17 @@ def _keys(ctl: Controller) -> dict[str, str]:
 def test_sign_without_a_cost_model_takes_the_fewest_bytes():
     prof = Profile.static({"conv": "sign"})
     assert _keys(Controller(prof, 4, None, explicit=True))["conv.weight"] == "signgather"  # 3.0 vs 4.6 bits
-    assert _keys(Controller(prof, 16, None, explicit=True))["conv.weight"] == "signcount"  # 10 vs 15 bits
+    assert _keys(Controller(prof, 16, None, explicit=True))["conv.weight"] == "signscatter"  # 6.5 vs 10 vs 15 bits
 
 
 def test_cost_gate_applies_to_profiles_not_to_explicit_routes():
-    fast = CostModel("gloo", 4, LinkCost(1e-5, 5e9), LinkCost(1e-5, 5e9), {"signgather": 3e-9, "signcount": 3e-9})
+    fast = CostModel("gloo", 4, LinkCost(1e-5, 5e9), LinkCost(1e-5, 5e9),
+                     {"signgather": 3e-9, "signcount": 3e-9, "signscatter": 3e-9})
     prof = Profile.static({"conv": "sign"})
     gated = Controller(prof, 4, fast, explicit=False)
     assert _keys(gated)["conv.weight"] == "allreduce-fp32"
     assert ("cost", "conv") in gated.routes(PLAN, gated.phase(0), frozenset()).fallbacks
-    assert _keys(Controller(prof, 4, fast, explicit=True))["conv.weight"] in ("signgather", "signcount")
+    assert _keys(Controller(prof, 4, fast, explicit=True))["conv.weight"] in ("signgather", "signcount", "signscatter")
 
 
 def test_demoted_region_goes_fp32_with_a_health_reason():
