@@ -5,7 +5,7 @@ virtual ranks, short trials from phase checkpoints); `fit_profile` is the pure f
 from that table and tolerances to a `Profile`.
 """
 
-from nfab.calibrate.config import CalibrationConfig, OptimizerConfig, make_config, parse_overrides
+from nfab.calibrate.config import CalibrationConfig, make_config, parse_overrides
 from nfab.calibrate.fit import TOL_COSINE, TOL_LOSS, fit_profile
 from nfab.calibrate.replay import reduce_virtual
 from nfab.calibrate.sweep import calibrate, fit_file, run_sweep
@@ -15,7 +15,6 @@ __all__ = [
     "TOL_COSINE",
     "TOL_LOSS",
     "CalibrationConfig",
-    "OptimizerConfig",
     "calibrate",
     "fit_file",
     "fit_profile",

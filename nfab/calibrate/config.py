@@ -1,19 +1,26 @@
-"""`CalibrationConfig`: what one calibration sweep measures, with per-model defaults.
+"""`CalibrationConfig`: what one calibration sweep measures, and the run setting it trains under.
 
-The defaults pair each registered model with the data set, options and optimizer its
-shipped training config uses, so a profile fitted here carries the same model
-signature as the run that loads it. `key=value` overrides are converted once, here,
-at the boundary: `model.KEY` and `data.KEY` go to the builders, plain keys set a field
-of this config (or, when no field has that name, a model or data option).
+The setting is the same typed `TrainConfig` `nfab train` reads, from the same files:
+`nfab calibrate resnet18` starts from the shipped `resnet18-digits` config, `--config X`
+from X, a user model (`module:factory`) from its declared task and optimizer family.
+Nothing here copies a default: optimizer and schedule defaults are resolved by
+`nfab.config.optim`, model options are fitted to the data set by `nfab.config.pairing`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from nfab.config.files import config_from_dict, merge, read_yaml, set_dotted
+from nfab.config.optim import resolve_optim
+from nfab.config.pairing import resolve_pairing
+from nfab.config.run import OptimConfig, ScheduleConfig, TrainConfig
+from nfab.config.shipped import DEFAULT_CONFIGS
+from nfab.config.strict import StrictModel, describe
 from nfab.errors import ConfigError
+from nfab.models import build_model
 from nfab.models.options import accepted_options
 from nfab.models.registry import MODELS
 from nfab.overrides import parse_kv
@@ -25,85 +32,85 @@ DEFAULT_ROUTES: tuple[str, ...] = ("fp32", "bf16", "q8", "q4", "q2", "sign")
 QUICK_TRIAL_ROUTES: tuple[str, ...] = ("sign", "q8")
 """Routes `--quick` trials: the cheapest lossy route and the safest cheap one."""
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OptimizerConfig:
-    """The optimizer and schedule the sweep trains with (as the training config does)."""
-
-    name: str = "sgd"
-    """`sgd` (with momentum) or `adamw`: the family decides how error feedback behaves."""
-    lr: float = 0.05
-    """Peak learning rate (after the linear warm-up)."""
-    momentum: float = 0.9
-    """SGD momentum (ignored by AdamW)."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas (ignored by SGD)."""
-    weight_decay: float = 0.0
-    """Decoupled (AdamW) or L2 (SGD) weight decay."""
-    warmup_steps: int | None = None
-    """Linear warm-up steps (None: 5 % of the steps), then cosine decay to `min_lr_ratio` x lr."""
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of the peak."""
-
-    def __post_init__(self) -> None:
-        if self.name not in ("sgd", "adamw"):
-            raise ConfigError(f"optimizer must be 'sgd' or 'adamw', got {self.name!r}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError("optimizer: lr must be > 0 and min_lr_ratio in [0, 1]")
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise ConfigError(f"optimizer: warmup_steps must be >= 0, got {self.warmup_steps}")
-        if len(tuple(self.betas)) != 2:
-            raise ConfigError(f"optimizer: betas must be two numbers, got {self.betas!r}")
+DEFAULT_DATA = {"lm": "stdlib-text", "classification": "digits"}
+"""The data set a user model is calibrated on when neither a config nor --dataset names one."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CalibrationConfig:
-    """One sweep: model, data, W virtual ranks, routes, phases and trial lengths."""
+class CalibrationConfig(StrictModel):
+    """One sweep: the run setting (model, data, optimizer, schedule, length), W virtual ranks, routes, phases."""
 
-    model: str
-    """Registry name or `module.path:factory`."""
-    dataset: str
-    """Data set registry name (`digits`, `stdlib-text`, ...)."""
-    model_options: dict[str, Any] = field(default_factory=dict)
-    """Builder options; they decide the model signature the profile is made for."""
-    data_options: dict[str, Any] = field(default_factory=dict)
-    """Data set builder options."""
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    world_size: int = 4
+    setting: TrainConfig
+    """The run a profile is calibrated for (optimizer resolved: no `auto`, lr and decay explicit)."""
+    world_size: int = Field(4, ge=1)
     """Virtual ranks (data shards) whose gradients are replayed."""
-    batch_size: int = 32
-    """Per-rank batch size (global batch = batch_size x world_size)."""
     routes: tuple[str, ...] = DEFAULT_ROUTES
     """Routes measured (fp32 is always measured: it is the reference)."""
-    steps: int = 150
-    """Length of the FP32 reference trajectory."""
-    phases: int = 4
+    phases: int = Field(4, ge=1)
     """Phase points (checkpoints) at most."""
-    trial_steps: int = 20
+    trial_steps: int = Field(20, ge=1)
     """Steps of each short trial from a phase checkpoint."""
-    ef_steps: int = 3
+    ef_steps: int = Field(3, ge=1)
     """Consecutive reference steps replayed with carried error-feedback residuals."""
     quick: bool = False
     """Trial only QUICK_TRIAL_ROUTES on the regions that carry the bytes."""
-    trial_min_share: float = 0.005
+    trial_min_share: float = Field(0.005, ge=0, le=1)
     """Regions holding less than this fraction of the elements get no trials (they pass on
     fidelity alone, which needs a very high cosine)."""
-    eval_samples: int = 256
+    eval_samples: int = Field(256, ge=1)
     """Held-out samples in the fixed batch that scores the trials."""
-    seed: int = 0
-    threads: int = 1
+    threads: int = Field(1, ge=1)
     """torch intra-op threads for the sweep (1: robust on a shared 2-core machine)."""
 
-    def __post_init__(self) -> None:
-        unknown = [r for r in self.routes if r not in ROUTES]
+    @field_validator("routes")
+    @classmethod
+    def _routes(cls, routes: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [r for r in routes if r not in ROUTES]
         if unknown:
-            raise ConfigError(f"unknown route {unknown[0]!r}; routes are {', '.join(ROUTES)}")
-        for key in ("world_size", "batch_size", "steps", "phases", "trial_steps", "ef_steps", "eval_samples",
-                    "threads"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"calibrate: {key} must be >= 1, got {getattr(self, key)}")
-        if self.phases > self.steps:
-            raise ConfigError(f"calibrate: {self.phases} phases do not fit in {self.steps} steps")
+            raise ValueError(f"unknown route {unknown[0]!r}; routes are {', '.join(ROUTES)}")
+        return tuple(routes)
+
+    @model_validator(mode="after")
+    def _fits(self) -> CalibrationConfig:
+        if self.phases > self.setting.steps:
+            raise ValueError(f"calibrate: {self.phases} phases do not fit in {self.setting.steps} steps")
+        return self
+
+    # ---- the setting, under the names the sweep uses ---------------------------------
+    @property
+    def model(self) -> str:
+        return self.setting.model.name
+
+    @property
+    def model_options(self) -> dict[str, Any]:
+        return self.setting.model.options
+
+    @property
+    def dataset(self) -> str:
+        return self.setting.data.name
+
+    @property
+    def data_options(self) -> dict[str, Any]:
+        return self.setting.data.options
+
+    @property
+    def optimizer(self) -> OptimConfig:
+        return self.setting.optim
+
+    @property
+    def schedule(self) -> ScheduleConfig:
+        return self.setting.schedule
+
+    @property
+    def batch_size(self) -> int:
+        return self.setting.data.batch_size
+
+    @property
+    def steps(self) -> int:
+        return self.setting.steps
+
+    @property
+    def seed(self) -> int:
+        return self.setting.seed
 
     @property
     def all_routes(self) -> tuple[str, ...]:
@@ -119,33 +126,14 @@ class CalibrationConfig:
 QUICK: dict[str, Any] = {"phases": 2, "trial_steps": 10, "trial_min_share": 0.01}
 """What `--quick` changes unless set explicitly: fewer phases, shorter trials, big regions only."""
 
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    # Mirrors configs/resnet18-digits.yaml: resnet18 width 16, small_input, 10 classes, digits 8x8, SGD.
-    "resnet18": dict(
-        dataset="digits",
-        model_options={"width": 16, "small_input": True, "num_classes": 10, "in_channels": 1},
-        data_options={},
-        optimizer=OptimizerConfig(name="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4, warmup_steps=10,
-                                  min_lr_ratio=0.0),
-        batch_size=32, steps=150,
-    ),
-    # Mirrors configs/vit-digits.yaml: ViT nano on 8x8 digits, 2x2 patches (16 tokens + class token).
-    "vit": dict(
-        dataset="digits",
-        model_options={"size": "nano", "image_size": 8, "patch_size": 2, "num_classes": 10, "in_channels": 1},
-        data_options={},
-        optimizer=OptimizerConfig(name="adamw", lr=2e-3, weight_decay=0.05, warmup_steps=15, min_lr_ratio=0.1),
-        batch_size=32, steps=200,
-    ),
-    # Mirrors configs/gpt-nano-stdlib.yaml: 2-layer GPT (d=128) on byte-level stdlib text, AdamW 3e-3.
-    "gpt": dict(
-        dataset="stdlib-text",
-        model_options={"size": "nano"},
-        data_options={"block_size": 64, "max_bytes": 2_000_000},
-        optimizer=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.01, warmup_steps=10, min_lr_ratio=0.1),
-        batch_size=16, steps=300, eval_samples=64,
-    ),
+_SWEEP_FIELDS = set(CalibrationConfig.model_fields) - {"setting"}
+_ALIASES: dict[str, str] = {
+    "batch_size": "data.batch_size", "lr": "optim.lr", "momentum": "optim.momentum",
+    "weight_decay": "optim.weight_decay", "betas": "optim.betas", "grad_clip": "optim.grad_clip",
+    "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
+    "steps": "steps", "seed": "seed", "optimizer": "optim.name",
 }
+"""Plain keys that name a setting field (`lr=0.1` is `optim.lr=0.1`)."""
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -153,60 +141,22 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return parse_kv(items)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(CalibrationConfig)} - {"model", "model_options", "data_options",
-                                                                     "optimizer", "dataset", "routes"}
-_OPT_FIELDS = {f.name for f in dataclasses.fields(OptimizerConfig)}
-
-
-def make_config(model: str, *, dataset: str | None = None, overrides: dict[str, Any] | None = None,
-                **fields_: Any) -> CalibrationConfig:
-    """The model's defaults, then explicit fields (CLI flags), then `key=value` overrides.
-
-    A plain key is a config field, an optimizer field (`lr`, `momentum`, ...), else a model
-    and/or data option (`image_size` goes to both builders when both take it).
-    """
-    if model not in MODELS and ":" not in model:
-        raise ConfigError(f"unknown model {model!r}; choose one of {sorted(MODELS)} or give module.path:factory")
-    base = dict(_DEFAULTS.get(model, {"dataset": None}))
-    if dataset is not None and dataset != base.get("dataset"):
-        base["data_options"] = {}
-        base["dataset"] = dataset
-    if base.get("dataset") is None:
-        raise ConfigError(f"no default data set for model {model!r}: pass --dataset")
-    base = {**base, **{k: v for k, v in fields_.items() if v is not None}}
-    model_opts = dict(base.pop("model_options", {}))
-    data_opts = dict(base.pop("data_options", {}))
-    optim = dataclasses.asdict(base.pop("optimizer", OptimizerConfig()))
-    model_keys = accepted_options(MODELS[model]) if model in MODELS else None
-    for key, value in (overrides or {}).items():
-        prefix, _, name = key.partition(".")
-        if name and prefix == "model":
-            model_opts[name] = value
-        elif name and prefix == "data":
-            data_opts[name] = value
-        elif name and prefix in ("optim", "optimizer"):
-            optim[name] = value
-        elif key in _FIELDS:
-            base[key] = value
-        elif key in _OPT_FIELDS:
-            optim[key] = value
-        else:
-            to_model = model_keys is None or key in model_keys
-            to_data = key in _data_keys(base["dataset"])
-            if not (to_model or to_data):
-                raise ConfigError(f"unknown option {key!r}: not a calibrate, optimizer, model or data option")
-            if to_model and (model_keys is not None or not to_data):
-                model_opts[key] = value
-            if to_data:
-                data_opts[key] = value
-    if base.get("quick"):
-        explicit = {k for k, v in fields_.items() if v is not None} | set(overrides or {})
-        base.update({k: v for k, v in QUICK.items() if k not in explicit})
-    try:
-        return CalibrationConfig(model=model, model_options=model_opts, data_options=data_opts,
-                                 optimizer=OptimizerConfig(**optim), **base)
-    except TypeError as exc:
-        raise ConfigError(f"calibrate: {exc}") from exc
+def _setting_base(model: str, config: str | None, dataset: str | None) -> dict[str, Any]:
+    """The config file (given, or the model's shipped one), with MODEL and --dataset over it."""
+    if config is not None:
+        data = read_yaml(config)
+    elif model in DEFAULT_CONFIGS:
+        data = read_yaml(DEFAULT_CONFIGS[model])
+    else:
+        data = {}
+    data = merge(data, {"model": {"name": model}})
+    if dataset is not None:
+        data = merge(data, {"data": {"name": dataset}})
+    elif "name" not in (data.get("data") or {}):
+        spec = build_model(model, device="meta", **{k: v for k, v in (data.get("model") or {}).items()
+                                                    if k != "name"})
+        data = merge(data, {"data": {"name": DEFAULT_DATA[spec.task]}})
+    return data
 
 
 def _data_keys(dataset: str) -> tuple[str, ...]:
@@ -216,3 +166,55 @@ def _data_keys(dataset: str) -> tuple[str, ...]:
     builder = (PATH_DATASETS if sep else DATASETS).get(kind)
     keys = accepted_options(builder) if builder is not None else ()
     return tuple(k for k in (keys or ()) if k not in ("split", "seed", "path"))
+
+
+def make_config(model: str, *, dataset: str | None = None, config: str | None = None,
+                overrides: dict[str, Any] | None = None, **fields_: Any) -> CalibrationConfig:
+    """The setting (config file, MODEL, --dataset), then explicit fields (CLI flags), then `key=value` overrides.
+
+    A dotted key sets the setting (`model.width`, `data.max_bytes`, `optim.lr`); a plain key is a
+    sweep field (`phases`), a setting alias (`lr`, `batch_size`, `steps`), else a model and/or
+    data option (`width`, `image_size`).
+    """
+    if model not in MODELS and ":" not in model:
+        raise ConfigError(f"unknown model {model!r}; choose one of {sorted(MODELS)} or give module.path:factory")
+    setting = _setting_base(model, config, dataset)
+    sweep: dict[str, Any] = {}
+    given = {k: v for k, v in fields_.items() if v is not None}
+    for key, value in given.items():
+        if key == "steps":
+            setting["steps"] = value
+        else:
+            sweep[key] = value
+    model_keys = accepted_options(MODELS[model]) if model in MODELS else None
+    data_name = setting["data"]["name"]
+    for key, value in (overrides or {}).items():
+        if "." in key:
+            set_dotted(setting, key.split("."), value, key)
+        elif key in _SWEEP_FIELDS:
+            sweep[key] = value
+        elif key in _ALIASES:
+            set_dotted(setting, _ALIASES[key].split("."), value, key)
+        else:
+            to_model = model_keys is None or key in model_keys
+            to_data = key in _data_keys(data_name)
+            if not (to_model or to_data) or (model_keys is None and not to_data and ":" not in model):
+                raise ConfigError(f"unknown option {key!r}: not a calibrate, optimizer, model or data option")
+            if to_model and (model_keys is not None or not to_data):
+                setting["model"][key] = value
+            if to_data:
+                setting["data"][key] = value
+    if sweep.get("quick"):
+        explicit = set(given) | set(overrides or {})
+        sweep.update({k: v for k, v in QUICK.items() if k not in explicit})
+    cfg = config_from_dict(setting, where="calibrate")
+    pair = resolve_pairing(cfg.model.name, cfg.model.options, cfg.data.name, cfg.data.options, cfg.seed)
+    cfg.model.options = pair.model_options
+    cfg.data.options = pair.data_options
+    cfg.optim = resolve_optim(cfg.optim, pair.spec.optimizer)
+    if isinstance(sweep.get("routes"), list):
+        sweep["routes"] = tuple(sweep["routes"])
+    try:
+        return CalibrationConfig.model_validate({"setting": cfg, **sweep}, strict=True)
+    except ValidationError as exc:
+        raise ConfigError(describe(exc, "calibrate")) from None

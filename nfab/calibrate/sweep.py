@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +147,8 @@ def _sweep(cfg: CalibrationConfig, progress: Progress | None, command: str) -> S
         "dataset": cfg.dataset,
         "data_options": dict(task.data_options),
         "world_size": w,
-        "optimizer": asdict(cfg.optimizer),
+        "optimizer": cfg.optimizer.model_dump(mode="json"),
+        "schedule": cfg.schedule.model_dump(mode="json"),
         "batch_size": cfg.batch_size,
         "steps": cfg.steps,
         "trial_steps": cfg.trial_steps,

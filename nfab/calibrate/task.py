@@ -8,7 +8,6 @@ norm statistics evolve as in a real W-rank run.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nfab.calibrate.config import CalibrationConfig
+from nfab.config.optim import build_optimizer, lr_factor, warmup_steps
 from nfab.data import build_dataset, make_loader
 from nfab.data.spec import SpecDataset
 from nfab.errors import ConfigError
@@ -110,28 +110,18 @@ class Task:
 
     # ---- optimizer and schedule ---------------------------------------------------
     def make_optimizer(self) -> torch.optim.Optimizer:
-        o = self.cfg.optimizer
-        if o.name == "sgd":
-            return torch.optim.SGD(self.params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-        return torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        """The optimizer `nfab train` builds for this setting (same groups, same decay exemptions)."""
+        return build_optimizer(self.model, self.cfg.optimizer, self.spec.optimizer)
 
     def lr_at(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to min_lr_ratio x lr at the last reference step.
-
-        The same formula as `nfab.train`'s schedule, so a phase found here lies where the
-        training run's learning rate is the same.
-        """
-        o, total = self.cfg.optimizer, self.cfg.steps
-        warm = self.warmup_steps
-        if step < warm:
-            return o.lr * (step + 1) / warm
-        t = min(1.0, (step - warm) / max(1, total - warm))
-        return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+        """The learning rate of `nfab train`'s schedule at `step` (one shared function), so a phase
+        found here lies where the training run's learning rate is the same."""
+        assert self.cfg.optimizer.lr is not None  # resolved by make_config
+        return self.cfg.optimizer.lr * lr_factor(step, self.cfg.steps, self.cfg.schedule)
 
     @property
     def warmup_steps(self) -> int:
-        w = self.cfg.optimizer.warmup_steps
-        return int(0.05 * self.cfg.steps) if w is None else w
+        return warmup_steps(self.cfg.steps, self.cfg.schedule)
 
     # ---- state --------------------------------------------------------------------
     def checkpoint(self) -> dict:

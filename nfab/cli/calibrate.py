@@ -80,9 +80,14 @@ def register(app: typer.Typer) -> None:
                                              show_default=False)],
         overrides: Annotated[list[str] | None, typer.Argument(
             metavar="[KEY=VALUE]...", show_default=False,
-            help="Model/data/optimizer options: model.width=8, data.max_bytes=100000, lr=0.1, batch_size=16.")
+            help="Setting and sweep options: model.width=8, data.max_bytes=100000, optim.lr=0.1, batch_size=16, "
+                 "ef_steps=2.")
         ] = None,
-        dataset: Annotated[str | None, typer.Option(help="Data set (default per model).", show_default=False)] = None,
+        config: Annotated[str | None, typer.Option(
+            "--config", "-c", help="The run config to calibrate for (same files as nfab train; default: the "
+                                   "model's shipped config).", show_default=False)] = None,
+        dataset: Annotated[str | None, typer.Option(help="Data set (default: the config's).", show_default=False)
+                           ] = None,
         world_size: Annotated[int, typer.Option("--world-size", "-w", help="Virtual ranks W.")] = 4,
         routes: Annotated[str | None, typer.Option(
             help="Comma-separated routes to measure (default fp32,bf16,q8,q4,q2,sign).", show_default=False)] = None,
@@ -109,7 +114,7 @@ def register(app: typer.Typer) -> None:
 
         try:
             cfg = make_config(
-                model, dataset=dataset, overrides=parse_overrides(overrides or []),
+                model, dataset=dataset, config=config, overrides=parse_overrides(overrides or []),
                 world_size=world_size, phases=phases, steps=steps, trial_steps=trial_steps, quick=quick or None,
                 routes=tuple(r.strip() for r in routes.split(",") if r.strip()) if routes else None,
             )

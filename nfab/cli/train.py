@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from nfab.cli.output import console, err_console, fail
+from nfab.profile.routes import format_route, parse_route
 
 
 def _flags(**values: object) -> list[str]:
@@ -31,9 +32,13 @@ def register(app: typer.Typer) -> None:
     @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
     def train(
         ctx: typer.Context,
-        config: Annotated[str | None, typer.Option("--config", "-c", help="YAML config (configs/*.yaml).")] = None,
-        profile: Annotated[str | None, typer.Option(help="Operating profile (profile.json).")] = None,
-        route: Annotated[str | None, typer.Option(help="One route everywhere: sign, q8, q4, fp16, fp32 ...")] = None,
+        config: Annotated[str | None, typer.Option(
+            "--config", "-c", help="YAML config: a path or a shipped name (gpt-nano-stdlib).")] = None,
+        profile: Annotated[str | None, typer.Option(
+            help="Operating profile: profile.json or a shipped name (resnet18). Alone, it reproduces the "
+                 "calibrated setting (model, data, optimizer, batch, schedule, steps).")] = None,
+        route: Annotated[str | None, typer.Option(
+            help="Static route: sign, q8, ... everywhere, or conv:sign,norm:fp32,*.bias:fp32.")] = None,
         fp32: Annotated[bool, typer.Option("--fp32", help="Plain DDP, no nfab hook (the reference).")] = False,
         model: Annotated[str | None, typer.Option(help="Model (resnet18, vit, gpt, module:factory).")] = None,
         dataset: Annotated[str | None, typer.Option(help="Data set (digits, stdlib-text, ...).")] = None,
@@ -61,14 +66,14 @@ def register(app: typer.Typer) -> None:
             comm = ["comm.profile=null", "comm.route=null", "comm.fp32=false"]
             comm += _flags(**{"comm.profile": profile, "comm.fp32": fp32})
             if route is not None:
-                comm.append(f"comm.route={route}")
+                comm.append(f"comm.route={format_route(parse_route(route))}")
         flags = comm + _flags(**{
-            "model.name": model, "data.name": dataset, "launch.nproc": nproc, "steps": steps, "run_dir": run_dir,
+            "launch.nproc": nproc, "steps": steps, "run_dir": run_dir,
             "resume": resume, "overwrite": overwrite, "quiet": quiet, "launch.nnodes": nnodes,
             "launch.node_rank": node_rank, "launch.rdzv_endpoint": rdzv_endpoint,
             "launch.rdzv_backend": rdzv_backend, "launch.max_restarts": max_restarts,
         })
-        cfg = resolve_config(config, extra, flags)
+        cfg = resolve_config(config, extra, flags, names={"model": model, "data": dataset})
         cfg.command = shlex.join(["nfab", *sys.argv[1:]])
         try:
             result = launch(cfg, warn=warn)

@@ -1,19 +1,27 @@
-"""Checking builder options against the builder's own signature.
+"""Checking builder options against the builder's own signature, strictly (pydantic).
 
 Registries map a name to a plain builder function with keyword-only options. The
-signature is the single source of truth for which options exist and their types, so
-an unknown key or a wrongly typed value is a `ConfigError` before anything is built.
-Values are expected already converted (the CLI converts `key=value` strings).
+signature is the single source of truth for which options exist and their types: a
+pydantic model is made from it once per builder, so an unknown key or a wrongly typed
+value (`"false"` for a bool, `25.5` for an int) is a one-line `ConfigError` before
+anything is built. Values are JSON-shaped (YAML, JSON, `key=value` overrides).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-import types
 import typing
 from collections.abc import Callable, Mapping
+from typing import Any
 
+from pydantic import BaseModel, ConfigDict, create_model
+
+from nfab.config.strict import validate
 from nfab.errors import ConfigError
+
+_SKIP = ("split", "seed")
+"""Options a registry passes itself (data sets), never taken from a user."""
 
 
 def accepted_options(builder: Callable[..., object]) -> tuple[str, ...] | None:
@@ -25,43 +33,37 @@ def accepted_options(builder: Callable[..., object]) -> tuple[str, ...] | None:
     return tuple(p.name for p in params if p.kind in kinds)
 
 
-def _allowed_types(hint: object) -> tuple[type, ...] | None:
-    """The runtime types a type hint admits, or None when it cannot be checked simply."""
-    if hint is None or hint is type(None):
-        return (type(None),)
-    if isinstance(hint, type):
-        return (hint, int) if hint is float else (hint,)
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        allowed: list[type] = []
-        for arg in typing.get_args(hint):
-            sub = _allowed_types(arg)
-            if sub is None:
-                return None
-            allowed.extend(sub)
-        return tuple(allowed)
-    return None
+@functools.cache
+def options_model(builder: Callable[..., object]) -> type[BaseModel] | None:
+    """A strict pydantic model of `builder`'s keyword options (None when it takes `**kwargs`)."""
+    names = accepted_options(builder)
+    if names is None:
+        return None
+    try:
+        hints = typing.get_type_hints(builder)
+    except Exception:  # unresolvable annotations in user code: names are still checked
+        hints = {}
+    params = inspect.signature(builder).parameters
+    fields: dict[str, Any] = {}
+    for name in names:
+        if name in _SKIP:
+            continue
+        default = params[name].default
+        fields[name] = (hints.get(name, Any), ... if default is inspect.Parameter.empty else default)
+    config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    return create_model(f"{getattr(builder, '__name__', 'builder')}_options", __config__=config, **fields)
 
 
 def check_options(what: str, builder: Callable[..., object], options: Mapping[str, object]) -> None:
     """Raise `ConfigError` for an option `builder` does not take or a value of the wrong type."""
-    names = accepted_options(builder)
-    if names is None:
+    model = options_model(builder)
+    if model is None:
         return
+    names = [n for n in model.model_fields]
     unknown = sorted(set(options) - set(names))
     if unknown:
-        listed = ", ".join(names) if names else "none"
-        raise ConfigError(f"{what}: unknown option {unknown[0]!r} (options: {listed})")
+        raise ConfigError(f"{what}: unknown option {unknown[0]!r} (options: {', '.join(names) or 'none'})")
     try:
-        hints = typing.get_type_hints(builder)
-    except Exception:  # unresolvable annotations in user code: skip type checks
-        return
-    for key, value in options.items():
-        allowed = _allowed_types(hints.get(key))
-        if allowed is None:
-            continue
-        # bool is an int subclass; `width=True` is a mistake, not a width of 1.
-        bad_bool = isinstance(value, bool) and bool not in allowed
-        if bad_bool or not isinstance(value, allowed):
-            want = " | ".join(t.__name__ for t in allowed)
-            raise ConfigError(f"{what}: option {key!r} must be {want}, got {value!r}")
+        validate(model, dict(options))
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: option {exc}") from None

@@ -1,57 +1,53 @@
-"""Profile schema (version 1): typed dataclasses, validated on load, unknown keys are errors.
+"""Profile schema (version 1): pydantic models, validated strictly on load, unknown keys are errors.
 
 A profile is the written-down result of calibration: for each training phase, which
 route (fp32, bf16, fp16, q8, q4, q2, sign) each region class takes; the health
 thresholds that trigger an FP32 fallback; the world-size range its reducers are exact
-for; and where it came from. JSON only — a profile is data, never code.
+for; and where it came from. JSON only — a profile is data, never code. The JSON
+schema for editors and other tools is `nfab profile schema` (and `profile.schema.json`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from nfab.errors import ProfileError
+from pydantic import Field, field_validator, model_validator
+
+from nfab.config.strict import FrozenModel, validate
+from nfab.errors import ConfigError, ProfileError
 from nfab.fsutil import atomic_write_text
-from nfab.wire.codecs import ROUTES
+from nfab.profile.routes import REGIONS, RouteSpec, check_route_name, parse_route, split_route
 
 SCHEMA = "nfab.profile"
 VERSION = 1
-REGIONS: tuple[str, ...] = ("conv", "linear", "embedding", "head", "norm", "bias", "small", "other")
+
+__all__ = ["REGIONS", "SCHEMA", "VERSION", "Fallback", "Health", "ModelRef", "Phase", "PhaseStart", "Profile",
+           "WorldRange", "file_sha256", "json_schema"]
 
 
-def _check_keys(d: dict[str, Any], cls: type, where: str) -> None:
-    if not isinstance(d, dict):
-        raise ProfileError(f"{where}: expected an object, got {type(d).__name__}")
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ProfileError(f"{where}: unknown key(s) {', '.join(unknown)}")
+def _route(route: str, where: str) -> str:
+    try:
+        return check_route_name(route, where)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
-def _check_route(route: Any, where: str) -> str:
-    if route not in ROUTES:
-        raise ProfileError(f"{where}: unknown route {route!r} (routes: {', '.join(ROUTES)})")
-    return str(route)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PhaseStart:
+class PhaseStart(FrozenModel):
     """Where a phase begins: an absolute optimizer step, or a fraction of the run."""
 
-    step: int | None = None
-    fraction: float | None = None
+    step: int | None = Field(None, ge=0)
+    """Absolute optimizer step."""
+    fraction: float | None = Field(None, ge=0.0, le=1.0)
+    """Fraction of the run's total steps (needs `total_steps` at attach)."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _one(self) -> PhaseStart:
         if (self.step is None) == (self.fraction is None):
-            raise ProfileError("phase start: give exactly one of 'step' or 'fraction'")
-        if self.step is not None and self.step < 0:
-            raise ProfileError(f"phase start step must be >= 0, got {self.step}")
-        if self.fraction is not None and not 0.0 <= self.fraction <= 1.0:
-            raise ProfileError(f"phase start fraction must be in [0, 1], got {self.fraction}")
+            raise ValueError("phase start: give exactly one of 'step' or 'fraction'")
+        return self
 
     def resolve(self, total_steps: int | None) -> int:
         """The absolute start step (a fraction needs the run's total steps)."""
@@ -62,117 +58,123 @@ class PhaseStart:
         return int(round(self.fraction * total_steps))  # type: ignore[operator]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Phase:
+class Phase(FrozenModel):
     """One training phase: from `start` on, each region class takes `routes[region]`."""
 
     name: str
     start: PhaseStart
     routes: dict[str, str]
+    """Region class -> route name; a region not named stays fp32."""
     error_feedback: bool = True
+    """Carry what lossy routes dropped into the next step in this phase."""
 
-    def __post_init__(self) -> None:
-        for region, route in self.routes.items():
+    @field_validator("routes")
+    @classmethod
+    def _routes(cls, routes: dict[str, str]) -> dict[str, str]:
+        for region, route in routes.items():
             if region not in REGIONS:
-                raise ProfileError(f"phase {self.name!r}: unknown region {region!r} (regions: {', '.join(REGIONS)})")
-            _check_route(route, f"phase {self.name!r} region {region!r}")
+                raise ValueError(f"unknown region {region!r} (regions: {', '.join(REGIONS)})")
+            _route(route, f"region {region!r}")
+        return routes
 
     def route_for(self, region: str) -> str:
         """The route for a region class; a region the phase does not name stays fp32."""
         return self.routes.get(region, "fp32")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Health:
+class Health(FrozenModel):
     """Online health thresholds; the fit derives them from the reference run's statistics."""
 
-    loss_spike_ratio: float = 3.0
+    loss_spike_ratio: float = Field(3.0, gt=1)
     """Unhealthy when the step's mean loss exceeds this times the running baseline."""
-    grad_norm_jump: float = 10.0
+    grad_norm_jump: float = Field(10.0, gt=1)
     """Unhealthy when the reduced gradient norm exceeds this times its running baseline."""
     min_fidelity_cosine: float = 0.1
     """Unhealthy when a fidelity probe's cosine (low-bit vs FP32 result) falls below this."""
-    probe_every: int = 25
+    probe_every: int = Field(25, ge=0)
     """Every this many steps one bucket is also reduced in FP32 (0 = never)."""
-    cooldown_steps: int = 20
+    cooldown_steps: int = Field(20, ge=0)
     """Steps a demoted region stays on FP32 at least."""
-    readmit_after: int = 10
+    readmit_after: int = Field(10, ge=0)
     """Consecutive healthy steps needed (after the cool-down) before re-admission."""
-    baseline_beta: float = 0.9
+    baseline_beta: float = Field(0.9, ge=0, lt=1)
     """EMA factor of the loss and gradient-norm baselines."""
-    warmup_steps: int = 10
+    warmup_steps: int = Field(10, ge=0)
     """Steps before spike and jump detection starts (the baseline needs history)."""
 
-    def __post_init__(self) -> None:
-        if self.loss_spike_ratio <= 1 or self.grad_norm_jump <= 1:
-            raise ProfileError("health: loss_spike_ratio and grad_norm_jump must be > 1")
-        if not 0 <= self.baseline_beta < 1:
-            raise ProfileError("health: baseline_beta must be in [0, 1)")
-        if min(self.probe_every, self.cooldown_steps, self.readmit_after, self.warmup_steps) < 0:
-            raise ProfileError("health: step counts must be >= 0")
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Fallback:
+class Fallback(FrozenModel):
     """What to do when a route cannot or should not run."""
 
-    on_capacity: str = "fp32"
+    on_capacity: Literal["fp32", "error"] = "fp32"
     """'fp32': a reducer over capacity falls back with a warning; 'error': refuse to run."""
     cost_gate: bool = True
     """Fall back to FP32 where the cost model says compression is not cheaper."""
     pinned: tuple[str, ...] = ()
     """Region classes whose route is kept even when the cost model says it does not pay."""
 
-    def __post_init__(self) -> None:
-        if self.on_capacity not in ("fp32", "error"):
-            raise ProfileError(f"fallback.on_capacity must be 'fp32' or 'error', got {self.on_capacity!r}")
-        for region in self.pinned:
+    @field_validator("pinned")
+    @classmethod
+    def _pinned(cls, pinned: tuple[str, ...]) -> tuple[str, ...]:
+        for region in pinned:
             if region not in REGIONS:
-                raise ProfileError(f"fallback.pinned: unknown region {region!r}")
+                raise ValueError(f"unknown region {region!r} (regions: {', '.join(REGIONS)})")
+        return tuple(pinned)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelRef:
+class ModelRef(FrozenModel):
     """Which model a profile was made for: a name and a signature of its parameters."""
 
     name: str
+    """Registry name or `module.path:factory`."""
     signature: str | None = None
+    """sha256 of the sorted parameter names and shapes (`nfab.models.model_signature`)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorldRange:
+class WorldRange(FrozenModel):
     """World sizes the profile's reducers are exact for."""
 
-    min: int = 1
-    max: int = 1 << 16
+    min: int = Field(1, ge=1)
+    max: int = Field(1 << 16, ge=1)
 
-    def __post_init__(self) -> None:
-        if not 1 <= self.min <= self.max:
-            raise ProfileError(f"world_size range invalid: min={self.min}, max={self.max}")
+    @model_validator(mode="after")
+    def _order(self) -> WorldRange:
+        if self.min > self.max:
+            raise ValueError(f"world_size range invalid: min={self.min}, max={self.max}")
+        return self
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Profile:
+class Profile(FrozenModel):
     """An operating profile (schema `nfab.profile`, version 1)."""
 
     model: ModelRef
     phases: tuple[Phase, ...]
-    world_size: WorldRange = field(default_factory=WorldRange)
-    overrides: dict[str, str] = field(default_factory=dict)
+    """Phases in any order; the one in force at a step is the last whose start is <= step."""
+    world_size: WorldRange = Field(default_factory=WorldRange)
+    overrides: dict[str, str] = Field(default_factory=dict)
     """Parameter-name glob -> route; a glob beats a region class."""
-    health: Health = field(default_factory=Health)
-    fallback: Fallback = field(default_factory=Fallback)
-    vote: str = "majority"
-    evidence: dict[str, Any] = field(default_factory=dict)
-    provenance: dict[str, Any] = field(default_factory=dict)
+    health: Health = Field(default_factory=Health)
+    fallback: Fallback = Field(default_factory=Fallback)
+    vote: Literal["majority", "mean"] = "majority"
+    """How sign votes combine: majority (ties -> 0) or the mean vote."""
+    evidence: dict[str, Any] = Field(default_factory=dict)
+    """Per phase and region: the measurements that justified each route (written by the fit)."""
+    provenance: dict[str, Any] = Field(default_factory=dict)
+    """Where the profile came from; `provenance.calibrated` is the setting it was calibrated under."""
 
-    def __post_init__(self) -> None:
-        if not self.phases:
-            raise ProfileError("a profile needs at least one phase")
-        if self.vote not in ("majority", "mean"):
-            raise ProfileError(f"vote must be 'majority' or 'mean', got {self.vote!r}")
-        for glob, route in self.overrides.items():
-            _check_route(route, f"override {glob!r}")
+    @field_validator("phases")
+    @classmethod
+    def _some_phases(cls, phases: tuple[Phase, ...]) -> tuple[Phase, ...]:
+        if not phases:
+            raise ValueError("a profile needs at least one phase")
+        return phases
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, overrides: dict[str, str]) -> dict[str, str]:
+        for glob, route in overrides.items():
+            _route(route, f"override {glob!r}")
+        return overrides
 
     # ---- queries ------------------------------------------------------------------
     def phase_at(self, step: int, total_steps: int | None = None) -> Phase:
@@ -189,21 +191,16 @@ class Profile:
 
     # ---- construction -------------------------------------------------------------
     @classmethod
-    def static(cls, route: str | dict[str, str], model_name: str = "any") -> Profile:
-        """A one-phase profile for an explicit route: a name for every region, or a dict
-        from region class or parameter-name glob to route (unnamed regions stay fp32)."""
-        if isinstance(route, str):
-            _check_route(route, "route")
-            routes = {r: route for r in REGIONS}
-            overrides: dict[str, str] = {}
-        else:
-            routes = {k: v for k, v in route.items() if k in REGIONS}
-            overrides = {k: v for k, v in route.items() if k not in REGIONS}
+    def static(cls, route: RouteSpec | str, model_name: str = "any") -> Profile:
+        """A one-phase profile for an explicit route in the one route grammar (`nfab.profile.routes`):
+        a name for every region, `conv:sign,*.bias:fp32`, or a mapping (unnamed regions stay fp32)."""
+        routes, overrides = split_route(parse_route(route))
         phase = Phase(name="static", start=PhaseStart(step=0), routes=routes)
         return cls(model=ModelRef(name=model_name), phases=(phase,), overrides=overrides)
 
     @classmethod
     def from_dict(cls, d: Any) -> Profile:
+        """Validate a profile document strictly (wrong types and unknown keys are one-line errors)."""
         if not isinstance(d, dict):
             raise ProfileError("a profile must be a JSON object")
         if d.get("schema") != SCHEMA:
@@ -213,41 +210,11 @@ class Profile:
                 f"profile schema version {d.get('version')!r} is not supported (this nfab reads {VERSION})"
             )
         body = {k: v for k, v in d.items() if k not in ("schema", "version")}
-        _check_keys(body, cls, "profile")
-        try:
-            model = body.get("model")
-            _check_keys(model, ModelRef, "profile.model")
-            phases = []
-            for i, p in enumerate(body.get("phases") or []):
-                _check_keys(p, Phase, f"profile.phases[{i}]")
-                _check_keys(p.get("start"), PhaseStart, f"profile.phases[{i}].start")
-                phases.append(Phase(
-                    name=str(p["name"]), start=PhaseStart(**p["start"]),
-                    routes=dict(p.get("routes", {})), error_feedback=bool(p.get("error_feedback", True)),
-                ))
-            kwargs: dict[str, Any] = {"model": ModelRef(**model), "phases": tuple(phases)}
-            for key, sub in (("world_size", WorldRange), ("health", Health), ("fallback", Fallback)):
-                if key in body:
-                    _check_keys(body[key], sub, f"profile.{key}")
-                    val = dict(body[key])
-                    if key == "fallback" and "pinned" in val:
-                        val["pinned"] = tuple(val["pinned"])
-                    kwargs[key] = sub(**val)
-            for key in ("overrides", "evidence", "provenance"):
-                if key in body:
-                    kwargs[key] = dict(body[key])
-            if "vote" in body:
-                kwargs["vote"] = body["vote"]
-            return cls(**kwargs)
-        except (TypeError, KeyError, ValueError) as exc:
-            raise ProfileError(f"malformed profile: {exc}") from exc
+        return validate(cls, body, where="profile", error=ProfileError)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["phases"] = [
-            {**p, "start": {k: v for k, v in p["start"].items() if v is not None}} for p in d["phases"]
-        ]
-        d["fallback"]["pinned"] = list(d["fallback"]["pinned"])
+        d = self.model_dump(mode="json")
+        d["phases"] = [{**p, "start": {k: v for k, v in p["start"].items() if v is not None}} for p in d["phases"]]
         return {"schema": SCHEMA, "version": VERSION, **d}
 
     def to_json(self) -> str:
@@ -296,3 +263,14 @@ class Profile:
 def file_sha256(path: str | Path) -> str:
     """Content hash of a file (profile and calibration provenance)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def json_schema() -> dict[str, Any]:
+    """The profile file's JSON schema (draft 2020-12), `schema` and `version` included."""
+    doc = Profile.model_json_schema()
+    doc["properties"] = {"schema": {"const": SCHEMA, "type": "string"},
+                         "version": {"const": VERSION, "type": "integer"}, **doc["properties"]}
+    doc["required"] = ["schema", "version", *doc.get("required", [])]
+    doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    doc["title"] = "nfab operating profile"
+    return doc

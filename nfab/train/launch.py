@@ -22,16 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nfab.config.calibrated import explain_mismatch, profile_base
+from nfab.config.pairing import resolve_pairing
+from nfab.config.shipped import resolve_profile
 from nfab.data import build_dataset, make_loader
-from nfab.errors import ConfigError, NfabError
+from nfab.errors import ConfigError, NfabError, ProfileError
 from nfab.fsutil import atomic_write_text
-from nfab.models import build_model, model_signature
+from nfab.models import model_signature
 from nfab.profile.schema import Profile
 from nfab.runtime.controller import candidates
 from nfab.train import checkpoint, fault
-from nfab.train.config import TrainConfig, load_config
+from nfab.train.config import TrainConfig, load_config, merge
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
-from nfab.train.setup import check_pairing
 from nfab.train.worker import ERROR_MARK
 from nfab.wire.cost import CostModel
 
@@ -50,20 +52,33 @@ class WorkerError(NfabError):
         self.code = code
 
 
-def resolve_config(config_path: str | None, overrides: list[str], flags: list[str]) -> TrainConfig:
-    """Config file (or, for `--resume` without one, the run dir's saved config) + overrides + flags."""
-    probe = load_config(config_path, overrides + flags)
-    base = None
+def resolve_config(config_path: str | None, overrides: list[str], flags: list[str],
+                   names: dict[str, str] | None = None) -> TrainConfig:
+    """The run's config, each layer over the one before:
+
+    the profile's calibrated setting (`--profile` alone reproduces it), or for `--resume`
+    without a config the run dir's saved config; then the config file; then `names`
+    (`--model` / `--dataset`: a section naming another builder drops the options of the
+    one below); then `key=value` overrides and flags.
+    """
+    sections = {k: {"name": v} for k, v in (names or {}).items() if v is not None}
+    probe = load_config(config_path, overrides + flags, base=sections)
+    base: dict[str, Any] = {}
+    where = ""
     if config_path is None and probe.resume and probe.run_dir:
         saved = Path(probe.run_dir) / CONFIG_FILE
         if saved.is_file():
             base = {k: v for k, v in json.loads(saved.read_text()).items() if k not in _NOT_PERSISTED}
-    if base is None:
+            where = str(saved)
+    if not base and probe.comm.profile is not None:
+        path = str(resolve_profile(probe.comm.profile))
+        base = profile_base(Profile.load(path), path)
+    if not base and not sections:
         return probe
     try:
-        return load_config(None, overrides + flags, base=base)
+        return load_config(config_path, overrides + flags, base=merge(base, sections))
     except ConfigError as exc:
-        raise ConfigError(f"{saved}: {exc}") from exc
+        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from exc
 
 
 def default_run_dir(cfg: TrainConfig) -> str:
@@ -119,17 +134,27 @@ def check_resume(run_dir: Path, module: Any) -> None:
 
 
 def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
-    """Check everything a user can get wrong, writing nothing; return the config with its run dir set."""
+    """Check everything a user can get wrong, writing nothing; return the config resolved.
+
+    The model's options are fitted to the data set (`nfab.config.pairing`) and written back,
+    so the ranks build exactly what was checked and config.json records it.
+    """
     cfg.comm.check_choice()
     fault.faults_from_env()
-    spec = build_model(cfg.model.name, device="meta", **cfg.model.options)
+    pair = resolve_pairing(cfg.model.name, cfg.model.options, cfg.data.name, cfg.data.options, cfg.seed)
+    cfg.model.options = pair.model_options
+    cfg.data.options = pair.data_options
+    spec = pair.spec
     data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
-    check_pairing(spec, data)
     world = cfg.launch.world_size
     make_loader(data, batch_size=cfg.data.batch_size, rank=0, world_size=world, seed=cfg.seed)
     if cfg.comm.profile is not None:
+        cfg.comm.profile = str(resolve_profile(cfg.comm.profile))
         profile = Profile.load(cfg.comm.profile)
-        profile.check_model(spec.name, model_signature(spec.module))
+        signature = model_signature(spec.module)
+        if profile.model.signature and profile.model.signature != signature:
+            raise ProfileError(f"profile {cfg.comm.profile}: "
+                               + explain_mismatch(profile, spec.name, dict(spec.options), signature))
         check_world(profile, world, f"profile {cfg.comm.profile}", warn)
     if cfg.comm.route is not None:
         check_world(Profile.static(cfg.comm.route), world, "route", warn)

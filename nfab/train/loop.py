@@ -156,7 +156,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             model_signature=model_signature(module) if cfg.comm.profile else None,
             qsum_scale=cfg.comm.qsum_scale,
         )
-    optimizer = build_optimizer(spec, module, cfg.optim)
+    optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
     rows: list[dict[str, Any]] = list(shared.get("rows", []))
     start = int(shared.get("step", 0))

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
-    timeout_s = LaunchConfig.timeout_s
+    timeout_s = LaunchConfig().timeout_s
     try:
         data = json.loads(Path(args[0]).read_text())
         timeout_s = float(data.get("launch", {}).get("timeout_s", timeout_s))
