@@ -55,7 +55,22 @@ _EXPECTED = {
 }
 
 
-def describe(exc: ValidationError, where: str = "") -> str:
+def _known_keys(cls: type[BaseModel] | None, loc: tuple[int | str, ...]) -> list[str]:
+    """The field names of the (sub-)model an unknown key at `loc` was found in."""
+    for part in loc[:-1]:
+        if cls is None or isinstance(part, int):
+            continue
+        field = cls.model_fields.get(part)
+        if field is None:
+            return []
+        inner = field.annotation
+        args = getattr(inner, "__args__", ())
+        candidates = [a for a in (inner, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
+        cls = candidates[0] if candidates else None
+    return sorted(cls.model_fields) if cls is not None else []
+
+
+def describe(exc: ValidationError, where: str = "", cls: type[BaseModel] | None = None) -> str:
     """One line for a validation error: field path, what was expected, what was given."""
     errors = exc.errors(include_url=False)
     first = errors[0]
@@ -65,7 +80,8 @@ def describe(exc: ValidationError, where: str = "") -> str:
     kind = first["type"]
     given = first.get("input")
     if kind == "extra_forbidden":
-        text = f"unknown key {path!r}"
+        known = _known_keys(cls, tuple(first["loc"]))
+        text = f"unknown key {path!r}" + (f" (keys: {', '.join(known)})" if known else "")
     elif kind == "missing":
         text = f"{path}: required, not given"
     elif kind in _EXPECTED:
@@ -105,4 +121,4 @@ def validate(cls: type[M], data: Any, *, where: str = "", error: type[NfabError]
     try:
         return cls.model_validate_json(text, strict=True)
     except ValidationError as exc:
-        raise error(describe(exc, where)) from None
+        raise error(describe(exc, where, cls)) from None

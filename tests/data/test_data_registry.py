@@ -20,7 +20,7 @@ def test_registries_are_explicit() -> None:
         ("mnist:/tmp/x", {}, "unknown data set kind 'mnist'"),
         ("text:", {}, "needs a path"),
         ("digits", {"image_szie": 32}, "unknown option 'image_szie'"),
-        ("synthetic-images", {"num_samples": "9"}, "option 'num_samples' must be int"),
+        ("synthetic-images", {"num_samples": "9"}, 'option num_samples must be an integer, got "9"'),
         ("synthetic-images", {"num_classes": 0}, "num_classes must be >= 1"),
     ],
 )

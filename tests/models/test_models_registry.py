@@ -76,10 +76,14 @@ def test_unknown_model_and_option() -> None:
         build_model("resnet99")
     with pytest.raises(ConfigError, match="unknown option 'depth'"):
         build_model("resnet18", depth=50)
-    with pytest.raises(ConfigError, match="option 'width' must be int"):
+    with pytest.raises(ConfigError, match="option width must be an integer, got \"16\""):
         build_model("resnet18", width="16")
-    with pytest.raises(ConfigError, match="option 'small_input' must be bool"):
+    with pytest.raises(ConfigError, match="option small_input must be true or false, got 1"):
         build_model("resnet18", small_input=1)
+    with pytest.raises(ConfigError, match="option small_input must be true or false, got \"false\""):
+        build_model("resnet18", small_input="false")
+    with pytest.raises(ConfigError, match="option width must be an integer, got 25.5"):
+        build_model("resnet18", width=25.5)
 
 
 def test_user_factory_with_options(user_module: str) -> None:
