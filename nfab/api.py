@@ -7,6 +7,8 @@ from pathlib import Path
 
 from torch.nn.parallel import DistributedDataParallel
 
+from nfab.attach_checks import check_attach
+from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.hook import QSUM_SCALES, Runtime, nfab_hook
@@ -62,10 +64,9 @@ def attach(
         prof = Profile.static(route)
         explicit = True
     else:
-        prof = profile if isinstance(profile, Profile) else Profile.load(profile)  # type: ignore[arg-type]
+        prof = profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
         explicit = False
-        if model_signature is not None:
-            prof.check_model(prof.model.name, model_signature)
+    check_attach(prof, ddp_model.module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
     if cost_model == "measure":
         cm = cost_mod.measure(ddp_model.process_group)
     elif isinstance(cost_model, str | Path):

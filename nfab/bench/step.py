@@ -24,7 +24,7 @@ import importlib
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
 from nfab.bench import netns
+from nfab.config.strict import STRICT_DATACLASS, validate_dataclass
 from nfab.data import build_dataset, make_loader
 from nfab.distributed import run_ranks
 from nfab.errors import ConfigError
@@ -71,6 +72,8 @@ def test_profile() -> Profile:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """One side-by-side run (JSON-able: it crosses into spawned ranks and the namespace)."""
+
+    __pydantic_config__ = STRICT_DATACLASS
 
     variants: tuple[str, ...] = STEP_VARIANTS
     """Variants to time (names in `VARIANTS`); `plain` is always included (the ratio base)."""
@@ -125,10 +128,8 @@ class BenchConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BenchConfig":
-        known = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in known}
-        kw["variants"] = tuple(kw.get("variants", STEP_VARIANTS))
-        return cls(**kw)
+        """Validate strictly: unknown keys and wrongly typed values are one-line `ConfigError`s."""
+        return validate_dataclass(cls, d, where="bench")
 
 
 # ---- variants -----------------------------------------------------------------------

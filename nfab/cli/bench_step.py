@@ -77,6 +77,11 @@ def register(app: typer.Typer) -> None:
             if why is not None:
                 fail(why)
         prof, source = step_mod.load_profile_dict(profile)
+        if prof is not None and prof["model"].get("signature"):
+            # the bench applies the profile's routes to its own model (another width and input):
+            # the parameter layout differs by design, so attach must not refuse it
+            prof["model"]["signature"] = None
+            source += " (routes on the bench's model)"
         kw: dict[str, Any] = {}
         if variants is not None:
             kw["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())

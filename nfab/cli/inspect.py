@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from nfab.cli.options import parse_route
 from nfab.cli.output import console
 from nfab.overrides import parse_kv
 
@@ -22,7 +21,7 @@ def register(app: typer.Typer) -> None:
         model: Annotated[str, typer.Argument(help="resnet18, vit, gpt or module.path:factory.")],
         world_size: Annotated[int, typer.Option("--world-size", "-w", help="Ranks to plan for.")] = 4,
         size: Annotated[str | None, typer.Option(help="Model size (gpt: nano..1.3b, vit: tiny/small).")] = None,
-        profile: Annotated[Path | None, typer.Option(help="Operating profile JSON.")] = None,
+        profile: Annotated[str | None, typer.Option(help="Operating profile: a path or a shipped name.")] = None,
         route: Annotated[str | None, typer.Option(help="Static route, e.g. sign or conv:sign,norm:fp32.")] = None,
         step: Annotated[int, typer.Option(help="Training step whose profile phase to show.")] = 0,
         total_steps: Annotated[int | None, typer.Option(help="Run length (for phases given as fractions).")] = None,
@@ -36,6 +35,7 @@ def register(app: typer.Typer) -> None:
 
         Extra `key=value` arguments are model options (e.g. width=16 small_input=true).
         """
+        from nfab.config.shipped import resolve_profile
         from nfab.errors import ConfigError
         from nfab.inspect import crossovers, inspect_model
         from nfab.models import build_model
@@ -49,9 +49,9 @@ def register(app: typer.Typer) -> None:
             raise ConfigError("give at most one of --profile and --route")
         spec = build_model(model, device="meta", **options)
         if profile is not None:
-            prof, explicit = Profile.load(profile), False
+            prof, explicit = Profile.load(resolve_profile(profile)), False
         else:
-            prof, explicit = Profile.static(parse_route(route or "sign")), True
+            prof, explicit = Profile.static(route or "sign"), True
         cm = CostModel.load(cost) if cost else default_cost_model(world_size)
         res = inspect_model(model, spec.module, prof, world_size, explicit=explicit, step=step,
                             total_steps=total_steps, cost_model=cm, bucket_cap_mb=bucket_cap_mb,

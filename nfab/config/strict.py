@@ -12,11 +12,16 @@ from __future__ import annotations
 import json
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from nfab.errors import ConfigError, NfabError
 
 M = TypeVar("M", bound=BaseModel)
+D = TypeVar("D")
+
+
+STRICT_DATACLASS = ConfigDict(extra="forbid")
+"""`__pydantic_config__` of a plain dataclass validated by `validate_dataclass`."""
 
 
 class StrictModel(BaseModel):
@@ -79,7 +84,7 @@ def describe(exc: ValidationError, where: str = "", cls: type[BaseModel] | None 
         path = f"{where}.{path}" if path else where
     kind = first["type"]
     given = first.get("input")
-    if kind == "extra_forbidden":
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         known = _known_keys(cls, tuple(first["loc"]))
         text = f"unknown key {path!r}" + (f" (keys: {', '.join(known)})" if known else "")
     elif kind == "missing":
@@ -122,3 +127,18 @@ def validate(cls: type[M], data: Any, *, where: str = "", error: type[NfabError]
         return cls.model_validate_json(text, strict=True)
     except ValidationError as exc:
         raise error(describe(exc, where, cls)) from None
+
+
+def validate_dataclass(cls: type[D], data: Any, *, where: str = "", error: type[NfabError] = ConfigError) -> D:
+    """`validate` for a plain typed dataclass (records that cross into spawned ranks as JSON).
+
+    The dataclass refuses unknown keys by declaring `__pydantic_config__ = STRICT_DATACLASS`.
+    """
+    try:
+        text = json.dumps(data)
+    except (TypeError, ValueError) as exc:
+        raise error(f"{where or 'config'}: not plain data ({exc})") from exc
+    try:
+        return TypeAdapter(cls).validate_json(text, strict=True)
+    except ValidationError as exc:
+        raise error(describe(exc, where)) from None

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import default_collate
 
-from nfab.data import SpecDataset, make_loader
 from nfab.config.optim import build_optimizer, lr_factor
 from nfab.config.pairing import check_pairing
+from nfab.data import SpecDataset, make_loader
 
 __all__ = ["BatchStream", "build_optimizer", "check_pairing", "fp32_wire_bytes", "loss_fn", "lr_factor"]
 

@@ -103,7 +103,8 @@ def build_cases(root: Path) -> dict[str, Case]:
                                 "unknown data set 'imagenet'"),
         "unknown-route": Case([*train_gpt, "--route", "q3"], "route: unknown route 'q3'"),
         "unknown-config-key": Case([*train_gpt, "--route", "sign", "optim.learning_rate=0.1"],
-                                   "unknown key 'optim.learning_rate' (keys: betas, grad_clip, lr, momentum, name, weight_decay)"),
+                                   "unknown key 'optim.learning_rate' (keys: betas, grad_clip, lr, momentum, name, "
+                                   "weight_decay)"),
         "bad-fault": Case([*train_gpt, "--route", "sign"], "NFAB_FAULT: 'spike@step=2' needs factor=VALUE",
                           env={"NFAB_FAULT": "spike@step=2"}),
         "finished-run-dir": Case(["train", *GPT, *W2, "--route", "sign", "--run-dir", str(finished)],
