@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from nfab import __version__
-from nfab.cli import bench, calibrate, demo, fit, inspect, report, train
+from nfab.cli import bench, calibrate, demo, fit, inspect, profile, report, train
 from nfab.cli.output import fail
 from nfab.errors import NfabError
 
@@ -37,7 +37,7 @@ def _root(
     """NEURON-Fabric: calibrate, fit, train, report."""
 
 
-for module in (calibrate, fit, train, report, inspect, bench, demo):
+for module in (calibrate, fit, train, report, inspect, profile, bench, demo):
     module.register(app)
 
 

@@ -59,6 +59,19 @@ def _no_data(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+LOG_SCALE_RATIO = 8.0
+"""A loss panel goes to a log scale when its largest value is this many times its median:
+an early eval loss of 25 beside a run settling near 2 would otherwise flatten every curve."""
+
+
+def wants_log_scale(values: list[float]) -> bool:
+    """Whether a few large losses dwarf the rest (all finite values positive, max/median >= LOG_SCALE_RATIO)."""
+    finite = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if finite.size < 2 or (finite <= 0).any():
+        return False
+    return float(finite.max()) >= LOG_SCALE_RATIO * float(np.median(finite))
+
+
 def loss_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
     """Loss (train line, eval dots) with fallback steps marked, plus the eval metric.
 
@@ -83,7 +96,10 @@ def loss_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
         if len(fb):
             any_fallback = True
             ax.scatter(fb["step"], fb["loss"], marker="x", s=36, color="red", zorder=5)
-    ax.set_title("Loss vs step (solid: train, dashed with dots: eval)")
+    log_scale = wants_log_scale([v for _, r in plotted for v in (*r.metrics["loss"], *r.metrics["eval_loss"])])
+    if log_scale:
+        ax.set_yscale("log")
+    ax.set_title("Loss vs step (solid: train, dashed with dots: eval)" + (", log scale" if log_scale else ""))
     ax.set_ylabel("loss")
     handles, _ = ax.get_legend_handles_labels()
     if any_fallback:
@@ -189,6 +205,14 @@ def route_mix_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
     return _png(fig)
 
 
+def calibration_title(name: str, table: pd.DataFrame) -> str:
+    """`resnet18 calibration: ...`, naming the folder only when it says more than the model
+    (a folder called `calibration` or named after the model would repeat a word)."""
+    model = str(table["model"].iloc[0]) if "model" in table.columns and len(table) else name
+    folder = "" if name in (model, "calibration", "calibrations") else f" ({name})"
+    return f"{model} calibration{folder}: chosen route per phase x region"
+
+
 def calibration_heatmap(name: str, table: pd.DataFrame) -> bytes:
     """Phase x region grid; colour = bits per element of the chosen route (log scale),
     each cell annotated with the route and the cosine that justified it."""
@@ -213,5 +237,5 @@ def calibration_heatmap(name: str, table: pd.DataFrame) -> bytes:
     ax.set_yticks(range(len(phases)), phases)
     ax.set_xlabel("region")
     ax.set_ylabel("phase")
-    ax.set_title(f"Calibration {name}: chosen route per phase x region")
+    ax.set_title(calibration_title(name, table))
     return _png(fig)

@@ -1,0 +1,28 @@
+"""nfab (NEURON-Fabric): controlled low-bit gradient communication for PyTorch DDP.
+
+Public API: `nfab.attach(ddp_model, profile)` and `nfab.Profile`; the `nfab` CLI.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Profile", "attach", "__version__"]
+
+if TYPE_CHECKING:
+    from nfab.api import attach
+    from nfab.profile.schema import Profile
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: `nfab --version` and the CLI's help must not pay for importing torch
+    if name == "attach":
+        from nfab.api import attach
+
+        return attach
+    if name == "Profile":
+        from nfab.profile.schema import Profile
+
+        return Profile
+    raise AttributeError(name)

@@ -1,0 +1,80 @@
+"""`nfab.attach`: register nfab's communication hook on any DDP model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from torch.nn.parallel import DistributedDataParallel
+
+from nfab.attach_checks import check_attach
+from nfab.config.shipped import resolve_profile
+from nfab.errors import NfabError
+from nfab.profile.schema import Profile
+from nfab.runtime.hook import QSUM_SCALES, Runtime, nfab_hook
+from nfab.wire import cost as cost_mod
+
+log = logging.getLogger(__name__)
+
+
+def attach(
+    ddp_model: DistributedDataParallel,
+    profile: str | Path | Profile | None = None,
+    *,
+    route: str | dict[str, str] | None = None,
+    error_feedback: bool = True,
+    total_steps: int | None = None,
+    cost_model: str | Path | cost_mod.CostModel | None = "measure",
+    seed: int = 0,
+    head_modules: tuple[str, ...] | None = None,
+    model_signature: str | None = None,
+    qsum_scale: str = "exact",
+    coalesce: bool = True,
+) -> Runtime:
+    """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
+
+    Give either `profile` (a path or a `Profile`) or `route` (a route for every region,
+    or a dict from region class / parameter-name glob to route; unnamed regions stay
+    fp32). A profile's routes pass the cost gate (fallback to FP32 where compression is
+    modelled not to pay); an explicit route is honoured as asked, except where reducer
+    capacity makes it impossible.
+
+    `cost_model`: "measure" (default: a short collective measurement, agreed by all
+    ranks), a path to a JSON from `nfab bench wire --cost`, a `CostModel`, or None
+    (no cost gate; sign picks by bytes). Every rank must call `attach` identically.
+
+    `qsum_scale`: how q8/q4/q2 slices summed on the wire agree their shared scale —
+    "exact" (default: a blocking MAX all-reduce in the hook, what calibrate replays) or
+    "delayed" (the max of the slice's agreed max |x| over its last 16 qsum steps, carried
+    by the control word: the hook never blocks, but elements above it saturate for a
+    step). Slices that travel in a coalesced all-gather need no agreement at all: each
+    rank encodes with its own scale.
+
+    `coalesce`: a bucket with a signgather group goes out as ONE all-gather (control word
+    and every group's payload) when that is modelled cheaper than a collective per group
+    (always at W=2). False keeps one collective per group (for A/B comparisons).
+    """
+    if qsum_scale not in QSUM_SCALES:
+        raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model")
+    if (profile is None) == (route is None):
+        raise NfabError("give exactly one of profile= or route=")
+    if route is not None:
+        prof = Profile.static(route)
+        explicit = True
+    else:
+        prof = profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
+        explicit = False
+    check_attach(prof, ddp_model.module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
+    if cost_model == "measure":
+        cm = cost_mod.measure(ddp_model.process_group)
+    elif isinstance(cost_model, str | Path):
+        cm = cost_mod.CostModel.load(cost_model)
+    else:
+        cm = cost_model
+    runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=error_feedback,
+                      total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
+                      qsum_scale=qsum_scale, coalesce=coalesce)
+    ddp_model.register_comm_hook(runtime, nfab_hook)
+    return runtime

@@ -1,0 +1,120 @@
+"""Wire benchmark: codec speed beside a plain copy, and bits on the wire beside fp32.
+
+Throughput is GB/s of fp32 gradient (numel * 4 bytes / seconds) on one core, for
+encode + decode of one rank's contribution, measured in the same run as a plain copy
+of the same tensor, so the ratio is meaningful on a noisy machine. Bits per element
+come from each reducer's `wire_bytes` (what a rank actually sends) at W = 2, 4, 8, 16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from nfab.fsutil import atomic_write_json
+from nfab.wire.cost import best_time
+from nfab.wire.reducers import REDUCERS, Reducer, SignGather
+
+WORLD_SIZES: tuple[int, ...] = (2, 4, 8, 16)
+SPEED_WORLD_SIZE = 4
+"""Encode+decode is timed at this W (lane widths change with W; W=4 is the design point)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WireRow:
+    """One reducer at one world size."""
+
+    reducer: str
+    world_size: int
+    bits_per_element: float | None
+    """Wire bits each rank sends per gradient element (None when over capacity)."""
+    fp32_bits_per_element: float
+    capacity_ok: bool
+    capacity: str
+    """Lane width / levels, or why the reducer cannot be exact at this W."""
+    encode_decode_gbps: float
+    copy_gbps: float
+    ratio_to_copy: float
+    numel: int
+
+
+def _encode_decode_fn(red: Reducer, x: torch.Tensor, world_size: int):
+    """A closure that runs one rank's encode and the decode of a reduced payload."""
+    lengths = [x.numel()]
+    shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
+    enc = red.encode(x, lengths, world_size, shared, torch.Generator().manual_seed(0))
+    reduced = enc.payload.repeat(world_size) if isinstance(red, SignGather) else enc.payload.clone()
+    scale = enc.scales if enc.scales is not None else shared
+
+    def run() -> None:
+        s = red.local_scale(x, lengths) if red.needs_shared_scale else None
+        red.encode(x, lengths, world_size, s, None)
+        red.decode(reduced, scale, x.numel(), lengths, world_size)
+
+    return run
+
+
+def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
+    cap = red.capacity(world_size)
+    if not cap.ok:
+        return False, cap.reason
+    parts = [f"{cap.lane_bits}-bit lanes"] if cap.lane_bits else []
+    if cap.levels:
+        parts.append(f"{cap.levels} levels")
+    return True, ", ".join(parts)
+
+
+def bench_wire(numel: int = 1 << 22, reps: int = 5, seed: int = 0) -> list[WireRow]:
+    """Time every reducer's encode+decode beside a copy; bits per element at W = 2, 4, 8, 16."""
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core: the figure is per rank, comparable across machines
+    try:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+        dst = torch.empty_like(x)
+        gb = numel * 4 / 1e9
+        rows: list[WireRow] = []
+        fp32 = REDUCERS["allreduce-fp32"]
+        for key, red in REDUCERS.items():
+            # time the copy right beside each reducer: drift on a shared machine cancels in the ratio
+            copy_gbps = gb / best_time(lambda: dst.copy_(x), reps)
+            w_speed = SPEED_WORLD_SIZE if red.capacity(SPEED_WORLD_SIZE).ok else 2
+            ed_gbps = gb / best_time(_encode_decode_fn(red, x, w_speed), reps)
+            for w in WORLD_SIZES:
+                ok, text = _capacity_text(red, w)
+                rows.append(WireRow(
+                    reducer=key,
+                    world_size=w,
+                    bits_per_element=red.bits_per_element(w) if ok else None,
+                    fp32_bits_per_element=fp32.bits_per_element(w),
+                    capacity_ok=ok,
+                    capacity=text,
+                    encode_decode_gbps=ed_gbps,
+                    copy_gbps=copy_gbps,
+                    ratio_to_copy=ed_gbps / copy_gbps,
+                    numel=numel,
+                ))
+        return rows
+    finally:
+        torch.set_num_threads(threads)
+
+
+def write_rows(path: str | Path, rows: list[WireRow]) -> None:
+    atomic_write_json(path, [asdict(r) for r in rows])
+
+
+def _measure_rank(rank: int, world_size: int, large_numel: int) -> str:
+    from nfab.wire.cost import measure
+
+    return measure(large_numel=large_numel).to_json()
+
+
+def measure_cost(world_size: int = 2, large_numel: int = 1 << 18) -> str:
+    """`nfab.wire.cost.measure` on real gloo ranks; the CostModel JSON (identical on every rank)."""
+    from nfab.distributed import run_ranks
+
+    results = run_ranks(_measure_rank, world_size, large_numel, timeout_s=600)
+    return results[0]

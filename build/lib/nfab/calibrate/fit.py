@@ -1,0 +1,196 @@
+"""Fitting a profile from a calibration table: a pure function of (table, tolerances).
+
+Per phase and region class the fit takes the cheapest route (wire bits per element at
+the calibrated W) that is exact at W and whose fidelity and loss delta meet the
+tolerances (a trial's held-out and training loss deltas both within `tol_loss`: early in
+training one alone is noisy); a route without a trial passes only on a very high cosine. Each phase
+runs with one error-feedback setting: the one whose validated routes send fewer bytes
+(a tie keeps EF off). Health thresholds come from the reference run's own statistics.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import sys
+from typing import Any
+
+import pandas as pd
+import torch
+
+from nfab import __version__
+from nfab.calibrate.table import check_columns
+from nfab.profile.schema import REGIONS, Health, ModelRef, Phase, PhaseStart, Profile, WorldRange
+from nfab.wire.codecs import ROUTES
+from nfab.wire.reducers import candidates
+
+TOL_COSINE = 0.3
+"""Default: a route's estimate must point within ~73 degrees of the true mean gradient."""
+TOL_LOSS = 0.02
+"""Default: at most 2 % higher held-out loss than FP32 after a K-step trial."""
+MAX_REL_ERROR = 2.0
+"""A route whose error is more than twice the true gradient's norm is noise with a bias."""
+HIGH_COSINE = 0.99
+"""A route with no trial passes only at or above this cosine (e.g. bf16 on a tiny region)."""
+MARGIN = 1.5
+"""Health thresholds are the reference run's worst ratio times this margin."""
+MAX_WORLD = 1 << 16
+
+
+def _num(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(v) else v
+
+
+def _passes(row: pd.Series, tol_cosine: float, tol_loss: float, high_cosine: float,
+            max_rel_error: float = MAX_REL_ERROR) -> bool:
+    if row["route"] == "fp32":
+        return True
+    if not bool(row.get("capacity_ok", True)):
+        return False
+    cos, delta = _num(row["cosine"]), _num(row["loss_delta"])
+    if cos is None or cos < tol_cosine:
+        return False
+    rel = _num(row.get("rel_error"))
+    if rel is not None and rel > max_rel_error:
+        return False
+    if delta is None:
+        return cos >= high_cosine
+    train = _num(row.get("train_loss_delta"))  # the trial must not hurt the training loss either
+    return delta <= tol_loss and (train is None or train <= tol_loss)
+
+
+def _choose(rows: pd.DataFrame, tol_cosine: float, tol_loss: float, high_cosine: float) -> dict[str, Any]:
+    """The cheapest passing route among one (phase, region, EF) group's rows; fp32 if none."""
+    ok = [r for _, r in rows.iterrows() if _passes(r, tol_cosine, tol_loss, high_cosine)]
+    if not ok:
+        fp = rows[rows["route"] == "fp32"]
+        ok = [fp.iloc[0]] if len(fp) else []
+    if not ok:
+        return {"route": "fp32", "bits_per_element": None, "cosine": 1.0, "loss_delta": None}
+    order = {r: i for i, r in enumerate(ROUTES)}
+    best = min(ok, key=lambda r: (float(r["bits_per_element"]), order.get(r["route"], 99)))
+    return {"route": str(best["route"]), "bits_per_element": _num(best["bits_per_element"]),
+            "cosine": _num(best["cosine"]), "loss_delta": _num(best["loss_delta"])}
+
+
+def _numel(rows: pd.DataFrame) -> float:
+    return float(rows["numel"].iloc[0]) if "numel" in rows.columns and len(rows) else 1.0
+
+
+def fit_phase(phase_rows: pd.DataFrame, tol_cosine: float, tol_loss: float,
+              high_cosine: float = HIGH_COSINE) -> tuple[bool, dict[str, dict[str, Any]]]:
+    """(error feedback, {region: choice}) for one phase's rows."""
+    best: tuple[float, bool, dict[str, dict[str, Any]]] | None = None
+    for ef in (False, True):
+        rows = phase_rows[phase_rows["error_feedback"].astype(bool) == ef]
+        if rows.empty:
+            continue
+        choice, cost = {}, 0.0
+        for region, group in rows.groupby("region", sort=False):
+            c = _choose(group, tol_cosine, tol_loss, high_cosine)
+            choice[str(region)] = c
+            fp32_bits = group.loc[group["route"] == "fp32", "bits_per_element"]
+            bits = c["bits_per_element"] if c["bits_per_element"] is not None else (
+                float(fp32_bits.iloc[0]) if len(fp32_bits) else 32.0)
+            cost += bits * _numel(group)
+        if best is None or cost < best[0]:
+            best = (cost, ef, choice)
+    if best is None:
+        return False, {}
+    _, ef, choice = best
+    if all(c["route"] == "fp32" for c in choice.values()):
+        ef = False  # nothing lossy: EF would only cost memory
+    return ef, choice
+
+
+def world_range(routes: set[str]) -> WorldRange:
+    """W in [1, max]: the largest W at which every route still has a reducer with capacity."""
+
+    def ok(w: int) -> bool:
+        return all(any(r.capacity(w).ok for r in candidates(route)) for route in routes)
+
+    if ok(MAX_WORLD):
+        return WorldRange(min=1, max=MAX_WORLD)
+    lo, hi = 1, MAX_WORLD  # ok(lo), not ok(hi): capacity only shrinks as W grows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return WorldRange(min=1, max=lo)
+
+
+def _max_ratio(values: list[float], beta: float, skip: int) -> float:
+    """Largest value / running EMA baseline (as the health monitor computes it) after `skip` steps."""
+    base, worst = None, 1.0
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            continue
+        if base is not None and i >= skip and base > 0:
+            worst = max(worst, v / base)
+        base = v if base is None else beta * base + (1 - beta) * v
+    return worst
+
+
+def fit_health(reference: dict[str, Any] | None, min_cosine: float | None) -> Health:
+    """Thresholds from the reference run: its worst loss and grad-norm ratio x MARGIN."""
+    d = Health()
+    kwargs: dict[str, Any] = {}
+    if reference and reference.get("loss") and reference.get("grad_norm"):
+        loss = [float(v) for v in reference["loss"]]
+        norm = [float(v) for v in reference["grad_norm"]]
+        kwargs["loss_spike_ratio"] = round(max(1.5, MARGIN * _max_ratio(loss, d.baseline_beta, d.warmup_steps)), 3)
+        kwargs["grad_norm_jump"] = round(max(2.0, MARGIN * _max_ratio(norm, d.baseline_beta, d.warmup_steps)), 3)
+    if min_cosine is not None:
+        kwargs["min_fidelity_cosine"] = round(max(0.05, 0.5 * min_cosine), 3)
+    return Health(**kwargs)
+
+
+def fit_profile(
+    table: pd.DataFrame,
+    tol_cosine: float = TOL_COSINE,
+    tol_loss: float = TOL_LOSS,
+    *,
+    meta: dict[str, Any] | None = None,
+    high_cosine: float = HIGH_COSINE,
+    provenance: dict[str, Any] | None = None,
+) -> Profile:
+    """The operating profile a calibration table supports at these tolerances."""
+    check_columns(table)
+    meta = meta or {}
+    starts = table.groupby("phase", sort=False).agg(step=("step", "min"), fraction=("phase_fraction", "min"))
+    starts = starts.sort_values("step")
+    phases, evidence, chosen_cos = [], {}, []
+    for i, (name, st) in enumerate(starts.iterrows()):
+        ef, choice = fit_phase(table[table["phase"] == name], tol_cosine, tol_loss, high_cosine)
+        routes = {r: choice[r]["route"] for r in REGIONS if r in choice}
+        fraction = 0.0 if i == 0 else round(float(st["fraction"]), 6)
+        phases.append(Phase(name=str(name), start=PhaseStart(fraction=fraction), routes=routes, error_feedback=ef))
+        evidence[str(name)] = {r: choice[r] for r in routes}
+        chosen_cos += [c["cosine"] for c in choice.values() if c["route"] != "fp32" and c["cosine"] is not None]
+    used = {r for p in phases for r in p.routes.values()}
+    model = meta.get("model") or (str(table["model"].iloc[0]) if "model" in table.columns else "any")
+    prov = {
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "nfab_version": __version__,
+        "torch_version": torch.__version__,
+        "command": " ".join(sys.argv),
+        "tol_cosine": tol_cosine,
+        "tol_loss": tol_loss,
+        "high_cosine": high_cosine,
+        "calibrated": {k: meta[k] for k in ("model", "model_options", "dataset", "data_options", "world_size",
+                                            "optimizer", "schedule",
+                                            "steps", "trial_steps", "ef_steps", "batch_size", "seed", "command",
+                                            "nfab_version", "torch_version", "created") if k in meta},
+        **(provenance or {}),
+    }
+    return Profile(
+        model=ModelRef(name=str(model), signature=meta.get("signature")),
+        phases=tuple(phases),
+        world_size=world_range(used),
+        health=fit_health(meta.get("reference"), min(chosen_cos) if chosen_cos else None),
+        evidence=evidence,
+        provenance=prov,
+    )

@@ -1,0 +1,130 @@
+"""Reducer-side replay: W virtual ranks' gradients through a route, as the lanes sum them.
+
+`reduce_virtual` is `Reducer.replay`'s arithmetic (encode per rank, `combine`, decode)
+that also hands back each rank's own decode (`Encoded.local`), which error feedback
+needs: a rank keeps `x - local` and adds it to its next gradient, as the hook does.
+For the integer paths the result is bit-identical to the real gloo reduction.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nfab.wire.reducers import REDUCERS, Reducer, candidates
+
+
+def replay_reducer(route: str, world_size: int) -> Reducer | None:
+    """The reducer a replay uses for a route at W (None: every candidate is over capacity).
+
+    `sign` has two reducers with the same decode (signgather counts the gathered bits
+    locally, signcount sums them in lanes): the replay uses signcount, and its values
+    stand for both.
+    """
+    if route == "sign" and REDUCERS["signcount"].capacity(world_size).ok:
+        return REDUCERS["signcount"]
+    ok = [r for r in candidates(route) if r.capacity(world_size).ok]
+    return ok[0] if ok else None
+
+
+def cheapest_wire(route: str, numel: int, world_size: int, segments: int) -> tuple[str, float] | None:
+    """(reducer name, bytes each rank sends) of the route's cheapest reducer with capacity."""
+    best: tuple[str, float] | None = None
+    for red in candidates(route):
+        if not red.capacity(world_size).ok:
+            continue
+        b = red.wire_bytes(numel, world_size, segments)
+        if best is None or b < best[1]:
+            best = (red.name, b)
+    return best
+
+
+def reduce_virtual(
+    reducer: Reducer,
+    xs: Sequence[torch.Tensor],
+    lengths: Sequence[int],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """(mean estimate, each rank's local decode) for flat fp32 `xs` of W virtual ranks."""
+    return reducer.replay_with_locals(xs, lengths, generators)
+
+
+def fp32_mean(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """DDP's mean: each rank pre-scales by 1/W, the sum runs in rank order."""
+    inv = 1.0 / len(xs)
+    out = xs[0] * inv
+    for x in xs[1:]:
+        out += x * inv
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Fidelity:
+    """How close a route's estimate is to the true mean gradient (averaged over steps)."""
+
+    cosine: float
+    rel_error: float
+    sign_agreement: float
+    cum_cosine: float
+    """Cosine of the summed estimates to the summed true means over the window."""
+    encode_decode_s: float
+    """Seconds for one replayed reduction (W encodes + combine + decode) in one process."""
+
+
+NAN_FIDELITY = Fidelity(math.nan, math.nan, math.nan, math.nan, math.nan)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return float(torch.dot(a, b)) / (na * nb)
+
+
+def true_means(steps: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The exact mean gradient of each step (accumulated in fp64)."""
+    return [torch.stack(list(grads)).to(torch.float64).mean(0).to(torch.float32) for grads in steps]
+
+
+def measure(
+    reducer: Reducer,
+    steps: Sequence[Sequence[torch.Tensor]],
+    lengths: Sequence[int],
+    *,
+    error_feedback: bool,
+    seed: int = 0,
+    truths: Sequence[torch.Tensor] | None = None,
+) -> Fidelity:
+    """Replay consecutive steps (`steps[t][rank]` flat gradients) through `reducer`.
+
+    With error feedback each rank carries e <- x + e - local from step to step, so the
+    later steps show what EF recovers (or, for a biased codec, what it accumulates).
+    `truths` (the true mean per step, see `true_means`) saves recomputing them per route.
+    """
+    truths = true_means(steps) if truths is None else truths
+    world_size = len(steps[0])
+    gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(world_size)]
+    residuals: list[torch.Tensor | None] = [None] * world_size
+    cos, rel, agree, secs = [], [], [], []
+    sum_est = sum_true = None
+    for grads, true in zip(steps, truths, strict=True):
+        xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
+        t0 = time.perf_counter()
+        est, locals_ = reduce_virtual(reducer, xs, lengths, gens)
+        secs.append(time.perf_counter() - t0)
+        if error_feedback and reducer.lossy:
+            residuals = [x - loc if loc is not None else None for x, loc in zip(xs, locals_, strict=True)]
+        cos.append(_cos(est, true))
+        nt = float(torch.linalg.vector_norm(true))
+        rel.append(float(torch.linalg.vector_norm(est - true)) / nt if nt > 0 else 0.0)
+        agree.append(float((torch.sign(est) == torch.sign(true)).to(torch.float32).mean()))
+        sum_est = est.clone() if sum_est is None else sum_est.add_(est)
+        sum_true = true.clone() if sum_true is None else sum_true.add_(true)
+    n = len(steps)
+    return Fidelity(sum(cos) / n, sum(rel) / n, sum(agree) / n, _cos(sum_est, sum_true), sum(secs) / n)

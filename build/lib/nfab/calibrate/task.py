@@ -1,0 +1,210 @@
+"""The training task a sweep simulates: model, W data shards, optimizer, held-out batch.
+
+W virtual ranks live in one process. A step runs each rank's shard through the one
+model, keeps each rank's flat gradient, and emulates DDP's buffer broadcast (every
+rank starts the step from rank 0's buffers; rank 0's updated buffers win), so batch
+norm statistics evolve as in a real W-rank run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nfab.calibrate.config import CalibrationConfig
+from nfab.config.optim import build_optimizer, lr_factor, warmup_steps
+from nfab.data import build_dataset, make_loader
+from nfab.data.spec import SpecDataset
+from nfab.errors import ConfigError
+from nfab.models import ModelSpec, build_model
+from nfab.runtime.bindings import classify
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One region class: which parameters (by index) and their element counts, in model order."""
+
+    name: str
+    indices: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.lengths)
+
+
+def loss_fn(spec: ModelSpec, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if spec.task == "lm":
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return F.cross_entropy(out, y)
+
+
+class ShardStream:
+    """The W per-rank batches of any global step, as `make_loader` would deal them."""
+
+    def __init__(self, data: SpecDataset, cfg: CalibrationConfig) -> None:
+        self.data = data
+        self.cfg = cfg
+        self.loaders = [
+            make_loader(data, batch_size=cfg.batch_size, rank=r, world_size=cfg.world_size, seed=cfg.seed)
+            for r in range(cfg.world_size)
+        ]
+        self.per_epoch = len(self.loaders[0])
+        self._epoch: int | None = None
+        self._indices: list[list[int]] = []
+
+    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        epoch, b = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            self._indices = []
+            for loader in self.loaders:
+                loader.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+                self._indices.append(list(iter(loader.sampler)))  # type: ignore[arg-type]
+            self._epoch = epoch
+        bs = self.cfg.batch_size
+        return [collate(self.data, idx[b * bs : (b + 1) * bs]) for idx in self._indices]
+
+
+def collate(data: SpecDataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [data[i] for i in indices]
+    return torch.stack([x for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
+
+
+class Task:
+    """Model + optimizer + shards + held-out batch for one sweep."""
+
+    def __init__(self, cfg: CalibrationConfig) -> None:
+        self.cfg = cfg
+        self.spec = build_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+        data_opts = dict(cfg.data_options)
+        if self.spec.task == "lm" and "block_size" not in data_opts and cfg.dataset.partition(":")[0] in (
+                "stdlib-text", "text"):
+            data_opts["block_size"] = self.spec.block_size
+        self.data_options = data_opts
+        self.train = build_dataset(cfg.dataset, split="train", seed=cfg.seed, **data_opts)
+        test = build_dataset(cfg.dataset, split="test", seed=cfg.seed, **data_opts)
+        if self.train.spec.task != self.spec.task:
+            raise ConfigError(f"model {cfg.model} ({self.spec.task}) cannot train on {cfg.dataset} "
+                              f"({self.train.spec.task})")
+        self.stream = ShardStream(self.train, cfg)
+        n_eval = min(cfg.eval_samples, len(test))
+        g = torch.Generator().manual_seed(cfg.seed + 17)
+        self.eval_batch = collate(test, torch.randperm(len(test), generator=g)[:n_eval].tolist())
+        self.model: nn.Module = self.spec.module
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        bindings = classify(self.model, self.spec.head_modules)
+        by_region: dict[str, list[int]] = {}
+        for i, name in enumerate(self.names):
+            by_region.setdefault(bindings[name].region, []).append(i)
+        self.regions = {
+            name: Region(name, tuple(idx), tuple(self.params[i].numel() for i in idx))
+            for name, idx in by_region.items()
+        }
+        self.optimizer = self.make_optimizer()
+        self.buffers = list(self.model.buffers())
+        self._index: dict[str, torch.Tensor] = {}
+
+    # ---- optimizer and schedule ---------------------------------------------------
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer `nfab train` builds for this setting (same groups, same decay exemptions)."""
+        return build_optimizer(self.model, self.cfg.optimizer, self.spec.optimizer)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of `nfab train`'s schedule at `step` (one shared function), so a phase
+        found here lies where the training run's learning rate is the same."""
+        assert self.cfg.optimizer.lr is not None  # resolved by make_config
+        return self.cfg.optimizer.lr * lr_factor(step, self.cfg.steps, self.cfg.schedule)
+
+    @property
+    def warmup_steps(self) -> int:
+        return warmup_steps(self.cfg.steps, self.cfg.schedule)
+
+    # ---- state --------------------------------------------------------------------
+    def checkpoint(self) -> dict:
+        return {
+            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
+            "optimizer": _clone(self.optimizer.state_dict()),
+        }
+
+    def restore(self, ckpt: dict) -> None:
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(_clone(ckpt["optimizer"]))
+
+    # ---- one step -----------------------------------------------------------------
+    def rank_grads(self, step: int) -> tuple[list[torch.Tensor], float]:
+        """Each rank's flat gradient (params in model order) at `step`, and the mean loss."""
+        self.model.train()
+        start = [b.clone() for b in self.buffers]
+        after0: list[torch.Tensor] = []
+        grads, losses = [], []
+        for r, (x, y) in enumerate(self.stream.batches(step)):
+            for b, s in zip(self.buffers, start, strict=True):
+                b.copy_(s)
+            for p in self.params:
+                p.grad = None
+            loss = loss_fn(self.spec, self.model(x), y)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads.append(torch.cat([_grad(p).reshape(-1) for p in self.params]))
+            if r == 0:
+                after0 = [b.clone() for b in self.buffers]
+        for b, s in zip(self.buffers, after0, strict=True):
+            b.copy_(s)
+        return grads, sum(losses) / len(losses)
+
+    def apply(self, flat_mean: torch.Tensor, step: int) -> None:
+        """Write a flat mean gradient into .grad and take one optimizer step at step's lr."""
+        pos = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat_mean[pos : pos + n].view_as(p).clone()
+            pos += n
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(step)
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        """Loss on the fixed held-out batch, a function of the weights alone.
+
+        Normalisation uses the batch's own statistics (train mode, buffers restored): early
+        in training running statistics lag the weights, and a trial's score would measure
+        that lag instead of the route.
+        """
+        saved = [b.clone() for b in self.buffers]
+        x, y = self.eval_batch
+        loss = float(loss_fn(self.spec, self.model(x), y))
+        for b, s in zip(self.buffers, saved, strict=True):
+            b.copy_(s)
+        return loss
+
+    def region_index(self, region: str) -> torch.Tensor:
+        """Positions of a region's elements in the flat gradient (its parameters in model order)."""
+        hit = self._index.get(region)
+        if hit is None:
+            starts, pos = [], 0
+            for p in self.params:
+                starts.append(pos)
+                pos += p.numel()
+            hit = torch.cat([torch.arange(starts[i], starts[i] + self.params[i].numel())
+                             for i in self.regions[region].indices])
+            self._index[region] = hit
+        return hit
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    return obj

@@ -1,0 +1,1 @@
+"""nfab's command line: one module per subcommand, each only parsing and calling the library."""

@@ -1,0 +1,96 @@
+"""`nfab bench step`: training-step time of communication variants side by side, optionally on a shaped link."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from nfab.cli.output import console, fail
+from nfab.train.config import NFAB_BUCKET_MB
+
+
+def _routes(info: dict[str, Any] | None) -> str:
+    if not info:
+        return ""
+    mix = ", ".join(f"{k} {v:.0%}" for k, v in sorted(info["route_mix"].items(), key=lambda kv: -kv[1]))
+    falls = "; ".join(info["fallback_reasons"])
+    return mix + (f" [dim](fallback: {falls})[/]" if falls else "")
+
+
+def print_report(doc: dict[str, Any], title: str) -> None:
+    """The summary rows as a rich table (median, p10-p90, paired ratios, nfab routes and bytes)."""
+    has_floor = any(r["ratio_to_floor"] is not None for r in doc["rows"])
+    table = Table(title=title)
+    for col in ("variant", "median ms", "p10–p90 ms", "× plain", *(["× floor"] if has_floor else []),
+                "wire / fp32", "nfab routes"):
+        table.add_column(col, justify="left" if col in ("variant", "nfab routes") else "right")
+    for r in doc["rows"]:
+        info = doc["nfab"].get(r["variant"])
+        wire = f"{info['wire_bytes_per_step'] / info['fp32_wire_bytes_per_step']:.3f}" if info else ""
+        cells = [r["variant"], f"{r['median_ms']:.1f}", f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f}",
+                 f"{r['ratio_to_plain']:.3f}"]
+        if has_floor:
+            cells.append("" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.3f}")
+        table.add_row(*cells, wire, _routes(info))
+    console.print(table)
+    cfg, link = doc["config"], doc.get("link")
+    console.print(
+        f"{doc['parameters']:,} parameters, W={cfg['world_size']}, batch {cfg['batch']}/rank, "
+        f"{cfg['steps']} timed steps after {cfg['warmup']} warm-up; "
+        f"link: {link['rate'] if link else 'loopback (unshaped)'}; "
+        "ratios are medians of per-step ratios", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("step")
+    def bench_step(
+        link: Annotated[str | None, typer.Option(
+            "--link", help="Shape the ranks' loopback to a tc rate (1gbit, 100mbit); needs root + iproute2.")] = None,
+        model: Annotated[str, typer.Option("--model", help="Model (resnet18).")] = "resnet18",
+        width: Annotated[int, typer.Option("--width", min=1, help="ResNet stem width (64 = full).")] = 64,
+        batch: Annotated[int, typer.Option("--batch", min=1, help="Samples per rank per step.")] = 16,
+        steps: Annotated[int, typer.Option("--steps", min=1, help="Timed steps per variant.")] = 20,
+        warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed steps first.")] = 3,
+        data: Annotated[str, typer.Option("--data", help="synthetic-images or digits.")] = "synthetic-images",
+        image_size: Annotated[int, typer.Option("--image-size", min=1)] = 32,
+        profile: Annotated[Path | None, typer.Option(
+            "--profile", help="Profile for nfab-profile (default calibrations/resnet18/profile.json, "
+                              "else a test profile: conv/linear/head sign).")] = None,
+        variants: Annotated[str | None, typer.Option(
+            "--variants", help="Comma-separated subset of: plain, floor, fp16, powersgd, nfab-fp32, "
+                               "nfab-sign, nfab-profile, allreduce-hook.")] = None,
+        nfab_bucket_mb: Annotated[float, typer.Option(
+            "--nfab-bucket-mb", min=0.1,
+            help="DDP bucket cap for the nfab variants (nfab train's default; others: DDP's 25).")] = NFAB_BUCKET_MB,
+        json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+    ) -> None:
+        """Step time per variant, side by side in one run (W=2 gloo ranks), with ratios to FP32 DDP."""
+        from nfab.bench import netns
+        from nfab.bench import step as step_mod
+
+        if link is not None:
+            netns.check_rate(link)
+            why = netns.unavailable()
+            if why is not None:
+                fail(why)
+        prof, source = step_mod.load_profile_dict(profile)
+        if prof is not None and prof["model"].get("signature"):
+            # the bench applies the profile's routes to its own model (another width and input):
+            # the parameter layout differs by design, so attach must not refuse it
+            prof["model"]["signature"] = None
+            source += " (routes on the bench's model)"
+        kw: dict[str, Any] = {}
+        if variants is not None:
+            kw["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())
+        cfg = step_mod.BenchConfig(model=model, width=width, batch=batch, steps=steps, warmup=warmup, data=data,
+                                   image_size=image_size, link=link, profile=prof, profile_source=source,
+                                   nfab_bucket_mb=nfab_bucket_mb, **kw)
+        console.print(f"nfab bench step: {', '.join(cfg.variants)}; profile: {source}", highlight=False)
+        doc = step_mod.report(cfg, step_mod.run(cfg))
+        print_report(doc, f"nfab bench step  (resnet18 width {width}, {link or 'loopback'})")
+        if json_path is not None:
+            step_mod.write_json(json_path, doc)
+            console.print(f"wrote {json_path}")

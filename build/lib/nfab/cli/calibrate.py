@@ -1,0 +1,132 @@
+"""`nfab calibrate MODEL [options] [KEY=VALUE...]`: sweep, write calibration.parquet, fit profile.json."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from nfab.cli.output import console, fail
+from nfab.errors import NfabError
+
+if TYPE_CHECKING:
+    from nfab.profile.schema import Profile
+
+_STAGES = {"reference": "FP32 reference", "replay": "replay (phases)", "trials": "short trials"}
+
+
+class SweepProgress:
+    """A rich progress bar per sweep stage; call it as `progress(stage, done, total)`."""
+
+    def __init__(self, out: Console) -> None:
+        self._bar = Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=out, transient=False)
+        self._tasks: dict[str, TaskID] = {}
+
+    def __enter__(self) -> SweepProgress:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.__exit__(*exc)  # type: ignore[arg-type]
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        task = self._tasks.get(stage)
+        if task is None:
+            task = self._tasks[stage] = self._bar.add_task(_STAGES.get(stage, stage), total=total)
+        self._bar.update(task, completed=done, total=total)
+
+
+def _command_line(params: dict) -> str:
+    """The command as typed, rebuilt from the parsed parameters (recorded in the artifacts)."""
+    parts = ["nfab", "calibrate", params["model"]]
+    for key, value in params.items():
+        if key in ("model", "overrides") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        parts += [flag] if value is True else [flag, str(value)]
+    parts += list(params.get("overrides") or [])
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def profile_table(profile: Profile) -> Table:
+    """Phases x region classes with the chosen route (EF marked), the profile's W range and health."""
+    regions = [r for r in ("conv", "linear", "embedding", "head", "norm", "bias", "small", "other")
+               if any(r in p.routes for p in profile.phases)]
+    h = profile.health
+    table = Table(title=f"profile for {profile.model.name}: W {profile.world_size.min}..{profile.world_size.max}, "
+                        f"loss spike x{h.loss_spike_ratio:g}, grad-norm jump x{h.grad_norm_jump:g}")
+    table.add_column("phase")
+    table.add_column("start", justify="right")
+    table.add_column("EF")
+    for r in regions:
+        table.add_column(r)
+    for p in profile.phases:
+        start = f"{p.start.fraction:.2f}" if p.start.fraction is not None else str(p.start.step)
+        table.add_row(p.name, start, "yes" if p.error_feedback else "no", *(p.route_for(r) for r in regions))
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("calibrate")
+    def calibrate(
+        ctx: typer.Context,
+        model: Annotated[str, typer.Argument(metavar="MODEL", help="resnet18, vit, gpt or module.path:factory.",
+                                             show_default=False)],
+        overrides: Annotated[list[str] | None, typer.Argument(
+            metavar="[KEY=VALUE]...", show_default=False,
+            help="Setting and sweep options: model.width=8, data.max_bytes=100000, optim.lr=0.1, batch_size=16, "
+                 "ef_steps=2.")
+        ] = None,
+        config: Annotated[str | None, typer.Option(
+            "--config", "-c", help="The run config to calibrate for (same files as nfab train; default: the "
+                                   "model's shipped config).", show_default=False)] = None,
+        dataset: Annotated[str | None, typer.Option(help="Data set (default: the config's).", show_default=False)
+                           ] = None,
+        world_size: Annotated[int, typer.Option("--world-size", "-w", help="Virtual ranks W.")] = 4,
+        routes: Annotated[str | None, typer.Option(
+            help="Comma-separated routes to measure (default fp32,bf16,q8,q4,q2,sign).", show_default=False)] = None,
+        phases: Annotated[int | None, typer.Option(help="Phase points at most (default 4; --quick 2).",
+                                                   show_default=False)] = None,
+        steps: Annotated[int | None, typer.Option(help="FP32 reference steps (default per model).",
+                                                  show_default=False)] = None,
+        trial_steps: Annotated[int | None, typer.Option(
+            "--trial-steps", help="Steps per short trial (default 20; --quick 10).", show_default=False)] = None,
+        quick: Annotated[bool, typer.Option("--quick", help="Fewer phases, shorter trials on sign and q8 only.")
+                         ] = False,
+        out: Annotated[Path | None, typer.Option(
+            "--out", "-o", help="Output dir (default calibrations/MODEL).", show_default=False)] = None,
+        tol_cosine: Annotated[float | None, typer.Option(
+            "--tol-cosine", help="Fit: minimum cosine to the true mean gradient (default 0.3).",
+            show_default=False)] = None,
+        tol_loss: Annotated[float | None, typer.Option(
+            "--tol-loss", help="Fit: maximum relative held-out loss increase of a trial (default 0.02).",
+            show_default=False)] = None,
+    ) -> None:
+        """Measure routes per phase and region class on W virtual ranks, then fit a profile."""
+        from nfab.calibrate import calibrate as run
+        from nfab.calibrate import make_config, parse_overrides
+
+        try:
+            cfg = make_config(
+                model, dataset=dataset, config=config, overrides=parse_overrides(overrides or []),
+                world_size=world_size, phases=phases, steps=steps, trial_steps=trial_steps, quick=quick or None,
+                routes=tuple(r.strip() for r in routes.split(",") if r.strip()) if routes else None,
+            )
+            target = out if out is not None else Path("calibrations") / model.replace(":", "_").replace("/", "_")
+            command = _command_line(ctx.params)
+            console.print(f"calibrating [bold]{cfg.model}[/] on {cfg.dataset}, W={cfg.world_size}, "
+                          f"{cfg.steps} steps, {cfg.phases} phases, trials of {cfg.trial_steps} steps"
+                          f"{' (quick)' if cfg.quick else ''}", highlight=False)
+            with SweepProgress(console) as progress:
+                table_path, profile_path, profile, seconds = run(
+                    cfg, target, progress=progress, command=command, tol_cosine=tol_cosine, tol_loss=tol_loss)
+        except NfabError as exc:
+            fail(str(exc))
+        console.print(profile_table(profile))
+        console.print(f"wrote {table_path} and {profile_path} in {seconds:.0f} s", highlight=False)

@@ -1,0 +1,54 @@
+"""`nfab demo`: the main job end to end on the built-in defaults (what `make demo` runs).
+
+calibrate resnet18 (quick) -> train FP32, static sign and the fitted profile on 2 gloo
+ranks -> report. Each stage is the real CLI in a subprocess, exactly as a user runs it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nfab.cli.output import console, fail
+
+
+def _run(args: list[str]) -> None:
+    exe = str(Path(sys.executable).parent / "nfab")
+    console.print(f"[bold cyan]$ nfab {' '.join(args)}[/]")
+    t0 = time.perf_counter()
+    res = subprocess.run([exe, *args], check=False)
+    if res.returncode != 0:
+        fail(f"demo stage 'nfab {args[0]}' failed with exit code {res.returncode}", code=res.returncode)
+    console.print(f"[dim]({time.perf_counter() - t0:.0f} s)[/]")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("demo")
+    def demo(
+        out: Annotated[Path, typer.Option(help="Folder for every artifact of the demo.")] = Path("runs/demo"),
+        steps: Annotated[int, typer.Option(help="Training steps per run.")] = 150,
+        nproc: Annotated[int, typer.Option(help="gloo ranks per run.")] = 2,
+        calibrate: Annotated[bool, typer.Option(help="Calibrate first (else use the shipped profile).")] = True,
+    ) -> None:
+        """Calibrate resnet18, train FP32 / static sign / profile-guided, and report."""
+        config = "configs/resnet18-digits.yaml"
+        if not Path(config).exists():
+            fail(f"{config} not found: run the demo from the repository root")
+        calib = out / "calibration"
+        if calibrate:
+            _run(["calibrate", "resnet18", "--quick", "--out", str(calib)])
+            profile = calib / "profile.json"
+        else:
+            profile = Path("calibrations/resnet18/profile.json")
+        common = ["--config", config, "--nproc", str(nproc), "--steps", str(steps), "--overwrite", "--quiet"]
+        _run(["train", *common, "--fp32", "--run-dir", str(out / "fp32")])
+        _run(["train", *common, "--route", "sign", "--run-dir", str(out / "static-sign")])
+        _run(["train", *common, "--profile", str(profile), "--run-dir", str(out / "profile")])
+        _run(["report", str(out / "fp32"), str(out / "static-sign"), str(out / "profile"), str(calib if calibrate
+              else profile.parent), "--out", str(out / "report")])
+        console.print(f"[bold green]demo done[/]: open {out / 'report' / 'report.html'}")

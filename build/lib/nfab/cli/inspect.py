@@ -1,0 +1,87 @@
+"""`nfab inspect MODEL`: regions, buckets, routes, capacity and bytes per step (meta device)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from nfab.cli.output import console
+from nfab.overrides import parse_kv
+
+_META_MIN_PARAMS = 50_000_000
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inspect", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def inspect(
+        ctx: typer.Context,
+        model: Annotated[str, typer.Argument(help="resnet18, vit, gpt or module.path:factory.")],
+        world_size: Annotated[int, typer.Option("--world-size", "-w", help="Ranks to plan for.")] = 4,
+        size: Annotated[str | None, typer.Option(help="Model size (gpt: nano..1.3b, vit: tiny/small).")] = None,
+        profile: Annotated[str | None, typer.Option(help="Operating profile: a path or a shipped name.")] = None,
+        route: Annotated[str | None, typer.Option(help="Static route, e.g. sign or conv:sign,norm:fp32.")] = None,
+        step: Annotated[int, typer.Option(help="Training step whose profile phase to show.")] = 0,
+        total_steps: Annotated[int | None, typer.Option(help="Run length (for phases given as fractions).")] = None,
+        bucket_cap_mb: Annotated[float, typer.Option(help="DDP bucket cap.")] = 25.0,
+        cost: Annotated[Path | None, typer.Option(help="Cost model JSON from `nfab bench wire --cost`.")] = None,
+        buckets: Annotated[int, typer.Option(help="Show at most this many buckets.")] = 12,
+    ) -> None:
+        """Show the plan: region classes, buckets with their routes, capacity, bytes vs FP32.
+
+        Extra `key=value` arguments are model options (e.g. width=16 small_input=true).
+        """
+        from nfab.config.shipped import resolve_profile
+        from nfab.errors import ConfigError
+        from nfab.inspect import crossovers, inspect_model
+        from nfab.models import build_model
+        from nfab.profile.schema import Profile
+        from nfab.wire.cost import CostModel, default_cost_model
+
+        options = parse_kv(ctx.args)
+        if size is not None:
+            options["size"] = size
+        if profile is not None and route is not None:
+            raise ConfigError("give at most one of --profile and --route")
+        spec = build_model(model, device="meta", **options)
+        if profile is not None:
+            prof, explicit = Profile.load(resolve_profile(profile)), False
+        else:
+            prof, explicit = Profile.static(route or "sign"), True
+        cm = CostModel.load(cost) if cost else default_cost_model(world_size)
+        res = inspect_model(model, spec.module, prof, world_size, explicit=explicit, step=step,
+                            total_steps=total_steps, cost_model=cm, bucket_cap_mb=bucket_cap_mb,
+                            head_modules=spec.head_modules)
+        title = f"{model} {size or ''} — {res.total_params:,} parameters, W={world_size}, phase {res.phase!r}"
+        t = Table(title=title)
+        for col in ("region", "params", "elements", "profile route", "reducer"):
+            t.add_column(col, justify="right" if col in ("params", "elements") else "left")
+        for r in res.regions:
+            t.add_row(r.region, str(r.params), f"{r.elements:,}", r.route, r.reducer)
+        console.print(t)
+        b = Table(title=f"buckets (first {min(buckets, len(res.buckets))} of {len(res.buckets)})")
+        for col in ("#", "elements", "slices", "regions", "routes", "wire MB", "fp32 MB", "fallbacks"):
+            b.add_column(col)
+        for row in res.buckets[:buckets]:
+            b.add_row(str(row.index), f"{row.elements:,}", str(row.slices), row.regions, row.routes,
+                      f"{row.wire_bytes / 1e6:.2f}", f"{row.fp32_wire_bytes / 1e6:.2f}", row.fallbacks)
+        console.print(b)
+        c = Table(title=f"reducer capacity at W={world_size}")
+        for col in ("route", "reducer", "exact", "lane bits", "levels/rank", "bits/element sent"):
+            c.add_column(col)
+        for row in res.capacity:
+            c.add_row(row.route, row.reducer, "yes" if row.ok else f"no: {row.reason}",
+                      str(row.lane_bits or ""), str(row.levels or ""),
+                      f"{row.bits_per_element:.2f}" if row.bits_per_element is not None else "")
+        console.print(c)
+        ratio = res.fp32_wire_bytes / res.wire_bytes if res.wire_bytes else float("inf")
+        mix = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(res.route_bytes.items()))
+        console.print(f"per step, per rank: [bold]{res.wire_bytes / 1e6:.2f} MB[/] sent ({mix}) vs "
+                      f"FP32 DDP {res.fp32_wire_bytes / 1e6:.2f} MB — {ratio:.1f}x fewer bytes "
+                      f"(cost model: {cm.source})")
+        largest = max((row.elements for row in res.buckets), default=0)
+        if largest:
+            xs = ", ".join(f"W>={w}: {best}" for w, best in crossovers(cm, largest))
+            console.print(f"cheapest path for a {largest:,}-element bucket as W grows: {xs}")

@@ -1,0 +1,95 @@
+"""`nfab train`: instrumented DDP training under torchrun (the work is in nfab.train)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from nfab.cli.output import console, err_console, fail
+from nfab.profile.routes import format_route, parse_route
+
+
+def _flags(**values: object) -> list[str]:
+    """CLI flags as `key=value` overrides (None: not given)."""
+    out = []
+    for key, value in values.items():
+        if value is None or value is False:
+            continue
+        out.append(f"{key}={'true' if value is True else value}")
+    return out
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr: a safe fallback the user should know about (not markup)."""
+    err_console.print(f"[bold yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+    def train(
+        ctx: typer.Context,
+        config: Annotated[str | None, typer.Option(
+            "--config", "-c", help="YAML config: a path or a shipped name (gpt-nano-stdlib).")] = None,
+        profile: Annotated[str | None, typer.Option(
+            help="Operating profile: profile.json or a shipped name (resnet18). Alone, it reproduces the "
+                 "calibrated setting (model, data, optimizer, batch, schedule, steps).")] = None,
+        route: Annotated[str | None, typer.Option(
+            help="Static route: sign, q8, ... everywhere, or conv:sign,norm:fp32,*.bias:fp32.")] = None,
+        fp32: Annotated[bool, typer.Option("--fp32", help="Plain DDP, no nfab hook (the reference).")] = False,
+        model: Annotated[str | None, typer.Option(help="Model (resnet18, vit, gpt, module:factory).")] = None,
+        dataset: Annotated[str | None, typer.Option(help="Data set (digits, stdlib-text, ...).")] = None,
+        nproc: Annotated[int | None, typer.Option(help="Ranks per node.")] = None,
+        steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
+        run_dir: Annotated[str | None, typer.Option(help="Artifact folder (default runs/MODEL-ROUTE-TIME).")] = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue from the run dir's checkpoint.")] = False,
+        overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what the run dir holds.")] = False,
+        quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+        nnodes: Annotated[int | None, typer.Option(help="torchrun: nodes in the job.")] = None,
+        node_rank: Annotated[int | None, typer.Option(help="torchrun: this node's rank.")] = None,
+        rdzv_endpoint: Annotated[str | None, typer.Option(help="torchrun: HOST:PORT of node 0.")] = None,
+        rdzv_backend: Annotated[str | None, typer.Option(help="torchrun: rendezvous backend.")] = None,
+        max_restarts: Annotated[int | None, typer.Option(help="torchrun: restarts after a failure.")] = None,
+    ) -> None:
+        """Train with DDP + the nfab hook under torchrun; extra KEY=VALUE args override the config."""
+        from nfab.train.launch import WorkerError, launch, resolve_config
+
+        extra = list(ctx.args)
+        bad = [a for a in extra if "=" not in a or a.startswith("-")]
+        if bad:
+            fail(f"unknown option or argument {bad[0]!r} (overrides look like key=value)")
+        comm = []
+        if profile is not None or route is not None or fp32:
+            comm = ["comm.profile=null", "comm.route=null", "comm.fp32=false"]
+            comm += _flags(**{"comm.profile": profile, "comm.fp32": fp32})
+            if route is not None:
+                comm.append(f"comm.route={format_route(parse_route(route))}")
+        flags = comm + _flags(**{
+            "launch.nproc": nproc, "steps": steps, "run_dir": run_dir,
+            "resume": resume, "overwrite": overwrite, "quiet": quiet, "launch.nnodes": nnodes,
+            "launch.node_rank": node_rank, "launch.rdzv_endpoint": rdzv_endpoint,
+            "launch.rdzv_backend": rdzv_backend, "launch.max_restarts": max_restarts,
+        })
+        cfg = resolve_config(config, extra, flags, names={"model": model, "data": dataset})
+        cfg.command = shlex.join(["nfab", *sys.argv[1:]])
+        try:
+            result = launch(cfg, warn=warn)
+        except WorkerError as exc:
+            fail(str(exc), code=exc.code)  # `fail` prints it as text: torch's [brackets] stay as they are
+        s = result.summary
+        if s is None:
+            return
+        if s.get("replicas_identical") is False:
+            warn(f"{result.run_dir}: the ranks' parameters differ at the end of the run (replicas_identical: false)")
+        ev = s.get("final_eval", {})
+        parts = [f"{s['steps']} steps", f"{s['wall_time_s']:.1f} s", f"eval loss {ev.get('loss', float('nan')):.4f}"]
+        if "accuracy" in ev:
+            parts.append(f"accuracy {ev['accuracy']:.2%}")
+        if "perplexity" in ev:
+            parts.append(f"perplexity {ev['perplexity']:.2f}")
+        parts.append(f"compression {s['compression_ratio']:.1f}x")
+        if not quiet:
+            console.print(f"[bold]{result.run_dir}[/]: " + ", ".join(parts), highlight=False)

@@ -1,0 +1,1 @@
+"""Typed configuration shared by `nfab train` and `nfab calibrate` (below both layers)."""

@@ -1,0 +1,116 @@
+"""A profile's `provenance.calibrated`: the setting it was calibrated under, as a run config.
+
+`nfab train --profile P` starts from this setting (model and options, data set and
+options, optimizer, batch size, schedule, length), so the profile alone reproduces the
+run it was fitted for; anything given explicitly overrides it. When the result no
+longer matches the profile's model signature, `explain_mismatch` names the options
+that differ from the calibrated ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from nfab.config.run import ScheduleConfig
+from nfab.config.strict import FrozenModel, validate
+from nfab.errors import ProfileError
+from nfab.profile.schema import Profile
+
+
+class CalibratedOptimizer(FrozenModel):
+    """The optimizer a sweep trained with, resolved (no `auto`, no defaults left open)."""
+
+    name: Literal["sgd", "adamw"]
+    lr: float
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    warmup_steps: int | None = None
+    """Profiles before the shared schedule kept the warm-up here (read when `schedule` is absent)."""
+    min_lr_ratio: float | None = None
+    """Profiles before the shared schedule kept the cosine floor here."""
+
+
+class CalibratedSetting(FrozenModel):
+    """`provenance.calibrated` of a profile written by `nfab calibrate` / `nfab fit`."""
+
+    model: str | None = None
+    """Model name (older profiles: the profile's `model.name`)."""
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str
+    data_options: dict[str, Any] = Field(default_factory=dict)
+    world_size: int = Field(ge=1)
+    optimizer: CalibratedOptimizer
+    schedule: ScheduleConfig | None = None
+    steps: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    seed: int = 0
+    trial_steps: int | None = None
+    ef_steps: int | None = None
+    quick: bool | None = None
+    command: str = ""
+    nfab_version: str | None = None
+    torch_version: str | None = None
+    created: str | None = None
+
+    def schedule_config(self) -> ScheduleConfig:
+        if self.schedule is not None:
+            return self.schedule
+        o = self.optimizer
+        return ScheduleConfig(name="cosine", warmup_steps=o.warmup_steps,
+                              min_lr_ratio=o.min_lr_ratio if o.min_lr_ratio is not None else 0.1)
+
+
+def calibrated_setting(profile: Profile, where: str = "profile") -> CalibratedSetting | None:
+    """The typed calibrated setting, or None for a profile without one (hand-written, static)."""
+    raw = profile.provenance.get("calibrated")
+    if raw is None:
+        return None
+    return validate(CalibratedSetting, raw, where=f"{where}: provenance.calibrated", error=ProfileError)
+
+
+def profile_base(profile: Profile, path: str) -> dict[str, Any]:
+    """The run config (as a mapping) a profile reproduces; explicit config and flags go over it."""
+    base: dict[str, Any] = {"comm": {"profile": path}}
+    setting = calibrated_setting(profile, f"profile {path}")
+    if setting is None:
+        if profile.model.name != "any":
+            base["model"] = {"name": profile.model.name}
+        return base
+    o = setting.optimizer
+    base["model"] = {"name": setting.model or profile.model.name, **setting.model_options}
+    base["data"] = {"name": setting.dataset, "batch_size": setting.batch_size, **setting.data_options}
+    base["optim"] = {"name": o.name, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
+                     "weight_decay": o.weight_decay, "grad_clip": o.grad_clip}
+    base["schedule"] = setting.schedule_config().model_dump(mode="json")
+    base["steps"] = setting.steps
+    base["seed"] = setting.seed
+    return base
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def explain_mismatch(profile: Profile, model: str, options: dict[str, Any], signature: str) -> str:
+    """One line: the profile does not fit this model, and which options differ from the calibrated ones."""
+    setting = calibrated_setting(profile)
+    head = (f"profile was made for model {profile.model.name!r} with another parameter layout "
+            f"(signature {(profile.model.signature or '')[:12]}…, this model {signature[:12]}…)")
+    if setting is None:
+        return head
+    calibrated_model = setting.model or profile.model.name
+    if model != calibrated_model:
+        return f"{head}: it was calibrated for model {calibrated_model}, this run builds {model}"
+    calibrated = {k: v for k, v in setting.model_options.items() if k != "task"}
+    mine = {k: v for k, v in options.items() if k != "task"}
+    keys = sorted(k for k in set(calibrated) | set(mine) if calibrated.get(k) != mine.get(k))
+    if not keys:
+        return head
+    diff = ", ".join(f"model.{k}={_show(mine.get(k))} (calibrated: {_show(calibrated.get(k))})" for k in keys)
+    return f"{head}: options differ from the calibrated setting: {diff}"

@@ -1,0 +1,222 @@
+"""The typed run config shared by `nfab train` and `nfab calibrate`.
+
+One pydantic model per section; unknown keys and wrongly typed values are errors
+(validated strictly from YAML / JSON / overrides by `nfab.config.strict.validate`).
+Sections `model` and `data` take a `name` plus the builder's own options, which the
+registries check against the builder's signature.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from nfab.config.strict import StrictModel
+from nfab.errors import ConfigError
+from nfab.profile.routes import RouteSpec, parse_route
+
+OptimizerName = Literal["auto", "sgd", "adamw"]
+ScheduleName = Literal["cosine", "constant"]
+
+
+class _OpenSection(StrictModel):
+    """A section whose keys beyond its own fields are builder options (collected into `options`)."""
+
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Builder options, validated against the builder's signature when it is built."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_options(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        own = set(cls.model_fields)
+        options = data.get("options") or {}
+        if not isinstance(options, dict):
+            return data
+        options = {**options, **{k: v for k, v in data.items() if k not in own}}
+        return {**{k: v for k, v in data.items() if k in own}, "options": options}
+
+
+class ModelConfig(_OpenSection):
+    """Which model to build; every key but `name` is a builder option (`width`, `size`, ...)."""
+
+    name: str = "gpt"
+    """Registry name (`resnet18`, `vit`, `gpt`) or `module.path:factory`."""
+
+
+class DataConfig(_OpenSection):
+    """Which data set to train and evaluate on, and the batch sizes."""
+
+    name: str = "stdlib-text"
+    """Registry name (`digits`, `stdlib-text`, ...) or `cifar10:PATH` / `text:PATH`."""
+    batch_size: int = Field(16, ge=1)
+    """Samples per rank per micro-batch (global batch = batch_size * world_size * accum_steps)."""
+    eval_batch_size: int = Field(64, ge=1)
+    """Samples per rank per evaluation batch."""
+    eval_batches: int | None = Field(None, ge=1)
+    """At most this many evaluation batches per rank (None: the whole held-out split)."""
+
+
+class OptimConfig(StrictModel):
+    """Optimizer; `auto` picks the model's declared family (SGD momentum for CNNs, AdamW for Transformers)."""
+
+    name: OptimizerName = "auto"
+    """`auto`, `sgd` or `adamw`."""
+    lr: float | None = Field(None, gt=0)
+    """Peak learning rate (None: 0.05 for SGD, 3e-3 for AdamW)."""
+    momentum: float = Field(0.9, ge=0)
+    """SGD momentum."""
+    weight_decay: float | None = Field(None, ge=0)
+    """Weight decay (None: 5e-4 for SGD, 0.01 for AdamW); never on 1-D tensors (norms, biases) under AdamW."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float | None = Field(None, gt=0)
+    """Clip the global gradient norm to this (after communication); None: no clipping."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {list(v)}")
+        return v
+
+
+class ScheduleConfig(StrictModel):
+    """Learning-rate schedule: linear warm-up, then cosine decay (or constant)."""
+
+    name: ScheduleName = "cosine"
+    """`cosine` or `constant` (after warm-up)."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """Linear warm-up steps (None: 5% of the run)."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Cosine floor as a fraction of the peak lr."""
+
+
+DDP_BUCKET_MB = 25.0
+"""DDP's own default bucket cap, for plain FP32 runs."""
+NFAB_BUCKET_MB = 4.0
+"""Default bucket cap under nfab's hook: a compressed bucket is ~1/32 of its FP32 bytes on
+the wire, and smaller buckets let it overlap backward (at 100 Mbit/s, resnet18 width 32:
+1.14x of the no-communication floor with 4 MB, 1.39x with 25 MB; `nfab bench step`)."""
+
+
+class CommConfig(StrictModel):
+    """Gradient communication: exactly one of `profile`, `route` or `fp32`."""
+
+    profile: str | None = None
+    """Operating profile: a path to profile.json or a shipped profile's name (`resnet18`)."""
+    route: str | dict[str, str] | None = None
+    """A route for every region (`sign`, `q8`, ...), `conv:sign,*.bias:fp32`, or a mapping region/glob -> route."""
+    fp32: bool = False
+    """Plain DDP, no nfab hook at all (the reference)."""
+    error_feedback: bool = True
+    """Add back what compression dropped on the next step (lossy routes)."""
+    cost_model: str = "measure"
+    """`measure` (a short collective benchmark at start, kept for resumes), `none`, or a JSON path."""
+    bucket_cap_mb: float | None = Field(None, gt=0)
+    """DDP bucket size in MB; None: DDP's 25 for `fp32`, `NFAB_BUCKET_MB` under nfab's hook."""
+    qsum_scale: Literal["exact", "delayed"] = "exact"
+    """Shared q8/q4/q2 scales: `exact` (blocking MAX each step) or `delayed` (recent agreed max |x|)."""
+
+    @field_validator("route")
+    @classmethod
+    def _route(cls, v: str | dict[str, str] | None) -> RouteSpec | None:
+        if v is None:
+            return None
+        try:
+            return parse_route(v, "comm.route")
+        except ConfigError as exc:
+            raise ValueError(str(exc).removeprefix("comm.route: ")) from None
+
+    @property
+    def bucket_mb(self) -> float:
+        """The DDP bucket cap this run uses (see `bucket_cap_mb`)."""
+        if self.bucket_cap_mb is not None:
+            return self.bucket_cap_mb
+        return DDP_BUCKET_MB if self.fp32 else NFAB_BUCKET_MB
+
+    def check_choice(self) -> None:
+        given = [k for k, v in (("profile", self.profile), ("route", self.route), ("fp32", self.fp32 or None))
+                 if v is not None]
+        if len(given) != 1:
+            raise ConfigError("give exactly one of --profile, --route or --fp32 "
+                              f"(comm.profile / comm.route / comm.fp32); got {given or 'none'}")
+
+
+class LaunchConfig(StrictModel):
+    """How torchrun starts the ranks (one node with `nproc` ranks by default)."""
+
+    nproc: int = Field(1, ge=1)
+    """Ranks per node."""
+    nnodes: int = Field(1, ge=1)
+    """Nodes in the job."""
+    node_rank: int = Field(0, ge=0)
+    """This node's rank (multi-node, static rendezvous)."""
+    rdzv_endpoint: str | None = None
+    """host:port of node 0's rendezvous (multi-node)."""
+    rdzv_backend: str | None = None
+    """torchrun rendezvous backend (None: torchrun's default, `static`)."""
+    max_restarts: int = Field(0, ge=0)
+    """torchrun restarts after a worker failure; each resumes from the last checkpoint."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Process-group timeout in seconds: a collective whose peer never arrives fails after this."""
+
+    @model_validator(mode="after")
+    def _nodes(self) -> LaunchConfig:
+        if not self.node_rank < self.nnodes:
+            raise ValueError(f"launch.node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("a multi-node run needs --rdzv-endpoint HOST:PORT")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+class TrainConfig(StrictModel):
+    """One training run (and, for `nfab calibrate`, the setting a sweep trains under)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    comm: CommConfig = Field(default_factory=CommConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    steps: int = Field(100, ge=1)
+    """Optimizer steps."""
+    accum_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step (all but the last under `ddp.no_sync()`)."""
+    seed: int = 0
+    """Seed for the model init, data order and the hook."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate every this many steps (0: only at the end)."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every this many steps (0: only at the end)."""
+    metrics_every: int = Field(10, ge=0)
+    """Rewrite metrics.parquet every this many steps (and at every checkpoint and the end)."""
+    run_dir: str | None = None
+    """Where artifacts go (None: runs/<model>-<route or profile>-<timestamp>)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in `run_dir`."""
+    overwrite: bool = False
+    """Replace whatever `run_dir` holds."""
+    quiet: bool = False
+    """No progress bar."""
+    command: str = ""
+    """The command line that started the run (recorded in summary.json)."""
+
+    @model_validator(mode="after")
+    def _flags(self) -> TrainConfig:
+        if self.resume and self.overwrite:
+            raise ValueError("give at most one of --resume and --overwrite")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)

@@ -1,0 +1,112 @@
+"""Spawn W real gloo ranks on loopback and collect what each returns.
+
+Tests and benchmarks use this to run real collectives in real processes (no mocks):
+`run_ranks(fn, world_size, *args)` starts W processes, each joins a gloo process group on
+127.0.0.1, calls `fn(rank, world_size, *args)` and sends back its (picklable) result. A
+rank that raises, dies or runs past `timeout_s` fails the whole call with a clear error,
+and the remaining processes are killed: a hang never outlives the timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback (for a rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args_blob: bytes,
+    queue: Any,
+    pg_timeout_s: float,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+        )
+        args = torch.load(io.BytesIO(args_blob), weights_only=False)
+        result = fn(rank, world_size, *args)
+        blob = io.BytesIO()
+        torch.save(result, blob)  # by value: shared-memory tensors die with this process
+        queue.put((rank, True, blob.getvalue()))
+    except BaseException:  # noqa: BLE001 - report anything to the parent, then exit
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 60.0,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
+
+    `fn` must be importable at module level (the spawn start method pickles it by name).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    # Arguments travel by value: tensors pickled by torch.multiprocessing would share one
+    # storage between all ranks, and in-place updates on one rank would leak into another.
+    blob = io.BytesIO()
+    torch.save(args, blob)
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout_s)
+            except queue_mod.Empty as exc:  # some rank hung or died silently
+                raise TimeoutError(
+                    f"{world_size - len(results) - len(errors)} rank(s) did not finish "
+                    f"within {timeout_s:.0f} s"
+                ) from exc
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("a rank failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

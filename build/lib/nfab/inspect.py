@@ -1,0 +1,166 @@
+"""`nfab inspect`: the plan a model would run under — regions, buckets, routes, bytes.
+
+Works on the meta device, so a 1.3B model's bucket layout, capacity decisions and
+modelled bytes per step can be read on a laptop. Buckets follow DDP's initial layout:
+parameters in reverse registration order, a small first bucket (1 MiB) and then
+`bucket_cap_mb` buckets (DDP later rebuilds in gradient-ready order, which for the
+models here is close to the same thing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from nfab.profile.schema import Profile
+from nfab.runtime.bindings import classify
+from nfab.runtime.controller import Controller, route_label
+from nfab.runtime.plan import BucketPlan, Slice
+from nfab.wire.codecs import ROUTES
+from nfab.wire.cost import CostModel, default_cost_model
+from nfab.wire.reducers import REDUCERS, candidates
+
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class RegionRow:
+    region: str
+    params: int
+    elements: int
+    route: str
+    reducer: str
+
+
+@dataclass(slots=True)
+class BucketRow:
+    index: int
+    elements: int
+    slices: int
+    regions: str
+    routes: str
+    wire_bytes: float
+    fp32_wire_bytes: float
+    fallbacks: str
+
+
+@dataclass(slots=True)
+class CapacityRow:
+    route: str
+    reducer: str
+    ok: bool
+    lane_bits: int | None
+    levels: int | None
+    bits_per_element: float | None
+    reason: str
+
+
+@dataclass(slots=True)
+class Inspection:
+    model: str
+    world_size: int
+    phase: str
+    total_params: int
+    regions: list[RegionRow] = field(default_factory=list)
+    buckets: list[BucketRow] = field(default_factory=list)
+    capacity: list[CapacityRow] = field(default_factory=list)
+    route_bytes: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(b.wire_bytes for b in self.buckets)
+
+    @property
+    def fp32_wire_bytes(self) -> float:
+        return sum(b.fp32_wire_bytes for b in self.buckets)
+
+
+def ddp_buckets(model: nn.Module, bucket_cap_mb: float = 25.0) -> list[list[tuple[str, nn.Parameter]]]:
+    """DDP's initial bucket assignment: reverse registration order, size-capped buckets."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    buckets: list[list[tuple[str, nn.Parameter]]] = []
+    current: list[tuple[str, nn.Parameter]] = []
+    size = 0
+    cap = FIRST_BUCKET_BYTES
+    for name, p in reversed(params):
+        current.append((name, p))
+        size += p.numel() * 4
+        if size >= cap:
+            buckets.append(current)
+            current, size, cap = [], 0, int(bucket_cap_mb * (1 << 20))
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def inspect_model(
+    name: str,
+    model: nn.Module,
+    profile: Profile,
+    world_size: int,
+    *,
+    explicit: bool,
+    step: int = 0,
+    total_steps: int | None = None,
+    cost_model: CostModel | None = None,
+    bucket_cap_mb: float = 25.0,
+    head_modules: tuple[str, ...] | None = None,
+) -> Inspection:
+    """Plan a model under a profile at W without running anything."""
+    cm = cost_model or default_cost_model(world_size)
+    bindings = classify(model, head_modules)
+    ctl = Controller(profile, world_size, cm, explicit=explicit, total_steps=total_steps)
+    phase = ctl.phase(step)
+    out = Inspection(name, world_size, phase.name, sum(b.numel for b in bindings.values()))
+    per_region: dict[str, RegionRow] = {}
+    for b in bindings.values():
+        row = per_region.setdefault(b.region, RegionRow(b.region, 0, 0, phase.route_for(b.region), ""))
+        row.params += 1
+        row.elements += b.numel
+    for i, bucket in enumerate(ddp_buckets(model, bucket_cap_mb)):
+        slices, off = [], 0
+        for pname, p in bucket:
+            region = bindings[pname].region if pname in bindings else "other"
+            slices.append(Slice(off, p.numel(), pname, region))
+            off += p.numel()
+        plan = BucketPlan(tuple(id(p) for _, p in bucket), tuple(slices), off)
+        routes = ctl.routes(plan, phase, frozenset())
+        wire = 0.0
+        labels = []
+        for g in routes.groups:
+            red = REDUCERS[g.key]
+            b = red.wire_bytes(g.numel, world_size, len(g.slices))
+            wire += b
+            out.route_bytes[g.label] = out.route_bytes.get(g.label, 0.0) + b
+            labels.append(f"{g.label}:{g.numel / plan.numel:.0%}")
+            for s in g.slices:
+                r = per_region[s.region]
+                if g.label not in r.reducer.split(","):
+                    r.reducer = ",".join(filter(None, [r.reducer, g.label]))
+        out.buckets.append(BucketRow(
+            i, plan.numel, len(slices), ",".join(sorted(plan.regions())), " ".join(labels), wire,
+            REDUCERS["allreduce-fp32"].wire_bytes(plan.numel, world_size),
+            ", ".join(sorted({f"{why}({reg})" for why, reg in routes.fallbacks})),
+        ))
+    out.regions = sorted(per_region.values(), key=lambda r: -r.elements)
+    for route in ROUTES:
+        for red in candidates(route):
+            cap = red.capacity(world_size)
+            bpe = red.bits_per_element(world_size) if cap.ok else None
+            out.capacity.append(CapacityRow(route, red.name, cap.ok, cap.lane_bits, cap.levels, bpe, cap.reason))
+    return out
+
+
+def crossovers(cost_model: CostModel, numel: int, max_world: int = 1024) -> list[tuple[int, str]]:
+    """World sizes where the cheapest sign path (or fp32) changes, for a tensor of `numel`."""
+    out: list[tuple[int, str]] = []
+    prev = None
+    for w in range(2, max_world + 1):
+        options = {k: cost_model.time(k, numel, w) for k in ("allreduce-fp32", "signgather", "signcount")
+                   if REDUCERS[k].capacity(w).ok}
+        best = route_label(min(options, key=options.__getitem__))
+        if best != prev:
+            out.append((w, best))
+            prev = best
+    return out

@@ -1,0 +1,149 @@
+"""The model registry, `build_model`, user models (`module.path:factory`) and signatures."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from nfab.errors import ConfigError
+from nfab.models.gpt import gpt
+from nfab.models.options import check_options
+from nfab.models.resnet import resnet18
+from nfab.models.spec import OPTIMIZER_FAMILIES, TASKS, ModelSpec
+from nfab.models.vit import vit
+
+MODELS: dict[str, Callable[..., ModelSpec]] = {
+    "resnet18": resnet18,
+    "vit": vit,
+    "gpt": gpt,
+}
+"""Registered model families; each builder takes keyword-only options and returns a spec."""
+
+_SPEC_INTS = ("num_classes", "image_size", "in_channels", "vocab_size", "block_size")
+
+
+@contextlib.contextmanager
+def _build_context(device: torch.device | str | None, seed: int | None) -> Iterator[None]:
+    """Construct on `device` (`meta`: shapes only, no memory) under an optional local seed.
+
+    The seed is applied inside `fork_rng`, so building a model never disturbs the
+    caller's global RNG stream.
+    """
+    with contextlib.ExitStack() as stack:
+        if seed is not None:
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            torch.manual_seed(seed)
+        if device is not None:
+            stack.enter_context(torch.device(device))
+        yield
+
+
+def build_model(
+    name: str,
+    *,
+    device: torch.device | str | None = None,
+    seed: int | None = None,
+    **options: Any,
+) -> ModelSpec:
+    """Build a registered model (`resnet18`, `vit`, `gpt`) or a user `module.path:factory`.
+
+    `device="meta"` builds any size in seconds with no memory. `seed` makes the
+    initialisation reproducible without touching the global RNG; with `seed=None` the
+    global torch RNG is used as is. Bad names, options and user factories are
+    `ConfigError`s with one line.
+    """
+    if ":" in name:
+        return _build_user_model(name, device=device, seed=seed, options=options)
+    builder = MODELS.get(name)
+    if builder is None:
+        raise ConfigError(f"unknown model {name!r}; choose one of {sorted(MODELS)} or give module.path:factory")
+    check_options(f"model {name}", builder, options)
+    with _build_context(device, seed):
+        return builder(**options)
+
+
+def load_factory(target: str) -> Callable[..., Any]:
+    """Import `module.path:factory` and return the callable it names."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"user model {target!r} must look like module.path:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's to fix: report it in one line
+        raise ConfigError(f"cannot import {module_name!r} for model {target!r}: {exc}") from exc
+    factory: Any = module
+    for part in attr.split("."):
+        if not hasattr(factory, part):
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ConfigError(f"user model {target!r} is not callable")
+    return factory
+
+
+def _build_user_model(
+    target: str,
+    *,
+    device: torch.device | str | None,
+    seed: int | None,
+    options: dict[str, Any],
+) -> ModelSpec:
+    """Call a user factory and describe its module from optional attributes.
+
+    The spec's task is the `task` option, else a `task` attribute on the factory or the
+    module, else "classification". `head_modules`, `optimizer` and the input facts
+    (`num_classes`, `vocab_size`, `block_size`, ...) are read from attributes when present.
+    """
+    factory = load_factory(target)
+    options = dict(options)
+    task_option = options.pop("task", None)
+    check_options(f"user model {target}", factory, options)
+    try:
+        with _build_context(device, seed):
+            module = factory(**options)
+    except Exception as exc:  # user code: one line naming the factory and the failure
+        raise ConfigError(f"user model {target!r} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"user model {target!r} returned {type(module).__name__}, not a torch.nn.Module")
+
+    def attribute(key: str) -> Any:
+        return getattr(factory, key, getattr(module, key, None))
+
+    task = task_option if task_option is not None else attribute("task") or "classification"
+    if task not in TASKS:
+        raise ConfigError(f"user model {target!r}: task must be one of {TASKS}, got {task!r}")
+    optimizer = attribute("optimizer") or ("adamw" if task == "lm" else "sgd")
+    if optimizer not in OPTIMIZER_FAMILIES:
+        raise ConfigError(f"user model {target!r}: optimizer must be one of {OPTIMIZER_FAMILIES}, got {optimizer!r}")
+    heads = attribute("head_modules")
+    if heads is None:
+        children = dict(module.named_children())
+        heads = tuple(h for h in ("head", "fc", "classifier", "lm_head") if h in children)[:1]
+    facts = {k: v for k in _SPEC_INTS if isinstance(v := attribute(k), int)}
+    if task == "lm" and not {"vocab_size", "block_size"} <= facts.keys():
+        raise ConfigError(f"user lm model {target!r} must expose int attributes vocab_size and block_size")
+    return ModelSpec(
+        name=target,
+        module=module,
+        task=task,
+        head_modules=tuple(heads),
+        optimizer=optimizer,
+        options={**options, "task": task},
+        **facts,
+    )
+
+
+def model_signature(module: nn.Module) -> str:
+    """sha256 hex of the sorted `name:d0,d1,...` lines of `named_parameters`.
+
+    A profile stores this to refuse being applied to a model it was not fitted for;
+    it depends only on names and shapes, not on values, dtype or device (meta works).
+    """
+    lines = sorted(f"{name}:{','.join(str(d) for d in p.shape)}" for name, p in module.named_parameters())
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()

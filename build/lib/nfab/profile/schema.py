@@ -1,0 +1,276 @@
+"""Profile schema (version 1): pydantic models, validated strictly on load, unknown keys are errors.
+
+A profile is the written-down result of calibration: for each training phase, which
+route (fp32, bf16, fp16, q8, q4, q2, sign) each region class takes; the health
+thresholds that trigger an FP32 fallback; the world-size range its reducers are exact
+for; and where it came from. JSON only — a profile is data, never code. The JSON
+schema for editors and other tools is `nfab profile schema` (and `profile.schema.json`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from nfab.config.strict import FrozenModel, validate
+from nfab.errors import ConfigError, ProfileError
+from nfab.fsutil import atomic_write_text
+from nfab.profile.routes import REGIONS, RouteSpec, check_route_name, parse_route, split_route
+
+SCHEMA = "nfab.profile"
+VERSION = 1
+
+__all__ = ["REGIONS", "SCHEMA", "VERSION", "Fallback", "Health", "ModelRef", "Phase", "PhaseStart", "Profile",
+           "WorldRange", "file_sha256", "json_schema"]
+
+
+def _route(route: str, where: str) -> str:
+    try:
+        return check_route_name(route, where)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
+class PhaseStart(FrozenModel):
+    """Where a phase begins: an absolute optimizer step, or a fraction of the run."""
+
+    step: int | None = Field(None, ge=0)
+    """Absolute optimizer step."""
+    fraction: float | None = Field(None, ge=0.0, le=1.0)
+    """Fraction of the run's total steps (needs `total_steps` at attach)."""
+
+    @model_validator(mode="after")
+    def _one(self) -> PhaseStart:
+        if (self.step is None) == (self.fraction is None):
+            raise ValueError("phase start: give exactly one of 'step' or 'fraction'")
+        return self
+
+    def resolve(self, total_steps: int | None) -> int:
+        """The absolute start step (a fraction needs the run's total steps)."""
+        if self.step is not None:
+            return self.step
+        if total_steps is None:
+            raise ProfileError("this profile places phases by fraction of the run: pass total_steps")
+        return int(round(self.fraction * total_steps))  # type: ignore[operator]
+
+
+class Phase(FrozenModel):
+    """One training phase: from `start` on, each region class takes `routes[region]`."""
+
+    name: str
+    start: PhaseStart
+    routes: dict[str, str]
+    """Region class -> route name; a region not named stays fp32."""
+    error_feedback: bool = True
+    """Carry what lossy routes dropped into the next step in this phase."""
+
+    @field_validator("routes")
+    @classmethod
+    def _routes(cls, routes: dict[str, str]) -> dict[str, str]:
+        for region, route in routes.items():
+            if region not in REGIONS:
+                raise ValueError(f"unknown region {region!r} (regions: {', '.join(REGIONS)})")
+            _route(route, f"region {region!r}")
+        return routes
+
+    def route_for(self, region: str) -> str:
+        """The route for a region class; a region the phase does not name stays fp32."""
+        return self.routes.get(region, "fp32")
+
+
+class Health(FrozenModel):
+    """Online health thresholds; the fit derives them from the reference run's statistics."""
+
+    loss_spike_ratio: float = Field(3.0, gt=1)
+    """Unhealthy when the step's mean loss exceeds this times the running baseline."""
+    grad_norm_jump: float = Field(10.0, gt=1)
+    """Unhealthy when the reduced gradient norm exceeds this times its running baseline."""
+    min_fidelity_cosine: float = 0.1
+    """Unhealthy when a fidelity probe's cosine (low-bit vs FP32 result) falls below this."""
+    probe_every: int = Field(25, ge=0)
+    """Every this many steps one bucket is also reduced in FP32 (0 = never)."""
+    cooldown_steps: int = Field(20, ge=0)
+    """Steps a demoted region stays on FP32 at least."""
+    readmit_after: int = Field(10, ge=0)
+    """Consecutive healthy steps needed (after the cool-down) before re-admission."""
+    baseline_beta: float = Field(0.9, ge=0, lt=1)
+    """EMA factor of the loss and gradient-norm baselines."""
+    warmup_steps: int = Field(10, ge=0)
+    """Steps before spike and jump detection starts (the baseline needs history)."""
+
+
+class Fallback(FrozenModel):
+    """What to do when a route cannot or should not run."""
+
+    on_capacity: Literal["fp32", "error"] = "fp32"
+    """'fp32': a reducer over capacity falls back with a warning; 'error': refuse to run."""
+    cost_gate: bool = True
+    """Fall back to FP32 where the cost model says compression is not cheaper."""
+    pinned: tuple[str, ...] = ()
+    """Region classes whose route is kept even when the cost model says it does not pay."""
+
+    @field_validator("pinned")
+    @classmethod
+    def _pinned(cls, pinned: tuple[str, ...]) -> tuple[str, ...]:
+        for region in pinned:
+            if region not in REGIONS:
+                raise ValueError(f"unknown region {region!r} (regions: {', '.join(REGIONS)})")
+        return tuple(pinned)
+
+
+class ModelRef(FrozenModel):
+    """Which model a profile was made for: a name and a signature of its parameters."""
+
+    name: str
+    """Registry name or `module.path:factory`."""
+    signature: str | None = None
+    """sha256 of the sorted parameter names and shapes (`nfab.models.model_signature`)."""
+
+
+class WorldRange(FrozenModel):
+    """World sizes the profile's reducers are exact for."""
+
+    min: int = Field(1, ge=1)
+    max: int = Field(1 << 16, ge=1)
+
+    @model_validator(mode="after")
+    def _order(self) -> WorldRange:
+        if self.min > self.max:
+            raise ValueError(f"world_size range invalid: min={self.min}, max={self.max}")
+        return self
+
+
+class Profile(FrozenModel):
+    """An operating profile (schema `nfab.profile`, version 1)."""
+
+    model: ModelRef
+    phases: tuple[Phase, ...]
+    """Phases in any order; the one in force at a step is the last whose start is <= step."""
+    world_size: WorldRange = Field(default_factory=WorldRange)
+    overrides: dict[str, str] = Field(default_factory=dict)
+    """Parameter-name glob -> route; a glob beats a region class."""
+    health: Health = Field(default_factory=Health)
+    fallback: Fallback = Field(default_factory=Fallback)
+    vote: Literal["majority", "mean"] = "majority"
+    """How sign votes combine: majority (ties -> 0) or the mean vote."""
+    evidence: dict[str, Any] = Field(default_factory=dict)
+    """Per phase and region: the measurements that justified each route (written by the fit)."""
+    provenance: dict[str, Any] = Field(default_factory=dict)
+    """Where the profile came from; `provenance.calibrated` is the setting it was calibrated under."""
+
+    @field_validator("phases")
+    @classmethod
+    def _some_phases(cls, phases: tuple[Phase, ...]) -> tuple[Phase, ...]:
+        if not phases:
+            raise ValueError("a profile needs at least one phase")
+        return phases
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides(cls, overrides: dict[str, str]) -> dict[str, str]:
+        for glob, route in overrides.items():
+            _route(route, f"override {glob!r}")
+        return overrides
+
+    # ---- queries ------------------------------------------------------------------
+    def phase_at(self, step: int, total_steps: int | None = None) -> Phase:
+        """The phase in force at `step`: the last phase whose start is <= step."""
+        starts = [(p.start.resolve(total_steps), i) for i, p in enumerate(self.phases)]
+        current = self.phases[min(starts)[1]]
+        for start, i in sorted(starts):
+            if start <= step:
+                current = self.phases[i]
+        return current
+
+    def routes_used(self) -> set[str]:
+        return {r for p in self.phases for r in p.routes.values()} | set(self.overrides.values())
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def static(cls, route: RouteSpec | str, model_name: str = "any") -> Profile:
+        """A one-phase profile for an explicit route in the one route grammar (`nfab.profile.routes`):
+        a name for every region, `conv:sign,*.bias:fp32`, or a mapping (unnamed regions stay fp32)."""
+        routes, overrides = split_route(parse_route(route))
+        phase = Phase(name="static", start=PhaseStart(step=0), routes=routes)
+        return cls(model=ModelRef(name=model_name), phases=(phase,), overrides=overrides)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Profile:
+        """Validate a profile document strictly (wrong types and unknown keys are one-line errors)."""
+        if not isinstance(d, dict):
+            raise ProfileError("a profile must be a JSON object")
+        if d.get("schema") != SCHEMA:
+            raise ProfileError(f"not an nfab profile (schema is {d.get('schema')!r}, expected {SCHEMA!r})")
+        if d.get("version") != VERSION:
+            raise ProfileError(
+                f"profile schema version {d.get('version')!r} is not supported (this nfab reads {VERSION})"
+            )
+        body = {k: v for k, v in d.items() if k not in ("schema", "version")}
+        return validate(cls, body, where="profile", error=ProfileError)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.model_dump(mode="json")
+        d["phases"] = [{**p, "start": {k: v for k, v in p["start"].items() if v is not None}} for p in d["phases"]]
+        return {"schema": SCHEMA, "version": VERSION, **d}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON, atomically."""
+        return atomic_write_text(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Read and validate a profile; every problem is one clear `ProfileError` line."""
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as exc:
+            raise ProfileError(f"cannot read profile {p}: {exc.strerror or exc}") from exc
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:  # never unpickled or loaded as anything but JSON
+            kind = "a pickle" if raw[:1] == b"\x80" else "binary data"
+            raise ProfileError(f"profile {p} is {kind}, not JSON: profiles are JSON only, never pickles") from exc
+        if text.lstrip()[:1] not in ("{", "["):
+            raise ProfileError(f"profile {p} is not a JSON object (profiles are JSON only, never pickles)")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile {p} is not valid JSON: {exc.msg} at line {exc.lineno}") from exc
+        try:
+            return cls.from_dict(data)
+        except ProfileError as exc:
+            raise ProfileError(f"profile {p}: {exc}") from exc
+
+    def check_model(self, name: str, signature: str) -> None:
+        """Refuse a profile made for another model (by its parameter signature)."""
+        if self.model.signature and self.model.signature != signature:
+            raise ProfileError(
+                f"profile was made for model {self.model.name!r} with another parameter layout "
+                f"(signature {self.model.signature[:12]}…, this model {signature[:12]}…)"
+            )
+
+    def check_world_size(self, world_size: int) -> bool:
+        return self.world_size.min <= world_size <= self.world_size.max
+
+
+def file_sha256(path: str | Path) -> str:
+    """Content hash of a file (profile and calibration provenance)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def json_schema() -> dict[str, Any]:
+    """The profile file's JSON schema (draft 2020-12), `schema` and `version` included."""
+    doc = Profile.model_json_schema()
+    doc["properties"] = {"schema": {"const": SCHEMA, "type": "string"},
+                         "version": {"const": VERSION, "type": "integer"}, **doc["properties"]}
+    doc["required"] = ["schema", "version", *doc.get("required", [])]
+    doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    doc["title"] = "nfab operating profile"
+    return doc

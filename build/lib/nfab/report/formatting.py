@@ -1,0 +1,66 @@
+"""How each table column is shown to a person, shared by the terminal and the HTML page.
+
+The frames keep raw numbers (accuracy as a fraction, traffic in MB) for summary.csv;
+only display goes through here, so the terminal and the page never disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+HEADERS = {
+    "run": "run", "status": "status", "model": "model", "dataset": "dataset",
+    "world_size": "W", "route": "route", "steps": "steps",
+    "accuracy": "accuracy", "loss": "loss", "perplexity": "ppl",
+    "wire_mb": "wire MB", "fp32_mb": "fp32-eq MB", "compression_ratio": "compression",
+    "fallback_steps": "fallback steps", "wall_time_s": "wall s",
+    "baseline": "vs FP32 run", "accuracy_delta_pts": "Δ accuracy (pts)",
+    "loss_delta_pct": "Δ loss (%)", "traffic_ratio": "traffic ratio (FP32 run / this)",
+    "calibration": "calibration", "phase": "phase", "region": "region",
+    "error_feedback": "error feedback", "bits_per_element": "bits/element",
+    "cosine": "cosine", "loss_delta": "loss delta",
+}
+
+
+def _number(spec: str, suffix: str = "") -> Callable[[object], str]:
+    def render(value: object) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "-"
+        if isinstance(value, float) and math.isinf(value):
+            return "inf"
+        return f"{value:{spec}}{suffix}"
+    return render
+
+
+_FORMATS: dict[str, Callable[[object], str]] = {
+    "world_size": _number(".0f"),
+    "steps": _number(".0f"),
+    "accuracy": lambda v: _number(".2f", "%")(None if v is None else float(v) * 100),
+    "loss": _number(".4f"),
+    "perplexity": _number(".2f"),
+    "wire_mb": _number(".2f"),
+    "fp32_mb": _number(".2f"),
+    "compression_ratio": _number(".1f", "x"),
+    "fallback_steps": _number(".0f"),
+    "wall_time_s": _number(".1f"),
+    "accuracy_delta_pts": _number("+.2f"),
+    "loss_delta_pct": _number("+.2f"),
+    "traffic_ratio": _number(".1f", "x"),
+    "bits_per_element": _number(".2f"),
+    "cosine": _number(".4f"),
+    "loss_delta": _number("+.4f"),
+    "error_feedback": lambda v: "yes" if v is True or v == 1 else "no",
+}
+
+
+def header(column: str) -> str:
+    return HEADERS.get(column, column)
+
+
+def cell(column: str, value: object) -> str:
+    """The display text of one value of `column`."""
+    render = _FORMATS.get(column)
+    if render is not None:
+        return render(value)
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)

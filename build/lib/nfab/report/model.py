@@ -1,0 +1,41 @@
+"""The built report: the tables and the files written, handed to the terminal and HTML."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+_HIDDEN = ("fp32_reference",)
+_OPTIONAL = ("accuracy", "perplexity")  # shown only when some run recorded them
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibrationView:
+    """One calibration dir's table; `fitted` is False while profile.json is missing."""
+
+    name: str
+    table: pd.DataFrame
+    fitted: bool
+    heatmap: str | None = None
+    """File name of the heatmap PNG, relative to the report dir."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    """Everything `nfab report` produced."""
+
+    out: Path
+    runs: pd.DataFrame
+    comparison: pd.DataFrame
+    calibrations: tuple[CalibrationView, ...]
+    images: tuple[tuple[str, str], ...] = ()
+    """(title, file name relative to `out`) per run plot, in page order."""
+    files: tuple[Path, ...] = field(default_factory=tuple)
+
+
+def visible_columns(frame: pd.DataFrame) -> list[str]:
+    """The columns a person reads: bookkeeping hidden, all-empty metric columns dropped."""
+    return [c for c in frame.columns
+            if c not in _HIDDEN and not (c in _OPTIONAL and frame[c].isna().all())]

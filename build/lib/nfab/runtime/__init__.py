@@ -1,0 +1,1 @@
+"""The hook runtime: bindings, bucket plans, control words, health and the DDP hook."""

@@ -1,0 +1,171 @@
+"""Controller: profile phase + health + capacity + cost model -> a route per bucket slice.
+
+Everything here is a pure function of (profile, step, agreed health state, world size,
+agreed cost model), so every rank computes the same routes and launches the same
+collectives in the same order without talking first. Every decision that moves a slice
+off the route its profile asked for is returned with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from nfab.errors import CapacityError
+from nfab.profile.schema import Phase, Profile
+from nfab.runtime.plan import BucketPlan, Slice
+from nfab.wire.cost import CostModel
+from nfab.wire.reducers import REDUCERS, candidates
+
+log = logging.getLogger(__name__)
+
+FP32 = "allreduce-fp32"
+
+
+def route_label(key: str) -> str:
+    """The route name statistics use for a reducer key (sign split by reducer)."""
+    return {"allreduce-fp32": "fp32", "allreduce-bf16": "bf16", "allreduce-fp16": "fp16",
+            "qsum-q8": "q8", "qsum-q4": "q4", "qsum-q2": "q2"}.get(key, key)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """The slices of one bucket that share a reducer: one collective for all of them."""
+
+    key: str
+    slices: tuple[Slice, ...]
+    whole: bool
+    """The group is the entire bucket buffer, in order: reduce it in place, no copy."""
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.numel for s in self.slices]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.slices)
+
+    @property
+    def lossy(self) -> bool:
+        return REDUCERS[self.key].lossy
+
+    @property
+    def label(self) -> str:
+        return route_label(self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class BucketRoutes:
+    """A bucket's groups for one step, and why any slice left its profile route."""
+
+    groups: tuple[Group, ...]
+    fallbacks: tuple[tuple[str, str], ...]  # (reason, region)
+
+    @property
+    def has_lossy(self) -> bool:
+        return any(g.lossy for g in self.groups)
+
+
+class Controller:
+    """Route decisions for one runtime (one world size, one agreed cost model)."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        world_size: int,
+        cost_model: CostModel | None,
+        *,
+        explicit: bool,
+        total_steps: int | None = None,
+    ) -> None:
+        self.profile = profile
+        self.world_size = world_size
+        self.cost_model = cost_model
+        self.explicit = explicit
+        self.total_steps = total_steps
+        self._cache: dict[tuple, BucketRoutes] = {}
+        self._lossy_cache: dict[tuple, frozenset[str]] = {}
+        self.admitted: dict[str, list[str]] = {}
+        self.capacity_notes: dict[str, str] = {}
+        for route in sorted(profile.routes_used() | {"fp32"}):
+            keys = [r for r in candidates(route) if r.capacity(world_size).ok]
+            self.admitted[route] = [k for k, v in REDUCERS.items() if v in keys]
+            if not keys:
+                reason = "; ".join(r.capacity(world_size).reason for r in candidates(route))
+                if profile.fallback.on_capacity == "error":
+                    raise CapacityError(f"route {route} cannot run exactly at W={world_size}: {reason}")
+                self.capacity_notes[route] = reason
+                log.warning("route %s over capacity at W=%d (%s): falling back to fp32", route, world_size, reason)
+        if not profile.check_world_size(world_size):
+            msg = (f"world size {world_size} is outside the profile's range "
+                   f"[{profile.world_size.min}, {profile.world_size.max}]")
+            if profile.fallback.on_capacity == "error":
+                raise CapacityError(msg)
+            log.warning("%s: routes still checked per reducer capacity", msg)
+
+    def phase(self, step: int) -> Phase:
+        return self.profile.phase_at(step, self.total_steps)
+
+    def wanted_route(self, phase: Phase, s: Slice) -> str:
+        """The route the profile asks for: a name glob beats the region class."""
+        for glob, route in self.profile.overrides.items():
+            if fnmatchcase(s.name, glob):
+                return route
+        return phase.route_for(s.region)
+
+    def lossy_regions(self, plan: BucketPlan, phase: Phase) -> frozenset[str]:
+        """Regions of a bucket whose profile route (before any fallback) is not fp32 (cached)."""
+        ck = ("lossy", plan.key, phase.name)
+        hit = self._lossy_cache.get(ck)
+        if hit is None:
+            hit = frozenset(s.region for s in plan.slices if self.wanted_route(phase, s) != "fp32")
+            self._lossy_cache[ck] = hit
+        return hit
+
+    def _pick(self, route: str, numel: int, segments: int) -> str | None:
+        keys = self.admitted.get(route, [])
+        if not keys:
+            return None
+        if len(keys) == 1:
+            return keys[0]
+        if self.cost_model is None:  # no link model: the fewest bytes on the wire
+            return min(keys, key=lambda k: REDUCERS[k].wire_bytes(numel, self.world_size, segments))
+        return min(keys, key=lambda k: self.cost_model.time(k, numel, self.world_size, segments))  # type: ignore[union-attr]
+
+    def routes(self, plan: BucketPlan, phase: Phase, demoted: frozenset[str]) -> BucketRoutes:
+        """Groups for a bucket at a phase with a set of demoted regions (cached)."""
+        ck = (plan.key, phase.name, demoted)
+        hit = self._cache.get(ck)
+        if hit is not None:
+            return hit
+        fallbacks: list[tuple[str, str]] = []
+        by_route: dict[str, list[Slice]] = {}
+        for s in plan.slices:
+            route = self.wanted_route(phase, s)
+            if route != "fp32" and s.region in demoted:
+                fallbacks.append(("health", s.region))
+                route = "fp32"
+            by_route.setdefault(route, []).append(s)
+        by_key: dict[str, list[Slice]] = {}
+        for route, slices in by_route.items():
+            numel = sum(s.numel for s in slices)
+            key = self._pick(route, numel, len(slices))
+            if key is None:
+                fallbacks.extend(("capacity", s.region) for s in slices)
+                key = FP32
+            elif (key != FP32 and not self.explicit and self.profile.fallback.cost_gate
+                  and self.cost_model is not None
+                  and not any(s.region in self.profile.fallback.pinned for s in slices)
+                  and not self.cost_model.cheaper_than_fp32(key, numel, self.world_size, len(slices))):
+                fallbacks.extend(("cost", s.region) for s in slices)
+                key = FP32
+            by_key.setdefault(key, []).extend(slices)
+        groups = []
+        for key in sorted(by_key):
+            slices = sorted(by_key[key], key=lambda s: s.offset)
+            whole = len(by_key) == 1
+            groups.append(Group(key, tuple(slices), whole))
+        out = BucketRoutes(tuple(groups), tuple(sorted(set(fallbacks))))
+        self._cache[ck] = out
+        return out

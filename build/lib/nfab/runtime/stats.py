@@ -1,0 +1,52 @@
+"""Per-step statistics the runtime exposes (and `nfab train` writes to metrics.parquet)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One optimizer step's communication, as every rank agreed on it."""
+
+    step: int
+    phase: str
+    wire_bytes: int = 0
+    """Bytes this rank sent (payloads, control words, scale agreements, probes)."""
+    fp32_wire_bytes: int = 0
+    """Bytes plain FP32 DDP would have sent for the same buckets."""
+    route_elements: dict[str, int] = field(default_factory=dict)
+    """Gradient elements per route (sign split into signcount / signgather)."""
+    fallback: bool = False
+    """A safety fallback this step: health demotion, reducer capacity or a non-finite gradient."""
+    fallback_reason: str = ""
+    """Every reason a slice left its profile route, e.g. `health(conv); cost(norm)`."""
+    skipped: bool = False
+    """A non-finite gradient on some rank: the step's gradients were zeroed everywhere."""
+    fidelity_cosine: float | None = None
+    grad_norm: float = 0.0
+    loss: float | None = None
+    hook_time_s: float = 0.0
+    saturated_slices: int = 0
+    """qsum slices whose elements exceeded their delayed scale (clipped to +-scale)."""
+    scale_rounds: int = 0
+    """Blocking qsum scale agreements this step (a slice's first qsum step, or exact mode)."""
+    buckets: int = 0
+    collectives: int = 0
+    """Collectives launched (payloads, control words, scale rounds, probes; a coalesced bucket is one)."""
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def route_mix(self) -> dict[str, float]:
+        """Fraction of gradient elements per route."""
+        total = sum(self.route_elements.values()) or 1
+        return {k: v / total for k, v in sorted(self.route_elements.items())}
+
+    def to_row(self) -> dict:
+        """A flat row for metrics tables (route_mix as a JSON string)."""
+        d = asdict(self)
+        d.pop("route_elements")
+        d["route_mix"] = json.dumps(self.route_mix, sort_keys=True)
+        d["events"] = "; ".join(self.events)
+        return d

@@ -1,0 +1,286 @@
+"""`nfab train`'s parent process: validate everything, then run the ranks under torchrun.
+
+Every user error (config, model, data set, profile, run dir) is found here, before
+anything is written, and raised as one `NfabError` line. Then torchrun
+(`python -m torch.distributed.run ... -m nfab.train.worker CONFIG.json`) starts the
+ranks; a worker failure comes back as one line naming the rank and its error, with
+torchrun's own output kept in `RUN_DIR/logs/node{N}.log`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nfab.config.calibrated import explain_mismatch, profile_base
+from nfab.config.pairing import resolve_pairing
+from nfab.config.shipped import resolve_profile
+from nfab.data import build_dataset, make_loader
+from nfab.errors import ConfigError, NfabError, ProfileError
+from nfab.fsutil import atomic_write_text
+from nfab.models import model_signature
+from nfab.profile.schema import Profile
+from nfab.runtime.controller import candidates
+from nfab.train import checkpoint, fault
+from nfab.train.config import TrainConfig, load_config, merge
+from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
+from nfab.train.worker import ERROR_MARK
+from nfab.wire.cost import CostModel
+
+CONFIG_FILE = "config.json"
+LOG_DIR = "logs"
+_NOT_PERSISTED = ("resume", "overwrite", "command", "quiet")
+log = logging.getLogger(__name__)
+Warn = Callable[[str], None]
+
+
+class WorkerError(NfabError):
+    """The ranks started but the run failed; `code` is the exit code to hand on."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def resolve_config(config_path: str | None, overrides: list[str], flags: list[str],
+                   names: dict[str, str] | None = None) -> TrainConfig:
+    """The run's config, each layer over the one before:
+
+    the profile's calibrated setting (`--profile` alone reproduces it), or for `--resume`
+    without a config the run dir's saved config; then the config file; then `names`
+    (`--model` / `--dataset`: a section naming another builder drops the options of the
+    one below); then `key=value` overrides and flags.
+    """
+    sections = {k: {"name": v} for k, v in (names or {}).items() if v is not None}
+    probe = load_config(config_path, overrides + flags, base=sections)
+    base: dict[str, Any] = {}
+    where = ""
+    if config_path is None and probe.resume and probe.run_dir:
+        saved = Path(probe.run_dir) / CONFIG_FILE
+        if saved.is_file():
+            base = {k: v for k, v in json.loads(saved.read_text()).items() if k not in _NOT_PERSISTED}
+            where = str(saved)
+    if not base and probe.comm.profile is not None:
+        path = str(resolve_profile(probe.comm.profile))
+        base = profile_base(Profile.load(path), path)
+    if not base and not sections:
+        return probe
+    try:
+        return load_config(config_path, overrides + flags, base=merge(base, sections))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}" if where else str(exc)) from exc
+
+
+def default_run_dir(cfg: TrainConfig) -> str:
+    c = cfg.comm
+    if c.fp32:
+        label = "fp32"
+    elif c.profile:
+        label = Path(c.profile).stem
+    else:
+        label = c.route if isinstance(c.route, str) else "mixed"
+    name = cfg.model.name.rsplit(":", 1)[-1]
+    return str(Path("runs") / f"{name}-{label}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def has_run(run_dir: Path) -> bool:
+    return any((run_dir / p).exists() for p in (SUMMARY_FILE, METRICS_FILE, checkpoint.CHECKPOINT_DIR))
+
+
+def check_world(profile: Profile, world: int, where: str, warn: Warn) -> None:
+    """World size against the profile's range and each route's reducer capacity.
+
+    Over the range or a reducer's capacity, the route falls back to FP32 with a warning (the
+    runtime checks capacity per reducer, so that is safe); with `fallback.on_capacity: error`
+    the run is refused.
+    """
+    strict = profile.fallback.on_capacity == "error"
+    if not profile.check_world_size(world):
+        span = f"{profile.world_size.min}..{profile.world_size.max}"
+        if strict:
+            raise NfabError(f"{where} is valid for world sizes {span}, this run has {world} ranks "
+                            "(fallback.on_capacity is 'error')")
+        warn(f"{where} is valid for world sizes {span}, this run has {world} ranks: training anyway, "
+             "routes over a reducer's capacity fall back to fp32")
+    for route in sorted(profile.routes_used()):
+        reducers = candidates(route)
+        if reducers and not any(r.capacity(world).ok for r in reducers):
+            why = "; ".join(f"{r.name}: {r.capacity(world).reason}" for r in reducers)
+            if strict:
+                raise NfabError(f"route {route} cannot run exactly at W={world} ({why}); "
+                                "fallback.on_capacity is 'error'")
+            warn(f"route {route} cannot run exactly at W={world} ({why}): its regions fall back to fp32")
+
+
+def check_resume(run_dir: Path, module: Any) -> None:
+    """`--resume`: a checkpoint exists, is readable (weights only) and fits the model to build."""
+    path = checkpoint.latest(run_dir)
+    if path is None:
+        raise NfabError(f"--resume: no checkpoint in {run_dir}")
+    state = checkpoint.read(path / "state.pt", mmap=True)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise NfabError(f"checkpoint {path} is not an nfab checkpoint (no model state)")
+    checkpoint.check_model_state(state["model"], module, path)
+
+
+def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
+    """Check everything a user can get wrong, writing nothing; return the config resolved.
+
+    The model's options are fitted to the data set (`nfab.config.pairing`) and written back,
+    so the ranks build exactly what was checked and config.json records it.
+    """
+    cfg.comm.check_choice()
+    fault.faults_from_env()
+    pair = resolve_pairing(cfg.model.name, cfg.model.options, cfg.data.name, cfg.data.options, cfg.seed)
+    cfg.model.options = pair.model_options
+    cfg.data.options = pair.data_options
+    spec = pair.spec
+    data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
+    world = cfg.launch.world_size
+    make_loader(data, batch_size=cfg.data.batch_size, rank=0, world_size=world, seed=cfg.seed)
+    if cfg.comm.profile is not None:
+        cfg.comm.profile = str(resolve_profile(cfg.comm.profile))
+        profile = Profile.load(cfg.comm.profile)
+        signature = model_signature(spec.module)
+        if profile.model.signature and profile.model.signature != signature:
+            raise ProfileError(f"profile {cfg.comm.profile}: "
+                               + explain_mismatch(profile, spec.name, dict(spec.options), signature))
+        check_world(profile, world, f"profile {cfg.comm.profile}", warn)
+    if cfg.comm.route is not None:
+        check_world(Profile.static(cfg.comm.route), world, "route", warn)
+    if cfg.comm.cost_model not in ("measure", "none"):
+        CostModel.load(cfg.comm.cost_model)
+    if cfg.run_dir is None:
+        cfg.run_dir = default_run_dir(cfg)
+    run_dir = Path(cfg.run_dir)
+    if cfg.launch.node_rank == 0:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise NfabError(f"run dir {run_dir} is a file")
+        if cfg.resume:
+            check_resume(run_dir, spec.module)
+        if has_run(run_dir) and not (cfg.resume or cfg.overwrite):
+            summary = run_dir / SUMMARY_FILE
+            done = summary.is_file() and json.loads(summary.read_text() or "{}").get("complete") is True
+            state = "a finished run" if done else "an unfinished run"
+            raise NfabError(f"run dir {run_dir} already holds {state}; pass --resume to continue it "
+                            "or --overwrite to replace it")
+    return cfg
+
+
+def torchrun_argv(cfg: TrainConfig, config_file: Path) -> list[str]:
+    """torchrun's arguments (what follows `torchrun` on a command line)."""
+    lc = cfg.launch
+    argv = ["--nnodes", str(lc.nnodes),
+            "--nproc-per-node", str(lc.nproc), "--max-restarts", str(lc.max_restarts), "--monitor-interval", "0.5"]
+    if lc.rdzv_endpoint:
+        argv += ["--rdzv-endpoint", lc.rdzv_endpoint, "--node-rank", str(lc.node_rank)]
+    elif not lc.rdzv_backend:
+        # One node: a c10d store on a free port. Each restart is a new rendezvous round with its
+        # own keys; the static backend reuses the first round's store, and a restarted rank
+        # could read a dead peer's address from it.
+        argv += ["--standalone"]
+    if lc.rdzv_backend:
+        argv += ["--rdzv-backend", lc.rdzv_backend]
+    return argv + ["-m", "nfab.train.worker", str(config_file)]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchResult:
+    run_dir: Path
+    summary: dict[str, Any] | None
+
+
+def launch(cfg: TrainConfig, warn: Warn = log.warning) -> LaunchResult:
+    """Validate, prepare the run dir (node 0), run torchrun, and surface a failure as one line.
+
+    `warn` receives one line per safe fallback decided before launch (world size, capacity).
+    """
+    cfg = validate(cfg, warn)
+    run_dir = Path(cfg.run_dir)  # type: ignore[arg-type]
+    node = cfg.launch.node_rank
+    if node == 0:
+        if cfg.overwrite and run_dir.is_dir():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        persisted = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_PERSISTED}
+        atomic_write_text(run_dir / CONFIG_FILE, json.dumps(persisted, indent=2) + "\n")
+    log_path = run_dir / LOG_DIR / f"node{node}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="nfab-train-") as tmp:
+        config_file = Path(tmp) / "config.json"
+        config_file.write_text(cfg.to_json())
+        ranks = range(node * cfg.launch.nproc, (node + 1) * cfg.launch.nproc) if cfg.launch.nnodes == 1 else range(0)
+        failure = run_torchrun(torchrun_argv(cfg, config_file), log_path, ranks)
+    if failure is not None:
+        message, worker_code = explain_failure(log_path.read_text(errors="replace"), *failure)
+        raise WorkerError(f"training failed: {message} (log: {log_path})", worker_code)
+    summary_path = run_dir / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if node == 0 and summary_path.is_file() else None
+    return LaunchResult(run_dir, summary)
+
+
+def run_torchrun(argv: list[str], log_path: Path, ranks: range = range(0),
+                 ) -> tuple[int, int, tuple[int, ...]] | None:
+    """Run torchrun in this process with stderr (its logs and the workers') sent to `log_path`.
+
+    Returns None on success, else (global rank, exit code) of the first failed worker and the
+    ranks among `ranks` (this node's) that were still running when it failed: torchrun stops
+    them, and after a collective timeout they are the ones that never arrived.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(argv)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log_fd, 2)
+    try:
+        run(args)
+        return None
+    except ChildFailedError as exc:
+        # A rank that died silently (killed, os._exit) is the cause; peers then fail on
+        # closed connections, sometimes first. Prefer the silent one when the log shows it.
+        text = log_path.read_text(errors="replace")
+        loud = {int(r) for r in re.findall(rf"{re.escape(ERROR_MARK)}\[\d\] rank (\d+):", text)}
+        # Ranks torchrun itself stopped after the first failure were still running: not a cause.
+        stopped = {r for r, f in exc.failures.items() if f"Sending process {f.pid} closing signal" in text}
+        alive = tuple(sorted({r for r in ranks if r not in exc.failures} | stopped))
+        silent = sorted((r, f.exitcode) for r, f in exc.failures.items() if r not in loud and r not in stopped)
+        if silent:
+            return (*silent[0], alive)
+        causes = {r: f for r, f in exc.failures.items() if r not in stopped} or exc.failures
+        rank = min(causes, key=lambda r: (causes[r].timestamp, r))
+        return rank, causes[rank].exitcode, tuple(r for r in alive if r != rank)
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(log_fd)
+
+
+def explain_failure(log: str, rank: int, exitcode: int, alive: tuple[int, ...] = ()) -> tuple[str, int]:
+    """One line for a failed run: the first failed rank's own error, else its exit code.
+
+    After a collective timeout, the ranks still running are named: they never arrived.
+    """
+    marks = re.findall(rf"{re.escape(ERROR_MARK)}\[(\d)\] rank (\d+): (.*)$", log, flags=re.M)
+    own = [m for m in marks if int(m[1]) == rank]
+    if own:
+        message = f"rank {rank}: {own[-1][2]}"
+        if alive and "timed out" in message:
+            message += f"; rank {', '.join(map(str, alive))} never arrived and was stopped"
+        return message, int(own[-1][0])
+    if exitcode < 0:
+        return f"rank {rank} was killed by signal {-exitcode}", 1
+    return f"rank {rank} exited with code {exitcode} without an error message", 1

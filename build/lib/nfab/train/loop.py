@@ -1,0 +1,281 @@
+"""The training loop of one rank: setup, steps, cleanup.
+
+Every rank runs `train(cfg)` under torchrun; rank 0 alone writes artifacts. A run
+resumes from the latest checkpoint in its run dir when `cfg.resume` is set or torchrun
+restarted the worker group (TORCHELASTIC_RESTART_COUNT > 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import nfab
+from nfab.data import build_dataset, make_eval_loader
+from nfab.errors import NfabError
+from nfab.models import build_model, model_signature
+from nfab.profile.schema import file_sha256
+from nfab.runtime.hook import Runtime
+from nfab.train import checkpoint, fault
+from nfab.train.config import TrainConfig
+from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
+from nfab.train.progress import ProgressBar
+from nfab.train.setup import BatchStream, build_optimizer, fp32_wire_bytes, loss_fn, lr_factor
+from nfab.wire import cost as cost_mod
+
+log = logging.getLogger(__name__)
+_STAGE = ["setup"]
+
+
+def stage() -> str:
+    """Where this rank's training is (which collective it may be waiting in), for timeout errors."""
+    return _STAGE[0]
+
+
+def _at(where: str) -> None:
+    _STAGE[0] = where
+
+
+@dataclass(slots=True)
+class EvalResult:
+    loss: float
+    accuracy: float | None
+
+
+@torch.no_grad()
+def evaluate(module: torch.nn.Module, loader: Any, task: str, max_batches: int | None, device: torch.device,
+             ) -> EvalResult:
+    """Held-out loss (and accuracy for classifiers): sums and counts all-reduced across ranks."""
+    was_training = module.training
+    module.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * n, correct, n (samples or tokens)
+    for i, (x, y) in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        x, y = x.to(device), y.to(device)
+        logits = module(x)
+        n = y.numel()
+        sums[0] += loss_fn(task, logits, y).double() * n
+        if task == "classification":
+            sums[1] += (logits.argmax(-1) == y).sum().double()
+        sums[2] += n
+    module.train(was_training)
+    dist.all_reduce(sums)
+    n = max(sums[2].item(), 1.0)
+    return EvalResult(sums[0].item() / n, sums[1].item() / n if task == "classification" else None)
+
+
+def mean_loss(loss: float, device: torch.device) -> float:
+    """The cross-rank mean loss, summed in rank order (bit-identical on every rank and mode)."""
+    local = torch.tensor([loss], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return float(torch.cat(gathered).sum().item() / len(gathered))
+
+
+def replicas_identical(module: torch.nn.Module, device: torch.device) -> bool:
+    """Collective: do all ranks hold bit-identical parameters? (a SHA-256 of every parameter, all-gathered)."""
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    local = torch.tensor(list(digest.digest()[:16]), dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def route_label(cfg: TrainConfig) -> str | None:
+    """summary.json's `route`: the route string, a dict as JSON, "fp32" for --fp32, None with a profile."""
+    c = cfg.comm
+    if c.fp32:
+        return "fp32"
+    if isinstance(c.route, dict):
+        return json.dumps(c.route, sort_keys=True)
+    return c.route
+
+
+def _cost_model(cfg: TrainConfig, ddp: DistributedDataParallel, saved: str | None) -> cost_mod.CostModel | None:
+    if saved:
+        return cost_mod.CostModel.from_dict(json.loads(saved))
+    choice = cfg.comm.cost_model
+    if choice == "none":
+        return None
+    if choice == "measure":
+        return cost_mod.measure(ddp.process_group)
+    return cost_mod.CostModel.load(choice)
+
+
+def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
+    """Run (or continue) the configured training on this rank; rank 0 returns the summary."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    master = rank == 0
+    run_dir = Path(cfg.run_dir or ".")
+    faults = fault.faults_from_env()
+    session_start = time.perf_counter()
+
+    _at("checkpoint load (broadcast)")
+    resumed = None
+    if cfg.resume or fault.restart_attempt() > 0:
+        resumed = checkpoint.load(run_dir)
+        if resumed is None and cfg.resume and fault.restart_attempt() == 0:
+            raise NfabError(f"no checkpoint to resume in {run_dir}")
+    shared, own = resumed if resumed is not None else ({}, {})
+
+    # ---- setup ------------------------------------------------------------------------
+    spec = build_model(cfg.model.name, seed=cfg.seed, **cfg.model.options)
+    module = spec.module.to(device)
+    if shared:
+        checkpoint.check_model_state(shared["model"], module, run_dir / checkpoint.CHECKPOINT_DIR)
+        module.load_state_dict(shared["model"])
+    train_data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
+    test_data = build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)
+    stream = BatchStream(train_data, batch_size=cfg.data.batch_size, rank=rank, world_size=world, seed=cfg.seed)
+    eval_loader = make_eval_loader(test_data, batch_size=cfg.data.eval_batch_size, rank=rank, world_size=world)
+    _at("setup (DDP construction, cost-model measurement)")
+    ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                  bucket_cap_mb=cfg.comm.bucket_mb)
+    runtime: Runtime | None = None
+    cost_json = shared.get("cost_model")
+    if not cfg.comm.fp32:
+        cm = _cost_model(cfg, ddp, cost_json)
+        cost_json = cm.to_json() if cm is not None else None
+        runtime = nfab.attach(
+            ddp, profile=cfg.comm.profile, route=cfg.comm.route, error_feedback=cfg.comm.error_feedback,
+            total_steps=cfg.steps, cost_model=cm, seed=cfg.seed, head_modules=spec.head_modules,
+            model_signature=model_signature(module) if cfg.comm.profile else None,
+            qsum_scale=cfg.comm.qsum_scale,
+        )
+    optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
+    rows: list[dict[str, Any]] = list(shared.get("rows", []))
+    start = int(shared.get("step", 0))
+    wall_before = float(shared.get("wall_time_s", 0.0))
+    if shared:
+        optimizer.load_state_dict(shared["optimizer"])
+        scheduler.load_state_dict(shared["scheduler"])
+        stream.load_state_dict(shared["data"])
+        checkpoint.set_rng_state(own["rng"])
+        if runtime is not None:
+            runtime.load_state_dict(own["hook"])
+    plain_bytes = fp32_wire_bytes(module, world)
+    identity = {
+        "model": spec.name, "dataset": cfg.data.name, "world_size": world, "route": route_label(cfg),
+        "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb,
+        "profile": {"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)} if cfg.comm.profile else None,
+        "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
+    }
+
+    def wall() -> float:
+        return wall_before + time.perf_counter() - session_start
+
+    def save_checkpoint(step: int) -> None:
+        state = {
+            "step": step, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "rows": rows,
+            "wall_time_s": wall(), "cost_model": cost_json, "config": cfg.to_json(),
+        } if master else None
+        own_state = {"rng": checkpoint.rng_state(), "hook": runtime.state_dict() if runtime is not None else None}
+        _at(f"step {step - 1}: checkpoint (gather to rank 0)")
+        checkpoint.save(run_dir, step, state, own_state)
+
+    final: dict[str, Any] = {}
+
+    def write(complete: bool) -> None:
+        if complete:
+            _at("end of run (replica checksum all-gather)")
+            final["replicas_identical"] = replicas_identical(module, device)
+            if not final["replicas_identical"]:
+                log.warning("rank %d: the replicas' parameters differ at the end of the run", rank)
+        if master:
+            write_metrics(run_dir / METRICS_FILE, rows)
+            write_summary(run_dir / SUMMARY_FILE, identity, rows, lm=spec.task == "lm", complete=complete,
+                          wall_time_s=wall(), extra=final if complete else None)
+
+    title = f"{spec.name} {identity['route'] or Path(cfg.comm.profile or '').name} W={world}"
+    bar = ProgressBar(cfg.steps, start, title, enabled=master and not cfg.quiet)
+    wire_mb = sum(r["wire_bytes"] for r in rows) / 1e6
+
+    # ---- loop -------------------------------------------------------------------------
+    ddp.train()
+    try:
+        for step in range(start, cfg.steps):
+            fault.inject(faults, step, rank)
+            factor = fault.loss_factor(faults, step, rank)
+            _at(f"step {step}: forward/backward (gradient all-reduce in DDP)")
+            t0 = time.perf_counter()
+            lr = scheduler.get_last_lr()[0]
+            loss_sum = 0.0
+            for micro in range(cfg.accum_steps):
+                x, y = (t.to(device) for t in stream.next())
+                last = micro == cfg.accum_steps - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss = loss_fn(spec.task, ddp(x), y)
+                    if factor is not None:  # injected NaN / Inf / spike (NFAB_FAULT)
+                        loss = loss * factor
+                    loss_sum += float(loss.detach())
+                    if runtime is not None and last:
+                        runtime.observe_loss(loss_sum / cfg.accum_steps)
+                    (loss / cfg.accum_steps).backward()
+            row = _step_row(runtime, step, lr, plain_bytes, module)
+            _at(f"step {step}: loss all-gather")
+            row["loss"] = mean_loss(loss_sum / cfg.accum_steps, device)
+            if cfg.optim.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
+            if not row["skipped"]:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            row["step_time_s"] = time.perf_counter() - t0
+            done = step + 1
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+                _at(f"step {step}: evaluation (all-reduce)")
+                ev = evaluate(module, eval_loader, spec.task, cfg.data.eval_batches, device)
+                row["eval_loss"] = ev.loss
+                row["eval_accuracy"] = ev.accuracy if ev.accuracy is not None else float("nan")
+            rows.append(row)
+            wire_mb += row["wire_bytes"] / 1e6
+            bar.update(row, wire_mb)
+            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+                save_checkpoint(done)
+                write(complete=done == cfg.steps)
+            elif cfg.metrics_every and done % cfg.metrics_every == 0:
+                write(complete=False)
+    finally:
+        bar.close()
+    # ---- cleanup ----------------------------------------------------------------------
+    if start >= cfg.steps:  # resumed a finished run: nothing to do but rewrite artifacts
+        write(complete=True)
+    if not master:
+        return None
+    return json.loads((run_dir / SUMMARY_FILE).read_text())
+
+
+def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, module: torch.nn.Module,
+              ) -> dict[str, Any]:
+    """The metrics row of a step that just finished its backward (loss and times are filled by the caller)."""
+    if runtime is None:
+        grads = [p.grad.detach().double().norm() ** 2 for p in module.parameters() if p.grad is not None]
+        norm = float(torch.stack(grads).sum().sqrt()) if grads else 0.0
+        # the reduced gradient is the same on every rank, so is this decision: skip, never step on NaN/Inf
+        bad = not math.isfinite(norm)
+        return make_row(step=step, phase="fp32", loss=float("nan"), lr=lr, grad_norm=norm,
+                        wire_bytes=plain_bytes, fp32_wire_bytes=plain_bytes, route_mix={"fp32": 1.0},
+                        skipped=bad, fallback_reason="nonfinite" if bad else "")
+    st = runtime.step_stats()
+    assert st is not None and st.step == step, f"hook stats for step {st and st.step}, loop at {step}"
+    return make_row(step=step, phase=st.phase, loss=float("nan"), lr=lr, grad_norm=st.grad_norm,
+                    wire_bytes=st.wire_bytes, fp32_wire_bytes=st.fp32_wire_bytes, route_mix=st.route_mix,
+                    fallback=st.fallback, fallback_reason=st.fallback_reason, skipped=st.skipped,
+                    fidelity_cosine=st.fidelity_cosine, hook_time_s=st.hook_time_s, collectives=st.collectives,
+                    scale_rounds=st.scale_rounds, saturated_slices=st.saturated_slices, events="; ".join(st.events))

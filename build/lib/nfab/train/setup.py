@@ -1,0 +1,65 @@
+"""Builders the training loop composes: batches, loss, bytes (optimizer, schedule and pairing
+come from `nfab.config`, shared with calibration), so the loop stays a short setup / loop / cleanup.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import default_collate
+
+from nfab.config.optim import build_optimizer, lr_factor
+from nfab.config.pairing import check_pairing
+from nfab.data import SpecDataset, make_loader
+
+__all__ = ["BatchStream", "build_optimizer", "check_pairing", "fp32_wire_bytes", "loss_fn", "lr_factor"]
+
+
+def loss_fn(task: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy (per token for LMs)."""
+    if task == "lm":
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    return F.cross_entropy(logits, target)
+
+
+class BatchStream:
+    """This rank's training batches, epoch after epoch, with a resumable position.
+
+    Uses `make_loader`'s seeded `DistributedSampler`; the position is (epoch, batch index),
+    so a resumed run sees exactly the batches an uninterrupted one would.
+    """
+
+    def __init__(self, dataset: SpecDataset, *, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        loader = make_loader(dataset, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed)
+        self.dataset, self.sampler, self.batch_size = dataset, loader.sampler, batch_size
+        self.epoch, self.index = 0, 0
+        self._order: list[int] | None = None
+
+    def _batches_per_epoch(self) -> int:
+        return len(self.sampler) // self.batch_size  # type: ignore[arg-type]
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.index >= self._batches_per_epoch():
+            self.epoch, self.index, self._order = self.epoch + 1, 0, None
+        if self._order is None:
+            self.sampler.set_epoch(self.epoch)  # type: ignore[attr-defined]
+            self._order = list(self.sampler)
+        lo = self.index * self.batch_size
+        batch = [self.dataset[i] for i in self._order[lo:lo + self.batch_size]]
+        self.index += 1
+        return default_collate(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.index, self._order = int(state["epoch"]), int(state["index"]), None
+
+
+def fp32_wire_bytes(module: nn.Module, world_size: int) -> int:
+    """Bytes one rank sends per step in a ring FP32 allreduce of all trainable gradients."""
+    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return int(round(2 * (world_size - 1) / world_size * 4 * numel))

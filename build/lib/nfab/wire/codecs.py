@@ -1,0 +1,178 @@
+"""Codecs: how one rank turns an fp32 gradient into something smaller, and back.
+
+Pure functions over torch tensors (any device). The reducers in `reducers.py` compose
+these with lane packing and collectives. Route names are the user's vocabulary:
+`fp32`, `bf16`, `fp16`, `q8`, `q4`, `q2` and `sign`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+
+ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign")
+"""Every route a profile or a user may name, cheapest-last is NOT implied."""
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """A route's codec: its name, nominal bits per element, and whether it loses information."""
+
+    name: str
+    bits: int
+    lossy: bool
+
+
+CODECS: dict[str, Codec] = {
+    "fp32": Codec("fp32", 32, lossy=False),
+    "bf16": Codec("bf16", 16, lossy=True),
+    "fp16": Codec("fp16", 16, lossy=True),
+    "q8": Codec("q8", 8, lossy=True),
+    "q4": Codec("q4", 4, lossy=True),
+    "q2": Codec("q2", 2, lossy=True),
+    "sign": Codec("sign", 1, lossy=True),
+}
+
+
+_ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
+
+
+def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Mean |x| over each consecutive segment of `x` (one scale per parameter slice).
+
+    A per-parameter scale keeps a large conv kernel's magnitude from swamping a small
+    one's when both ride in the same bucket. On CPU |x| is summed in L2-sized chunks
+    (one read of x, no full-size temporary); the sum order is fixed, so every rank and
+    every replay gets the same bits.
+    """
+    lengths = list(lengths)
+    if x.device.type != "cpu":
+        parts = torch.split(x, lengths)
+        sums = [torch.linalg.vector_norm(p, 1) if p.numel() else x.new_zeros(()) for p in parts]
+        return (torch.stack(sums) if sums else x.new_zeros(0)) / torch.tensor(
+            [max(n, 1) for n in lengths], dtype=torch.float32, device=x.device)
+    buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32)
+    sums = []
+    start = 0
+    for n in lengths:
+        acc = torch.zeros((), dtype=torch.float32)
+        for lo in range(start, start + n, _ABS_CHUNK):
+            hi = min(lo + _ABS_CHUNK, start + n)
+            part = buf[: hi - lo]
+            torch.abs(x[lo:hi], out=part)
+            acc += part.sum()
+        sums.append(acc)
+        start += n
+    if not sums:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.stack(sums) / torch.tensor([max(n, 1) for n in lengths], dtype=torch.float32)
+
+
+def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """max |x| over each consecutive segment of `x`."""
+    parts = torch.split(x, list(lengths))
+    out = torch.zeros(len(parts), dtype=torch.float32, device=x.device)
+    for i, part in enumerate(parts):
+        if part.numel():
+            out[i] = torch.linalg.vector_norm(part, float("inf"))
+    return out
+
+
+def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Multiply each segment of `x` in place by its scale; returns `x`."""
+    lengths = list(lengths)
+    if len(lengths) == 1:
+        return x.mul_(scales.reshape(-1)[0])
+    for part, s in zip(torch.split(x, lengths), scales.tolist(), strict=True):
+        part.mul_(s)
+    return x
+
+
+def scale_segments_into(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
+                        dests: Sequence[torch.Tensor]) -> None:
+    """dests[i] = segment i of `x` times scales[i]: scaling and scattering in one pass."""
+    for part, s, d in zip(torch.split(x, list(lengths)), scales.tolist(), dests, strict=True):
+        torch.mul(part, s, out=d)
+
+
+def sign_bits(x: torch.Tensor) -> torch.Tensor:
+    """One vote per element: True where x >= 0 (a zero votes positive, as in signSGD).
+
+    -0.0 votes positive and NaN negative on every path (numpy's >= is IEEE like torch's).
+    """
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        out = np.empty(x.numel(), dtype=np.bool_)
+        np.greater_equal(x.reshape(-1).contiguous().numpy(), np.float32(0), out=out)
+        return torch.from_numpy(out).view(x.shape)
+    return x >= 0
+
+
+@cache
+def _unit_sign_table() -> np.ndarray:
+    """256 entries: 8 packed vote bits -> their 8 fp32 values (+1 / -1) as one void item."""
+    bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1
+    return np.ascontiguousarray(np.where(bits == 1, 1.0, -1.0).astype(np.float32)).view("V32").reshape(-1)
+
+
+def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """This rank's own decoded contribution: +scale where the vote is positive, else -scale."""
+    n = bits.numel()
+    if bits.device.type == "cpu" and n:
+        packed = np.packbits(bits.reshape(-1).contiguous().numpy(), bitorder="little")
+        return sign_values_packed(packed, n, scales, lengths)
+    local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)
+    return scale_segments_(local, scales, lengths)
+
+
+def sign_values_packed(packed: np.ndarray, n: int, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """`sign_values` from votes packed 1 bit per element (little-endian bit order), on CPU."""
+    lengths = list(lengths)
+    out = np.empty(packed.size * 8, dtype=np.float32)
+    table = _unit_sign_table()
+    if len(lengths) == 1:  # fold the one scale into the table: fl(+-1 * s) either way
+        table = (table.view(np.float32) * scales.reshape(-1)[0].item()).astype(np.float32).view("V32")
+        np.take(table, packed, mode="clip", out=out.view("V32"))
+        return torch.from_numpy(out)[:n]
+    np.take(table, packed, mode="clip", out=out.view("V32"))
+    return scale_segments_(torch.from_numpy(out)[:n], scales, lengths)
+
+
+def vote_table(world_size: int, vote: str, device: torch.device | None = None) -> torch.Tensor:
+    """Decode table from a positive count c in [0, W] to a vote value.
+
+    `majority`: sign(2c - W), a tie (even W, c = W/2) decodes to 0.
+    `mean`: (2c - W) / W, the average of the ranks' +-1 votes.
+    """
+    c = torch.arange(world_size + 1, dtype=torch.float32, device=device)
+    diff = 2 * c - world_size
+    if vote == "majority":
+        return torch.sign(diff)
+    if vote == "mean":
+        return diff / world_size
+    raise ValueError(f"unknown vote {vote!r}: use 'majority' or 'mean'")
+
+
+def stochastic_levels(
+    x: torch.Tensor, scale: torch.Tensor, max_level: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Stochastically round x onto the grid {0..M} that spans [-scale, +scale].
+
+    Level v stands for scale * (2v/M - 1). Rounding up with probability equal to the
+    fractional part makes the code unbiased: E[decoded] = x for |x| <= scale.
+    `scale` is per element (already expanded). Returns int32 levels.
+    """
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    t = (x / safe + 1.0) * (0.5 * max_level)
+    noise = torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype)
+    return torch.floor(t + noise).clamp_(0, max_level).to(torch.int32)
+
+
+def levels_to_values(
+    levels: torch.Tensor, scale: torch.Tensor, max_level: int, count: int = 1
+) -> torch.Tensor:
+    """Decode a (summed over `count` ranks) level back to the mean value per element."""
+    return scale * (levels.to(torch.float32) * (2.0 / (max_level * count)) - 1.0)

@@ -1,0 +1,184 @@
+"""Cost model: is a compressed path cheaper than FP32 all-reduce on *this* link?
+
+time(path, numel, W) = latency + wire_bytes / bandwidth + codec time
+where wire_bytes comes from the reducer (what each rank sends under the collective's
+algorithm), latency and bandwidth are measured per collective kind on the real backend,
+and codec time is the measured encode+decode cost per element. Compression often does
+not pay on fast links; nfab must never be the slow path, so the runtime admits a
+compressed route only when this model says it is cheaper.
+
+`measure(group)` runs real collectives; every constant is then all-reduced with MAX so
+all ranks hold the same model and take the same routing decisions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nfab.errors import NfabError
+from nfab.wire.reducers import REDUCERS, Reducer, SignGather
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCost:
+    """One collective kind's latency (s) and effective bandwidth (wire bytes per second)."""
+
+    latency_s: float
+    bandwidth_bps: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Measured constants for one backend and world size."""
+
+    backend: str
+    world_size: int
+    allreduce: LinkCost
+    allgather: LinkCost
+    codec_s_per_element: dict[str, float] = field(default_factory=dict)
+    """Encode+decode seconds per element, keyed by reducer key (see REDUCERS)."""
+    source: str = "default"
+
+    def time(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> float:
+        """Modelled seconds for reducer `key` to reduce `numel` elements."""
+        w = world_size or self.world_size
+        red = REDUCERS[key]
+        link = self.allgather if isinstance(red, SignGather) else self.allreduce
+        # qsum's scale agreement is not priced as a round: the runtime's delayed scales ride
+        # the control word, so only a slice's first qsum step blocks on a MAX all-reduce
+        t = link.latency_s + red.wire_bytes(numel, w, segments) / link.bandwidth_bps
+        return t + self.codec_s_per_element.get(key, 0.0) * numel
+
+    def cheaper_than_fp32(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> bool:
+        return self.time(key, numel, world_size, segments) < self.time("allreduce-fp32", numel, world_size)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        try:
+            return cls(
+                backend=str(d["backend"]),
+                world_size=int(d["world_size"]),
+                allreduce=LinkCost(**d["allreduce"]),
+                allgather=LinkCost(**d["allgather"]),
+                codec_s_per_element={str(k): float(v) for k, v in d.get("codec_s_per_element", {}).items()},
+                source=str(d.get("source", "file")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise NfabError(f"malformed cost model: {exc}") from exc
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise NfabError(f"cannot read cost model {path}: {exc}") from exc
+
+
+def default_cost_model(world_size: int, bandwidth_bps: float = 1.25e9, latency_s: float = 50e-6) -> CostModel:
+    """A 10 Gbit/s-like link with no codec cost: used only when nothing was measured."""
+    link = LinkCost(latency_s, bandwidth_bps)
+    return CostModel("unmeasured", world_size, link, link, {}, source="default")
+
+
+def best_time(fn, reps: int) -> float:
+    """Best of `reps` timed calls after one warm-up call (connection set-up, allocation)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_codecs(world_size: int, numel: int = 1 << 18, reps: int = 3) -> dict[str, float]:
+    """Encode+decode seconds per element for every reducer that can run at W (one process)."""
+    x = torch.randn(numel)
+    out: dict[str, float] = {}
+    for key, red in REDUCERS.items():
+        if key == "allreduce-fp32" or not red.capacity(world_size).ok:
+            continue
+        out[key] = best_time(lambda r=red: _encode_decode(r, x, world_size), reps) / numel
+    return out
+
+
+def _encode_decode(red: Reducer, x: torch.Tensor, world_size: int) -> torch.Tensor:
+    lengths = [x.numel()]
+    shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
+    enc = red.encode(x, lengths, world_size, shared)
+    # decode a payload of the reduced shape (the all-gather result is W payloads)
+    payload = enc.payload.repeat(world_size) if isinstance(red, SignGather) else enc.payload
+    scale = enc.scales if enc.scales is not None else shared
+    return red.decode(payload, scale, x.numel(), lengths, world_size)
+
+
+MIN_BANDWIDTH_BPS = 1e6  # 8 Mbit/s: anything slower is a measurement accident
+MAX_BANDWIDTH_BPS = 1e12
+MIN_LATENCY_S = 1e-6
+MAX_LATENCY_S = 0.1
+
+
+def median_time(fn, reps: int) -> float:
+    """Median of `reps` timed calls after one warm-up call (robust to a noisy neighbour)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def fit_link(points: list[tuple[float, float]]) -> LinkCost:
+    """Least-squares time = latency + bytes / bandwidth over (bytes, seconds) points, clamped.
+
+    Clamping keeps one noisy sample from claiming an infinite or negative bandwidth, which
+    would flip every routing decision.
+    """
+    n = len(points)
+    mb = sum(b for b, _ in points) / n
+    mt = sum(t for _, t in points) / n
+    var = sum((b - mb) ** 2 for b, _ in points)
+    slope = sum((b - mb) * (t - mt) for b, t in points) / var if var > 0 else 0.0
+    slope = min(max(slope, 1.0 / MAX_BANDWIDTH_BPS), 1.0 / MIN_BANDWIDTH_BPS)
+    latency = min(max(mt - slope * mb, MIN_LATENCY_S), MAX_LATENCY_S)
+    return LinkCost(latency_s=latency, bandwidth_bps=1.0 / slope)
+
+
+def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, reps: int = 5) -> CostModel:
+    """Measure the cost model on the live process group; all ranks get identical constants.
+
+    Three sizes per collective, median of `reps` each, a least-squares line through them;
+    every rank then takes the slowest rank's timings (MAX) so all decide alike.
+    """
+    from nfab.wire.reducers import all_gather_flat
+
+    w = dist.get_world_size(group)
+    sizes = (256, large_numel // 8, large_numel)
+    fp32 = REDUCERS["allreduce-fp32"]
+    timings: list[float] = []
+    for n in sizes:
+        buf = torch.zeros(n)
+        timings.append(median_time(lambda b=buf: dist.all_reduce(b, group=group), reps))
+    for n in sizes:
+        src = torch.zeros(n * 4, dtype=torch.uint8)
+        dst = torch.empty(n * 4 * w, dtype=torch.uint8)
+        timings.append(median_time(lambda s=src, d=dst: all_gather_flat(d, s, group=group), reps))
+    codec = measure_codecs(w)
+    keys = sorted(codec)
+    vec = torch.tensor(timings + [codec[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    v = vec.tolist()
+    k = len(sizes)
+    ar = fit_link([(fp32.wire_bytes(n, w), t) for n, t in zip(sizes, v[:k], strict=True)])
+    ag = fit_link([((w - 1) * n * 4.0, t) for n, t in zip(sizes, v[k : 2 * k], strict=True)])
+    return CostModel(dist.get_backend(group), w, ar, ag, dict(zip(keys, v[2 * k :], strict=True)), source="measured")

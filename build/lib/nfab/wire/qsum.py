@@ -1,0 +1,132 @@
+"""qsum: stochastically rounded levels, lane-packed and summed exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nfab.wire.lanes import layout_for, pack
+from nfab.wire.reducer import (
+    Capacity,
+    Encoded,
+    Out,
+    Reducer,
+    allreduce_factor,
+    allreduce_future,
+    decode_scaled,
+    finish_segments,
+    write_into,
+)
+
+
+class QSum(Reducer):
+    """Stochastically rounded levels, offset to non-negative, lane-packed and summed exactly.
+
+    Lanes are `bits` wide. For the W-rank sum to fit, each rank gets M = floor((2^bits-1)/W)
+    steps, i.e. M+1 levels spanning [-s, s] with s the per-segment max |x| agreed across
+    ranks (all-reduce MAX). Levels shrink as W grows; below 2 levels (M < 1) the reducer
+    is over capacity.
+    """
+
+    name = "qsum"
+    needs_shared_scale = True
+
+    def __init__(self, bits: int) -> None:
+        if bits not in (2, 4, 8):
+            raise ValueError(f"qsum supports 2, 4 or 8 bit lanes, got {bits}")
+        self.bits = bits
+        self.route = f"q{bits}"
+        self._layout = layout_for(bits)
+
+    def max_level(self, world_size: int) -> int:
+        return ((1 << self.bits) - 1) // world_size
+
+    def capacity(self, world_size: int) -> Capacity:
+        m = self.max_level(world_size)
+        if m < 1:
+            return Capacity(self.name, world_size, False, self.bits, m + 1,
+                            reason=f"{self.bits}-bit lanes leave fewer than 2 levels per rank")
+        return Capacity(self.name, world_size, True, lane_bits=self.bits, levels=m + 1)
+
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        return self._layout.containers_for(numel) * self._layout.storage_bits // 8
+
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        # the MAX all-reduce of scales is a ring all-reduce of `segments` fp32 values
+        return allreduce_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
+
+    def level_values(self, world_size: int, count: int, device: torch.device) -> torch.Tensor:
+        """Lane value (a sum of `count` ranks' levels) -> mean value in units of the scale."""
+        m = self.max_level(world_size)
+        levels = torch.arange(self._layout.max_value + 1, dtype=torch.float32, device=device)
+        return levels * (2.0 / (m * count)) - 1.0
+
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+        assert shared_scale is not None, "qsum needs the shared (MAX) scale"
+        m = self.max_level(world_size)
+        lengths = list(lengths)
+        safe = torch.where(shared_scale > 0, shared_scale, torch.ones_like(shared_scale)).to(torch.float32)
+        if len(lengths) == 1:
+            t = torch.div(x, safe.reshape(-1)[0])
+        else:  # one division for all segments (a bucket's norms and biases are many small ones)
+            t = torch.div(x, torch.repeat_interleave(safe, torch.tensor(lengths), output_size=x.numel()))
+        t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
+        t.add_(_uniform_noise(t, lengths, generator))
+        levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
+        payload = pack(levels, self._layout)
+        values = self.level_values(world_size, 1, x.device)
+
+        def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
+            return finish_segments(values[levels.long()], shared_scale, lengths, None)
+
+        return Encoded(payload, None, make_local=local)
+
+    def launch(self, payload, world_size, group):
+        return allreduce_future(payload, group)
+
+    def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
+        assert scale_mean is not None
+        return decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),
+                              scale_mean, lengths, out)
+
+    def decode_gathered(
+        self, payloads: Sequence[torch.Tensor], scales: torch.Tensor, numel: int, lengths: Sequence[int],
+        out: Out = None,
+    ) -> Any:
+        """The mean of W gathered payloads, each encoded with its OWN rank's scales.
+
+        When the payloads travel in an all-gather (a coalesced bucket) nothing needs to be
+        summed on the wire, so ranks need not agree on a scale first: each encodes with
+        its own per-segment max |x| (no blocking round, no saturation, finer levels) and
+        every rank decodes each row with that row's scales (`scales`: W x segments) and
+        adds them in rank order — the same bits on every rank.
+        """
+        w = len(payloads)
+        lengths = list(lengths)
+        values = self.level_values(w, 1, payloads[0].device)
+        total = decode_scaled(payloads[0], self._layout, numel, values, scales[0], lengths)
+        for r in range(1, w):
+            total += decode_scaled(payloads[r], self._layout, numel, values, scales[r], lengths)
+        total.mul_(1.0 / w)
+        return write_into(out, total)
+
+
+def _uniform_noise(
+    t: torch.Tensor, lengths: Sequence[int], generator: torch.Generator | Sequence[torch.Generator] | None
+) -> torch.Tensor:
+    """U[0,1) rounding noise: from one generator, or one generator per segment.
+
+    Per-segment generators (the runtime seeds one per parameter and step) make the noise
+    a parameter sees independent of which bucket, and which neighbours, it travels with —
+    so a resumed run, whose first step uses DDP's initial buckets, rounds exactly as the
+    uninterrupted run did with the rebuilt ones.
+    """
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype)
+    parts = [torch.rand(n, generator=g, device=t.device, dtype=t.dtype)
+             for n, g in zip(lengths, generator, strict=True)]
+    return torch.cat(parts) if parts else torch.empty_like(t)
+
+

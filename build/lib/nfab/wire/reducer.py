@@ -1,0 +1,312 @@
+"""The reducer contract and what every aggregation path shares.
+
+A reducer is split into pure steps so the hook runtime can batch and overlap them:
+
+    encode (local, pure) -> one payload collective (async) -> decode (pure)
+
+plus a per-segment scale vector that the runtime averages across ranks in its control
+word. `reduce` runs the whole path on a real process group; `replay` runs the same
+arithmetic for W virtual ranks in one process (calibration).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nfab.errors import CapacityError
+from nfab.wire import codecs
+from nfab.wire.lanes import decode_table
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Can a reducer be exact at this world size, and with which lanes or levels?"""
+
+    reducer: str
+    world_size: int
+    ok: bool
+    lane_bits: int | None = None
+    levels: int | None = None
+    reason: str = ""
+
+
+class Encoded:
+    """One rank's encoded contribution.
+
+    `payload` goes into the reducer's collective; `scales` (one fp32 per segment, or
+    None) are averaged across ranks; `local` is what this rank's contribution decodes
+    to on its own, in gradient units (None for lossless paths) — error feedback keeps
+    `x - local` for the next step. A reducer may hand `make_local` instead of `local`:
+    then `local` is computed on first use (from state the encoder kept, never from the
+    payload, which an in-place collective may overwrite), so paths without error
+    feedback never pay for it.
+    """
+
+    __slots__ = ("payload", "scales", "_local", "_make_local")
+
+    def __init__(
+        self,
+        payload: torch.Tensor,
+        scales: torch.Tensor | None,
+        local: torch.Tensor | None = None,
+        make_local: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
+        self.payload = payload
+        self.scales = scales
+        self._local = local
+        self._make_local = make_local
+
+    @property
+    def local(self) -> torch.Tensor | None:
+        if self._local is None and self._make_local is not None:
+            self._local = self._make_local()
+            self._make_local = None
+        return self._local
+
+    @local.setter
+    def local(self, value: torch.Tensor | None) -> None:
+        self._local, self._make_local = value, None
+
+    def __repr__(self) -> str:
+        return f"Encoded(payload={self.payload!r}, scales={self.scales!r}, local={self.local!r})"
+
+
+def allreduce_factor(world_size: int) -> float:
+    """Fraction of the payload each rank sends in a ring all-reduce: 2(W-1)/W."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+def allgather_factor(world_size: int) -> float:
+    """Payloads each rank sends in a ring all-gather: (W-1)/W of W payloads = W-1."""
+    return float(world_size - 1)
+
+
+# torch renamed all_gather_into_tensor to all_gather_single; use whichever this torch has.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_scales(scales: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-gather per-segment scales and average them in rank order (deterministic)."""
+    out = torch.empty(world_size * scales.numel(), dtype=scales.dtype, device=scales.device)
+    all_gather_flat(out, scales.contiguous(), group=group)
+    return mean_of_ranks(out.view(world_size, -1))
+
+
+def mean_of_ranks(stacked: torch.Tensor) -> torch.Tensor:
+    """Mean over dim 0 of a (W, k) stack: the one formula both `reduce` and `replay` use."""
+    return stacked.sum(0) / stacked.shape[0]
+
+
+class Reducer(ABC):
+    """An aggregation path. Subclasses implement capacity, bytes, encode, launch, decode."""
+
+    name: str
+    route: str
+    lossy: bool = True
+    needs_shared_scale: bool = False
+    """True when ranks must agree on a scale (all-reduce MAX) before encoding."""
+
+    @abstractmethod
+    def capacity(self, world_size: int) -> Capacity: ...
+
+    def check(self, world_size: int) -> Capacity:
+        """Capacity at W, or a `CapacityError` saying why the reducer cannot be exact."""
+        cap = self.capacity(world_size)
+        if not cap.ok:
+            raise CapacityError(f"{self.name} ({self.route}) cannot run at W={world_size}: {cap.reason}")
+        return cap
+
+    @abstractmethod
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        """Bytes of this rank's payload tensor (before the collective's algorithm factor)."""
+
+    @abstractmethod
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        """Bytes each rank sends for `numel` elements in `segments` scaled slices."""
+
+    def collective_factor(self, world_size: int) -> float:
+        """Bytes each rank sends per payload byte under this reducer's collective (ring all-reduce)."""
+        return allreduce_factor(world_size)
+
+    def bits_per_element(self, world_size: int, numel: int = 1 << 20) -> float:
+        """Wire bits per gradient element for a large tensor (scales amortised)."""
+        return 8.0 * self.wire_bytes(numel, world_size) / numel
+
+    @abstractmethod
+    def encode(
+        self,
+        x: torch.Tensor,
+        lengths: Sequence[int],
+        world_size: int,
+        shared_scale: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Encoded: ...
+
+    def encode_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int) -> Encoded:
+        """`encode` of the concatenated `views` (segments read in place, e.g. a mixed
+        bucket's slices), for reducers that need no shared scale or noise. Reducers that
+        can read the views directly override this to skip the gathered copy."""
+        return self.encode(torch.cat(list(views)), lengths, world_size)
+
+    @abstractmethod
+    def launch(self, payload: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.futures.Future:
+        """Start the one payload collective asynchronously; the future's value is the result."""
+
+    def combine(self, payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What the collective computes, for W virtual ranks in one process (replay).
+
+        The default is the SUM all-reduce, added in rank order; all-gather paths override.
+        """
+        out = payloads[0].clone()
+        for p in payloads[1:]:
+            out += p
+        return out
+
+    @abstractmethod
+    def decode(
+        self,
+        reduced: torch.Tensor,
+        scale_mean: torch.Tensor | None,
+        numel: int,
+        lengths: Sequence[int],
+        world_size: int,
+        out: Out = None,
+    ) -> Any:
+        """The mean gradient estimate (fp32, length `numel`) from the reduced payload.
+
+        With `out` (fp32, `numel` elements, e.g. a slice of the DDP bucket) the estimate is
+        written there and `out` is returned; with a list of per-segment destinations (see
+        `Out`) each segment is written to its own and the list is returned. The values are
+        the same either way.
+        """
+
+    # ---- shared scales (qsum) -----------------------------------------------------
+    def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """This rank's candidate for the shared scale (reduced with MAX across ranks)."""
+        return codecs.segment_max_abs(x, lengths)
+
+    # ---- whole paths --------------------------------------------------------------
+    def reduce(
+        self,
+        x: torch.Tensor,
+        lengths: Sequence[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Mean of every rank's `x` through this path, on a real process group."""
+        world_size = dist.get_world_size(group)
+        self.check(world_size)
+        x = x.reshape(-1).to(torch.float32)
+        lengths = [x.numel()] if lengths is None else list(lengths)
+        if x.numel() == 0:
+            return x.clone()  # gloo rejects empty collectives: nothing to send
+        shared = None
+        if self.needs_shared_scale:
+            shared = self.local_scale(x, lengths)
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+        enc = self.encode(x, lengths, world_size, shared, generator)
+        fut = self.launch(enc.payload, world_size, group)
+        scale_mean = None
+        if enc.scales is not None:
+            scale_mean = gather_scales(enc.scales, world_size, group)
+        if shared is not None:
+            scale_mean = shared
+        reduced = fut.wait()
+        return self.decode(reduced, scale_mean, x.numel(), lengths, world_size)
+
+    def replay(
+        self,
+        xs: Sequence[torch.Tensor],
+        lengths: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """The same arithmetic as `reduce` for W virtual ranks in one process."""
+        return self.replay_with_locals(xs, lengths, generators)[0]
+
+    def replay_with_locals(
+        self,
+        xs: Sequence[torch.Tensor],
+        lengths: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """`replay`, plus each virtual rank's own decoded contribution (error feedback keeps x - local)."""
+        world_size = len(xs)
+        self.check(world_size)
+        flat = [x.reshape(-1).to(torch.float32) for x in xs]
+        numel = flat[0].numel()
+        lengths = [numel] if lengths is None else list(lengths)
+        if numel == 0:
+            return flat[0].clone(), [None] * world_size
+        gens = list(generators) if generators is not None else [None] * world_size
+        shared = None
+        if self.needs_shared_scale:
+            shared = torch.stack([self.local_scale(x, lengths) for x in flat]).amax(0)
+        encs = [self.encode(x, lengths, world_size, shared, g) for x, g in zip(flat, gens, strict=True)]
+        reduced = self.combine([e.payload for e in encs])
+        scale_mean = None
+        if encs[0].scales is not None:
+            scale_mean = mean_of_ranks(torch.stack([e.scales for e in encs]))  # type: ignore[misc]
+        if shared is not None:
+            scale_mean = shared
+        return self.decode(reduced, scale_mean, numel, lengths, world_size), [e.local for e in encs]
+
+
+def allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
+    work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+Out = torch.Tensor | Sequence[torch.Tensor] | None
+"""Where a decode writes: nowhere (a new tensor), one fp32 tensor of `numel` elements, or
+one destination view per segment (a mixed bucket's slices: decoded, scaled and written
+to their own offsets in one pass, with no temporary group tensor to scatter)."""
+
+
+def split_out(out: Out) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+    """(one destination tensor or None, per-segment destinations or None)."""
+    if out is None or isinstance(out, torch.Tensor):
+        return out, None
+    dests = list(out)
+    if len(dests) == 1:
+        return dests[0], None
+    return None, dests
+
+
+def finish_segments(unit: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], out: Out) -> Any:
+    """Scale a decode's unit values per segment, in place or into per-segment destinations."""
+    _, dests = split_out(out)
+    if dests is not None:
+        codecs.scale_segments_into(unit, scales, lengths, dests)
+        return dests
+    return codecs.scale_segments_(unit, scales, lengths)
+
+
+def decode_scaled(containers, layout, numel, values, scales, lengths, out: Out = None) -> Any:
+    """Table decode times the per-segment scale; one segment folds the scale into the table.
+
+    fl(value * scale) is the same number either way, so both branches give identical bits.
+    """
+    one, dests = split_out(out)
+    if len(lengths) == 1:
+        return decode_table(containers, layout, numel, values * scales.reshape(-1)[0], one)
+    return finish_segments(decode_table(containers, layout, numel, values, one), scales, lengths, out)
+
+
+def write_into(out: Out, value: torch.Tensor) -> Any:
+    """`value`, copied into `out` (one tensor, or per-segment destinations) when one is given."""
+    one, dests = split_out(out)
+    if dests is not None:
+        for part, d in zip(torch.split(value.reshape(-1), [t.numel() for t in dests]), dests, strict=True):
+            d.copy_(part)
+        return dests
+    if one is None:
+        return value
+    return one.copy_(value.view(one.shape))
+
+

@@ -1,0 +1,94 @@
+"""Reducers: aggregation paths that turn W ranks' gradients into their mean.
+
+Each reducer is split into pure steps so the hook runtime can batch and overlap them:
+
+    encode (local, pure) -> one payload collective (async) -> decode (pure)
+
+plus a per-segment scale vector that the runtime averages across ranks in its control
+word. `reduce` runs the whole path on a real process group; `replay` runs the same
+arithmetic for W virtual ranks in one process (calibration). For the integer paths
+(`signcount`, `signgather`, `qsum`) the payload sum is exact, so replay is bit-identical
+to the real reduction.
+
+Wire bytes count what each rank sends under the collective's algorithm: ring all-reduce
+sends 2(W-1)/W of its payload, all-gather sends (W-1)/W of W payloads.
+"""
+from __future__ import annotations
+
+import torch
+
+from nfab.wire import codecs
+from nfab.wire.qsum import QSum
+from nfab.wire.reducer import (  # re-exported: the reducer contract lives in reducer.py
+    Capacity,
+    Encoded,
+    Reducer,
+    all_gather_flat,
+    allgather_factor,
+    allreduce_factor,
+    allreduce_future,
+    gather_scales,
+    mean_of_ranks,
+    write_into,
+)
+from nfab.wire.sign import SignCount, SignGather
+
+__all__ = [
+    "REDUCERS", "AllReduce", "Capacity", "Encoded", "QSum", "Reducer", "SignCount", "SignGather",
+    "all_gather_flat", "allgather_factor", "allreduce_factor", "candidates", "gather_scales", "mean_of_ranks",
+]
+
+
+class AllReduce(Reducer):
+    """Plain SUM all-reduce in fp32, bf16 or fp16, pre-scaled by 1/W (as DDP does) to avoid overflow."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        self.route = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        self.name = "allreduce"
+        self.lossy = dtype != torch.float32
+
+    def capacity(self, world_size: int) -> Capacity:
+        return Capacity(self.name, world_size, ok=world_size >= 1)
+
+    def payload_bytes(self, numel: int, world_size: int) -> int:
+        return numel * torch.finfo(self.dtype).bits // 8
+
+    def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
+        return allreduce_factor(world_size) * self.payload_bytes(numel, world_size)
+
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+        payload = (x * (1.0 / world_size)).to(self.dtype)  # DDP's own pre-scale
+        local = payload.to(torch.float32) * world_size if self.lossy else None
+        return Encoded(payload, None, local)
+
+    def launch(self, payload, world_size, group):
+        return allreduce_future(payload, group)
+
+    def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
+        return write_into(out, reduced.to(torch.float32))
+
+
+REDUCERS: dict[str, Reducer] = {
+    "allreduce-fp32": AllReduce(torch.float32),
+    "allreduce-bf16": AllReduce(torch.bfloat16),
+    "allreduce-fp16": AllReduce(torch.float16),
+    "signcount": SignCount(),
+    "signgather": SignGather(),
+    "qsum-q8": QSum(8),
+    "qsum-q4": QSum(4),
+    "qsum-q2": QSum(2),
+}
+
+
+def candidates(route: str) -> list[Reducer]:
+    """Reducers that can carry a route; `sign` has two (chosen by cost and capacity)."""
+    if route == "fp32":
+        return [REDUCERS["allreduce-fp32"]]
+    if route in ("bf16", "fp16"):
+        return [REDUCERS[f"allreduce-{route}"]]
+    if route in ("q8", "q4", "q2"):
+        return [REDUCERS[f"qsum-{route}"]]
+    if route == "sign":
+        return [REDUCERS["signgather"], REDUCERS["signcount"]]
+    raise ValueError(f"unknown route {route!r}; routes are {', '.join(codecs.ROUTES)}")

@@ -1,0 +1,59 @@
+"""`nfab profile schema|check`: the profile file's JSON schema, and validating a profile without training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nfab.cli.output import console
+
+
+def schema_text() -> str:
+    """The JSON schema as written to `schemas/profile.schema.json` (stable key order, trailing newline)."""
+    from nfab.profile.schema import json_schema
+
+    return json.dumps(json_schema(), indent=2) + "\n"
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Operating profiles: JSON schema, validation.", no_args_is_help=True)
+
+    @group.command("schema")
+    def schema(
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the schema here (default: stdout).",
+                                                 show_default=False)] = None,
+    ) -> None:
+        """Print (or write) the profile file's JSON schema, for editors and other tools."""
+        from nfab.fsutil import atomic_write_text
+
+        text = schema_text()
+        if out is None:
+            typer.echo(text, nl=False)
+        else:
+            atomic_write_text(out, text)
+            console.print(f"wrote {out}", highlight=False)
+
+    @group.command("check")
+    def check(
+        profile: Annotated[str, typer.Argument(metavar="PROFILE", help="profile.json or a shipped name.")],
+    ) -> None:
+        """Validate a profile (strict types, unknown keys refused) and print what it routes."""
+        from nfab.cli.calibrate import profile_table
+        from nfab.config.calibrated import calibrated_setting
+        from nfab.config.shipped import resolve_profile
+        from nfab.profile.schema import Profile
+
+        path = resolve_profile(profile)
+        prof = Profile.load(path)
+        setting = calibrated_setting(prof, f"profile {path}")
+        console.print(profile_table(prof))
+        if setting is not None:
+            console.print(f"calibrated on {setting.model or prof.model.name} / {setting.dataset}, "
+                          f"W={setting.world_size}, {setting.optimizer.name} lr {setting.optimizer.lr:g}, "
+                          f"batch {setting.batch_size}, {setting.steps} steps", highlight=False)
+        console.print(f"{path}: valid", highlight=False)
+
+    app.add_typer(group, name="profile")
