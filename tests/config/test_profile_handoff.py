@@ -1,0 +1,110 @@
+"""The profile is the handoff: `--profile` alone reproduces the calibrated setting; models fit their data set.
+
+Checked with the parent's own validation (no ranks start); `tests/cli/test_readme_quickstart.py`
+trains for real.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from nfab.calibrate import make_config
+from nfab.cli.app import main
+from nfab.config.shipped import resolve_config as resolve_config_name
+from nfab.config.shipped import shipped_names
+from nfab.errors import ConfigError, ProfileError
+from nfab.profile.schema import Profile
+from nfab.train.launch import resolve_config, validate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def resolved(tmp_path: Path, *, config: str | None = None, overrides: list[str] | None = None,
+             flags: list[str] | None = None, names: dict[str, str] | None = None):
+    flags = [*(flags or []), f"run_dir={tmp_path / 'run'}"]
+    return validate(resolve_config(config, list(overrides or []), flags, names=names or {}))
+
+
+@pytest.mark.parametrize("name", shipped_names("calibrations"))
+def test_every_shipped_profile_reproduces_its_setting_alone(name: str, tmp_path: Path) -> None:
+    path = REPO / "calibrations" / name / "profile.json"
+    cfg = resolved(tmp_path, flags=[f"comm.profile={path}"])
+    setting = Profile.load(path).provenance["calibrated"]
+    assert cfg.model.name == name
+    assert cfg.data.name == setting["dataset"] and cfg.data.batch_size == setting["batch_size"]
+    assert cfg.optim.name == setting["optimizer"]["name"] and cfg.optim.lr == setting["optimizer"]["lr"]
+    assert cfg.steps == setting["steps"]
+    # by name, too; explicit flags and key=value win over the profile
+    again = resolved(tmp_path, flags=[f"comm.profile={name}", "steps=7"], overrides=["optim.lr=0.001"])
+    assert again.comm.profile == str(path) and again.steps == 7 and again.optim.lr == 0.001
+
+
+def test_a_changed_option_is_named_in_the_signature_error(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match=r"options differ from the calibrated setting: "
+                                           r"model\.width=8 \(calibrated: 16\)"):
+        resolved(tmp_path, flags=["comm.profile=resnet18"], overrides=["model.width=8"])
+    with pytest.raises(ProfileError, match="calibrated for model resnet18, this run builds vit"):
+        resolved(tmp_path, flags=["comm.profile=resnet18"], names={"model": "vit"})
+
+
+def test_models_fit_their_data_set(tmp_path: Path) -> None:
+    cfg = resolved(tmp_path, flags=["comm.route=sign"], names={"model": "resnet18", "data": "digits"})
+    assert cfg.model.options == {"num_classes": 10, "in_channels": 1, "image_size": 8, "small_input": True}
+    vit = resolved(tmp_path, flags=["comm.route=sign"], names={"model": "vit", "data": "digits"})
+    assert vit.model.options["image_size"] == 8 and vit.model.options["in_channels"] == 1
+    gpt = resolved(tmp_path, flags=["comm.route=sign"], overrides=["data.block_size=32"],
+                   names={"model": "gpt", "data": "stdlib-text"})
+    assert gpt.model.options["block_size"] == 32 and gpt.model.options["vocab_size"] == 256
+    big = resolved(tmp_path, flags=["comm.route=sign"], overrides=["data.image_size=64"],
+                   names={"model": "resnet18", "data": "synthetic-images"})
+    assert big.model.options["small_input"] is False  # 64 px keeps the ImageNet stem
+    keep = resolved(tmp_path, flags=["comm.route=sign"], overrides=["model.small_input=false"],
+                    names={"model": "resnet18", "data": "digits"})
+    assert keep.model.options["small_input"] is False  # explicit options win
+    with pytest.raises(ConfigError, match="model resnet18 has 1000 classes, data set digits 10"):
+        resolved(tmp_path, flags=["comm.route=sign"], overrides=["model.num_classes=1000"],
+                 names={"model": "resnet18", "data": "digits"})
+
+
+def test_calibrate_and_train_read_the_same_config(tmp_path: Path) -> None:
+    cal = make_config("resnet18", config=str(REPO / "configs/resnet18-digits.yaml"), overrides={"model.width": 8})
+    train = resolved(tmp_path, config="resnet18-digits", overrides=["model.width=8"], flags=["comm.fp32=true"])
+    assert cal.setting.model == train.model and cal.setting.data.name == train.data.name
+    assert cal.batch_size == train.data.batch_size and cal.steps == train.steps
+    assert cal.schedule == train.schedule
+    assert cal.optimizer.model_dump(exclude={"name", "lr", "weight_decay"}) == train.optim.model_dump(
+        exclude={"name", "lr", "weight_decay"})
+    assert (cal.optimizer.name, cal.optimizer.lr, cal.optimizer.weight_decay) == (
+        train.optim.name, train.optim.lr, train.optim.weight_decay)
+
+
+def test_a_user_model_is_calibrated_under_its_declared_optimizer() -> None:
+    cfg = make_config("nfab.bench.heldout:user_gpt")
+    assert cfg.optimizer.name == "adamw" and cfg.optimizer.lr == 3e-3 and cfg.dataset == "stdlib-text"
+
+
+def test_shipped_configs_resolve_by_name() -> None:
+    assert resolve_config_name("gpt-nano-stdlib") == REPO / "configs" / "gpt-nano-stdlib.yaml"
+    with pytest.raises(ConfigError, match="no shipped config of that name.*gpt-nano-stdlib"):
+        resolve_config_name("gpt-nano")
+
+
+def test_user_model_profile_round_trip(tmp_path: Path, capsys, monkeypatch) -> None:
+    """calibrate a `module:factory` model, then `train --profile` alone validates against it."""
+    out = tmp_path / "cal"
+    monkeypatch.setattr(sys, "argv", [
+        "nfab", "calibrate", "nfab.bench.heldout:user_gpt", "--steps", "4", "--phases", "1", "--trial-steps", "1",
+        "--routes", "fp32,sign", "--quick", "--out", str(out), "data.max_bytes=40000", "batch_size=2",
+        "eval_samples=4", "ef_steps=1", "d_model=32"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code in (0, None)
+    profile = Profile.load(out / "profile.json")
+    setting = profile.provenance["calibrated"]
+    assert setting["optimizer"]["name"] == "adamw" and setting["model"] == "nfab.bench.heldout:user_gpt"
+    cfg = resolved(tmp_path, flags=[f"comm.profile={out / 'profile.json'}"])
+    assert cfg.model.name == "nfab.bench.heldout:user_gpt" and cfg.model.options["d_model"] == 32
+    assert cfg.optim.name == "adamw" and cfg.steps == 4 and cfg.data.batch_size == 2
