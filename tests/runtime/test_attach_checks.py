@@ -1,0 +1,103 @@
+"""`nfab.attach` refuses what it can check at the call, before the hook is registered (never inside backward).
+
+One real gloo process group of one rank: DDP needs a group, and these checks run before any collective.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nfab
+from nfab.errors import NfabError, ProfileError
+from nfab.models import build_model
+from nfab.profile.routes import parse_route
+from nfab.profile.schema import Profile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def shipped_resnet(width: int = 16) -> DDP:
+    spec = build_model("resnet18", width=width, small_input=True, num_classes=10, in_channels=1, seed=0)
+    return DDP(spec.module)
+
+
+def _probe_hook(state, bucket):  # no annotations: DDP checks them, and they are strings here
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def hooked(ddp: DDP) -> bool:
+    """Whether a comm hook was registered (DDP refuses a second registration; a probe registers one)."""
+    try:
+        ddp.register_comm_hook(None, _probe_hook)
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_fraction_phases_need_total_steps(group) -> None:
+    ddp = shipped_resnet()
+    with pytest.raises(NfabError, match="at a fraction of the run: pass total_steps="):
+        nfab.attach(ddp, "resnet18", cost_model=None)
+    with pytest.raises(NfabError, match="total_steps must be a positive integer"):
+        nfab.attach(ddp, "resnet18", cost_model=None, total_steps=0)
+    assert not hooked(ddp)
+
+
+def test_a_profile_for_another_model_is_refused_from_the_ddp_module(group) -> None:
+    ddp = shipped_resnet(width=8)
+    with pytest.raises(ProfileError, match="another parameter layout"):
+        nfab.attach(ddp, REPO / "calibrations/resnet18/profile.json", cost_model=None, total_steps=100)
+    assert not hooked(ddp)
+
+
+def test_the_matching_model_attaches_by_shipped_name(group) -> None:
+    ddp = shipped_resnet()
+    runtime = nfab.attach(ddp, "resnet18", cost_model=None, total_steps=100)
+    assert runtime is not None and hooked(ddp)
+
+
+@pytest.mark.parametrize(("route", "match"), [
+    ("q3", "unknown route 'q3'"),
+    ({"conv": "sign", "cnv": "q8"}, "unknown region 'cnv'"),
+    ("conv:sign,norm", "must look like region:route"),
+    ({"*.bias": "int4"}, "unknown route 'int4'"),
+])
+def test_bad_routes_are_refused_at_the_call(group, route, match) -> None:
+    ddp = shipped_resnet()
+    with pytest.raises(NfabError, match=match):
+        nfab.attach(ddp, route=route, cost_model=None)
+    assert not hooked(ddp)
+
+
+def test_one_route_grammar_everywhere(tmp_path: Path) -> None:
+    text = "conv:sign,norm:fp32,*.bias:fp32"
+    assert parse_route(text) == parse_route({"conv": "sign", "norm": "fp32", "*.bias": "fp32"})
+    assert parse_route('{conv: sign, norm: fp32, "*.bias": fp32}') == parse_route(text)
+    assert parse_route("sign") == "sign"
+    static = Profile.static(text)
+    assert static.phases[0].routes == {"conv": "sign", "norm": "fp32"} and static.overrides == {"*.bias": "fp32"}
+    from nfab.config.files import config_from_dict
+
+    cfg = config_from_dict({"comm": {"route": text}})
+    assert cfg.comm.route == parse_route(text)
+    assert json.loads(json.dumps(cfg.to_dict()))["comm"]["route"] == parse_route(text)
