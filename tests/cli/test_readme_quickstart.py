@@ -1,0 +1,63 @@
+"""The README's quick-start lines, run as written (plus short lengths) in a fresh folder, in order.
+
+The block between the `quickstart` markers is the source: change the README and this test
+runs the new lines. Speed arguments are appended per command; the commands themselves are
+the README's. Full-length runs of the same lines are in the README's "measured" notes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NFAB = str(Path(sys.executable).parent / "nfab")
+
+FAST = {
+    "calibrate": ["--steps", "8", "--phases", "2", "--trial-steps", "2", "--quick", "model.width=4", "ef_steps=2",
+                  "eval_samples=32", "batch_size=8"],
+    "train": ["--steps", "3", "--quiet"],
+    "report": [],
+}
+"""What each command gets appended for speed (the profile then carries width 4: train reproduces it)."""
+
+
+def quickstart_lines() -> list[list[str]]:
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- quickstart", 1)[1].split("<!-- /quickstart -->", 1)[0]
+    lines = []
+    for raw in block.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.startswith("nfab "):
+            lines.append(shlex.split(line)[1:])
+    return lines
+
+
+def test_the_quickstart_block_is_the_headline_flow() -> None:
+    lines = quickstart_lines()
+    assert lines[0] == ["calibrate", "resnet18"]
+    assert lines[1] == ["train", "--profile", "calibrations/resnet18/profile.json"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for args in quickstart_lines():
+        res = subprocess.run([NFAB, *args, *FAST[args[0]]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600, check=False)
+        assert res.returncode == 0, f"nfab {shlex.join(args)}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 2
+    summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
+    assert all(s["complete"] and s["steps"] == 3 for s in summaries)
+    config = json.loads(next(r for r in runs if "profile" in r.name).joinpath("config.json").read_text())
+    assert config["model"]["options"]["width"] == 4  # the calibrated setting, not the config file's
+    assert config["comm"]["profile"] == "calibrations/resnet18/profile.json"
+    assert (tmp_path / "report" / "report.html").is_file() or any(tmp_path.rglob("report.html"))
