@@ -36,15 +36,15 @@ def register(app: typer.Typer) -> None:
         calibrate: Annotated[bool, typer.Option(help="Calibrate first (else use the shipped profile).")] = True,
     ) -> None:
         """Calibrate resnet18, train FP32 / static sign / profile-guided, and report."""
-        config = "configs/resnet18-digits.yaml"
-        if not Path(config).exists():
-            fail(f"{config} not found: run the demo from the repository root")
+        from nfab.config.shipped import resolve_config, resolve_profile
+
+        config = str(resolve_config("resnet18-digits"))  # the shipped config, cloned or installed
         calib = out / "calibration"
         if calibrate:
             _run(["calibrate", "resnet18", "--quick", "--out", str(calib)])
             profile = calib / "profile.json"
         else:
-            profile = Path("calibrations/resnet18/profile.json")
+            profile = resolve_profile("resnet18")
         common = ["--config", config, "--nproc", str(nproc), "--steps", str(steps), "--overwrite", "--quiet"]
         _run(["train", *common, "--fp32", "--run-dir", str(out / "fp32")])
         _run(["train", *common, "--route", "sign", "--run-dir", str(out / "static-sign")])

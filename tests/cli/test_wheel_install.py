@@ -1,0 +1,59 @@
+"""Installed, not only cloned: build the wheel, install it in a fresh venv, train with a shipped profile by name.
+
+The fresh venv gets nfab from the wheel alone (no checkout on its path: it runs in an empty
+folder). Its dependencies, the pinned torch==2.13.0 among them, come from this test's own
+environment through a `.pth` line rather than a second multi-GB install, which keeps the
+test to about a minute; `pip check` then proves the wheel's requirements are met.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def ok(res: subprocess.CompletedProcess[str]) -> str:
+    assert res.returncode == 0, f"{res.args}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+    return res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_wheel_installs_and_trains_with_a_shipped_profile_by_name(tmp_path: Path) -> None:
+    dist, venv, work = tmp_path / "dist", tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    ok(run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], cwd=tmp_path))
+    (wheel,) = dist.glob("nfab-*.whl")
+    ok(run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path))
+    python = venv / "bin" / "python"
+    ok(run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
+            str(wheel)], cwd=tmp_path))
+    site = Path(ok(run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       cwd=work)).strip())
+    (site / "_nfab_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    where = ok(run([str(python), "-c", "import nfab, torch; print(nfab.__file__); print(torch.__version__)"],
+                   cwd=work)).split()
+    assert where[0].startswith(str(site)), where  # nfab from the wheel, not the checkout
+    assert where[1].startswith("2.13.0"), where  # the pinned torch of constraints.txt
+    ok(run([sys.executable, "-m", "pip", "--python", str(python), "check"], cwd=work))
+
+    nfab = str(venv / "bin" / "nfab")
+    ok(run([nfab, "train", "--profile", "resnet18", "--nproc", "2", "--steps", "3", "--quiet", "--run-dir", "run"],
+           cwd=work))
+    assert (work / "run" / "summary.json").is_file()
+    bad = run([nfab, "train", "--config", "gpt-nano-stdlib", "--route", "sign", "nosuch=1"], cwd=work)
+    assert bad.returncode == 2 and "unknown key 'nosuch'" in bad.stderr, bad.stderr  # the config was found
+    assert "valid" in ok(run([nfab, "profile", "check", "gpt"], cwd=work))
