@@ -64,3 +64,8 @@ def cell(column: str, value: object) -> str:
     if render is not None:
         return render(value)
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def calibration_heading(name: str) -> str:
+    """`Calibration NAME`, or just `Calibration` for a folder called calibration(s) (no repeated word)."""
+    return "Calibration" if name.lower() in ("calibration", "calibrations") else f"Calibration {name}"

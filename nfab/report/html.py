@@ -12,7 +12,7 @@ from html import escape
 import pandas as pd
 
 from nfab import __version__
-from nfab.report.formatting import cell, header
+from nfab.report.formatting import calibration_heading, cell, header
 from nfab.report.model import Report, visible_columns
 
 _CSS = """
@@ -69,14 +69,14 @@ def render_html(report: Report) -> str:
             parts.append(table_html(report.comparison, list(report.comparison.columns)))
         parts.extend(_figure(title, name) for title, name in report.images)
     for view in report.calibrations:
-        parts.append(f"<h2>Calibration {escape(view.name)}</h2>")
+        parts.append(f"<h2>{escape(calibration_heading(view.name))}</h2>")
         if not view.fitted:
             parts.append("<p class='note'>No profile.json yet (not fitted): all measured "
                          "rows are listed.</p>")
         columns = [c for c in view.table.columns if c != "calibration"]
         parts.append(table_html(view.table, columns))
         if view.heatmap:
-            parts.append(_figure(f"Calibration {view.name}: chosen route per phase x region",
+            parts.append(_figure(f"{calibration_heading(view.name)}: chosen route per phase x region",
                                  view.heatmap))
     body = "\n".join(parts)
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

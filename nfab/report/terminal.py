@@ -8,7 +8,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from nfab.report.formatting import cell, header
+from nfab.report.formatting import calibration_heading, cell, header
 from nfab.report.model import Report, visible_columns
 
 _LEFT = {"run", "status", "model", "dataset", "route", "baseline", "calibration", "phase",
@@ -67,7 +67,7 @@ def renderables(report: Report) -> list[RenderableType]:
             out.append(Text("no FP32 run among these runs: no comparison table", style="dim"))
     for view in report.calibrations:
         columns = [c for c in view.table.columns if c != "calibration"]
-        title = f"Calibration {view.name}: " + (
+        title = f"{calibration_heading(view.name)}: " + (
             "fitted route per phase and region, with its evidence" if view.fitted
             else "measurements (no profile.json yet: not fitted)")
         out.append(_table(title, view.table, columns))

@@ -65,3 +65,16 @@ def test_static_routes():
     assert p.phases[0].routes == {"conv": "sign"} and p.overrides == {"layer1.*": "q8"}
     assert Phase(name="x", start=PhaseStart(step=0), routes={}).route_for("conv") == "fp32"
     assert json.loads(Profile.static("q4").to_json())["phases"][0]["routes"]["norm"] == "q4"
+
+
+def test_checked_in_json_schema_is_current():
+    from pathlib import Path
+
+    from nfab.cli.profile import schema_text
+
+    path = Path(__file__).resolve().parents[2] / "schemas" / "profile.schema.json"
+    assert path.read_text() == schema_text(), "run: nfab profile schema -o schemas/profile.schema.json"
+    schema = json.loads(schema_text())
+    assert schema["additionalProperties"] is False and {"schema", "version", "model", "phases"} <= set(
+        schema["required"])
+    assert schema["$defs"]["Health"]["properties"]["probe_every"]["type"] == "integer"
