@@ -24,7 +24,8 @@ def register(app: typer.Typer) -> None:
         profile: Annotated[str | None, typer.Option(help="Operating profile: a path or a shipped name.")] = None,
         route: Annotated[str | None, typer.Option(help="Static route, e.g. sign or conv:sign,norm:fp32.")] = None,
         step: Annotated[int, typer.Option(help="Training step whose profile phase to show.")] = 0,
-        total_steps: Annotated[int | None, typer.Option(help="Run length (for phases given as fractions).")] = None,
+        total_steps: Annotated[int | None, typer.Option(
+            help="Run length (for phases given as fractions; default: the profile's calibrated length).")] = None,
         bucket_cap_mb: Annotated[float, typer.Option(help="DDP bucket cap.")] = 25.0,
         cost: Annotated[Path | None, typer.Option(help="Cost model JSON from `nfab bench wire --cost`.")] = None,
         buckets: Annotated[int, typer.Option(help="Show at most this many buckets.")] = 12,
@@ -35,6 +36,7 @@ def register(app: typer.Typer) -> None:
 
         Extra `key=value` arguments are model options (e.g. width=16 small_input=true).
         """
+        from nfab.config.calibrated import calibrated_setting
         from nfab.config.shipped import resolve_profile
         from nfab.errors import ConfigError
         from nfab.inspect import crossovers, inspect_model
@@ -50,6 +52,9 @@ def register(app: typer.Typer) -> None:
         spec = build_model(model, device="meta", **options)
         if profile is not None:
             prof, explicit = Profile.load(resolve_profile(profile)), False
+            setting = calibrated_setting(prof)
+            if total_steps is None and setting is not None:
+                total_steps = setting.steps
         else:
             prof, explicit = Profile.static(route or "sign"), True
         cm = CostModel.load(cost) if cost else default_cost_model(world_size)

@@ -108,3 +108,20 @@ def test_user_model_profile_round_trip(tmp_path: Path, capsys, monkeypatch) -> N
     cfg = resolved(tmp_path, flags=[f"comm.profile={out / 'profile.json'}"])
     assert cfg.model.name == "nfab.bench.heldout:user_gpt" and cfg.model.options["d_model"] == 32
     assert cfg.optim.name == "adamw" and cfg.steps == 4 and cfg.data.batch_size == 2
+
+
+@pytest.mark.slow
+def test_model_and_dataset_flags_alone_train(tmp_path: Path) -> None:
+    """The issue's command: `nfab train --model resnet18 --dataset digits --route sign --nproc 2` trains."""
+    import json
+    import os
+    import subprocess
+
+    nfab = str(Path(sys.executable).parent / "nfab")
+    res = subprocess.run([nfab, "train", "--model", "resnet18", "--dataset", "digits", "--route", "sign", "--nproc",
+                          "2", "--steps", "2", "--quiet", "--run-dir", str(tmp_path / "run")],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=280,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["complete"] and summary["world_size"] == 2
