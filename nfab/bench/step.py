@@ -38,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
 from nfab.bench import netns
-from nfab.config.strict import STRICT_DATACLASS, validate_dataclass
 from nfab.data import build_dataset, make_loader
 from nfab.distributed import run_ranks
 from nfab.errors import ConfigError
@@ -46,6 +45,7 @@ from nfab.fsutil import atomic_write_text
 from nfab.models import build_model
 from nfab.profile.schema import Profile
 from nfab.train.config import NFAB_BUCKET_MB
+from nfab.validation import STRICT_DATACLASS, validate_dataclass
 
 VARIANTS: dict[str, str] = {
     "plain": "DDP, FP32 all-reduce",

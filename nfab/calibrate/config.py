@@ -18,12 +18,12 @@ from nfab.config.optim import resolve_optim
 from nfab.config.pairing import resolve_pairing
 from nfab.config.run import OptimConfig, ScheduleConfig, TrainConfig
 from nfab.config.shipped import DEFAULT_CONFIGS
-from nfab.config.strict import StrictModel, describe
 from nfab.errors import ConfigError
 from nfab.models import build_model
 from nfab.models.options import accepted_options
 from nfab.models.registry import MODELS
 from nfab.overrides import parse_kv
+from nfab.validation import StrictModel, describe
 from nfab.wire.codecs import ROUTES
 
 DEFAULT_ROUTES: tuple[str, ...] = ("fp32", "bf16", "q8", "q4", "q2", "sign")

@@ -14,9 +14,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from nfab.config.run import ScheduleConfig
-from nfab.config.strict import FrozenModel, validate
 from nfab.errors import ProfileError
 from nfab.profile.schema import Profile
+from nfab.validation import FrozenModel, validate
 
 
 class CalibratedOptimizer(FrozenModel):

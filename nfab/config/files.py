@@ -10,9 +10,9 @@ import yaml
 
 from nfab.config.run import TrainConfig
 from nfab.config.shipped import resolve_config
-from nfab.config.strict import validate
 from nfab.errors import ConfigError
 from nfab.overrides import parse_value
+from nfab.validation import validate
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

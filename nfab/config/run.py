@@ -1,7 +1,7 @@
 """The typed run config shared by `nfab train` and `nfab calibrate`.
 
 One pydantic model per section; unknown keys and wrongly typed values are errors
-(validated strictly from YAML / JSON / overrides by `nfab.config.strict.validate`).
+(validated strictly from YAML / JSON / overrides by `nfab.validation.validate`).
 Sections `model` and `data` take a `name` plus the builder's own options, which the
 registries check against the builder's signature.
 """
@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nfab.config.strict import StrictModel
 from nfab.errors import ConfigError
 from nfab.profile.routes import RouteSpec, parse_route
+from nfab.validation import StrictModel
 
 OptimizerName = Literal["auto", "sgd", "adamw"]
 ScheduleName = Literal["cosine", "constant"]

@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from nfab.config.strict import validate
 from nfab.errors import ConfigError
+from nfab.validation import validate
 
 _SKIP = ("split", "seed")
 """Options a registry passes itself (data sets), never taken from a user."""

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nfab.config.strict import FrozenModel, validate
 from nfab.errors import ConfigError, ProfileError
 from nfab.fsutil import atomic_write_text
 from nfab.profile.routes import REGIONS, RouteSpec, check_route_name, parse_route, split_route
+from nfab.validation import FrozenModel, validate
 
 SCHEMA = "nfab.profile"
 VERSION = 1
