@@ -88,9 +88,12 @@ def config_from_dict(data: dict[str, Any], where: str = "") -> TrainConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None,
-                base: dict[str, Any] | None = None) -> TrainConfig:
-    """`base` mapping (or defaults), then a config file merged over it, then `key=value` overrides."""
+                base: dict[str, Any] | None = None, sections: dict[str, Any] | None = None) -> TrainConfig:
+    """`base` mapping (or defaults), the config file merged over it, `sections` over that
+    (`--model`/`--dataset`), then `key=value` overrides."""
     data = dict(base or {})
     if path is not None:
         data = merge(data, read_yaml(path))
+    if sections:
+        data = merge(data, sections)
     return config_from_dict(apply_overrides(data, list(overrides or [])))

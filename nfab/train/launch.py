@@ -32,7 +32,7 @@ from nfab.models import model_signature
 from nfab.profile.schema import Profile
 from nfab.runtime.controller import candidates
 from nfab.train import checkpoint, fault
-from nfab.train.config import TrainConfig, load_config, merge
+from nfab.train.config import TrainConfig, load_config
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
 from nfab.train.worker import ERROR_MARK
 from nfab.wire.cost import CostModel
@@ -62,7 +62,7 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
     one below); then `key=value` overrides and flags.
     """
     sections = {k: {"name": v} for k, v in (names or {}).items() if v is not None}
-    probe = load_config(config_path, overrides + flags, base=sections)
+    probe = load_config(config_path, overrides + flags, sections=sections)
     base: dict[str, Any] = {}
     where = ""
     if config_path is None and probe.resume and probe.run_dir:
@@ -76,7 +76,7 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
     if not base and not sections:
         return probe
     try:
-        return load_config(config_path, overrides + flags, base=merge(base, sections))
+        return load_config(config_path, overrides + flags, base=base, sections=sections)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}" if where else str(exc)) from exc
 

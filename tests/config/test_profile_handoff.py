@@ -125,3 +125,9 @@ def test_model_and_dataset_flags_alone_train(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["complete"] and summary["world_size"] == 2
+
+
+def test_model_and_dataset_flags_win_over_the_config_file(tmp_path: Path) -> None:
+    cfg = resolved(tmp_path, config="resnet18-digits", flags=["comm.route=sign"], names={"model": "vit"})
+    assert cfg.model.name == "vit" and "width" not in cfg.model.options  # resnet's options do not follow
+    assert cfg.data.name == "digits" and cfg.model.options["image_size"] == 8
