@@ -5,6 +5,10 @@ Tests and benchmarks use this to run real collectives in real processes (no mock
 127.0.0.1, calls `fn(rank, world_size, *args)` and sends back its (picklable) result. A
 rank that raises, dies or runs past `timeout_s` fails the whole call with a clear error,
 and the remaining processes are killed: a hang never outlives the timeout.
+
+On an emulated node (`nfab.bench.nodes`) the same call starts only that node's share of
+the ranks (`ranks=`), which rendezvous with the other node's at `master_addr:port`; each
+rank sees torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK for its node.
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ def _rank_main(
     args_blob: bytes,
     queue: Any,
     pg_timeout_s: float,
+    master_addr: str = "127.0.0.1",
+    node: tuple[int, int, int] = (0, 0, 0),
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    group_rank, first, local_world = node
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank - first),
+                      LOCAL_WORLD_SIZE=str(local_world or world_size), GROUP_RANK=str(group_rank))
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
@@ -64,14 +72,23 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 120.0,
     pg_timeout_s: float = 60.0,
+    ranks: range | None = None,
+    master_addr: str = "127.0.0.1",
+    port: int | None = None,
+    group_rank: int = 0,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
 
     `fn` must be importable at module level (the spawn start method pickles it by name).
+    `ranks` (default: all) are the ranks this machine (node `group_rank`) runs; the others
+    join the same rendezvous at `master_addr:port` from elsewhere. Results are this node's,
+    in rank order.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    ranks = range(world_size) if ranks is None else ranks
+    port = free_port() if port is None else port
+    node = (group_rank, ranks.start, len(ranks))
     # Arguments travel by value: tensors pickled by torch.multiprocessing would share one
     # storage between all ranks, and in-place updates on one rank would leak into another.
     blob = io.BytesIO()
@@ -79,22 +96,22 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s),
+            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s, master_addr, node),
             daemon=True,
         )
-        for rank in range(world_size)
+        for rank in ranks
     ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        for _ in range(world_size):
+        for _ in ranks:
             try:
                 rank, ok, payload = queue.get(timeout=timeout_s)
             except queue_mod.Empty as exc:  # some rank hung or died silently
                 raise TimeoutError(
-                    f"{world_size - len(results) - len(errors)} rank(s) did not finish "
+                    f"{len(ranks) - len(results) - len(errors)} rank(s) did not finish "
                     f"within {timeout_s:.0f} s"
                 ) from exc
             if ok:
@@ -109,4 +126,4 @@ def run_ranks(
                 p.kill()
     if errors:
         raise RuntimeError("a rank failed\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [results[r] for r in ranks]

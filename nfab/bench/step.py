@@ -15,7 +15,13 @@ with several buckets), and nfab with route fp32, static sign, or a profile (cost
 by the link nfab measures at attach time).
 
 With `link` set, the ranks run inside a private network namespace whose loopback is
-shaped to that rate (see `nfab.bench.netns`).
+shaped to that rate (see `nfab.bench.netns`). With `nodes=2` they run as 2 emulated nodes of
+W/2 ranks, network namespaces joined by a veth pair shaped to that rate (see
+`nfab.bench.nodes`). Either way every row also carries the bytes that crossed the shaped
+link per timed step, counted by the interfaces' tx counters, beside the bytes the cost model
+predicts for it (`nfab.bench.linkbytes`).
+
+A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route.
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at registration.
@@ -37,7 +43,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
-from nfab.bench import netns
+from nfab.bench import linkbytes, netns, nodes
 from nfab.data import build_dataset, make_loader
 from nfab.distributed import run_ranks
 from nfab.errors import ConfigError
@@ -62,6 +68,18 @@ STEP_VARIANTS: tuple[str, ...] = ("plain", "floor", "fp16", "powersgd", "nfab-si
 DEFAULT_PROFILE = Path("calibrations/resnet18/profile.json")
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo."""
+
+
+ROUTE_VARIANT = "nfab:"
+"""Prefix of a variant that runs nfab with a static route (`nfab:q8`, `nfab:sign`)."""
+COST_MODELS = ("measure", "none")
+
+
+def describe(variant: str) -> str:
+    """What a variant runs (VARIANTS, or `nfab:ROUTE`)."""
+    if variant.startswith(ROUTE_VARIANT):
+        return f"nfab, static route {variant.removeprefix(ROUTE_VARIANT)}"
+    return VARIANTS[variant]
 
 
 def test_profile() -> Profile:
@@ -93,7 +111,15 @@ class BenchConfig:
     world_size: int = 2
     lr: float = 0.01
     link: str | None = None
-    """A tc rate (`1gbit`, `100mbit`) to shape the ranks' loopback to, or None."""
+    """A tc rate (`1gbit`, `100mbit`) to shape the ranks' loopback (or, with nodes=2, the
+    inter-node link, each direction) to, or None."""
+    nodes: int = 1
+    """Emulated nodes: 1, or 2 network namespaces of W/2 ranks joined by the shaped link."""
+    delay: str | None = None
+    """One-way delay on the inter-node link (`1ms`; nodes=2 only; needs tc netem)."""
+    cost_model: str = "measure"
+    """nfab variants' cost model: `measure` (at attach, on the live link) or `none` (routes
+    and coalescing decided by bytes alone: the same decisions on any link)."""
     nfab_bucket_mb: float = NFAB_BUCKET_MB
     """DDP bucket cap for the nfab variants (nfab train's default under the hook): smaller
     compressed buckets overlap backward more. The other variants keep DDP's 25."""
@@ -102,7 +128,7 @@ class BenchConfig:
     profile_source: str = "test profile (conv/linear/head sign)"
 
     def __post_init__(self) -> None:
-        unknown = [v for v in self.variants if v not in VARIANTS]
+        unknown = [v for v in self.variants if v not in VARIANTS and not v.startswith(ROUTE_VARIANT)]
         if unknown:
             raise ConfigError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
         if "plain" not in self.variants:
@@ -118,6 +144,20 @@ class BenchConfig:
             raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
         if self.link is not None:
             object.__setattr__(self, "link", netns.check_rate(self.link))
+        for v in self.variants:
+            if v.startswith(ROUTE_VARIANT):
+                Profile.static(v.removeprefix(ROUTE_VARIANT))  # an unknown route: one line here
+        nodes.check_nodes(self.nodes)
+        if self.nodes > 1 and self.link is None:
+            raise ConfigError("--nodes 2 needs --link RATE (the inter-node link's rate)")
+        if self.nodes > 1 and self.world_size % self.nodes:
+            raise ConfigError(f"--nodes {self.nodes} needs a world size divisible by it, got {self.world_size}")
+        if self.delay is not None:
+            if self.nodes < 2:
+                raise ConfigError("--delay applies to the inter-node link: it needs --nodes 2")
+            object.__setattr__(self, "delay", nodes.check_delay(self.delay))
+        if self.cost_model not in COST_MODELS:
+            raise ConfigError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {self.cost_model!r}")
         if self.profile is not None:
             Profile.from_dict(self.profile)  # validate here, in one line, not inside a rank
 
@@ -153,6 +193,8 @@ class Run:
     """A torch hook's state (kept alive for PowerSGD)."""
     times: list[float] = field(default_factory=list)
     loss: float = float("nan")
+    link_bytes: int = 0
+    """Bytes this node sent on the shaped link during the timed steps (node's first rank only)."""
 
 
 def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
@@ -166,6 +208,7 @@ def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
         ddp = DDP(module)
     run = Run(name, ddp, torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9))
     total = cfg.warmup + cfg.steps
+    cm = "measure" if cfg.cost_model == "measure" else None
     if name == "floor":
         ddp.register_comm_hook(None, no_comm_hook)
     elif name == "fp16":
@@ -175,13 +218,12 @@ def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
     elif name == "powersgd":
         run.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
         ddp.register_comm_hook(run.state, psgd.powerSGD_hook)
-    elif name == "nfab-fp32":
-        run.runtime = nfab.attach(ddp, route="fp32", total_steps=total, seed=cfg.seed)
-    elif name == "nfab-sign":
-        run.runtime = nfab.attach(ddp, route="sign", total_steps=total, seed=cfg.seed)
+    elif name in ("nfab-fp32", "nfab-sign") or name.startswith(ROUTE_VARIANT):
+        route = name.removeprefix(ROUTE_VARIANT).removeprefix("nfab-")
+        run.runtime = nfab.attach(ddp, route=route, total_steps=total, seed=cfg.seed, cost_model=cm)
     elif name == "nfab-profile":
         prof = Profile.from_dict(cfg.profile) if cfg.profile is not None else test_profile()
-        run.runtime = nfab.attach(ddp, prof, total_steps=total, seed=cfg.seed)
+        run.runtime = nfab.attach(ddp, prof, total_steps=total, seed=cfg.seed, cost_model=cm)
     return run
 
 
@@ -219,14 +261,27 @@ def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
     return dt
 
 
-def time_runs(runs: list[Run], data: list[tuple[torch.Tensor, torch.Tensor]], cfg: BenchConfig) -> None:
-    """Interleave the variants step by step (rotating order); fills each run's `times`."""
+def time_runs(runs: list[Run], data: list[tuple[torch.Tensor, torch.Tensor]], cfg: BenchConfig,
+              counter: linkbytes.TxCounter | None = None) -> None:
+    """Interleave the variants step by step (rotating order); fills each run's `times`.
+
+    With a `counter` (shaped link), each timed step is closed by a barrier and the bytes
+    the link carried between its opening and closing barriers are added to the run's
+    `link_bytes` (the two barriers' few hundred bytes included).
+    """
     for step in range(cfg.warmup + cfg.steps):
         x, y = data[step % len(data)]
         k = step % len(runs)
         for run in runs[k:] + runs[:k]:
+            timed = step >= cfg.warmup
+            if counter is not None and timed:
+                dist.barrier()
+                before = counter.read()
             dt = train_step(run, x, y)
-            if step >= cfg.warmup:
+            if counter is not None and timed:
+                dist.barrier()
+                run.link_bytes += counter.read() - before
+            if timed:
                 run.times.append(dt)
 
 
@@ -256,19 +311,42 @@ def nfab_info(run: Run, warmup: int) -> dict[str, Any] | None:
     }
 
 
+def link_bytes_per_step(runs: list[Run], cfg: BenchConfig) -> dict[str, float]:
+    """Bytes across the shaped link per timed step, per variant: every node's count, summed."""
+    t = torch.tensor([float(r.link_bytes) for r in runs], dtype=torch.float64)
+    dist.all_reduce(t)
+    return {r.name: float(t[i]) / cfg.steps for i, r in enumerate(runs)}
+
+
 def rank_main(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """One rank of `nfab bench step` (run under `run_ranks`)."""
     cfg = BenchConfig.from_dict(cfg_dict)
     runs, data = prepare(rank, cfg)
-    time_runs(runs, data, cfg)
+    shaped = cfg.link is not None
+    counter = linkbytes.TxCounter(nodes.IFACE if cfg.nodes > 1 else "lo") if shaped else None
+    if counter is not None and linkbytes.local_rank() != 0:
+        counter = linkbytes.TxCounter(None)  # one reader per node: its first rank
+    time_runs(runs, data, cfg, counter)
     times = slowest_rank_times(runs)
     nparams = sum(p.numel() for p in runs[0].ddp.parameters())
-    return {
+    infos = {r.name: info for r in runs if (info := nfab_info(r, cfg.warmup)) is not None}
+    out: dict[str, Any] = {
         "parameters": nparams,
         "times_s": times,
         "loss": {r.name: r.loss for r in runs},
-        "nfab": {r.name: info for r in runs if (info := nfab_info(r, cfg.warmup)) is not None},
+        "params_sha256": {r.name: linkbytes.params_digest(r.ddp.module) for r in runs},
+        "nfab": infos,
     }
+    if shaped:
+        measured = link_bytes_per_step(runs, cfg)
+        module = runs[0].ddp.module
+        out["wire_bytes"] = {
+            r.name: {"measured_wire_bytes_per_step": measured[r.name],
+                     "modelled_wire_bytes_per_step": linkbytes.modelled_link_bytes(
+                         r.name, module, world_size, cfg.nodes, infos.get(r.name))}
+            for r in runs
+        }
+    return out
 
 
 # ---- running and summarising --------------------------------------------------------
@@ -290,8 +368,21 @@ def _run_local_target(payload: dict[str, Any]) -> dict[str, Any]:
     return run_local(payload)
 
 
+def _run_node_target(payload: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    """One emulated node's ranks (under `nfab.bench.nodes`); its first rank's result."""
+    cfg = BenchConfig.from_dict(payload)
+    results = run_ranks(rank_main, cfg.world_size, cfg.to_dict(), timeout_s=_timeout(cfg), pg_timeout_s=600,
+                        ranks=range(*node["ranks"]), master_addr=node["master_addr"], port=node["port"],
+                        group_rank=node["index"])
+    return results[0]
+
+
 def run(cfg: BenchConfig, target: str = "nfab.bench.step:_run_local_target") -> dict[str, Any]:
-    """Run the benchmark (shaped link when `cfg.link`); the raw per-step result dict."""
+    """Run the benchmark (shaped link when `cfg.link`, 2 nodes when `cfg.nodes`); the raw result dict."""
+    if cfg.nodes > 1:
+        assert cfg.link is not None
+        return nodes.run_on_nodes("nfab.bench.step:_run_node_target", cfg.to_dict(), cfg.world_size, cfg.link,
+                                  cfg.delay, timeout_s=_timeout(cfg) + 120)
     if cfg.link is None:
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)(cfg.to_dict())
@@ -312,6 +403,10 @@ class Row:
     ratio_to_floor: float | None
     """Same, against the no-communication floor (None without a floor variant)."""
     steps: int
+    measured_wire_bytes_per_step: float | None = None
+    """Bytes that crossed the shaped link per timed step (tx counters; None without a link)."""
+    modelled_wire_bytes_per_step: float | None = None
+    """The cost model's prediction of the same bytes (None without a link, or no model)."""
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:
@@ -323,15 +418,17 @@ def summarize(raw: dict[str, Any]) -> list[Row]:
     """Median, p10-p90 and paired ratios per variant."""
     times: dict[str, list[float]] = raw["times_s"]
     plain, floor = times["plain"], times.get("floor")
+    wire = raw.get("wire_bytes", {})
     rows = []
     for name, ts in times.items():
         ms = 1e3 * np.asarray(ts)
         rows.append(Row(
-            variant=name, description=VARIANTS[name],
+            variant=name, description=describe(name),
             median_ms=float(np.median(ms)), p10_ms=float(np.percentile(ms, 10)), p90_ms=float(np.percentile(ms, 90)),
             ratio_to_plain=paired_ratio(ts, plain),
             ratio_to_floor=None if floor is None else paired_ratio(ts, floor),
             steps=len(ts),
+            **wire.get(name, {}),
         ))
     return rows
 
@@ -348,6 +445,7 @@ def report(cfg: BenchConfig, raw: dict[str, Any], command: str = "") -> dict[str
         "rows": [asdict(r) for r in summarize(raw)],
         "nfab": raw["nfab"],
         "loss": raw["loss"],
+        "params_sha256": raw.get("params_sha256", {}),
         "times_s": raw["times_s"],
         **{k: v for k, v in raw.items() if k.startswith("breakdown")},
     }
