@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from nfab.cli.output import console, fail
+from nfab.errors import NfabError
 from nfab.train.config import NFAB_BUCKET_MB
 
 
@@ -23,9 +24,10 @@ def _routes(info: dict[str, Any] | None) -> str:
 def print_report(doc: dict[str, Any], title: str) -> None:
     """The summary rows as a rich table (median, p10-p90, paired ratios, nfab routes and bytes)."""
     has_floor = any(r["ratio_to_floor"] is not None for r in doc["rows"])
+    has_link = any(r.get("measured_wire_bytes_per_step") is not None for r in doc["rows"])
     table = Table(title=title)
     for col in ("variant", "median ms", "p10–p90 ms", "× plain", *(["× floor"] if has_floor else []),
-                "wire / fp32", "nfab routes"):
+                "wire / fp32", *(["link MB/step measured", "modelled"] if has_link else []), "nfab routes"):
         table.add_column(col, justify="left" if col in ("variant", "nfab routes") else "right")
     for r in doc["rows"]:
         info = doc["nfab"].get(r["variant"])
@@ -34,14 +36,29 @@ def print_report(doc: dict[str, Any], title: str) -> None:
                  f"{r['ratio_to_plain']:.3f}"]
         if has_floor:
             cells.append("" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.3f}")
-        table.add_row(*cells, wire, _routes(info))
+        if has_link:
+            measured, modelled = r.get("measured_wire_bytes_per_step"), r.get("modelled_wire_bytes_per_step")
+            wire_cells = [f"{wire}", "" if measured is None else f"{measured / 1e6:.3f}",
+                          "" if modelled is None else f"{modelled / 1e6:.3f}"]
+        else:
+            wire_cells = [wire]
+        table.add_row(*cells, *wire_cells, _routes(info))
     console.print(table)
     cfg, link = doc["config"], doc.get("link")
     console.print(
         f"{doc['parameters']:,} parameters, W={cfg['world_size']}, batch {cfg['batch']}/rank, "
         f"{cfg['steps']} timed steps after {cfg['warmup']} warm-up; "
-        f"link: {link['rate'] if link else 'loopback (unshaped)'}; "
+        f"link: {_link(link)}; "
         "ratios are medians of per-step ratios", highlight=False)
+
+
+def _link(link: dict[str, Any] | None) -> str:
+    if not link:
+        return "loopback (unshaped)"
+    if link.get("nodes", 1) > 1:
+        delay = f", {link['delay']} delay" if link.get("delay") else ""
+        return f"{link['nodes']} nodes joined by {link['rate']} each way{delay}"
+    return f"{link['rate']} loopback"
 
 
 def register(app: typer.Typer) -> None:
@@ -66,14 +83,22 @@ def register(app: typer.Typer) -> None:
             "--nfab-bucket-mb", min=0.1,
             help="DDP bucket cap for the nfab variants (nfab train's default; others: DDP's 25).")] = NFAB_BUCKET_MB,
         json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+        nodes: Annotated[int, typer.Option(
+            "--nodes", help="Emulated nodes: 2 = network namespaces of W/2 ranks joined by the --link.")] = 1,
+        world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks in all (W).")] = 2,
+        delay: Annotated[str | None, typer.Option(
+            "--delay", help="One-way delay on the inter-node link (1ms; --nodes 2; needs tc netem).")] = None,
+        cost_model: Annotated[str, typer.Option(
+            "--cost-model", help="nfab variants: measure (at attach) or none (decide by bytes).")] = "measure",
     ) -> None:
         """Step time per variant, side by side in one run (W=2 gloo ranks), with ratios to FP32 DDP."""
         from nfab.bench import netns
+        from nfab.bench import nodes as nodes_mod
         from nfab.bench import step as step_mod
 
         if link is not None:
             netns.check_rate(link)
-            why = netns.unavailable()
+            why = netns.unavailable() if nodes == 1 else nodes_mod.unavailable()
             if why is not None:
                 fail(why)
         prof, source = step_mod.load_profile_dict(profile)
@@ -85,12 +110,16 @@ def register(app: typer.Typer) -> None:
         kw: dict[str, Any] = {}
         if variants is not None:
             kw["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())
-        cfg = step_mod.BenchConfig(model=model, width=width, batch=batch, steps=steps, warmup=warmup, data=data,
-                                   image_size=image_size, link=link, profile=prof, profile_source=source,
-                                   nfab_bucket_mb=nfab_bucket_mb, **kw)
+        try:
+            cfg = step_mod.BenchConfig(model=model, width=width, batch=batch, steps=steps, warmup=warmup, data=data,
+                                       image_size=image_size, link=link, profile=prof, profile_source=source,
+                                       nfab_bucket_mb=nfab_bucket_mb, nodes=nodes, world_size=world_size,
+                                       delay=delay, cost_model=cost_model, **kw)
+        except NfabError as exc:
+            fail(str(exc))
         console.print(f"nfab bench step: {', '.join(cfg.variants)}; profile: {source}", highlight=False)
         doc = step_mod.report(cfg, step_mod.run(cfg))
-        print_report(doc, f"nfab bench step  (resnet18 width {width}, {link or 'loopback'})")
+        print_report(doc, f"nfab bench step  (resnet18 width {width}, W={world_size}, {_link(doc.get('link'))})")
         if json_path is not None:
             step_mod.write_json(json_path, doc)
             console.print(f"wrote {json_path}")
