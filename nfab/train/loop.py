@@ -116,6 +116,28 @@ def _cost_model(cfg: TrainConfig, ddp: DistributedDataParallel, saved: str | Non
     return cost_mod.CostModel.load(choice)
 
 
+def restart_history(run_dir: Path, shared: dict[str, Any], resumed: bool, start: int) -> list[dict[str, Any]]:
+    """Every (re)start of this run so far, this one included when it resumed.
+
+    An entry is `{"kind": "restart" | "resume", "attempt": torchrun's restart count,
+    "resumed_from_step": the step training continues at}`. Earlier entries come from the
+    run's summary.json (rank 0 rewrites it as soon as a run resumes, so a second restart
+    before the next checkpoint still finds the first), else from the checkpoint.
+    """
+    history: list[dict[str, Any]] = list(shared.get("restarts", []))
+    summary = run_dir / SUMMARY_FILE
+    if resumed and summary.is_file():
+        with contextlib.suppress(ValueError, OSError):
+            saved = json.loads(summary.read_text()).get("restarts")
+            if isinstance(saved, list) and len(saved) >= len(history):
+                history = saved
+    attempt = fault.restart_attempt()
+    if attempt > 0 or resumed:
+        history.append({"kind": "restart" if attempt > 0 else "resume", "attempt": attempt,
+                        "resumed_from_step": start})
+    return history
+
+
 def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     """Run (or continue) the configured training on this rank; rank 0 returns the summary."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -160,6 +182,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
     rows: list[dict[str, Any]] = list(shared.get("rows", []))
     start = int(shared.get("step", 0))
+    restarts = restart_history(run_dir, shared, cfg.resume or fault.restart_attempt() > 0, start)
     wall_before = float(shared.get("wall_time_s", 0.0))
     if shared:
         optimizer.load_state_dict(shared["optimizer"])
@@ -183,7 +206,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         state = {
             "step": step, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "rows": rows,
-            "wall_time_s": wall(), "cost_model": cost_json, "config": cfg.to_json(),
+            "wall_time_s": wall(), "cost_model": cost_json, "config": cfg.to_json(), "restarts": restarts,
         } if master else None
         own_state = {"rng": checkpoint.rng_state(), "hook": runtime.state_dict() if runtime is not None else None}
         _at(f"step {step - 1}: checkpoint (gather to rank 0)")
@@ -199,12 +222,16 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 log.warning("rank %d: the replicas' parameters differ at the end of the run", rank)
         if master:
             write_metrics(run_dir / METRICS_FILE, rows)
+            record = {"restart_count": sum(r["kind"] == "restart" for r in restarts), "restarts": restarts}
             write_summary(run_dir / SUMMARY_FILE, identity, rows, lm=spec.task == "lm", complete=complete,
-                          wall_time_s=wall(), extra=final if complete else None)
+                          wall_time_s=wall(), extra={**record, **(final if complete else {})})
 
     title = f"{spec.name} {identity['route'] or Path(cfg.comm.profile or '').name} W={world}"
     bar = ProgressBar(cfg.steps, start, title, enabled=master and not cfg.quiet)
     wire_mb = sum(r["wire_bytes"] for r in rows) / 1e6
+
+    if restarts and master and start < cfg.steps:
+        write(complete=False)  # the restart is on record before the next checkpoint
 
     # ---- loop -------------------------------------------------------------------------
     ddp.train()

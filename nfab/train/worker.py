@@ -56,6 +56,17 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def _whose_peer(nnodes: int) -> str:
+    """Who never arrived, as far as this rank can tell: with several nodes, name them."""
+    if nnodes <= 1:
+        return "a peer never arrived"
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    others = [str(n) for n in range(nnodes) if n != node]
+    where = f"node {others[0]}" if len(others) == 1 else f"nodes {', '.join(others)}"
+    return (f"on node {node} of {nnodes}, a peer on this node or on {where} never arrived "
+            "(a rank gone, or the link between the nodes down)")
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
@@ -65,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
     timeout_s = LaunchConfig().timeout_s
+    nnodes = 1
     try:
         data = json.loads(Path(args[0]).read_text())
         timeout_s = float(data.get("launch", {}).get("timeout_s", timeout_s))
+        nnodes = int(data.get("launch", {}).get("nnodes", 1))
         device = _device()
         _init_process_group(device, timeout_s)
         box = [data]
@@ -84,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         message = _one_line(exc)
         if _is_timeout(exc):
             inner = re.split(r"\w+(?:Error|Exception): ", message)[-1].split(" At: ")[0]  # torch's callback wrapping
-            message = (f"a collective timed out after {timeout_s:g} s (launch.timeout_s) in {stage()}: a peer "
-                       f"never arrived ({inner})")
+            message = (f"a collective timed out after {timeout_s:g} s (launch.timeout_s) in {stage()}: "
+                       f"{_whose_peer(nnodes)} ({inner})")
         print(f"{ERROR_MARK}[1] rank {rank}: {message}", file=sys.stderr, flush=True)
         return 1
 
