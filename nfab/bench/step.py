@@ -351,8 +351,9 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str,
 
 # ---- running and summarising --------------------------------------------------------
 def _timeout(cfg: BenchConfig) -> float:
-    per_step = 0.05 * cfg.width / 64 * cfg.batch  # generous seconds per variant step
-    return 120.0 + (cfg.warmup + cfg.steps) * len(cfg.variants) * max(per_step, 0.2) * 10
+    """A hang guard, generous: W ranks share this machine's cores, so a step slows with W."""
+    per_step = 0.05 * cfg.width / 64 * cfg.batch * max(1.0, cfg.world_size / 2)  # seconds per variant step
+    return 300.0 + (cfg.warmup + cfg.steps) * len(cfg.variants) * max(per_step, 0.2) * 20
 
 
 def run_local(cfg_dict: dict[str, Any], rank_fn: Any = rank_main) -> dict[str, Any]:

@@ -227,3 +227,39 @@ def level_bytes(numel: int, reducer: Reducer, nodes: int, local_world: int, dtyp
     local = (local_world - 1) / local_world * padded * dtype_bytes
     cross = reducer.wire_bytes(shard, nodes, segments) if nodes > 1 else 0.0
     return LevelBytes(local, cross, local)
+
+
+def paper_rows(numel: int, layouts: Sequence[tuple[int, int]], routes: Sequence[str] = ("fp32", "sign", "q8", "q4"),
+               ) -> list[dict[str, object]]:
+    """Flat vs two-level bytes per rank for `numel` elements (one segment), cheapest exact reducer each."""
+    from nfab.wire.reducers import candidates
+
+    def cheapest(route: str, world: int, n: int) -> Reducer | None:
+        ok = [r for r in candidates(route) if r.capacity(world).ok]
+        return min(ok, key=lambda r: r.wire_bytes(n, world)) if ok else None
+
+    rows: list[dict[str, object]] = []
+    for nodes, local in layouts:
+        world = nodes * local
+        for route in routes:
+            flat, two = cheapest(route, world, numel), cheapest(route, nodes, numel // local)
+            lb = level_bytes(numel, two, nodes, local) if two is not None else None
+            rows.append({
+                "nodes": nodes, "local_world": local, "route": route,
+                "flat_reducer": flat.name if flat else None,
+                "flat_bytes_per_rank": flat.wire_bytes(numel, world) if flat else None,
+                "cross_reducer": two.name if two else None,
+                "cross_bytes_per_rank": lb.cross if lb else None,
+                "cross_bytes_per_node": local * lb.cross if lb else None,
+                "local_bytes_per_rank": lb.local if lb else None,
+            })
+    return rows
+
+
+if __name__ == "__main__":  # python -m nfab.runtime.hierarchy NUMEL NODESxLOCAL ...: the README's table
+    import json
+    import sys
+
+    layouts = [tuple(int(v) for v in a.split("x")) for a in sys.argv[2:]]
+    for row in paper_rows(int(sys.argv[1]), layouts):  # type: ignore[arg-type]
+        print(json.dumps(row))

@@ -127,9 +127,19 @@ def test_crash_then_resume_matches_uninterrupted(runs) -> None:
 
 
 def test_torchrun_restart_loses_and_repeats_no_step(runs) -> None:
-    m = metrics(ok(runs, "gpt-restart"))
+    out = ok(runs, "gpt-restart")
+    m = metrics(out)
     assert m["step"].tolist() == list(range(8))
     assert m["loss"].tolist() == metrics(ok(runs, "gpt-sign"))["loss"].tolist()
+    s = json.loads((out / "summary.json").read_text())
+    # the crash at step 5 resumed from the step-3 checkpoint (checkpoint_every=3), and the summary says so
+    assert s["restart_count"] == 1 and s["restarts"] == [{"kind": "restart", "attempt": 1, "resumed_from_step": 3}]
+
+
+def test_a_resume_is_recorded_but_is_no_restart(runs) -> None:
+    s = json.loads((ok(runs, "gpt-resume") / "summary.json").read_text())
+    assert s["restart_count"] == 0 and s["restarts"] == [{"kind": "resume", "attempt": 0, "resumed_from_step": 3}]
+    assert json.loads((ok(runs, "gpt-sign") / "summary.json").read_text())["restarts"] == []
 
 
 def test_two_nodes_on_one_machine_match_one_node(runs) -> None:
