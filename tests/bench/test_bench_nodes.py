@@ -47,6 +47,7 @@ def test_q2_across_two_nodes_equals_one_node():
     _same_bits(("plain", "nfab:q2"), 2, {"nfab:q2": "q2"})
 
 
+@pytest.mark.slow
 @pytest.mark.world_size(4)
 @needs_netns
 def test_link_bytes_measured_match_the_model():
