@@ -1,1 +1,0 @@
-"""nfab's command line: one module per subcommand, each only parsing and calling the library."""

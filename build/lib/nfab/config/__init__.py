@@ -1,1 +1,0 @@
-"""Typed configuration shared by `nfab train` and `nfab calibrate` (below both layers)."""

@@ -1,1 +1,0 @@
-"""The hook runtime: bindings, bucket plans, control words, health and the DDP hook."""
