@@ -11,7 +11,8 @@ from nfab.attach_checks import check_attach
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
-from nfab.runtime.hook import QSUM_SCALES, Runtime, nfab_hook
+from nfab.runtime.hook import Runtime, nfab_hook
+from nfab.runtime.scales import QSUM_SCALES
 from nfab.wire import cost as cost_mod
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def attach(
         explicit = False
     check_attach(prof, ddp_model.module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
     if cost_model == "measure":
-        cm = cost_mod.measure(ddp_model.process_group)
+        cm = cost_mod.measure(ddp_model.process_group, device=_grad_device(ddp_model))
     elif isinstance(cost_model, str | Path):
         cm = cost_mod.CostModel.load(cost_model)
     else:
@@ -78,3 +79,9 @@ def attach(
                       qsum_scale=qsum_scale, coalesce=coalesce)
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
+
+
+def _grad_device(ddp_model: DistributedDataParallel):
+    """The device the model's gradients live on (the cost model measures there)."""
+    param = next((p for p in ddp_model.parameters() if p.requires_grad), None)
+    return param.device if param is not None else "cpu"

@@ -42,7 +42,7 @@ class BucketRow:
     regions: str
     routes: str
     wire_bytes: float
-    fp32_wire_bytes: float
+    baseline_wire_bytes: float
     fallbacks: str
 
 
@@ -88,8 +88,8 @@ class Inspection:
         return sum(b.wire_bytes for b in self.buckets)
 
     @property
-    def fp32_wire_bytes(self) -> float:
-        return sum(b.fp32_wire_bytes for b in self.buckets)
+    def baseline_wire_bytes(self) -> float:
+        return sum(b.baseline_wire_bytes for b in self.buckets)
 
     @property
     def ratio(self) -> float:

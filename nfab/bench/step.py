@@ -303,7 +303,7 @@ def nfab_info(run: Run, warmup: int) -> dict[str, Any] | None:
     return {
         "route_mix": last.route_mix,
         "wire_bytes_per_step": float(np.mean([h.wire_bytes for h in hist])),
-        "fp32_wire_bytes_per_step": float(np.mean([h.fp32_wire_bytes for h in hist])),
+        "baseline_wire_bytes_per_step": float(np.mean([h.baseline_wire_bytes for h in hist])),
         "fallback_reasons": sorted({h.fallback_reason for h in hist if h.fallback_reason}),
         "hook_ms_median": 1e3 * float(np.median([h.hook_time_s for h in hist])),
         "buckets": last.buckets,

@@ -108,7 +108,7 @@ class StudyRow:
     eval_loss: float | None = None
     eval_accuracy: float | None = None
     wire_mb: float | None = None
-    fp32_wire_mb: float | None = None
+    baseline_wire_mb: float | None = None
     compression_ratio: float | None = None
     fallback_steps: int | None = None
     skipped_steps: int | None = None
@@ -139,7 +139,7 @@ def phase_table(metrics: pd.DataFrame) -> list[dict]:
         wire = int(g["wire_bytes"].sum())
         out.append({
             "phase": str(phase), "first_step": int(g["step"].min()), "steps": len(g),
-            "wire_mb": wire / 1e6, "ratio": float(g["fp32_wire_bytes"].sum()) / wire if wire else None,
+            "wire_mb": wire / 1e6, "ratio": float(g["baseline_wire_bytes"].sum()) / wire if wire else None,
             "route_mix": {k: round(float(v), 4) for k, v in mixes.mean().items()},
             "fallback_steps": int(g["fallback"].sum()),
             "fallback_reasons": sorted({r for r in g["fallback_reason"] if r}),
@@ -156,9 +156,9 @@ def read_run(row: StudyRow) -> StudyRow:
     row.eval_loss = s.final_loss
     row.eval_accuracy = s.final_accuracy
     row.wire_mb = s.wire_bytes_total / 1e6 if s.wire_bytes_total is not None else None
-    row.fp32_wire_mb = s.fp32_wire_bytes_total / 1e6 if s.fp32_wire_bytes_total is not None else None
-    if s.wire_bytes_total and s.fp32_wire_bytes_total is not None:
-        row.compression_ratio = s.fp32_wire_bytes_total / s.wire_bytes_total
+    row.baseline_wire_mb = s.baseline_wire_bytes_total / 1e6 if s.baseline_wire_bytes_total is not None else None
+    if s.wire_bytes_total and s.baseline_wire_bytes_total is not None:
+        row.compression_ratio = s.baseline_wire_bytes_total / s.wire_bytes_total
     row.fallback_steps = s.fallback_steps
     row.skipped_steps = s.skipped_steps
     row.wall_time_s = s.wall_time_s

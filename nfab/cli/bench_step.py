@@ -31,7 +31,7 @@ def print_report(doc: dict[str, Any], title: str) -> None:
         table.add_column(col, justify="left" if col in ("variant", "nfab routes") else "right")
     for r in doc["rows"]:
         info = doc["nfab"].get(r["variant"])
-        wire = f"{info['wire_bytes_per_step'] / info['fp32_wire_bytes_per_step']:.3f}" if info else ""
+        wire = f"{info['wire_bytes_per_step'] / info['baseline_wire_bytes_per_step']:.3f}" if info else ""
         cells = [r["variant"], f"{r['median_ms']:.1f}", f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f}",
                  f"{r['ratio_to_plain']:.3f}"]
         if has_floor:

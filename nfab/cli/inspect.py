@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
             b.add_column(col)
         for row in res.buckets[:buckets]:
             b.add_row(str(row.index), f"{row.elements:,}", str(row.slices), row.regions, row.routes,
-                      f"{row.wire_bytes / 1e6:.2f}", f"{row.fp32_wire_bytes / 1e6:.2f}", row.fallbacks)
+                      f"{row.wire_bytes / 1e6:.2f}", f"{row.baseline_wire_bytes / 1e6:.2f}", row.fallbacks)
         console.print(b)
         c = Table(title=f"reducer capacity at W={world_size}")
         for col in ("route", "reducer", "exact", "lane bits", "levels/rank", "bits/element sent"):
@@ -83,10 +83,10 @@ def register(app: typer.Typer) -> None:
                       str(row.lane_bits or ""), str(row.levels or ""),
                       f"{row.bits_per_element:.2f}" if row.bits_per_element is not None else "")
         console.print(c)
-        ratio = res.fp32_wire_bytes / res.wire_bytes if res.wire_bytes else float("inf")
+        ratio = res.baseline_wire_bytes / res.wire_bytes if res.wire_bytes else float("inf")
         mix = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(res.route_bytes.items()))
         console.print(f"per step, per rank: [bold]{res.wire_bytes / 1e6:.2f} MB[/] sent ({mix}) vs "
-                      f"FP32 DDP {res.fp32_wire_bytes / 1e6:.2f} MB — {ratio:.1f}x fewer bytes "
+                      f"FP32 DDP {res.baseline_wire_bytes / 1e6:.2f} MB — {ratio:.1f}x fewer bytes "
                       f"(cost model: {cm.source})")
         largest = max((row.elements for row in res.buckets), default=0)
         xs = crossovers(cm, largest) if largest else []

@@ -27,10 +27,10 @@ PROFILE_FILE = "profile.json"
 # fidelity_cosine, hook_time_s are not plotted yet). step_time_s is optional: it only
 # stands in for wall time when summary.json is missing.
 METRICS_REQUIRED = (
-    "step", "phase", "loss", "wire_bytes", "fp32_wire_bytes", "route_mix",
+    "step", "phase", "loss", "wire_bytes", "baseline_wire_bytes", "route_mix",
     "fallback", "fallback_reason", "eval_loss", "eval_accuracy",
 )
-METRICS_NUMERIC = ("step", "loss", "wire_bytes", "fp32_wire_bytes", "eval_loss", "eval_accuracy")
+METRICS_NUMERIC = ("step", "loss", "wire_bytes", "baseline_wire_bytes", "eval_loss", "eval_accuracy")
 
 CALIBRATION_REQUIRED = (
     "phase", "region", "route", "error_feedback", "bits_per_element",
@@ -41,7 +41,7 @@ CALIBRATION_NUMERIC = ("bits_per_element", "cosine", "loss_delta")
 # Keys of summary.json the report reads; a run cut short ("complete": false) may lack
 # everything but its identity, the rest is then taken from metrics.parquet.
 SUMMARY_IDENTITY = ("model", "dataset", "world_size")
-SUMMARY_TOTALS = ("wire_bytes_total", "fp32_wire_bytes_total", "final_eval")
+SUMMARY_TOTALS = ("wire_bytes_total", "baseline_wire_bytes_total", "final_eval")
 
 # Region classes in the order the runtime defines them (DESIGN.md, layer 2).
 REGIONS = ("conv", "linear", "embedding", "head", "norm", "bias", "small", "other")
@@ -64,7 +64,7 @@ class RunSummary:
     """Fraction in [0, 1]; absent for language models."""
     final_perplexity: float | None = None
     wire_bytes_total: int | None = None
-    fp32_wire_bytes_total: int | None = None
+    baseline_wire_bytes_total: int | None = None
     fallback_steps: int | None = None
     skipped_steps: int | None = None
     wall_time_s: float | None = None
@@ -206,7 +206,7 @@ def parse_summary(data: dict[str, Any], path: Path) -> RunSummary:
         final_accuracy=accuracy,
         final_perplexity=_number(final_eval, "perplexity", path),
         wire_bytes_total=_typed(data, "wire_bytes_total", int, path),
-        fp32_wire_bytes_total=_typed(data, "fp32_wire_bytes_total", int, path),
+        baseline_wire_bytes_total=_typed(data, "baseline_wire_bytes_total", int, path),
         fallback_steps=_typed(data, "fallback_steps", int, path),
         skipped_steps=_typed(data, "skipped_steps", int, path),
         wall_time_s=_number(data, "wall_time_s", path),

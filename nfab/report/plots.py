@@ -146,11 +146,11 @@ def wire_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
         if m is None or not len(m):
             continue
         wire = m["wire_bytes"].cumsum() / MB
-        fp32 = m["fp32_wire_bytes"].cumsum() / MB
+        fp32 = m["baseline_wire_bytes"].cumsum() / MB
         ax.plot(m["step"], wire, color=run_colour(i), lw=1.5, label=_label(run), zorder=3)
         # Grey for all runs: runs of one model share the FP32 curve, so colours would hide.
         ax.plot(m["step"], fp32, color="black", lw=1.2, ls=":", zorder=2,
-                label="FP32 equivalent" if not totals else None)
+                label="plain DDP (bucket dtype)" if not totals else None)
         totals += [float(wire.iloc[-1]), float(fp32.iloc[-1])]
     positive = [t for t in totals if t > 0]
     if positive and max(positive) / min(positive) > 20:

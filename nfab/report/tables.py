@@ -23,7 +23,7 @@ MB = 1e6  # report traffic in MB = 10^6 bytes
 
 RUN_COLUMNS = (
     "run", "status", "model", "dataset", "world_size", "route", "steps",
-    "accuracy", "loss", "perplexity", "wire_mb", "fp32_mb", "compression_ratio",
+    "accuracy", "loss", "perplexity", "wire_mb", "baseline_mb", "compression_ratio",
     "fallback_steps", "wall_time_s", "fp32_reference",
 )
 COMPARISON_COLUMNS = ("run", "baseline", "accuracy_delta_pts", "loss_delta_pct", "traffic_ratio")
@@ -65,8 +65,8 @@ def run_row(run: RunArtifacts) -> dict[str, object]:
     s, m = run.summary, run.metrics
     wire = s.wire_bytes_total if s and s.wire_bytes_total is not None else (
         int(m["wire_bytes"].sum()) if m is not None else None)
-    fp32 = s.fp32_wire_bytes_total if s and s.fp32_wire_bytes_total is not None else (
-        int(m["fp32_wire_bytes"].sum()) if m is not None else None)
+    fp32 = s.baseline_wire_bytes_total if s and s.baseline_wire_bytes_total is not None else (
+        int(m["baseline_wire_bytes"].sum()) if m is not None else None)
     loss = s.final_loss if s and s.final_loss is not None else _last_eval(m, "eval_loss")
     accuracy = s.final_accuracy if s and s.final_accuracy is not None else \
         _last_eval(m, "eval_accuracy")
@@ -93,7 +93,7 @@ def run_row(run: RunArtifacts) -> dict[str, object]:
         "loss": _nan(loss),
         "perplexity": _nan(perplexity),
         "wire_mb": _nan(wire) / MB,
-        "fp32_mb": _nan(fp32) / MB,
+        "baseline_mb": _nan(fp32) / MB,
         "compression_ratio": compression_ratio(fp32, wire),
         "fallback_steps": fallbacks,
         "wall_time_s": _nan(wall),

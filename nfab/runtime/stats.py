@@ -14,8 +14,9 @@ class StepStats:
     phase: str
     wire_bytes: int = 0
     """Bytes this rank sent (payloads, control words, scale agreements, probes)."""
-    fp32_wire_bytes: int = 0
-    """Bytes plain FP32 DDP would have sent for the same buckets."""
+    baseline_wire_bytes: int = 0
+    """Bytes plain DDP would have sent for the same buckets, in each bucket's own dtype
+    (2 bytes per element for a bf16/fp16 bucket): the base every compression ratio uses."""
     route_elements: dict[str, int] = field(default_factory=dict)
     """Gradient elements per route (sign split into signcount / signgather)."""
     fallback: bool = False
@@ -25,8 +26,14 @@ class StepStats:
     skipped: bool = False
     """A non-finite gradient on some rank: the step's gradients were zeroed everywhere."""
     fidelity_cosine: float | None = None
+    """Cosine between a probed bucket's low-bit result and its FP32 all-reduce (on a strided
+    sample): the probe taken in the PREVIOUS step, whose result the control words of this
+    step's first bucket carry, averaged over ranks (so every rank decides on the same value)."""
     grad_norm: float = 0.0
+    """sqrt(mean over ranks of each rank's local |g|^2 before communication), from the control
+    words (identical on every rank); non-finite buckets count 0."""
     loss: float | None = None
+    """Mean of the ranks' observed losses (`Runtime.observe_loss`), from the control word."""
     hook_time_s: float = 0.0
     saturated_slices: int = 0
     """qsum slices whose elements exceeded their delayed scale (clipped to +-scale)."""

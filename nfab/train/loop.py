@@ -31,7 +31,7 @@ from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
 from nfab.train.progress import ProgressBar
-from nfab.train.setup import BatchStream, build_optimizer, fp32_wire_bytes, loss_fn, lr_factor
+from nfab.train.setup import BatchStream, baseline_wire_bytes, build_optimizer, loss_fn, lr_factor
 from nfab.wire import cost as cost_mod
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         checkpoint.set_rng_state(own["rng"])
         if runtime is not None:
             runtime.load_state_dict(own["hook"])
-    plain_bytes = fp32_wire_bytes(module, world)
+    plain_bytes = baseline_wire_bytes(module, world)
     identity = {
         "model": spec.name, "dataset": cfg.data.name, "world_size": world, "route": route_label(cfg),
         "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb,
@@ -297,12 +297,12 @@ def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, m
         # the reduced gradient is the same on every rank, so is this decision: skip, never step on NaN/Inf
         bad = not math.isfinite(norm)
         return make_row(step=step, phase="fp32", loss=float("nan"), lr=lr, grad_norm=norm,
-                        wire_bytes=plain_bytes, fp32_wire_bytes=plain_bytes, route_mix={"fp32": 1.0},
+                        wire_bytes=plain_bytes, baseline_wire_bytes=plain_bytes, route_mix={"fp32": 1.0},
                         skipped=bad, fallback_reason="nonfinite" if bad else "")
     st = runtime.step_stats()
     assert st is not None and st.step == step, f"hook stats for step {st and st.step}, loop at {step}"
     return make_row(step=step, phase=st.phase, loss=float("nan"), lr=lr, grad_norm=st.grad_norm,
-                    wire_bytes=st.wire_bytes, fp32_wire_bytes=st.fp32_wire_bytes, route_mix=st.route_mix,
+                    wire_bytes=st.wire_bytes, baseline_wire_bytes=st.baseline_wire_bytes, route_mix=st.route_mix,
                     fallback=st.fallback, fallback_reason=st.fallback_reason, skipped=st.skipped,
                     fidelity_cosine=st.fidelity_cosine, hook_time_s=st.hook_time_s, collectives=st.collectives,
                     scale_rounds=st.scale_rounds, saturated_slices=st.saturated_slices, events="; ".join(st.events))

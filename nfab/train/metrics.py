@@ -27,7 +27,7 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("lr", pa.float64()),
     ("grad_norm", pa.float64()),
     ("wire_bytes", pa.int64()),
-    ("fp32_wire_bytes", pa.int64()),
+    ("baseline_wire_bytes", pa.int64()),
     ("route_mix", pa.string()),
     ("fallback", pa.bool_()),
     ("fallback_reason", pa.string()),
@@ -61,7 +61,7 @@ def make_row(
     lr: float,
     grad_norm: float,
     wire_bytes: int,
-    fp32_wire_bytes: int,
+    baseline_wire_bytes: int,
     route_mix: dict[str, float],
     fallback: bool = False,
     fallback_reason: str = "",
@@ -77,7 +77,7 @@ def make_row(
     """One metrics row with every column typed; eval columns start as NaN."""
     return {
         "step": int(step), "phase": str(phase), "loss": float(loss), "lr": float(lr),
-        "grad_norm": float(grad_norm), "wire_bytes": int(wire_bytes), "fp32_wire_bytes": int(fp32_wire_bytes),
+        "grad_norm": float(grad_norm), "wire_bytes": int(wire_bytes), "baseline_wire_bytes": int(baseline_wire_bytes),
         "route_mix": json.dumps(route_mix, sort_keys=True), "fallback": bool(fallback),
         "fallback_reason": fallback_reason or "", "skipped": bool(skipped),
         "fidelity_cosine": _nan(fidelity_cosine), "hook_time_s": float(hook_time_s),
@@ -98,7 +98,7 @@ class Totals:
     """Run totals folded from the metrics rows (what summary.json reports)."""
 
     wire_bytes: int = 0
-    fp32_wire_bytes: int = 0
+    baseline_wire_bytes: int = 0
     fallback_steps: int = 0
     skipped_steps: int = 0
     final_eval: dict[str, float] = field(default_factory=dict)
@@ -108,7 +108,7 @@ class Totals:
         t = cls()
         for r in rows:
             t.wire_bytes += r["wire_bytes"]
-            t.fp32_wire_bytes += r["fp32_wire_bytes"]
+            t.baseline_wire_bytes += r["baseline_wire_bytes"]
             t.fallback_steps += bool(r["fallback"])
             t.skipped_steps += bool(r["skipped"])
         evals = [r for r in rows if not math.isnan(r["eval_loss"])]
@@ -135,8 +135,8 @@ def write_summary(path: str | Path, identity: dict[str, Any], rows: list[dict[st
         "complete": complete,
         "final_eval": t.final_eval,
         "wire_bytes_total": t.wire_bytes,
-        "fp32_wire_bytes_total": t.fp32_wire_bytes,
-        "compression_ratio": t.fp32_wire_bytes / t.wire_bytes if t.wire_bytes else 1.0,
+        "baseline_wire_bytes_total": t.baseline_wire_bytes,
+        "compression_ratio": t.baseline_wire_bytes / t.wire_bytes if t.wire_bytes else 1.0,
         "fallback_steps": t.fallback_steps,
         "skipped_steps": t.skipped_steps,
         "wall_time_s": wall_time_s,

@@ -59,7 +59,8 @@ class BatchStream:
         self.epoch, self.index, self._order = int(state["epoch"]), int(state["index"]), None
 
 
-def fp32_wire_bytes(module: nn.Module, world_size: int) -> int:
-    """Bytes one rank sends per step in a ring FP32 allreduce of all trainable gradients."""
-    numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return int(round(2 * (world_size - 1) / world_size * 4 * numel))
+def baseline_wire_bytes(module: nn.Module, world_size: int) -> int:
+    """Bytes one rank sends per step in plain DDP's ring all-reduce of all trainable gradients,
+    each in its own dtype (2 bytes per element for a bf16/fp16 model)."""
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return int(round(2 * (world_size - 1) / world_size * nbytes))

@@ -109,9 +109,11 @@ def best_time(fn, reps: int, clock=time.perf_counter) -> float:
     return best
 
 
-def measure_codecs(world_size: int, numel: int = 1 << 18, reps: int = 3) -> dict[str, float]:
-    """Encode+decode seconds per element for every reducer that can run at W (one process)."""
-    x = torch.randn(numel)
+def measure_codecs(world_size: int, numel: int = 1 << 18, reps: int = 3,
+                   device: torch.device | str = "cpu") -> dict[str, float]:
+    """Encode+decode seconds per element for every reducer that can run at W (one process),
+    on `device` (where the gradients live)."""
+    x = torch.randn(numel, device=device)
     out: dict[str, float] = {}
     for key, red in REDUCERS.items():
         if key == "allreduce-fp32" or not red.capacity(world_size).ok:
@@ -163,8 +165,12 @@ def fit_link(points: list[tuple[float, float]]) -> LinkCost:
     return LinkCost(latency_s=latency, bandwidth_bps=1.0 / slope)
 
 
-def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, reps: int = 5) -> CostModel:
+def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, reps: int = 5,
+            device: torch.device | str = "cpu") -> CostModel:
     """Measure the cost model on the live process group; all ranks get identical constants.
+
+    Collectives and codecs run on `device`: the gradients' device (CUDA under NCCL, whose
+    collectives accept no CPU tensors).
 
     Three sizes per collective (all-reduce, all-gather, reduce-scatter), median of `reps`
     each, a least-squares line through them;
@@ -177,19 +183,19 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
     fp32 = REDUCERS["allreduce-fp32"]
     timings: list[float] = []
     for n in sizes:
-        buf = torch.zeros(n)
+        buf = torch.zeros(n, device=device)
         timings.append(median_time(lambda b=buf: dist.all_reduce(b, group=group), reps))
     for n in sizes:
-        src = torch.zeros(n * 4, dtype=torch.uint8)
-        dst = torch.empty(n * 4 * w, dtype=torch.uint8)
+        src = torch.zeros(n * 4, dtype=torch.uint8, device=device)
+        dst = torch.empty(n * 4 * w, dtype=torch.uint8, device=device)
         timings.append(median_time(lambda s=src, d=dst: all_gather_flat(d, s, group=group), reps))
     for n in sizes:  # int32 count lanes, as signscatter sends them
-        full = torch.zeros(-(-n // w) * w, dtype=torch.int32)
-        part = torch.empty(full.numel() // w, dtype=torch.int32)
+        full = torch.zeros(-(-n // w) * w, dtype=torch.int32, device=device)
+        part = torch.empty(full.numel() // w, dtype=torch.int32, device=device)
         timings.append(median_time(lambda f=full, p=part: reduce_scatter_flat(p, f, group=group), reps))
-    codec = measure_codecs(w)
+    codec = measure_codecs(w, device=device)
     keys = sorted(codec)
-    vec = torch.tensor(timings + [codec[k] for k in keys], dtype=torch.float64)
+    vec = torch.tensor(timings + [codec[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     v = vec.tolist()
     k = len(sizes)

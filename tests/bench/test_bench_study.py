@@ -10,7 +10,7 @@ from nfab.bench import study
 from nfab.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {"model", "variant", "run_dir", "steps", "ok", "eval_loss", "eval_accuracy", "wire_mb", "fp32_wire_mb",
+ROW_KEYS = {"model", "variant", "run_dir", "steps", "ok", "eval_loss", "eval_accuracy", "wire_mb", "baseline_wire_mb",
             "compression_ratio", "fallback_steps", "skipped_steps", "wall_time_s", "elapsed_s", "command", "phases",
             "error"}
 

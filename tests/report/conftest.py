@@ -30,7 +30,7 @@ def _metrics(steps: int, wire_per_step: int, route_mix: dict[str, float],
             "step": step, "phase": "warmup" if step < 5 else "main", "loss": loss,
             "lr": 0.1, "grad_norm": 1.0 / (step + 1),
             "wire_bytes": FP32_BYTES_PER_STEP if fallback else wire_per_step,
-            "fp32_wire_bytes": FP32_BYTES_PER_STEP, "route_mix": json.dumps(mix),
+            "baseline_wire_bytes": FP32_BYTES_PER_STEP, "route_mix": json.dumps(mix),
             "fallback": fallback, "fallback_reason": "loss_spike" if fallback else "",
             "fidelity_cosine": 0.97 if step % 4 == 0 else math.nan,
             "hook_time_s": 0.001, "step_time_s": 0.05,
@@ -39,7 +39,7 @@ def _metrics(steps: int, wire_per_step: int, route_mix: dict[str, float],
             if is_eval and not lm else math.nan,
         })
     frame = pd.DataFrame(rows)
-    return frame.astype({"step": "int64", "wire_bytes": "int64", "fp32_wire_bytes": "int64",
+    return frame.astype({"step": "int64", "wire_bytes": "int64", "baseline_wire_bytes": "int64",
                          "fallback": "bool", "phase": "string", "route_mix": "string",
                          "fallback_reason": "string"})
 
@@ -57,11 +57,11 @@ def write_run(root: Path, name: str, *, route: str | None, wire_per_step: int,
                   else {"loss": loss, "accuracy": accuracy})
     metrics.to_parquet(path / "metrics.parquet", index=False)
     if summary:
-        wire, fp32 = int(metrics["wire_bytes"].sum()), int(metrics["fp32_wire_bytes"].sum())
+        wire, fp32 = int(metrics["wire_bytes"].sum()), int(metrics["baseline_wire_bytes"].sum())
         (path / "summary.json").write_text(json.dumps({
             "model": "gpt-nano" if lm else "resnet18", "dataset": "text" if lm else "digits",
             "world_size": 4, "steps": steps, "complete": complete, "final_eval": final_eval,
-            "wire_bytes_total": wire, "fp32_wire_bytes_total": fp32,
+            "wire_bytes_total": wire, "baseline_wire_bytes_total": fp32,
             "compression_ratio": fp32 / wire, "fallback_steps": len(fallback_steps),
             "skipped_steps": 0, "wall_time_s": 12.5, "route": route, "profile": None,
             "nfab_version": "0.1.0", "torch_version": "2.13", "command": "nfab train",
@@ -86,11 +86,11 @@ def write_calibration(root: Path, name: str = "cal", profile: bool = True) -> Pa
                         "error_feedback": ef, "bits_per_element": b, "cosine": cosine,
                         "rel_error": 1 - cosine, "sign_agreement": cosine,
                         "loss_delta": math.nan if route == "fp32" else 0.01 * (32 / b),
-                        "wire_bytes": int(1000 * b), "fp32_wire_bytes": 32000,
+                        "wire_bytes": int(1000 * b), "baseline_wire_bytes": 32000,
                         "encode_decode_s": 0.001,
                     })
     table = pd.DataFrame(rows).astype({"world_size": "int64", "step": "int64",
-                                       "wire_bytes": "int64", "fp32_wire_bytes": "int64"})
+                                       "wire_bytes": "int64", "baseline_wire_bytes": "int64"})
     table.to_parquet(path / "calibration.parquet", index=False)
     if profile:
         phases = [

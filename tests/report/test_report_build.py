@@ -21,10 +21,10 @@ def test_run_table_numbers_come_from_the_files(standard: dict[str, Path], tmp_pa
     report = build_report([str(standard["fp32"]), str(standard["sign"])], tmp_path / "out")
     runs = report.runs.set_index("run")
     sign_metrics = pd.read_parquet(standard["sign"] / "metrics.parquet")
-    wire, fp32 = sign_metrics["wire_bytes"].sum(), sign_metrics["fp32_wire_bytes"].sum()
+    wire, fp32 = sign_metrics["wire_bytes"].sum(), sign_metrics["baseline_wire_bytes"].sum()
     assert runs.loc["sign-run", "compression_ratio"] == pytest.approx(fp32 / wire)
     assert runs.loc["sign-run", "wire_mb"] == pytest.approx(wire / 1e6)
-    assert runs.loc["sign-run", "fp32_mb"] == pytest.approx(fp32 / 1e6)
+    assert runs.loc["sign-run", "baseline_mb"] == pytest.approx(fp32 / 1e6)
     assert runs.loc["fp32-run", "compression_ratio"] == pytest.approx(1.0)
     assert runs.loc["sign-run", "fallback_steps"] == 2
     assert runs.loc["sign-run", "accuracy"] == pytest.approx(0.93)
@@ -69,7 +69,7 @@ def test_summary_csv_has_one_row_per_run(standard: dict[str, Path], tmp_path: Pa
     csv = pd.read_csv(out / "summary.csv")
     assert list(csv["run"]) == ["fp32-run", "sign-run"]
     assert csv.set_index("run").loc["sign-run", "accuracy_delta_pts"] == pytest.approx(-2.0)
-    assert {"compression_ratio", "wire_mb", "fp32_mb", "status"} <= set(csv.columns)
+    assert {"compression_ratio", "wire_mb", "baseline_mb", "status"} <= set(csv.columns)
 
 
 def test_calibration_table_shows_choice_and_evidence(standard: dict[str, Path],

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.world_size(2)]
 
 COLUMNS = {
     "step": "int64", "phase": "object|str", "loss": "float64", "lr": "float64", "grad_norm": "float64",
-    "wire_bytes": "int64", "fp32_wire_bytes": "int64", "route_mix": "object|str", "fallback": "bool",
+    "wire_bytes": "int64", "baseline_wire_bytes": "int64", "route_mix": "object|str", "fallback": "bool",
     "fallback_reason": "object|str", "skipped": "bool", "fidelity_cosine": "float64", "hook_time_s": "float64",
     "collectives": "int64", "scale_rounds": "int64", "saturated_slices": "int64", "step_time_s": "float64",
     "eval_loss": "float64", "eval_accuracy": "float64", "events": "object|str",
@@ -97,7 +97,7 @@ def test_gpt_sign_artifacts(runs) -> None:
     s, m = check_artifacts(ok(runs, "gpt-sign"), 8, lm=True)
     assert s["compression_ratio"] > 1 and s["route"] == "sign" and s["fp32"] is False and s["profile"] is None
     assert s["bucket_cap_mb"] == 4.0  # nfab's default bucket under the hook (DDP's 25 for --fp32)
-    assert (m["wire_bytes"] < m["fp32_wire_bytes"]).iloc[1:].all()  # step 0 runs before DDP's bucket rebuild
+    assert (m["wire_bytes"] < m["baseline_wire_bytes"]).iloc[1:].all()  # step 0 runs before DDP's bucket rebuild
     assert (m["collectives"] > 0).all() and (m["scale_rounds"] == 0).all()  # the hook ran; sign has no scale round
 
 

@@ -1,0 +1,111 @@
+"""The callback's work for one bucket: decode every group into its slices, agree on non-finite.
+
+Runs as a future callback (any thread, any order across buckets): it launches no
+collective, writes only the bucket buffer, and returns an `Outcome`. Host reads: on the
+CPU the non-finite flag is read directly (free there); on an accelerator the bucket is
+decoded regardless and masked on the device, so no callback waits for the device.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+
+from nfab.runtime import control
+from nfab.runtime.controller import FP32
+from nfab.runtime.encode import probe_index, views
+from nfab.runtime.handoff import Launch, Outcome, Sent
+from nfab.wire.qsum import QSum
+from nfab.wire.reducer import write_into
+from nfab.wire.reducers import REDUCERS, mean_of_ranks
+
+
+def finish_bucket(launch: Launch, world_size: int) -> Outcome:
+    """Decode `launch`'s groups into its bucket (zeroed on every rank if any rank was non-finite)."""
+    t0 = time.perf_counter()
+    buffer = launch.buffer
+    table = _control_table(launch, world_size)
+    if table is None:  # FP32 only, no word: a non-finite element shows in the reduced sum itself
+        bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))
+        _zero_if(buffer, bad)
+        return Outcome(launch.index, None, bad, (), (), None, time.perf_counter() - t0)
+    bad = control.nonfinite(table)
+    amax: list[tuple[tuple[str, ...], torch.Tensor]] = []
+    saturated: list[torch.Tensor] = []
+    decoded_lossy: list[torch.Tensor] = []
+    if not _known_true(bad):
+        for sent in launch.sent:
+            out = _decode_group(launch, sent, table, world_size, amax, saturated)
+            if out is not None:
+                decoded_lossy.append(out[probe_index(sent.enc.group.numel)])
+    _zero_if(buffer, bad)
+    cosine = None
+    if launch.probe is not None and decoded_lossy:
+        est = torch.cat(decoded_lossy).to(torch.float32)
+        ref = launch.probe.future.value().to(torch.float32)
+        cosine = torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30)
+    return Outcome(launch.index, table, None, tuple(amax), tuple(saturated), cosine, time.perf_counter() - t0)
+
+
+def _control_table(launch: Launch, w: int) -> torch.Tensor | None:
+    if launch.rows is not None and launch.ctrl_part is not None:
+        return launch.ctrl_part.rows(launch.rows)
+    if launch.ctrl is not None:
+        return control.table(launch.ctrl, w)
+    return None
+
+
+def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
+                  amax: list, saturated: list) -> torch.Tensor | None:
+    """Decode one group into its slices; its decoded values when the bucket is probed."""
+    enc, buffer = sent.enc, launch.buffer
+    group, red = enc.group, REDUCERS[enc.group.key]
+    gathered = list(sent.part.rows(launch.rows)) if sent.part is not None and launch.rows is not None else None
+    if enc.amax_cols is not None:
+        assert enc.shared is not None
+        agreed = enc.amax_cols.of(table).amax(dim=0)
+        amax.append((tuple(s.name for s in group.slices), agreed))
+        if gathered is None:  # a rank's own scale never saturates
+            saturated.append((agreed > enc.shared).sum())
+    if gathered is not None and isinstance(red, QSum):  # each row with its own rank's scales
+        assert enc.amax_cols is not None
+        decode = partial(red.decode_gathered, gathered, enc.amax_cols.of(table), group.numel, group.lengths)
+    else:
+        reduced = red.combine(gathered) if gathered is not None else _value(sent)
+        if group.key == FP32:
+            if not group.whole:
+                write_into(views(buffer, group), reduced)
+            return None
+        scale_mean = mean_of_ranks(enc.scale_cols.of(table)) if enc.scale_cols is not None else enc.shared
+        decode = partial(red.decode, reduced, scale_mean, group.numel, group.lengths, w)
+    probed = launch.probe is not None and group.lossy
+    if group.whole:  # decode straight into the bucket: no temporary, no copy
+        out = decode(out=buffer)
+    elif not probed:  # decode, scale and write each slice at its offset, one pass
+        decode(out=views(buffer, group))
+        return None
+    else:  # the probe compares the group's decoded values as one tensor
+        out = decode(out=None)
+        write_into(views(buffer, group), out)
+    return out if probed else None
+
+
+def _value(sent: Sent) -> torch.Tensor:
+    assert sent.future is not None
+    return sent.future.value()
+
+
+def _known_true(flag: torch.Tensor) -> bool:
+    """The flag's value where reading it costs nothing (CPU); False (decode anyway) elsewhere."""
+    return flag.device.type == "cpu" and bool(flag)
+
+
+def _zero_if(buffer: torch.Tensor, flag: torch.Tensor) -> None:
+    """Zero the bucket when `flag` (0-d bool) is set: read on the CPU, masked on the device elsewhere."""
+    if flag.device.type == "cpu":
+        if bool(flag):
+            buffer.zero_()
+    else:
+        buffer.masked_fill_(flag, 0)

@@ -1,0 +1,170 @@
+"""The hook body's work for one bucket: encode each group, then launch its collectives.
+
+Every tensor is allocated on the bucket's device and nothing is read back to the host:
+a non-finite element shows in the bucket's |g|^2, which travels in the control word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nfab.runtime import coalesce, control
+from nfab.runtime.controller import FP32, Group
+from nfab.runtime.handoff import Encoded, Sent
+from nfab.runtime.scales import AmaxHistory
+from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
+
+PROBE_ELEMENTS = 1 << 16
+"""The fidelity probe reduces at most this many elements per group in FP32: a strided
+sample estimates the cosine well and keeps the probe's bytes negligible."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodeContext:
+    """What encoding a bucket's groups needs from the runtime (residuals and scales are its state)."""
+
+    world_size: int
+    process_group: dist.ProcessGroup | None
+    step: int
+    seed: int
+    rank: int
+    param_index: dict[str, int]
+    error_feedback: bool
+    probing: bool
+    gathered: bool
+    """The bucket goes out as one all-gather: qsum encodes with this rank's own scale."""
+    residuals: dict[str, torch.Tensor]
+    scales: AmaxHistory
+
+
+@dataclass(slots=True)
+class Blocking:
+    """Blocking scale agreements (qsum, exact) made while encoding: counted in the stats."""
+
+    rounds: int = 0
+    wire_bytes: float = 0.0
+
+
+def probe_index(numel: int) -> slice:
+    """The elements a fidelity probe samples from a group of `numel`: every k-th."""
+    return slice(0, numel, max(1, -(-numel // PROBE_ELEMENTS)))
+
+
+def views(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """The group's slices as views of the bucket (encode sources, decode destinations)."""
+    return [buffer[s.offset : s.offset + s.numel] for s in group.slices]
+
+
+def local_sq(buffer: torch.Tensor) -> torch.Tensor:
+    """This rank's |g|^2 of a bucket, fp32, on its device (non-finite iff an element is)."""
+    return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
+
+
+def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: control.Builder,
+                 probe_parts: list[torch.Tensor], blocking: Blocking) -> Encoded:
+    """One group's payload; its scales/max |x| appended to the control word being built."""
+    red, w = REDUCERS[group.key], ctx.world_size
+    if group.lossy and not (group.whole or red.needs_shared_scale or ctx.probing or ctx.error_feedback):
+        # nothing to add or sample: encode the slices where they lie, no gathered copy
+        enc = red.encode_views(views(buffer, group), group.lengths, w)
+        return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales))
+    # a whole-bucket group works on the bucket itself: it is overwritten by the result
+    x = buffer if group.whole else torch.cat(views(buffer, group))
+    if group.key == FP32:
+        _flush_residuals(ctx.residuals, x, group)
+        x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
+        return Encoded(group, x)
+    if ctx.probing:
+        probe_parts.append(x[probe_index(group.numel)].to(torch.float32, copy=True))  # before EF
+    if ctx.error_feedback:
+        _add_residuals(ctx.residuals, x, group)
+    shared = amax_cols = None
+    if red.needs_shared_scale:
+        amax = red.local_scale(x, group.lengths)
+        shared = amax if ctx.gathered else ctx.scales.delayed((s.name for s in group.slices), ctx.step, x.device)
+        if shared is None:  # no recent agreed history: agree now (blocking)
+            shared = amax.clone()
+            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=ctx.process_group)
+            blocking.rounds += 1
+            blocking.wire_bytes += allreduce_factor(w) * shared.numel() * 4
+        amax_cols = word.add(amax)
+    noise = _noise(ctx, group, x.device) if red.needs_shared_scale else None
+    enc = red.encode(x, group.lengths, w, shared, noise)
+    residuals: tuple[tuple[str, torch.Tensor], ...] = ()
+    if ctx.error_feedback and enc.local is not None:
+        resid = x - enc.local
+        residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True))
+    return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals)
+
+
+def launch_each(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int,
+                pg: dist.ProcessGroup | None) -> tuple[list[Sent], torch.Tensor | None, list, float]:
+    """One collective per group, as its reducer sends it, plus the control word's all-gather.
+    Returns the sent groups, the control words' receive buffer, the futures and the bytes."""
+    sent, futs, nbytes = [], [], 0.0
+    for enc in encoded:
+        red = REDUCERS[enc.group.key]
+        nbytes += red.collective_factor(w) * enc.payload.numel() * enc.payload.element_size()
+        fut = red.launch(enc.payload, w, pg)
+        sent.append(Sent(enc, fut, None))
+        futs.append(fut)
+    recv = None
+    if ctrl is not None:
+        recv = torch.empty(w * ctrl.numel(), dtype=ctrl.dtype, device=ctrl.device)
+        futs.append(all_gather_flat(recv, ctrl, group=pg, async_op=True).get_future())
+        nbytes += allgather_factor(w) * ctrl.numel() * 4
+    return sent, recv, futs, nbytes
+
+
+def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int, pg: dist.ProcessGroup | None,
+                     device: torch.device) -> tuple[list[Sent], coalesce.Part | None, torch.Tensor, list, float]:
+    """The control word and every group's payload as the bytes of ONE all-gather."""
+    tensors = ([ctrl] if ctrl is not None else []) + [e.payload for e in encoded]
+    row, parts = coalesce.pack(tensors, device)
+    ctrl_part = parts.pop(0) if ctrl is not None else None
+    rows = torch.empty(w * row.numel(), dtype=torch.uint8, device=device)
+    fut = all_gather_flat(rows, row, group=pg, async_op=True).get_future()
+    sent = [Sent(e, None, p) for e, p in zip(encoded, parts, strict=True)]
+    return sent, ctrl_part, rows.view(w, -1), [fut], allgather_factor(w) * row.numel()
+
+
+def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns | None:
+    return word.add(scales) if scales is not None else None
+
+
+def _noise(ctx: EncodeContext, group: Group, device: torch.device) -> list[torch.Generator]:
+    """One rounding-noise generator per slice on the bucket's device, seeded by (seed, rank,
+    step, parameter): each rank rounds independently, the schedule is the same everywhere,
+    and a parameter's noise does not depend on which bucket it travels in."""
+    gens = []
+    for s in group.slices:
+        g = torch.Generator(device=device)
+        g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
+        gens.append(g)
+    return gens
+
+
+def _add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group) -> None:
+    pos = 0
+    for s in group.slices:
+        r = residuals.get(s.name)
+        if r is not None:
+            x[pos : pos + s.numel].add_(r)
+        pos += s.numel
+
+
+def _flush_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group) -> None:
+    """A slice back on fp32 sends what error feedback still owed it, then forgets it."""
+    if not residuals:
+        return
+    pos = 0
+    for s in group.slices:
+        r = residuals.pop(s.name, None)
+        if r is not None:
+            start = s.offset if group.whole else pos
+            x[start : start + s.numel].add_(r)
+        pos += s.numel

@@ -1,0 +1,102 @@
+"""What the hook hands its callback, and what the callback hands back: immutable values, passed once.
+
+    hook body (DDP's thread, bucket order)      callback (any thread, any order)
+    ------------------------------------        --------------------------------
+    encode groups -> `Encoded` per group
+    launch       -> `Launch` (frozen) ------->  decode into the bucket
+                                                `Outcome` (frozen) -> Runtime's outcome list
+    next step's first hook (or step_stats): fold every (Launch, Outcome) pair of the step,
+    reading its device values to the host once.
+
+The hook never reads what a callback wrote during the step, and a callback writes only
+the bucket buffer (DDP's) and one `Outcome`; nothing is mutated by both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nfab.runtime.coalesce import Part
+from nfab.runtime.control import Columns
+from nfab.runtime.controller import BucketRoutes, Group
+from nfab.runtime.plan import BucketPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One group's encoded contribution, before launch."""
+
+    group: Group
+    payload: torch.Tensor
+    scale_cols: Columns | None = None
+    """The group's per-slice sign scales in the control word (averaged over ranks)."""
+    amax_cols: Columns | None = None
+    """The group's per-slice max |x| in the control word (qsum)."""
+    shared: torch.Tensor | None = None
+    """The scale qsum encoded with (agreed, delayed, or this rank's own when gathered)."""
+    residuals: tuple[tuple[str, torch.Tensor], ...] = ()
+    """Error feedback staged per slice: committed at the fold unless the bucket was non-finite."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """One group after launch: its encoding and where its result arrives."""
+
+    enc: Encoded
+    future: torch.futures.Future | None
+    """The group's own collective (None when it rides the coalesced all-gather)."""
+    part: Part | None
+    """Its bytes in each row of the coalesced all-gather (None on its own collective)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A fidelity probe: a strided FP32 sample of the lossy groups, all-reduced beside them."""
+
+    future: torch.futures.Future
+    regions: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Everything the callback needs, written once by the hook."""
+
+    index: int
+    plan: BucketPlan
+    routes: BucketRoutes
+    buffer: torch.Tensor
+    sent: tuple[Sent, ...]
+    ctrl: torch.Tensor | None
+    """Receive buffer of the control words' own all-gather (W words), when sent on its own."""
+    ctrl_part: Part | None
+    """The control word inside the coalesced rows, when coalesced."""
+    rows: torch.Tensor | None
+    """Receive buffer of the coalesced all-gather (W rows), when coalesced."""
+    probe: Probe | None
+    wire_bytes: float
+    baseline_bytes: float
+    """Bytes plain DDP sends for this bucket, in the bucket's own dtype."""
+    collectives: int
+    scale_rounds: int
+    elements: tuple[tuple[str, int], ...]
+    hook_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one bucket's callback produced (device values; read on the host at the fold)."""
+
+    index: int
+    table: torch.Tensor | None
+    """The bucket's all-gathered control words (W, n), when it sent one."""
+    unsent_bad: torch.Tensor | None
+    """For a bucket without a control word: its reduced values were non-finite (0-d bool)."""
+    amax: tuple[tuple[tuple[str, ...], torch.Tensor], ...]
+    """Per qsum group: its slices' names and their agreed max |x| (MAX over ranks)."""
+    saturated: tuple[torch.Tensor, ...]
+    """Per summed qsum group: how many of its slices exceeded the shared scale."""
+    cosine: torch.Tensor | None
+    """This rank's fidelity cosine of the bucket's probe, when it carried one."""
+    callback_time_s: float
