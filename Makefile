@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo lint bench study clean
+.PHONY: install test test-fast test-gpu demo lint bench study clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m 'not slow'
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m cuda -rs
 
 demo: install
 	$(BIN)/nfab demo

@@ -44,6 +44,7 @@ def _rank_main(
     pg_timeout_s: float,
     master_addr: str = "127.0.0.1",
     node: tuple[int, int, int] = (0, 0, 0),
+    backend: str = "gloo",
 ) -> None:
     group_rank, first, local_world = node
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
@@ -51,8 +52,10 @@ def _rank_main(
                       LOCAL_WORLD_SIZE=str(local_world or world_size), GROUP_RANK=str(group_rank))
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )
         args = torch.load(io.BytesIO(args_blob), weights_only=False)
         result = fn(rank, world_size, *args)
@@ -76,8 +79,10 @@ def run_ranks(
     master_addr: str = "127.0.0.1",
     port: int | None = None,
     group_rank: int = 0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results by rank.
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks (gloo, or `backend="nccl"` with
+    one GPU per rank); return results by rank.
 
     `fn` must be importable at module level (the spawn start method pickles it by name).
     `ranks` (default: all) are the ranks this machine (node `group_rank`) runs; the others
@@ -96,7 +101,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s, master_addr, node),
+            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s, master_addr, node, backend),
             daemon=True,
         )
         for rank in ranks

@@ -4,19 +4,12 @@ The step timing is `nfab.bench.step`'s (same model init, data and seed; variants
 interleaved step by step; paired ratios). Variants: plain DDP, nfab route fp32 (the
 target: within 5% of plain), nfab route sign, and PyTorch's fp16_compress_hook.
 
-Then a breakdown on the real bucket sizes of nfab's fp32 plan, each part timed in
-interleaved rounds on the live group (medians, milliseconds per step, summed over
-buckets):
-- `allreduce`: the payload all-reduce alone (what plain DDP pays);
-- `allreduce+ctrl`: the payload all-reduce and nfab's control-word all-gather, both
-  launched async, then both waited (what the collectives cost nfab);
-- `ctrl_allgather`: the control-word all-gather alone (its latency);
-- `norm_pass`: one `vector_norm` over the bucket plus the `float()` that syncs it — the
-  hook does two (the local |g|^2 before launch, the reduced |g|^2 in the callback);
-- `prescale`: `mul_(1/W)` over the bucket (DDP does the same division);
-- `allreduce_launch_only`: the time the async all-reduce call itself takes to return;
-- and from the runtime itself, `hook_cpu`: median seconds per step spent in nfab's hook
-  body and callback (Runtime's own `hook_time_s`).
+Then a breakdown of nfab's own hook CPU per step, from the hook itself: the Runtime
+times its real phases per bucket (`StepStats.hook_phases`: plan, norm, encode, launch in
+the hook body; decode in the callbacks; fold at the step boundary), and this reports their
+medians over the timed steps for each nfab variant. Beside them, `allreduce`: the payload
+all-reduce alone on the fp32 plan's real bucket sizes (what plain DDP's collectives cost),
+timed in rounds on the live group.
 """
 
 from __future__ import annotations
@@ -30,12 +23,10 @@ import torch.distributed as dist
 
 from nfab.bench import step as step_mod
 from nfab.bench.step import BenchConfig, Run
-from nfab.wire.reducers import all_gather_flat
 
 HOOK_VARIANTS: tuple[str, ...] = ("plain", "allreduce-hook", "nfab-fp32", "nfab-sign", "fp16")
 """`allreduce-hook` (PyTorch's Python allreduce hook) separates the cost of any Python hook
 from the cost of nfab's own work."""
-_CTRL_NUMEL = 4  # the fp32 route's control word: nonfinite, |g|^2, loss, has_loss
 
 
 def hook_config(**kw: Any) -> BenchConfig:
@@ -55,63 +46,35 @@ def _median_ms(fn, rounds: int) -> float:
     return 1e3 * float(np.median(ts))
 
 
-def breakdown(run: Run, rounds: int = 20) -> dict[str, Any]:
-    """Time the parts of nfab's fp32 hook on its real bucket sizes (see the module doc)."""
-    rt = run.runtime
+def phase_medians(run: Run, warmup: int) -> dict[str, float]:
+    """Median ms per step of each hook phase the Runtime timed, and of their sum (`hook_cpu`)."""
+    hist = list(run.runtime.history)[warmup:] or list(run.runtime.history)
+    names = sorted({k for h in hist for k in h.hook_phases})
+    out = {k: 1e3 * float(np.median([h.hook_phases.get(k, 0.0) for h in hist])) for k in names}
+    out["hook_cpu"] = 1e3 * float(np.median([h.hook_time_s for h in hist]))
+    return out
+
+
+def breakdown(runs: list[Run], warmup: int, rounds: int = 20) -> dict[str, Any]:
+    """The hook's own phase timings per nfab variant, and the bare all-reduce on the fp32 plan's buckets."""
+    nfab_runs = [r for r in runs if r.runtime is not None]
+    out: dict[str, Any] = {"phases_ms_per_step": {r.name: phase_medians(r, warmup) for r in nfab_runs}}
+    fp32 = next((r for r in nfab_runs if r.name == "nfab-fp32"), None)
+    if fp32 is None:
+        return out
+    rt = fp32.runtime
     n_buckets = rt.history[-1].buckets if rt.history else 0
     # plans are kept in insertion order: the last n_buckets are the rebuilt, current ones
     sizes = [p.numel for p in list(rt.plans.values())[-n_buckets:]] if n_buckets else []
     if not sizes:
-        sizes = [sum(p.numel() for p in run.ddp.parameters())]
-    w = dist.get_world_size()
+        sizes = [sum(p.numel() for p in fp32.ddp.parameters())]
     bufs = [torch.randn(n) for n in sizes]
-    ctrl = torch.zeros(_CTRL_NUMEL)
-    gathered = torch.empty(w * _CTRL_NUMEL)
 
     def allreduce() -> None:
         for b in bufs:
             dist.all_reduce(b, async_op=True).wait()
 
-    def launch() -> None:
-        works = []
-        t0 = time.perf_counter()
-        for b in bufs:
-            works.append(dist.all_reduce(b, async_op=True))
-        launch_s.append(time.perf_counter() - t0)
-        for wk in works:
-            wk.wait()
-
-    launch_s: list[float] = []
-
-    def ctrl_allgather() -> None:
-        for _ in bufs:
-            all_gather_flat(gathered, ctrl, async_op=True).wait()
-
-    def both() -> None:
-        for b in bufs:
-            a = dist.all_reduce(b, async_op=True)
-            c = all_gather_flat(gathered, ctrl, async_op=True)
-            a.wait()
-            c.wait()
-
-    def norm_pass() -> None:
-        for b in bufs:
-            float(torch.linalg.vector_norm(b))
-
-    def prescale() -> None:
-        for b in bufs:
-            b.mul_(1.0)
-
-    parts = {"allreduce": allreduce, "allreduce+ctrl": both, "ctrl_allgather": ctrl_allgather,
-             "norm_pass": norm_pass, "prescale": prescale, "launch": launch}
-    samples: dict[str, list[float]] = {k: [] for k in parts}
-    for _ in range(rounds):  # interleave the parts round by round
-        for k, fn in parts.items():
-            samples[k].append(_median_ms(fn, 1))
-    hist = list(rt.history)[1:] or list(rt.history)
-    out = {k: float(np.median(v)) for k, v in samples.items()}
-    out["allreduce_launch_only"] = 1e3 * float(np.median(launch_s))
-    out["hook_cpu"] = 1e3 * float(np.median([h.hook_time_s for h in hist]))
+    out["allreduce"] = float(np.median([_median_ms(allreduce, 1) for _ in range(rounds)]))
     out["buckets"] = len(sizes)
     out["bucket_numel"] = sizes
     return out
@@ -123,8 +86,7 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str,
     runs, data = step_mod.prepare(rank, cfg)
     step_mod.time_runs(runs, data, cfg)
     times = step_mod.slowest_rank_times(runs)
-    fp32 = next((r for r in runs if r.name == "nfab-fp32"), None)
-    parts = breakdown(fp32) if fp32 is not None else {}
+    parts = breakdown(runs, cfg.warmup)
     return {
         "parameters": sum(p.numel() for p in runs[0].ddp.parameters()),
         "times_s": times,

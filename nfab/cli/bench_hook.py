@@ -30,16 +30,19 @@ def register(app: typer.Typer) -> None:
         doc = step_mod.report(cfg, hook_mod.run(cfg))
         print_report(doc, f"nfab bench hook  (resnet18 width {width}, loopback)")
         parts = doc.get("breakdown_ms_per_step") or {}
-        if parts:
-            table = Table(title=f"nfab fp32 hook parts, ms per step over {parts['buckets']} bucket(s), median")
-            table.add_column("part")
-            table.add_column("ms", justify="right")
-            for key in ("allreduce", "allreduce+ctrl", "ctrl_allgather", "allreduce_launch_only",
-                        "norm_pass", "prescale", "hook_cpu"):
-                table.add_row(key, f"{parts[key]:.3f}")
+        phases = parts.get("phases_ms_per_step") or {}
+        if phases:
+            names = sorted({k for v in phases.values() for k in v if k != "hook_cpu"}) + ["hook_cpu"]
+            table = Table(title="nfab hook CPU by phase, ms per step (median; timed by the Runtime itself)")
+            table.add_column("phase")
+            for variant in phases:
+                table.add_column(variant, justify="right")
+            for name in names:
+                table.add_row(name, *(f"{phases[v].get(name, 0.0):.3f}" for v in phases))
             console.print(table)
-            console.print("hook_cpu: nfab hook body + callback per step (Runtime.hook_time_s); the hook "
-                          "runs two norm passes per bucket", highlight=False)
+        if "allreduce" in parts:
+            console.print(f"allreduce alone on the fp32 plan's {parts['buckets']} bucket(s): "
+                          f"{parts['allreduce']:.3f} ms per step", highlight=False)
         if json_path is not None:
             step_mod.write_json(json_path, doc)
             console.print(f"wrote {json_path}")

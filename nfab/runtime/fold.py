@@ -107,6 +107,8 @@ def _account(st: StepStats, la: Launch, o: Outcome) -> None:
     st.baseline_wire_bytes += int(round(la.baseline_bytes))
     for label, n in la.elements:
         st.route_elements[label] = st.route_elements.get(label, 0) + n
-    st.hook_time_s += la.hook_time_s + o.callback_time_s
+    for name, s in (*la.phases, ("decode", o.callback_time_s)):
+        st.hook_phases[name] = st.hook_phases.get(name, 0.0) + s
+        st.hook_time_s += s
     st.scale_rounds += la.scale_rounds
     st.collectives += la.collectives

@@ -81,7 +81,8 @@ class Launch:
     collectives: int
     scale_rounds: int
     elements: tuple[tuple[str, int], ...]
-    hook_time_s: float
+    phases: tuple[tuple[str, float], ...]
+    """Seconds the hook body spent in each phase for this bucket (`hook.HOOK_PHASES`)."""
 
 
 @dataclass(frozen=True, slots=True)

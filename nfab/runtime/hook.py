@@ -151,25 +151,19 @@ class Runtime:
 
     # ---- the hook -------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        t0 = time.perf_counter()
         if self._saw_last:
             self._finish_step()
+        marks = [time.perf_counter()]  # phase boundaries: plan, norm, encode, launch
         first = not self._step_open
         if first:
             self._step_open, self._saw_last, self._probed = True, False, False
         last = bucket.is_last()
         self._saw_last |= last
         buffer = bucket.buffer()
-        plan = self._plan(bucket, buffer)
-        phase = self.controller.phase(self.step)
-        routes = self.controller.routes(plan, phase, self.health.demoted())
-        w = self.world_size
-        probing = routes.has_lossy and not self._probed and self._probe_step()
-        gathered = coalesce.should_coalesce(routes.groups, w, self.coalesce, self.controller.cost_model)
-        ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
-                                   self.error_feedback and phase.error_feedback, probing, gathered,
-                                   self.residuals, self.scales)
+        plan, routes, ctx = self._context(bucket, buffer)
+        marks.append(time.perf_counter())
         bucket_sq = encode.local_sq(buffer)  # before any group is pre-scaled or encoded in place
+        marks.append(time.perf_counter())
         word, probe_parts, blocking = control.Builder(), [], encode.Blocking()
         encoded = [encode.encode_group(ctx, buffer, g, word, probe_parts, blocking) for g in routes.groups]
         ctrl = None
@@ -179,13 +173,30 @@ class Runtime:
             self._carried_sq = None
         else:  # an FP32-only bucket's |g|^2 rides with the next control word
             self._carried_sq = bucket_sq if self._carried_sq is None else self._carried_sq + bucket_sq
-        launch, futs = self._launch(bucket.index(), plan, routes, buffer, ctx, encoded, ctrl, probe_parts, blocking, t0)
+        marks.append(time.perf_counter())
+        launch, futs = self._launch(bucket.index(), plan, routes, buffer, ctx, encoded, ctrl, probe_parts, blocking,
+                                    marks)
         self._launches.append(launch)
         return torch.futures.collect_all(futs).then(partial(self._callback, launch))
 
+    def _context(self, bucket: dist.GradBucket,
+                 buffer: torch.Tensor) -> tuple[BucketPlan, BucketRoutes, encode.EncodeContext]:
+        """The bucket's plan, this step's groups, and what encoding them needs."""
+        plan = self._plan(bucket, buffer)
+        phase = self.controller.phase(self.step)
+        routes = self.controller.routes(plan, phase, self.health.demoted())
+        w = self.world_size
+        probing = routes.has_lossy and not self._probed and self._probe_step()
+        gathered = coalesce.should_coalesce(routes.groups, w, self.coalesce, self.controller.cost_model)
+        ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
+                                   self.error_feedback and phase.error_feedback, probing, gathered,
+                                   self.residuals, self.scales)
+        return plan, routes, ctx
+
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
                 ctx: encode.EncodeContext, encoded: list[Encoded], ctrl: torch.Tensor | None,
-                probe_parts: list[torch.Tensor], blocking: encode.Blocking, t0: float) -> tuple[Launch, list]:
+                probe_parts: list[torch.Tensor], blocking: encode.Blocking,
+                marks: list[float]) -> tuple[Launch, list]:
         """Launch the bucket's collectives (one coalesced all-gather, or one per group + the
         word's) and the probe; the `Launch` its callback receives, and the futures."""
         w, pg = self.world_size, self.group
@@ -210,13 +221,17 @@ class Runtime:
         baseline = allreduce_factor(w) * buffer.numel() * buffer.element_size()
         launch = Launch(index, plan, routes, buffer, tuple(sent), recv, ctrl_part, rows, probe,
                         nbytes + blocking.wire_bytes, baseline, collectives + blocking.rounds, blocking.rounds,
-                        tuple(elements.items()), time.perf_counter() - t0)
+                        tuple(elements.items()), _spans(marks + [time.perf_counter()]))
         return launch, futs
 
     def _callback(self, launch: Launch, done: torch.futures.Future) -> torch.Tensor:
         done.value()  # a failed collective (e.g. a peer timed out) raises its own error before results are read
-        self._outcomes.append(finish_bucket(launch, self.world_size))
+        self._outcomes.append(self._finish(launch))
         return launch.buffer
+
+    def _finish(self, launch: Launch) -> Outcome:
+        """The callback's work: decode into the bucket; the callback's one hand-back value."""
+        return finish_bucket(launch, self.world_size)
 
     def _step_values(self, first: bool, device: torch.device) -> control.StepValues:
         """The step's first word carries this rank's loss and the previous probe's cosine."""
@@ -244,6 +259,7 @@ class Runtime:
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""
+        t0 = time.perf_counter()
         phase = self.controller.phase(self.step)
         probe_regions = self._cosine_next[1] if self._cosine_next is not None else frozenset()
         folded = fold_step(self.step, phase.name, self._launches, self._outcomes, self.world_size)
@@ -259,12 +275,23 @@ class Runtime:
         for e in events:
             log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
         self.events.extend(events)
+        st.hook_phases["fold"] = time.perf_counter() - t0
+        st.hook_time_s += st.hook_phases["fold"]
         self.history.append(st)
         self._cosine_next = folded.cosine
         self.step += 1
         self._step_open = self._saw_last = False
         self._launches, self._outcomes = [], []
         self._loss_local = None
+
+
+HOOK_PHASES = ("plan", "norm", "encode", "launch")
+"""The hook body's phases, timed per bucket (`StepStats.hook_phases`; the callback adds
+`decode`, the step boundary `fold`)."""
+
+
+def _spans(marks: list[float]) -> tuple[tuple[str, float], ...]:
+    return tuple((name, b - a) for name, a, b in zip(HOOK_PHASES, marks[:-1], marks[1:], strict=True))
 
 
 def nfab_hook(state: Runtime, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

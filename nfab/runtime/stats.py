@@ -35,6 +35,9 @@ class StepStats:
     loss: float | None = None
     """Mean of the ranks' observed losses (`Runtime.observe_loss`), from the control word."""
     hook_time_s: float = 0.0
+    """CPU seconds in nfab's hook bodies, callbacks and the step's fold (the sum of `hook_phases`)."""
+    hook_phases: dict[str, float] = field(default_factory=dict)
+    """`hook_time_s` by phase: plan, norm, encode, launch (hook body), decode (callbacks), fold."""
     saturated_slices: int = 0
     """qsum slices whose elements exceeded their delayed scale (clipped to +-scale)."""
     scale_rounds: int = 0
@@ -54,6 +57,7 @@ class StepStats:
         """A flat row for metrics tables (route_mix as a JSON string)."""
         d = asdict(self)
         d.pop("route_elements")
+        d.pop("hook_phases")
         d["route_mix"] = json.dumps(self.route_mix, sort_keys=True)
         d["events"] = "; ".join(self.events)
         return d

@@ -1,0 +1,144 @@
+"""Device-generic runtime and rank-consistent decisions, on real gloo ranks.
+
+- Under `with torch.device("meta"):` every allocation that does not name a device lands
+  on the meta device and fails as soon as it meets a real tensor (as a default-device
+  allocation would on CUDA): attach, every hook body and every callback run that way and
+  must give the same bits as a normal run.
+- A one-ulp difference in one rank's local decision input (its probe cosine) sitting
+  exactly on a health threshold: every rank still takes the same decision, because
+  decisions read the all-gathered control words, not local floats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).parent))
+import twins  # noqa: E402
+
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.profile.schema import Profile  # noqa: E402
+from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
+from nfab.wire import cost as cost_mod  # noqa: E402
+
+ROUTES = {"conv": "sign", "linear": "q8", "embedding": "sign", "head": "sign", "norm": "bf16", "bias": "q4",
+          "small": "fp32"}
+
+
+class DefaultDeviceMeta(Runtime):
+    """A Runtime whose hook bodies and callbacks run with the meta device as the default."""
+
+    def hook(self, bucket):  # noqa: ANN001, ANN201 - DDP's signature
+        with torch.device("meta"):
+            return super().hook(bucket)
+
+    def _callback(self, launch, done):  # noqa: ANN001, ANN202
+        with torch.device("meta"):
+            return super()._callback(launch, done)
+
+
+def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=bucket_mb)
+    prof = Profile.static(ROUTES)
+    prof = dataclasses.replace(prof, health=dataclasses.replace(prof.health, probe_every=2))
+    cls = DefaultDeviceMeta if meta else Runtime
+    if meta:
+        with torch.device("meta"):
+            cm = cost_mod.measure(None, large_numel=1 << 10, reps=1, device="cpu")
+            rt = cls(ddp, prof, explicit=True, cost_model=None, qsum_scale=qsum_scale)
+        assert cm.allreduce.bandwidth_bps > 0
+    else:
+        rt = cls(ddp, prof, explicit=True, cost_model=None, qsum_scale=qsum_scale)
+    ddp.register_comm_hook(rt, nfab_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    stats = []
+    for step in range(steps):
+        x, y = twins.batch(rank, step)
+        opt.zero_grad()
+        loss = twins.loss_fn(ddp, x, y)
+        if step == 3:
+            loss = loss * float("inf") if rank == 0 else loss  # a non-finite step on one rank
+        rt.observe_loss(loss)
+        loss.backward()
+        st = rt.step_stats()
+        stats.append((st.route_mix, st.skipped, st.loss, st.grad_norm, st.fidelity_cosine, st.collectives))
+        opt.step()
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "stats": stats,
+            "residuals": {k: v.clone() for k, v in rt.residuals.items()}}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("bucket_mb,qsum_scale", [(0.02, "delayed"), (100.0, "exact")])
+def test_meta_default_device_gives_the_same_bits(bucket_mb, qsum_scale):
+    """0.02 MB: many buckets, summed qsum with delayed scales, control words on their own;
+    100 MB: one coalesced bucket (signgather beside gathered qsum, bf16 and fp32)."""
+    normal = run_ranks(_train, 2, False, bucket_mb, qsum_scale, 6, timeout_s=240)
+    meta = run_ranks(_train, 2, True, bucket_mb, qsum_scale, 6, timeout_s=240)
+    for a, b in zip(normal, meta, strict=True):
+        assert torch.equal(a["params"], b["params"])
+        assert a["stats"] == b["stats"]
+        assert a["residuals"].keys() == b["residuals"].keys()
+        assert all(torch.equal(a["residuals"][k], b["residuals"][k]) for k in a["residuals"])
+    assert torch.equal(normal[0]["params"], normal[1]["params"])
+    st = normal[0]["stats"]
+    assert st[3][1] and not any(s[1] for i, s in enumerate(st) if i != 3)  # step 3 skipped everywhere
+    assert st[1][4] is not None  # step 0's probe, reported with step 1
+
+
+class PerturbedCosine(Runtime):
+    """Rank 1 measures its probe cosine one ulp lower (as a different CPU or GPU might)."""
+
+    def _finish(self, launch):  # noqa: ANN001, ANN202
+        out = super()._finish(launch)
+        if self.rank == 1 and out.cosine is not None:
+            out = dataclasses.replace(out, cosine=torch.nextafter(out.cosine, torch.full_like(out.cosine, -2.0)))
+        return out
+
+
+def _health_run(rank: int, world_size: int, threshold: float | None, perturb: bool) -> dict:
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
+    prof = Profile.static(ROUTES)
+    health = dataclasses.replace(prof.health, probe_every=4, min_fidelity_cosine=threshold or 0.0, cooldown_steps=2)
+    prof = dataclasses.replace(prof, health=health)
+    rt = (PerturbedCosine if perturb else Runtime)(ddp, prof, explicit=True, cost_model=None)
+    ddp.register_comm_hook(rt, nfab_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    mixes, cosines = [], []
+    for step in range(4):
+        x, y = twins.batch(rank, step)
+        opt.zero_grad()
+        twins.loss_fn(ddp, x, y).backward()
+        st = rt.step_stats()
+        mixes.append(st.route_mix)
+        cosines.append(st.fidelity_cosine)
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    return {"mixes": mixes, "cosines": cosines, "events": [str(e) for e in rt.events],
+            "replicas": all(torch.equal(every[0], t) for t in every[1:])}
+
+
+@pytest.mark.world_size(2)
+def test_one_ulp_on_one_rank_at_a_threshold_keeps_routes_equal():
+    # the cosine every rank measures on step 0's probe, without perturbation
+    c0 = run_ranks(_health_run, 2, None, False, timeout_s=180)[0]["cosines"][1]
+    assert c0 is not None and 0 < c0 < 1
+    # threshold exactly at c0: rank 1 alone, deciding from its own cosine (c0 - 1 ulp), would
+    # demote and rank 0 would not; from the agreed control-word mean both demote
+    res = run_ranks(_health_run, 2, c0, True, timeout_s=180)
+    assert res[0]["mixes"] == res[1]["mixes"] and res[0]["events"] == res[1]["events"]
+    assert res[0]["replicas"] and res[1]["replicas"]
+    assert any("fidelity" in e for e in res[0]["events"])
+    assert res[0]["cosines"][1] == res[1]["cosines"][1] < c0
