@@ -17,7 +17,3 @@ def fail(message: str, code: int = 2) -> NoReturn:
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
-
-def not_built(command: str) -> NoReturn:
-    """A subcommand whose layer has not landed yet says so in one line and exits 2."""
-    fail(f"'nfab {command}' is not built yet in this version")

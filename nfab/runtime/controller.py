@@ -8,6 +8,7 @@ off the route its profile asked for is returned with its reason.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -84,8 +85,10 @@ class Controller:
         self.cost_model = cost_model
         self.explicit = explicit
         self.total_steps = total_steps
-        self._cache: dict[tuple, BucketRoutes] = {}
-        self._lossy_cache: dict[tuple, frozenset[str]] = {}
+        # per instance, keyed by (plan, phase position, demoted regions): they recur every step
+        self._phases = {id(p): p for p in profile.phases}
+        self._routes_cached = functools.cache(self._routes)
+        self._lossy_cached = functools.cache(self._lossy_regions)
         self.admitted: dict[str, list[str]] = {}
         self.capacity_notes: dict[str, str] = {}
         for route in sorted(profile.routes_used() | {"fp32"}):
@@ -116,12 +119,11 @@ class Controller:
 
     def lossy_regions(self, plan: BucketPlan, phase: Phase) -> frozenset[str]:
         """Regions of a bucket whose profile route (before any fallback) is not fp32 (cached)."""
-        ck = ("lossy", plan.key, phase.name)
-        hit = self._lossy_cache.get(ck)
-        if hit is None:
-            hit = frozenset(s.region for s in plan.slices if self.wanted_route(phase, s) != "fp32")
-            self._lossy_cache[ck] = hit
-        return hit
+        return self._lossy_cached(plan, id(phase))
+
+    def _lossy_regions(self, plan: BucketPlan, phase_id: int) -> frozenset[str]:
+        phase = self._phases[phase_id]
+        return frozenset(s.region for s in plan.slices if self.wanted_route(phase, s) != "fp32")
 
     def _pick(self, route: str, numel: int, segments: int) -> str | None:
         keys = self.admitted.get(route, [])
@@ -135,10 +137,10 @@ class Controller:
 
     def routes(self, plan: BucketPlan, phase: Phase, demoted: frozenset[str]) -> BucketRoutes:
         """Groups for a bucket at a phase with a set of demoted regions (cached)."""
-        ck = (plan.key, phase.name, demoted)
-        hit = self._cache.get(ck)
-        if hit is not None:
-            return hit
+        return self._routes_cached(plan, id(phase), demoted)
+
+    def _routes(self, plan: BucketPlan, phase_id: int, demoted: frozenset[str]) -> BucketRoutes:
+        phase = self._phases[phase_id]
         fallbacks: list[tuple[str, str]] = []
         by_route: dict[str, list[Slice]] = {}
         for s in plan.slices:
@@ -166,6 +168,4 @@ class Controller:
             slices = sorted(by_key[key], key=lambda s: s.offset)
             whole = len(by_key) == 1
             groups.append(Group(key, tuple(slices), whole))
-        out = BucketRoutes(tuple(groups), tuple(sorted(set(fallbacks))))
-        self._cache[ck] = out
-        return out
+        return BucketRoutes(tuple(groups), tuple(sorted(set(fallbacks))))

@@ -34,6 +34,9 @@ class BucketPlan:
     def regions(self) -> set[str]:
         return {s.region for s in self.slices}
 
+    def __hash__(self) -> int:  # the key identifies the bucket; hashing every slice each step would cost
+        return hash(self.key)
+
 
 def plan_key(params: list[torch.Tensor]) -> tuple[int, ...]:
     """Identity of a bucket: its parameters, in order."""

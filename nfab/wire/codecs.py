@@ -31,14 +31,15 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     lengths = list(lengths)
     if x.device.type != "cpu":
         parts = torch.split(x, lengths)
-        sums = [torch.linalg.vector_norm(p, 1) if p.numel() else x.new_zeros(()) for p in parts]
-        return (torch.stack(sums) if sums else x.new_zeros(0)) / torch.tensor(
+        sums = [torch.linalg.vector_norm(p, 1, dtype=torch.float32) if p.numel()
+                else x.new_zeros((), dtype=torch.float32) for p in parts]
+        return (torch.stack(sums) if sums else x.new_zeros(0, dtype=torch.float32)) / torch.tensor(
             [max(n, 1) for n in lengths], dtype=torch.float32, device=x.device)
-    buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32)
+    buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32, device=x.device)
     sums = []
     start = 0
     for n in lengths:
-        acc = torch.zeros((), dtype=torch.float32)
+        acc = torch.zeros((), dtype=torch.float32, device=x.device)
         for lo in range(start, start + n, _ABS_CHUNK):
             hi = min(lo + _ABS_CHUNK, start + n)
             part = buf[: hi - lo]
@@ -47,8 +48,8 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         sums.append(acc)
         start += n
     if not sums:
-        return torch.zeros(0, dtype=torch.float32)
-    return torch.stack(sums) / torch.tensor([max(n, 1) for n in lengths], dtype=torch.float32)
+        return torch.zeros(0, dtype=torch.float32, device=x.device)
+    return torch.stack(sums) / torch.tensor([max(n, 1) for n in lengths], dtype=torch.float32, device=x.device)
 
 
 def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

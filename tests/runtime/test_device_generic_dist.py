@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, str(Path(__file__).parent))
 import twins  # noqa: E402
 
+import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
+from nfab.runtime.bindings import classify  # noqa: E402
 from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
 from nfab.wire import cost as cost_mod  # noqa: E402
 
@@ -142,3 +145,52 @@ def test_one_ulp_on_one_rank_at_a_threshold_keeps_routes_equal():
     assert res[0]["replicas"] and res[1]["replicas"]
     assert any("fidelity" in e for e in res[0]["events"])
     assert res[0]["cosines"][1] == res[1]["cosines"][1] < c0
+
+
+def _bf16(rank: int, world_size: int) -> dict:
+    """A bf16 model: route fp32 against plain DDP, and a mixed lossy route against independent votes."""
+    torch.manual_seed(0)
+    plain = twins.Awkward().to(torch.bfloat16)
+    ours, mixed = copy.deepcopy(plain), copy.deepcopy(plain)
+    kw = {"find_unused_parameters": True, "bucket_cap_mb": 0.05}
+    d_plain, d_ours, d_mixed = DDP(plain, **kw), DDP(ours, **kw), DDP(mixed, **kw)
+    rt = nfab.attach(d_ours, route="fp32", cost_model=None)
+    rt_mixed = nfab.attach(d_mixed, route=ROUTES, cost_model=None, error_feedback=False)
+    regions = {n: b.region for n, b in classify(mixed).items()}
+    out = {"fp32_mismatch": [], "sign_mismatch": []}
+    for step in range(3):
+        x, y = twins.batch(rank, step)
+        for m in (d_plain, d_ours, d_mixed):
+            m.zero_grad()
+            twins.loss_fn(m, x, y).float().backward()
+        for (n, p), q in zip(plain.named_parameters(), ours.parameters(), strict=True):
+            if p.grad is not None and not torch.equal(p.grad, q.grad):
+                out["fp32_mismatch"].append(f"{step}:{n}")
+        twin = copy.deepcopy(mixed)
+        twin.zero_grad()
+        twins.loss_fn(twin, x, y).float().backward()
+        for (n, p), t in zip(mixed.named_parameters(), twin.parameters(), strict=True):
+            if p.grad is None or ROUTES.get(regions[n]) != "sign":
+                continue
+            votes = (t.grad >= 0).to(torch.int64)
+            dist.all_reduce(votes)
+            if not torch.equal(torch.sign(p.grad.float()), torch.sign(2.0 * votes - world_size)):
+                out["sign_mismatch"].append(f"{step}:{n}")
+    numel = sum(p.numel() for p in ours.parameters() if p.requires_grad)
+    out["baseline"] = (rt.step_stats().baseline_wire_bytes, 2 * (world_size - 1) / world_size * 2 * numel)
+    st = rt_mixed.step_stats()
+    out["mixed"] = (st.baseline_wire_bytes, st.wire_bytes, st.route_mix)
+    flat = torch.cat([p.detach().float().reshape(-1) for p in mixed.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    out["replicas"] = all(torch.equal(every[0], t) for t in every[1:])
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_bf16_model_fp32_route_is_plain_ddp_and_lossy_routes_read_bf16():
+    for r in run_ranks(_bf16, 2, timeout_s=240):
+        assert r["fp32_mismatch"] == [] and r["sign_mismatch"] == [] and r["replicas"]
+        assert r["baseline"][0] == pytest.approx(r["baseline"][1])  # 2 bytes per element, not 4
+        baseline, wire, mix = r["mixed"]
+        assert baseline == r["baseline"][0] and 0 < wire < baseline and mix.get("signgather", 0) > 0.5
