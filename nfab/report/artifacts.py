@@ -141,6 +141,10 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+RENAMED = {"fp32_wire_bytes": "baseline_wire_bytes"}
+"""Old column name -> current: metrics.parquet's plain-DDP bytes are counted in the bucket dtype."""
+
+
 def read_parquet(path: Path, required: tuple[str, ...], numeric: tuple[str, ...]) -> pd.DataFrame:
     """Read a Parquet table and check it has the required columns with numeric types."""
     try:
@@ -148,6 +152,7 @@ def read_parquet(path: Path, required: tuple[str, ...], numeric: tuple[str, ...]
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ValueError, ...
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise NfabError(f"cannot read {path} (truncated or not Parquet?): {reason}") from exc
+    frame = frame.rename(columns=RENAMED)  # tables written before a column was renamed
     missing = [c for c in required if c not in frame.columns]
     if missing:
         raise NfabError(f"{path} lacks required column(s): {', '.join(missing)}")
@@ -206,7 +211,9 @@ def parse_summary(data: dict[str, Any], path: Path) -> RunSummary:
         final_accuracy=accuracy,
         final_perplexity=_number(final_eval, "perplexity", path),
         wire_bytes_total=_typed(data, "wire_bytes_total", int, path),
-        baseline_wire_bytes_total=_typed(data, "baseline_wire_bytes_total", int, path),
+        # runs written before the rename name the same total fp32_wire_bytes_total
+        baseline_wire_bytes_total=_typed(data, "baseline_wire_bytes_total" if "baseline_wire_bytes_total" in data
+                                         else "fp32_wire_bytes_total", int, path),
         fallback_steps=_typed(data, "fallback_steps", int, path),
         skipped_steps=_typed(data, "skipped_steps", int, path),
         wall_time_s=_number(data, "wall_time_s", path),
