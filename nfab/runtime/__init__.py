@@ -1,1 +1,1 @@
-"""The hook runtime: bindings, bucket plans, control words, health and the DDP hook."""
+"""The DDP hook and its state: see `nfab.runtime.hook` for how the parts fit together."""

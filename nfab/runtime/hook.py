@@ -121,7 +121,7 @@ class Runtime:
     # ---- public ---------------------------------------------------------------------
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this rank's loss; it rides with the next control word (stays on its device)."""
-        self._loss_local = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        self._loss_local = loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else float(loss)
 
     def step_stats(self) -> StepStats | None:
         """Statistics of the last finished step (call after backward; None before any)."""

@@ -52,9 +52,22 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     return torch.stack(sums) / torch.tensor([max(n, 1) for n in lengths], dtype=torch.float32, device=x.device)
 
 
+_MANY_SEGMENTS = 8
+
+
 def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """max |x| over each consecutive segment of `x`."""
-    parts = torch.split(x, list(lengths))
+    """max |x| over each consecutive segment of `x` (fp32; 0 for an empty segment).
+
+    Many segments (a bucket's norms and biases) are reduced in one scatter pass instead of
+    one reduction each: max is order-free, so both ways give the same bits.
+    """
+    lengths = list(lengths)
+    if len(lengths) > _MANY_SEGMENTS:
+        counts = torch.tensor(lengths, device=x.device)
+        seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), counts, output_size=x.numel())
+        out = torch.zeros(len(lengths), dtype=torch.float32, device=x.device)
+        return out.scatter_reduce_(0, seg, x.abs().to(torch.float32), "amax")
+    parts = torch.split(x, lengths)
     out = torch.zeros(len(parts), dtype=torch.float32, device=x.device)
     for i, part in enumerate(parts):
         if part.numel():
