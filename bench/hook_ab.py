@@ -4,8 +4,12 @@
     OMP_NUM_THREADS=1 .venv/bin/python bench/hook_ab.py --old /tmp/oldhook/old_hook.py --route p1 --steps 30
 
 Two DDP copies of one resnet18 on the same 2 gloo ranks, one per Runtime, stepped
-alternately (order rotating) on the same batches; prints the median of per-step ratios
-new/old of the Runtime's own `hook_time_s` (and of step time), rank 0.
+alternately (order rotating) on the same batches; prints, for rank 0, the median of
+per-step ratios new/old of
+- `cpu`: CPU seconds of the threads running the hook bodies and the callbacks
+  (`time.thread_time`, so a busy shared machine does not count its other processes);
+- `hook`: the Runtime's own wall-clock `hook_time_s`;
+- `step`: the step's wall-clock time.
 """
 
 from __future__ import annotations
@@ -38,6 +42,36 @@ def _old_runtime(path: str):
     return mod.Runtime, mod.nfab_hook
 
 
+def _timed(cls, hook, cpu: list[float]):
+    """`cls` with its callback timed in thread CPU seconds, and a hook function timed likewise."""
+    callback = "_callback" if hasattr(cls, "_callback") else "_finish_bucket"
+
+    class Timed(cls):
+        pass
+
+    def timed_callback(self, *args):
+        t0 = time.thread_time()
+        try:
+            return getattr(cls, callback)(self, *args)
+        finally:
+            cpu[-1] += time.thread_time() - t0
+
+    setattr(Timed, callback, timed_callback)
+
+    def timed_hook(state, bucket):
+        t0 = time.thread_time()
+        try:
+            return hook(state, bucket)
+        finally:
+            cpu[-1] += time.thread_time() - t0
+
+    # DDP checks the annotations as objects (this module's are strings)
+    timed_hook.__annotations__ = {"state": object, "bucket": torch.distributed.GradBucket,
+                                  "return": torch.futures.Future[torch.Tensor]}
+
+    return Timed, timed_hook
+
+
 def _rank(rank: int, world_size: int, old_path: str, width: int, steps: int, route: str) -> dict:
     spec = build_model("resnet18", seed=0, num_classes=10, width=width, small_input=True, image_size=32)
     if route.startswith("p"):
@@ -46,16 +80,21 @@ def _rank(rank: int, world_size: int, old_path: str, width: int, steps: int, rou
     else:
         prof, ef = Profile.static(route), True
     old_cls, old_hook = _old_runtime(old_path)
-    runs = []
+    runs, cpus = [], []
     for cls, hook in ((old_cls, old_hook), (Runtime, nfab_hook)):
+        cpu: list[float] = []
+        cls, hook = _timed(cls, hook, cpu)
         ddp = DDP(copy.deepcopy(spec.module), bucket_cap_mb=4)
         rt = cls(ddp, prof, explicit=True, error_feedback=ef, cost_model=None)
         ddp.register_comm_hook(rt, hook)
         runs.append((ddp, rt, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), []))
+        cpus.append(cpu)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
     for step in range(steps):
-        for ddp, rt, opt, times in (runs if step % 2 == 0 else runs[::-1]):
+        for i in ((0, 1) if step % 2 == 0 else (1, 0)):
+            ddp, rt, opt, times = runs[i]
+            cpus[i].append(0.0)
             torch.distributed.barrier()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -68,11 +107,15 @@ def _rank(rank: int, world_size: int, old_path: str, width: int, steps: int, rou
     skip = 3
     hook = [[h.hook_time_s for h in list(r[1].history)[skip:]] for r in runs]
     step_t = [r[3][skip:] for r in runs]
+    cpu = [np.array(c[skip:]) for c in cpus]
+    new_hist = list(runs[1][1].history)[skip:]
     return {
+        "cpu_ms_old": 1e3 * float(np.median(cpu[0])), "cpu_ms_new": 1e3 * float(np.median(cpu[1])),
+        "cpu_ratio_new_over_old": float(np.median(cpu[1] / cpu[0])),
         "hook_ms_old": 1e3 * float(np.median(hook[0])), "hook_ms_new": 1e3 * float(np.median(hook[1])),
         "hook_ratio_new_over_old": float(np.median(np.array(hook[1]) / np.array(hook[0]))),
         "step_ratio_new_over_old": float(np.median(np.array(step_t[1]) / np.array(step_t[0]))),
-        "phases_new_ms": {k: 1e3 * float(np.median([h.hook_phases.get(k, 0.0) for h in list(runs[1][1].history)[skip:]]))
+        "phases_new_ms": {k: 1e3 * float(np.median([h.hook_phases.get(k, 0.0) for h in new_hist]))
                           for k in ("plan", "norm", "encode", "launch", "decode", "fold")},
         "buckets": runs[1][1].history[-1].buckets, "mix": runs[1][1].history[-1].route_mix,
     }

@@ -22,7 +22,6 @@ from nfab.distributed import run_ranks
 from nfab.models import build_model
 from nfab.profile.schema import Profile
 
-
 PROFILE = "calibrations/resnet18/profile.json"
 
 

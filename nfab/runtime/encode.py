@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nfab.runtime import coalesce, control, noise
+from nfab.runtime import coalesce, control
 from nfab.runtime.controller import FP32, Group
 from nfab.runtime.handoff import Encoded, Sent
 from nfab.runtime.scales import AmaxHistory
@@ -136,12 +136,17 @@ def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns
     return word.add(scales) if scales is not None else None
 
 
-def _noise(ctx: EncodeContext, group: Group, device: torch.device) -> torch.Tensor:
-    """Rounding noise per element on the bucket's device, keyed by (seed, rank, step, parameter):
-    each rank rounds independently, the schedule is the same everywhere, and a parameter's
-    noise does not depend on which bucket it travels in (`nfab.runtime.noise`)."""
-    keys = [noise.slice_key(ctx.seed, ctx.rank, ctx.step, ctx.param_index[s.name]) for s in group.slices]
-    return noise.group_noise(keys, group.lengths, device)
+def _noise(ctx: EncodeContext, group: Group, device: torch.device) -> list[torch.Generator]:
+    """One rounding-noise generator per slice on the bucket's device, seeded by (seed, rank,
+    step, parameter): every rank follows the same seed schedule and rounds independently,
+    and a parameter's noise does not depend on which bucket it travels in (a resumed run's
+    first step, on DDP's initial buckets, rounds as the uninterrupted run did)."""
+    gens = []
+    for s in group.slices:
+        g = torch.Generator(device=device)
+        g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
+        gens.append(g)
+    return gens
 
 
 def _add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group) -> None:

@@ -125,19 +125,15 @@ class QSum(Reducer):
 
 
 def _uniform_noise(
-    t: torch.Tensor, lengths: Sequence[int],
-    generator: torch.Generator | Sequence[torch.Generator] | torch.Tensor | None,
+    t: torch.Tensor, lengths: Sequence[int], generator: torch.Generator | Sequence[torch.Generator] | None
 ) -> torch.Tensor:
-    """U[0,1) rounding noise: from one generator, one generator per segment, or given
-    (a tensor of `t`'s size: the runtime's per-parameter noise, see `nfab.runtime.noise`).
+    """U[0,1) rounding noise: from one generator, or one generator per segment.
 
     Per-segment generators (the runtime seeds one per parameter and step) make the noise
     a parameter sees independent of which bucket, and which neighbours, it travels with —
     so a resumed run, whose first step uses DDP's initial buckets, rounds exactly as the
     uninterrupted run did with the rebuilt ones.
     """
-    if isinstance(generator, torch.Tensor):
-        return generator
     if generator is None or isinstance(generator, torch.Generator):
         return torch.rand(t.shape, generator=generator, device=t.device, dtype=torch.float32)
     out = torch.empty(t.numel(), device=t.device, dtype=torch.float32)
