@@ -32,7 +32,6 @@ def test_cli_runs_every_hook_variant_and_writes_json(tmp_path):
         assert all(v >= 0 for v in ms.values())
         # the phases partition the hook's CPU time (medians of parts need not add up exactly)
         assert ms["hook_cpu"] > 0 and max(ms[k] for k in PHASES - {"hook_cpu"}) <= ms["hook_cpu"] * 1.5
-    assert phases["nfab-sign"]["encode"] > phases["nfab-fp32"]["encode"]  # sign encodes; fp32 only pre-scales
     assert parts["allreduce"] > 0
     assert parts["buckets"] == len(parts["bucket_numel"]) >= 1
     assert sum(parts["bucket_numel"]) == doc["parameters"]
