@@ -15,7 +15,7 @@ def step_metrics(stats: StepStats, prefix: str = PREFIX) -> dict[str, float]:
     in `Runtime.history` (`StepStats.fallback_reason`). Every value is one all ranks agreed on,
     so no further reduction across ranks is needed (or wanted) when logging it.
     """
-    baseline = stats.fp32_wire_bytes
+    baseline = stats.baseline_wire_bytes
     metrics = {
         f"{prefix}compression": baseline / stats.wire_bytes if stats.wire_bytes else 1.0,
         f"{prefix}wire_bytes": float(stats.wire_bytes),

@@ -10,7 +10,7 @@ from nfab.runtime.stats import StepStats
 
 
 def test_step_metrics_flattens_one_step():
-    st = StepStats(step=3, phase="p", wire_bytes=100, fp32_wire_bytes=3200,
+    st = StepStats(step=3, phase="p", wire_bytes=100, baseline_wire_bytes=3200,
                    route_elements={"signgather": 600, "fp32": 200}, fallback=True, fallback_reason="health(conv)")
     m = step_metrics(st)
     assert m["nfab/compression"] == 32.0
