@@ -121,7 +121,7 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
     if not fast:
         return lanes.decode_table(containers, layout, numel, values, out)
     assert kernels is not None
-    res = torch.empty(numel, dtype=torch.float32) if out is None else out
+    res = torch.empty(numel, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
     if numel == 0:
         return res
     table = values.detach().to(torch.float32).contiguous().numpy()

@@ -179,7 +179,7 @@ class SignGather(_SignReducer):
         straight into its destination (the scale folded into the table: fl(v * s) either way)."""
         assert scale_mean is not None
         vals = codecs.vote_table(world_size, self.vote).numpy()
-        res = torch.empty(numel, dtype=torch.float32) if one is None and dests is None else one
+        res = torch.empty(numel, dtype=torch.float32, device="cpu") if one is None and dests is None else one
         targets = dests if dests is not None else None
         start = 0
         for i, (n, s) in enumerate(zip(lengths, scale_mean.reshape(-1).tolist(), strict=True)):

@@ -164,7 +164,7 @@ class SignScatter(Reducer):
         values = np.array([-1.0, 0.0, 1.0] if ternary else [-1.0, 1.0], dtype=np.float32)
         if numel and fastpath.supports(reduced) and (
                 targets is None or all(fastpath.supports(d) and d.dtype == torch.float32 for d in targets)):
-            res = torch.empty(numel, dtype=torch.float32) if one is None and dests is None else one
+            res = torch.empty(numel, dtype=torch.float32, device="cpu") if one is None and dests is None else one
             packed = reduced.numpy()
             start = 0
             for i, (n, s) in enumerate(zip(lengths, scale_mean.reshape(-1).tolist(), strict=True)):
