@@ -139,7 +139,7 @@ def _uniform_noise(
     out = torch.empty(t.numel(), device=t.device, dtype=torch.float32)
     start = 0
     for n, g in zip(lengths, generator, strict=True):
-        torch.rand(n, generator=g, out=out[start : start + n])
+        torch.rand(n, generator=g, device=t.device, out=out[start : start + n])
         start += n
     return out
 

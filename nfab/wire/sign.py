@@ -178,7 +178,7 @@ class SignGather(_SignReducer):
         """Compiled CPU decode: count the W bit rows and look up vote x scale, per segment
         straight into its destination (the scale folded into the table: fl(v * s) either way)."""
         assert scale_mean is not None
-        vals = codecs.vote_table(world_size, self.vote).numpy()
+        vals = codecs.vote_table(world_size, self.vote, torch.device("cpu")).numpy()
         res = torch.empty(numel, dtype=torch.float32, device="cpu") if one is None and dests is None else one
         targets = dests if dests is not None else None
         start = 0
