@@ -15,7 +15,7 @@ from nfab.config.optim import build_optimizer, lr_factor
 from nfab.config.pairing import check_pairing
 from nfab.data import SpecDataset, make_loader
 
-__all__ = ["BatchStream", "build_optimizer", "check_pairing", "fp32_wire_bytes", "loss_fn", "lr_factor"]
+__all__ = ["BatchStream", "baseline_wire_bytes", "build_optimizer", "check_pairing", "loss_fn", "lr_factor"]
 
 
 def loss_fn(task: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
