@@ -237,7 +237,7 @@ class Runtime:
         """The step's first word carries this rank's loss and the previous probe's cosine."""
         if not first:
             return control.StepValues()
-        loss = self._loss_local
+        loss, self._loss_local = self._loss_local, None  # consumed here: a step boundary must not drop it
         if isinstance(loss, float):
             loss = torch.full((), loss, dtype=torch.float32, device=device)
         cosine = self._cosine_next[0] if self._cosine_next is not None else None
@@ -282,7 +282,6 @@ class Runtime:
         self.step += 1
         self._step_open = self._saw_last = False
         self._launches, self._outcomes = [], []
-        self._loss_local = None
 
 
 HOOK_PHASES = ("plan", "norm", "encode", "launch")
