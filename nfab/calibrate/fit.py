@@ -45,8 +45,10 @@ def _num(x: Any) -> float | None:
     return None if math.isnan(v) else v
 
 
-def _passes(row: pd.Series, tol_cosine: float, tol_loss: float, high_cosine: float,
-            max_rel_error: float = MAX_REL_ERROR) -> bool:
+def passes(row: pd.Series | dict[str, Any], tol_cosine: float, tol_loss: float, high_cosine: float,
+           max_rel_error: float = MAX_REL_ERROR) -> bool:
+    """Does one table row (or a row under construction) meet the tolerances? A route without a
+    trial passes only at `high_cosine`; with one, both its loss deltas must be within `tol_loss`."""
     if row["route"] == "fp32":
         return True
     if not bool(row.get("capacity_ok", True)):
@@ -65,7 +67,7 @@ def _passes(row: pd.Series, tol_cosine: float, tol_loss: float, high_cosine: flo
 
 def _choose(rows: pd.DataFrame, tol_cosine: float, tol_loss: float, high_cosine: float) -> dict[str, Any]:
     """The cheapest passing route among one (phase, region, EF) group's rows; fp32 if none."""
-    ok = [r for _, r in rows.iterrows() if _passes(r, tol_cosine, tol_loss, high_cosine)]
+    ok = [r for _, r in rows.iterrows() if passes(r, tol_cosine, tol_loss, high_cosine)]
     if not ok:
         fp = rows[rows["route"] == "fp32"]
         ok = [fp.iloc[0]] if len(fp) else []

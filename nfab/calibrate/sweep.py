@@ -10,21 +10,34 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import math
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+import pyarrow as pa
 import torch
 
 from nfab import __version__
 from nfab.calibrate.config import CalibrationConfig
-from nfab.calibrate.fit import fit_profile
+from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fit_profile, passes
 from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, replay_reducer, true_means
-from nfab.calibrate.table import read_table, write_table
+from nfab.calibrate.search import Tolerances, ef_order, search_phase, trial_candidate
+from nfab.calibrate.table import SCHEMA, read_table, write_table
 from nfab.calibrate.task import Task
-from nfab.calibrate.trajectory import checkpoint_grid, phase_points, run_reference, run_trial
+from nfab.calibrate.timing import StageClock
+from nfab.calibrate.trajectory import (
+    Reference,
+    TrialResult,
+    checkpoint_grid,
+    phase_points,
+    reference_continuation,
+    run_reference,
+    run_trial,
+    train_delta,
+)
+from nfab.calibrate.validate import TOL_VALIDATE, Validation, validate_profile
 from nfab.models import model_signature
 from nfab.profile.schema import Profile, file_sha256
 from nfab.wire.reducers import REDUCERS
@@ -38,34 +51,48 @@ Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): called as each unit of a stage finishes."""
 
 
+STOP_FACTOR = 3.0
+"""A trial stops early once its training loss runs this x the loss tolerance above the FP32 continuation's."""
+BUDGET_RATIO = 3.0
+"""Default cap on the whole calibration's time, in FP32-reference runs (it limits validation's rounds)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SweepResult:
     rows: list[dict[str, Any]]
     meta: dict[str, Any]
     seconds: float
+    task: Task
+    """The sweep's model and data (validation keeps training it)."""
+    reference: Reference
 
 
 def _noop(stage: str, done: int, total: int) -> None:
     return None
 
 
-def run_sweep(cfg: CalibrationConfig, progress: Progress | None = None, command: str = "") -> SweepResult:
-    """Measure every (phase, region, route, EF) cell of the calibration table."""
+def run_sweep(cfg: CalibrationConfig, progress: Progress | None = None, command: str = "", *,
+              tol: Tolerances | None = None, clock: StageClock | None = None) -> SweepResult:
+    """Measure the (phase, region, route, EF) cells of the calibration table that the fit can use."""
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _sweep(cfg, progress, command)
+        return _sweep(cfg, progress or _noop, command, tol or Tolerances(TOL_COSINE, TOL_LOSS), clock or StageClock())
     finally:
         torch.set_num_threads(threads)
 
 
-def _sweep(cfg: CalibrationConfig, progress: Progress | None, command: str) -> SweepResult:
-    t0 = time.perf_counter()
-    cpu0 = time.process_time()
-    progress = progress or _noop
-    task = Task(cfg)
-    w = cfg.world_size
+def _trial_routes(cfg: CalibrationConfig, cells: dict[tuple[str, str, bool], dict[str, Any]], region: str) -> list[str]:
+    """Routes of a region that may get a trial: every measured route of the reducer registry that is
+    lossy and sends under half of FP32's bits (`--quick`: only QUICK_TRIAL_ROUTES)."""
+    fp32 = cells[(region, "fp32", False)]["bits_per_element"]
+    wanted = set(cfg.trial_routes()) if cfg.quick else None
+    return [route for route in cfg.all_routes
+            if (wanted is None or route in wanted) and trial_candidate(cells[(region, route, False)], fp32)]
 
+
+def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolerances, clock: StageClock) -> SweepResult:
+    w = cfg.world_size
     done = 0
 
     def tick_ref() -> None:
@@ -73,67 +100,46 @@ def _sweep(cfg: CalibrationConfig, progress: Progress | None, command: str) -> S
         done += 1
         progress("reference", done, cfg.steps)
 
-    ref = run_reference(task, tick_ref)
+    with clock.stage("setup"):
+        task = Task(cfg)
+    with clock.stage("reference"):
+        ref = run_reference(task, tick_ref, trial_steps=cfg.trial_steps)
     grid = checkpoint_grid(cfg.steps, task.warmup_steps)
     tail = max(1, cfg.steps // 10)
     points = phase_points(ref.grad_norm, grid, task.warmup_steps, cfg.phases, tail=tail)
     log.info("phase points: %s", points)
 
     total_numel = sum(r.numel for r in task.regions.values())
-    trial_regions = [r for r in task.regions.values() if r.numel / total_numel >= cfg.trial_min_share]
-    trial_routes = [r for r in cfg.trial_routes() if replay_reducer(r, w) is not None]
-    plan = [(region.name, route, ef) for region in trial_regions for route in trial_routes for ef in (False, True)]
-    total_trials = len(points) * (1 + len(plan))
-    trials_done = 0
-
+    trial_regions = sorted(((r.name, r.numel) for r in task.regions.values()
+                            if r.numel / total_numel >= cfg.trial_min_share), key=lambda rn: -rn[1])
+    order = ef_order(cfg.optimizer.name)
+    trials_run = 0
     rows: list[dict[str, Any]] = []
     for p_i, (step, kind) in enumerate(points):
         name = f"p{p_i}-{kind}"
         ckpt = ref.checkpoints[step]
-        base = run_trial(task, ckpt, step, cfg.trial_steps, {}, error_feedback=False, seed=cfg.seed,
-                         capture=cfg.ef_steps)
-        trials_done += 1
-        progress("trials", trials_done, total_trials)
-        # ---- reducer-side replay over the first ef_steps steps of the FP32 continuation
-        cells: dict[tuple[str, str, bool], dict[str, Any]] = {}
-        for region in task.regions.values():
-            idx = task.region_index(region.name)
-            steps_x = [[g.index_select(0, idx) for g in grads] for grads in base.captured]
-            truths = true_means(steps_x)
-            fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))
-            for route in cfg.all_routes:
-                reducer = replay_reducer(route, w)
-                wire = cheapest_wire(route, region.numel, w, len(region.lengths))
-                for ef in (False, True):
-                    fid = NAN_FIDELITY if reducer is None else measure(
-                        reducer, steps_x, region.lengths, error_feedback=ef, seed=cfg.seed + step, truths=truths)
-                    cells[(region.name, route, ef)] = {
-                        "model": cfg.model, "dataset": cfg.dataset, "optimizer": cfg.optimizer.name,
-                        "world_size": w, "phase": name, "phase_kind": kind, "step": step,
-                        "phase_fraction": step / cfg.steps, "region": region.name, "numel": region.numel,
-                        "segments": len(region.lengths), "route": route,
-                        "reducer": wire[0] if wire else "", "error_feedback": ef,
-                        "capacity_ok": reducer is not None,
-                        "bits_per_element": (8.0 * wire[1] / region.numel) if wire else math.nan,
-                        "wire_bytes": int(round(wire[1])) if wire else 0,
-                        "fp32_wire_bytes": int(round(fp32_bytes)),
-                        "cosine": fid.cosine, "rel_error": fid.rel_error, "sign_agreement": fid.sign_agreement,
-                        "cum_cosine": fid.cum_cosine, "encode_decode_s": fid.encode_decode_s,
-                        "loss_delta": 0.0 if route == "fp32" else math.nan,
-                        "train_loss_delta": 0.0 if route == "fp32" else math.nan,
-                        "trial_steps": cfg.trial_steps if route == "fp32" else 0,
-                    }
+        with clock.stage("trials"):
+            base = reference_continuation(task, ref, step, cfg.trial_steps, cfg.ef_steps)
+        with clock.stage("replay"):
+            cells = _replay_cells(cfg, task, base.captured, name, kind, step)
         progress("replay", p_i + 1, len(points))
-        # ---- short trials: one region on a candidate route, the rest FP32
-        for t_i, (region_name, route, ef) in enumerate(plan):
-            res = run_trial(task, ckpt, step, cfg.trial_steps, {region_name: route}, error_feedback=ef,
-                            seed=cfg.seed + 7 * step + t_i + 1)
-            cell = cells[(region_name, route, ef)]
-            cell["loss_delta"] = _rel(res.eval_loss, base.eval_loss)
-            cell["train_loss_delta"] = _rel(res.tail_loss, base.tail_loss)
-            cell["trial_steps"] = cfg.trial_steps
-            trials_done += 1
-            progress("trials", trials_done, total_trials)
+
+        def trial(region: str, route: str, ef: bool, *, _step: int = step, _ckpt: dict = ckpt,
+                  _base: TrialResult = base, _cells: dict = cells, _done: int = p_i + 1) -> bool:
+            res = run_trial(task, _ckpt, _step, cfg.trial_steps, {region: route}, error_feedback=ef,
+                            seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss)
+            cell = _cells[(region, route, ef)]
+            cell["loss_delta"] = _rel(res.eval_loss, _base.eval_loss)
+            cell["train_loss_delta"] = train_delta(res.train_loss, _base.train_loss)
+            cell["trial_steps"] = len(res.train_loss)
+            cell["screen"] = "trial_stopped" if res.stopped_early else "trial"
+            progress("trials", _done, len(points))
+            return passes(cell, tol.cosine, tol.loss, HIGH_COSINE)
+
+        with clock.stage("trials"):
+            trials_run += search_phase(cells, trial_regions, candidates=lambda r, _c=cells: _trial_routes(cfg, _c, r),
+                                       order=order, tol=tol, high_cosine=HIGH_COSINE, run=trial)
+        progress("trials", p_i + 1, len(points))
         rows.extend(cells.values())
 
     meta = {
@@ -157,11 +163,52 @@ def _sweep(cfg: CalibrationConfig, progress: Progress | None, command: str) -> S
         "seed": cfg.seed,
         "warmup_steps": task.warmup_steps,
         "phases": [{"name": f"p{i}-{k}", "step": s, "kind": k} for i, (s, k) in enumerate(points)],
-        "reference": {"loss": _finite(ref.loss), "grad_norm": _finite(ref.grad_norm), "lr": ref.lr},
-        "seconds": round(time.perf_counter() - t0, 2),
-        "cpu_seconds": round(time.process_time() - cpu0, 2),
+        "reference": {"loss": _finite(ref.loss), "grad_norm": _finite(ref.grad_norm), "lr": ref.lr,
+                      "eval_loss": {str(k): v for k, v in sorted(ref.eval_loss.items()) if math.isfinite(v)}},
+        "tolerances": {"cosine": tol.cosine, "loss": tol.loss},
+        "trials": trials_run,
+        "seconds": round(clock.elapsed(), 2),
+        "timing": clock.split(),
     }
-    return SweepResult(rows, meta, time.perf_counter() - t0)
+    return SweepResult(rows, meta, clock.elapsed(), task, ref)
+
+
+def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.Tensor]], name: str, kind: str,
+                  step: int) -> dict[tuple[str, str, bool], dict[str, Any]]:
+    """Every (region, route, EF) cell of a phase with its replay fidelity over the captured FP32 steps."""
+    w = cfg.world_size
+    cells: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    for region in task.regions.values():
+        idx = task.region_index(region.name)
+        steps_x = [[g.index_select(0, idx) for g in grads] for grads in captured]
+        truths = true_means(steps_x)
+        fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))
+        for route in cfg.all_routes:
+            reducer = replay_reducer(route, w)
+            wire = cheapest_wire(route, region.numel, w, len(region.lengths))
+            fid = NAN_FIDELITY
+            for ef in (False, True):
+                if reducer is not None and (reducer.lossy or not ef):  # a lossless route has no residual
+                    fid = measure(reducer, steps_x, region.lengths, error_feedback=ef, seed=cfg.seed + step,
+                                  truths=truths)
+                cells[(region.name, route, ef)] = {
+                    "model": cfg.model, "dataset": cfg.dataset, "optimizer": cfg.optimizer.name,
+                    "world_size": w, "phase": name, "phase_kind": kind, "step": step,
+                    "phase_fraction": step / cfg.steps, "region": region.name, "numel": region.numel,
+                    "segments": len(region.lengths), "route": route,
+                    "reducer": wire[0] if wire else "", "error_feedback": ef,
+                    "capacity_ok": reducer is not None,
+                    "bits_per_element": (8.0 * wire[1] / region.numel) if wire else math.nan,
+                    "wire_bytes": int(round(wire[1])) if wire else 0,
+                    "fp32_wire_bytes": int(round(fp32_bytes)),
+                    "cosine": fid.cosine, "rel_error": fid.rel_error, "sign_agreement": fid.sign_agreement,
+                    "cum_cosine": fid.cum_cosine, "encode_decode_s": fid.encode_decode_s,
+                    "loss_delta": 0.0 if route == "fp32" else math.nan,
+                    "train_loss_delta": 0.0 if route == "fp32" else math.nan,
+                    "trial_steps": cfg.trial_steps if route == "fp32" else 0,
+                    "screen": "reference" if route == "fp32" else "no_trial",
+                }
+    return cells
 
 
 def _rel(value: float, base: float) -> float:
@@ -174,22 +221,76 @@ def _finite(values: list[float]) -> list[float | None]:
     return [v if math.isfinite(v) else None for v in values]
 
 
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """What `calibrate` wrote and measured."""
+
+    table_path: Path
+    profile_path: Path
+    profile: Profile
+    timing: dict[str, float | None]
+    """Wall seconds per stage, total and the ratio to the FP32 reference (see timing.StageClock.split)."""
+    validation: Validation | None
+
+
 def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | None = None, command: str = "",
-              tol_cosine: float | None = None, tol_loss: float | None = None) -> tuple[Path, Path, Profile, float]:
-    """Run the sweep, write calibration.parquet, fit and write profile.json next to it."""
+              tol_cosine: float | None = None, tol_loss: float | None = None, validate: bool = True,
+              tol_validate: float = TOL_VALIDATE, budget_ratio: float = BUDGET_RATIO) -> Calibration:
+    """Sweep, fit, validate (tightening as needed), then write calibration.parquet and profile.json.
+
+    `budget_ratio` caps validation's tightening rounds: a round that would take the whole
+    calibration past this many times the FP32 reference's time is not run.
+    """
     out = Path(out)
-    result = run_sweep(cfg, progress, command)
-    table_path = write_table(out / CALIBRATION_FILE, result.rows, result.meta)
-    profile = fit_file(table_path, out / PROFILE_FILE, tol_cosine=tol_cosine, tol_loss=tol_loss)
-    return table_path, out / PROFILE_FILE, profile, result.seconds
+    clock = StageClock()
+    tol = Tolerances(TOL_COSINE if tol_cosine is None else tol_cosine, TOL_LOSS if tol_loss is None else tol_loss)
+    result = run_sweep(cfg, progress, command, tol=tol, clock=clock)
+    frame = table_frame(result.rows)
+    profile = fit_profile(frame, tol.cosine, tol.loss, meta=result.meta)
+    validation = None
+    if validate:
+        budget = budget_ratio * clock.wall["reference"]
+        done = 0
+
+        def tick() -> None:
+            nonlocal done
+            done += 1
+            (progress or _noop)("validation", done, done)
+
+        with clock.stage("validation"):
+            profile, validation = validate_profile(
+                result.task, result.reference, profile, frame, tol=tol, tolerance=tol_validate, seed=cfg.seed,
+                seconds_left=lambda: budget - clock.elapsed(), tick=tick)
+    meta = {**result.meta, "timing": clock.split(), "seconds": round(clock.elapsed(), 2),
+            "validation": None if validation is None else {"passed": validation.passed,
+                                                           "gap": validation.to_evidence()["gap"],
+                                                           "rounds": len(validation.rounds)}}
+    table_path = write_table(out / CALIBRATION_FILE, result.rows, meta)
+    timing = clock.split()
+    prov = {**profile.provenance, "calibration_file": str(table_path), "calibration_sha256": file_sha256(table_path),
+            "timing": timing}
+    profile = replace(profile, provenance=prov)
+    profile.save(out / PROFILE_FILE)
+    return Calibration(table_path, out / PROFILE_FILE, profile, timing, validation)
+
+
+def table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The rows as the typed table `read_table` would return (what the fit reads)."""
+    return pa.Table.from_pylist(rows, schema=SCHEMA).to_pandas()
 
 
 def fit_file(table_path: str | Path, out: str | Path, *, tol_cosine: float | None = None,
              tol_loss: float | None = None) -> Profile:
-    """Fit a profile from a calibration file and write it (atomically) to `out`."""
+    """Fit a profile from a calibration file and write it (atomically) to `out`.
+
+    A refit is not validated (validation needs the model and data, not only the table):
+    its evidence says so.
+    """
     frame, meta = read_table(table_path)
     kwargs = {k: v for k, v in (("tol_cosine", tol_cosine), ("tol_loss", tol_loss)) if v is not None}
     profile = fit_profile(frame, meta=meta, provenance={
         "calibration_file": str(table_path), "calibration_sha256": file_sha256(table_path)}, **kwargs)
+    profile = replace(profile, evidence={**profile.evidence, "validation": {
+        "passed": None, "stopped": "refit from the table: not validated (run nfab calibrate to validate)"}})
     profile.save(out)
     return profile

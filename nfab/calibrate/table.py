@@ -48,8 +48,16 @@ SCHEMA = pa.schema([
     ("loss_delta", pa.float64()),
     ("train_loss_delta", pa.float64()),
     ("trial_steps", pa.int64()),
+    ("screen", pa.string()),
 ])
-"""Column types of calibration.parquet (the report reads phase..loss_delta)."""
+"""Column types of calibration.parquet (the report reads phase..loss_delta).
+
+`trial_steps` is how many steps the cell's trial ran (0: none). `screen` says why a cell
+has or lacks a trial: `reference` (fp32), `trial`, `trial_stopped` (ended early, failing),
+`replay` (its replay fidelity already fails), `cheaper` (a cheaper route passed), `bound`
+(its EF setting could no longer beat the other's bytes), `no_trial` (not a trial route,
+or a region too small for trials).
+"""
 
 FIT_REQUIRED: tuple[str, ...] = (
     "phase", "step", "phase_fraction", "region", "route", "error_feedback",

@@ -31,6 +31,8 @@ class Reference:
     lr: list[float] = field(default_factory=list)
     checkpoints: dict[int, dict] = field(default_factory=dict)
     """Step -> model and optimizer state before that step (in memory)."""
+    eval_loss: dict[int, float] = field(default_factory=dict)
+    """Step -> held-out loss after that many steps (on `eval_points`): what validation compares with."""
 
 
 def checkpoint_grid(steps: int, warmup: int, points: int = 24) -> list[int]:
@@ -42,13 +44,34 @@ def checkpoint_grid(steps: int, warmup: int, points: int = 24) -> list[int]:
     return sorted(grid)
 
 
-def run_reference(task: Task, tick: Tick | None = None) -> Reference:
-    """Train `cfg.steps` FP32 steps (mean of the W shard gradients), checkpointing on the grid."""
+EVAL_POINTS = 12
+"""Held-out evaluations along a reference or validation run (plus the start and the end)."""
+
+
+def eval_points(steps: int, points: int = EVAL_POINTS) -> list[int]:
+    """Steps after which the held-out loss is measured: every steps//points, and the end."""
+    every = max(1, steps // points)
+    return sorted(set(range(0, steps, every)) | {steps})
+
+
+def run_reference(task: Task, tick: Tick | None = None, *, trial_steps: int = 0) -> Reference:
+    """Train `cfg.steps` FP32 steps (mean of the W shard gradients), checkpointing on the grid.
+
+    With `trial_steps` K it also keeps the state K steps after every grid point: the FP32
+    continuation a trial from that point is compared with is then the reference itself
+    (bit-identical: same shards, same schedule), and needs no run of its own.
+    """
     ref = Reference()
-    grid = set(checkpoint_grid(task.cfg.steps, task.warmup_steps))
-    for step in range(task.cfg.steps):
+    steps = task.cfg.steps
+    grid = set(checkpoint_grid(steps, task.warmup_steps))
+    if trial_steps > 0:
+        grid |= {g + trial_steps for g in grid if g + trial_steps < steps}
+    evals = set(eval_points(steps))
+    for step in range(steps):
         if step in grid:
             ref.checkpoints[step] = task.checkpoint()
+        if step in evals:
+            ref.eval_loss[step] = task.eval_loss()
         grads, loss = task.rank_grads(step)
         mean = fp32_mean(grads)
         ref.loss.append(loss)
@@ -57,6 +80,7 @@ def run_reference(task: Task, tick: Tick | None = None) -> Reference:
         task.apply(mean, step)
         if tick:
             tick()
+    ref.eval_loss[steps] = task.eval_loss()
     return ref
 
 
@@ -108,20 +132,88 @@ def phase_points(
     return sorted(points)
 
 
+def step_generators(seed: int, step: int, world_size: int) -> list[torch.Generator]:
+    """Each virtual rank's stochastic-rounding generator for one step: a function of (seed, step, rank)
+    alone, so a run restarted from a checkpoint at any step draws exactly what the whole run drew."""
+    return [torch.Generator().manual_seed(seed * 1_000_003 + step * 7_919 + r) for r in range(world_size)]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """From step `start` on (until the next segment), these region routes (others FP32) with this EF setting."""
+
+    start: int
+    routes: Mapping[str, str]
+    error_feedback: bool
+
+
+@dataclass(slots=True)
+class Residuals:
+    """Error-feedback residuals per region and rank, with the (route, EF) they were made under.
+
+    A residual belongs to its route: when a region changes route or EF is off, it is dropped.
+    """
+
+    by_region: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
+    made_by: dict[str, str] = field(default_factory=dict)
+
+    def clone(self) -> Residuals:
+        return Residuals({k: [None if t is None else t.clone() for t in v] for k, v in self.by_region.items()},
+                         dict(self.made_by))
+
+
+def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[torch.Generator],
+                residuals: Residuals) -> torch.Tensor:
+    """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's."""
+    w = task.cfg.world_size
+    mean = fp32_mean(grads)
+    for region, route in seg.routes.items():
+        reducer = replay_reducer(route, w)
+        if route == "fp32" or reducer is None or region not in task.regions:
+            continue
+        idx = task.region_index(region)
+        xs = [g.index_select(0, idx) for g in grads]
+        res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
+        if res is not None and seg.error_feedback:
+            xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
+        est, locals_ = reduce_virtual(reducer, xs, task.regions[region].lengths, gens)
+        if seg.error_feedback and reducer.lossy:
+            residuals.by_region[region] = [x - loc if loc is not None else None
+                                           for x, loc in zip(xs, locals_, strict=True)]
+            residuals.made_by[region] = route
+        else:
+            residuals.by_region.pop(region, None)
+            residuals.made_by.pop(region, None)
+        mean.index_copy_(0, idx, est)
+    return mean
+
+
 @dataclass(slots=True)
 class TrialResult:
     """The end of a K-step continuation: held-out loss, training losses, captured gradients."""
 
     eval_loss: float
-    """Held-out loss averaged over the trial's last quarter of steps (at least the last one)."""
+    """Held-out loss after the trial's last step."""
     train_loss: list[float]
     captured: list[list[torch.Tensor]] = field(default_factory=list)
     """Per-rank flat gradients of the first `capture` steps (the FP32 trial keeps them)."""
+    stopped_early: bool = False
+    """The trial was cut short: its training loss was already far above the FP32 continuation's."""
 
     @property
     def tail_loss(self) -> float:
         k = max(1, len(self.train_loss) // 2)
         return sum(self.train_loss[-k:]) / k
+
+
+def train_delta(losses: list[float], base: list[float]) -> float:
+    """Relative training-loss increase over the second half of `losses`, against `base` on the same steps."""
+    n = len(losses)
+    k = max(1, n // 2)
+    ours, theirs = sum(losses[n - k : n]) / k, sum(base[n - k : n]) / k
+    if not math.isfinite(ours):
+        return math.inf
+    return (ours - theirs) / theirs if theirs else math.nan
 
 
 def run_trial(
@@ -135,42 +227,112 @@ def run_trial(
     seed: int,
     capture: int = 0,
     tick: Tick | None = None,
+    base: TrialResult | None = None,
+    stop_above: float | None = None,
 ) -> TrialResult:
-    """K steps from `ckpt` with `routes` (region -> route; others FP32); restores nothing after."""
+    """K steps from `ckpt` with `routes` (region -> route; others FP32); restores nothing after.
+
+    Early stop: with `base` (the FP32 continuation) and `stop_above`, a trial whose training
+    loss over its last quarter of steps is already more than `stop_above` above the base's
+    (from half-way on) ends there: it would fail its tolerance anyway.
+    """
     task.restore(ckpt)
     w = task.cfg.world_size
-    gens = [torch.Generator().manual_seed(seed * 1_000_003 + r) for r in range(w)]
-    residuals: dict[str, list[torch.Tensor | None]] = {}
-    index = {name: task.region_index(name) for name in routes}
+    seg = Segment(start, routes, error_feedback)
+    residuals = Residuals()
     losses: list[float] = []
-    evals: list[float] = []
     captured: list[list[torch.Tensor]] = []
-    scored = max(1, steps // 4)
     for step in range(start, start + steps):
         grads, loss = task.rank_grads(step)
         losses.append(loss)
         if not math.isfinite(loss):
-            return TrialResult(math.inf, losses)
+            return TrialResult(math.inf, losses, stopped_early=True)
         if len(captured) < capture:
             captured.append([g.clone() for g in grads])
-        mean = fp32_mean(grads)
-        for region, route in routes.items():
-            reducer = replay_reducer(route, w)
-            if route == "fp32" or reducer is None:
-                continue
-            idx = index[region]
-            xs = [g.index_select(0, idx) for g in grads]
-            res = residuals.get(region)
-            if res is not None:
-                xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
-            est, locals_ = reduce_virtual(reducer, xs, task.regions[region].lengths, gens)
-            if error_feedback and reducer.lossy:
-                residuals[region] = [x - loc if loc is not None else None for x, loc in zip(xs, locals_, strict=True)]
-            mean.index_copy_(0, idx, est)
+        mean = reduce_step(task, grads, seg, step_generators(seed, step, w), residuals)
         task.apply(mean, step)
-        if step >= start + steps - scored:
-            evals.append(task.eval_loss())
+        done = step - start + 1
         if tick:
             tick()
-    ev = sum(evals) / len(evals)
+        if (base is not None and stop_above is not None and done < steps and done >= max(2, steps // 2)):
+            window = max(2, steps // 4)
+            ours = sum(losses[done - window : done]) / window
+            theirs = sum(base.train_loss[done - window : done]) / window
+            if theirs > 0 and (ours - theirs) / theirs > stop_above:
+                return TrialResult(task.eval_loss(), losses, captured, stopped_early=True)
+    ev = task.eval_loss()
     return TrialResult(ev if math.isfinite(ev) else math.inf, losses, captured)
+
+
+def reference_continuation(task: Task, ref: Reference, start: int, steps: int, capture: int) -> TrialResult:
+    """The FP32 trial from `start`, read off the reference run: its losses, its state after `steps`
+    steps (evaluated), and the first `capture` steps' per-rank gradients (re-run: a few steps only).
+    Falls back to running it when the reference kept no state there."""
+    end = start + steps
+    if end not in ref.checkpoints or end > len(ref.loss):
+        return run_trial(task, ref.checkpoints[start], start, steps, {}, error_feedback=False, seed=0,
+                         capture=capture)
+    captured = run_trial(task, ref.checkpoints[start], start, capture, {}, error_feedback=False, seed=0,
+                         capture=capture).captured if capture else []
+    task.restore(ref.checkpoints[end])
+    return TrialResult(task.eval_loss(), list(ref.loss[start:end]), captured)
+
+
+@dataclass(slots=True)
+class ScheduleRun:
+    """A run that follows route segments: held-out losses on the eval points, checkpoints, where it stopped."""
+
+    eval_loss: dict[int, float] = field(default_factory=dict)
+    saved: dict[int, tuple[dict, Residuals]] = field(default_factory=dict)
+    """Step -> (model/optimizer state, residuals) before that step, for restarting there."""
+    stopped_at: int | None = None
+    """Set when `abort` ended the run early (the step after the last eval)."""
+
+
+def segment_at(segments: list[Segment], step: int) -> Segment:
+    current = segments[0]
+    for seg in segments:
+        if seg.start <= step:
+            current = seg
+    return current
+
+
+def run_schedule(
+    task: Task,
+    ckpt: dict,
+    start: int,
+    stop: int,
+    segments: list[Segment],
+    *,
+    seed: int,
+    eval_at: set[int],
+    save_at: set[int],
+    residuals: Residuals | None = None,
+    abort: Callable[[int, float], bool] | None = None,
+    tick: Tick | None = None,
+) -> ScheduleRun:
+    """Steps [start, stop) from `ckpt`, each step reduced under the segment in force.
+
+    Held-out loss is measured after every step count in `eval_at` (and the run ends early
+    when `abort(step, loss)` says so); state before each step in `save_at` is kept.
+    """
+    task.restore(ckpt)
+    w = task.cfg.world_size
+    residuals = residuals.clone() if residuals is not None else Residuals()
+    run = ScheduleRun()
+    for step in range(start, stop):
+        if step in save_at:
+            run.saved[step] = (task.checkpoint(), residuals.clone())
+        if step in eval_at and step != start:
+            run.eval_loss[step] = loss = task.eval_loss()
+            if abort is not None and abort(step, loss):
+                run.stopped_at = step
+                return run
+        grads, _ = task.rank_grads(step)
+        mean = reduce_step(task, grads, segment_at(segments, step), step_generators(seed, step, w), residuals)
+        task.apply(mean, step)
+        if tick:
+            tick()
+    if stop in eval_at:
+        run.eval_loss[stop] = task.eval_loss()
+    return run

@@ -1,8 +1,9 @@
-"""`nfab bench study`: FP32 / static sign / sign+EF / calibrated profile, trained side by side."""
+"""`nfab bench study`: FP32, fp16, PowerSGD r2/r8, static sign (+/- EF) and nfab's profile in a user's loop."""
 
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -11,54 +12,69 @@ import typer
 from rich.markdown import Markdown
 
 from nfab.cli.output import console, fail
+from nfab.errors import NfabError
 
 
-def _extra_profiles(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        model, sep, path = item.partition("=")
-        if not sep or not model or not path:
-            fail(f"--refit expects MODEL=PROFILE.json, got {item!r}")
-        if not Path(path).is_file():
-            fail(f"--refit profile {path!r} not found")
-        out[model] = path
-    return out
+def _names(text: str | None, known: tuple[str, ...], what: str) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for n in names:
+        if n not in known:
+            fail(f"unknown study {what} {n!r} (known: {', '.join(known)})")
+    return names
 
 
 def register(app: typer.Typer) -> None:
     @app.command("study")
     def bench_study(
-        out: Annotated[Path, typer.Option(help="Folder for the runs, the report and study.json/.md.")] = Path(
+        out: Annotated[Path, typer.Option(help="Folder for study.json/.md, report.html and the Pareto PNGs.")] = Path(
             "bench/study"),
-        steps: Annotated[int | None, typer.Option(min=1, help="Steps per run (default 150 resnet18, 300 gpt).")] = None,
-        quick: Annotated[bool, typer.Option("--quick", help="40 steps per run (smoke check).")] = False,
-        models: Annotated[str, typer.Option(help="Comma-separated study models.")] = "resnet18,gpt",
-        nproc: Annotated[int, typer.Option(min=1, help="gloo ranks per run.")] = 4,
+        settings: Annotated[str | None, typer.Option(
+            help="Comma-separated subset of resnet18,gpt,heldout (default: all).", show_default=False)] = None,
         variants: Annotated[str | None, typer.Option(
-            help="Comma-separated subset of fp32,sign,sign-ef,profile,refit (default: all).")] = None,
-        refit: Annotated[list[str] | None, typer.Option(
-            help="MODEL=PROFILE.json: also run this profile (variant 'refit'); repeatable.")] = None,
+            help="Comma-separated subset of fp32,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,profile (default: all).",
+            show_default=False)] = None,
+        steps: Annotated[int | None, typer.Option(min=1, help="Steps for every setting (default: each its own).",
+                                                  show_default=False)] = None,
+        world_size: Annotated[int | None, typer.Option(
+            "--world-size", "-w", min=1, help="gloo ranks for every setting (default 4).", show_default=False)] = None,
+        publish: Annotated[bool, typer.Option(
+            "--publish", help="Copy study.json to bench/study.json, regenerate bench/STUDY.md and the README "
+                              "tables from it.")] = False,
+        regen_docs: Annotated[bool, typer.Option(
+            "--regen-docs", help="Only regenerate bench/STUDY.md and the README tables from bench/study.json.")
+        ] = False,
     ) -> None:
-        """Accuracy and traffic of FP32, static sign (with/without error feedback) and the shipped profile."""
-        from nfab.bench.study import MODELS, VARIANTS, StudyConfig, run_study
+        """Quality and gradient bytes of every variant, side by side, with a bytes-vs-quality plot."""
+        from nfab.bench import studydocs
+        from nfab.bench.study import SETTINGS, StudyConfig, run_study
+        from nfab.bench.studyloop import VARIANTS
 
-        names = tuple(m.strip() for m in models.split(",") if m.strip())
-        for m in names:
-            if m not in MODELS:
-                fail(f"unknown study model {m!r} (known: {', '.join(MODELS)})")
-        for m in names:
-            if not Path(MODELS[m].config).exists():
-                fail(f"{MODELS[m].config} not found: run the study from the repository root")
-        picked = None if variants is None else tuple(v.strip() for v in variants.split(",") if v.strip())
-        for v in picked or ():
-            if v not in VARIANTS:
-                fail(f"unknown study variant {v!r} (known: {', '.join(VARIANTS)})")
-        cfg = StudyConfig(out=out, models=names, steps=steps, quick=quick, nproc=nproc, variants=picked,
-                          extra_profiles=_extra_profiles(refit or []))
+        root = Path.cwd()
+        if regen_docs:
+            try:
+                written = studydocs.regen_docs(root)
+            except NfabError as exc:
+                fail(str(exc))
+            console.print("regenerated " + ", ".join(str(p) for p in written))
+            return
+        for s in _names(settings, tuple(SETTINGS), "setting") or SETTINGS:
+            prof = SETTINGS[s].profile
+            if prof is not None and not (root / prof).is_file() and (variants is None or "profile" in variants):
+                fail(f"{prof} not found: run the study from the repository root (or calibrate {s} first)")
+        cfg = StudyConfig(out=out, settings=_names(settings, tuple(SETTINGS), "setting") or tuple(SETTINGS),
+                          variants=_names(variants, VARIANTS, "variant") or VARIANTS, steps=steps,
+                          world_size=world_size)
         command = shlex.join(["nfab", *sys.argv[1:]])
-        doc = run_study(cfg, command=command, log=lambda s: console.print(s, highlight=False))
+        doc = run_study(cfg, command=command, log=lambda s: console.print(s, highlight=False), root=root)
         console.print(Markdown((out / "study.md").read_text()))
-        console.print(f"wrote {out / 'study.json'}, {out / 'study.md'}"
-                      + (f", {doc['report']}/report.html" if doc["report"] else " (report failed)"))
+        console.print(f"wrote {out / 'study.json'}, {out / 'study.md'}, {out / 'report.html'}")
+        if publish:
+            shutil.copyfile(out / "study.json", root / studydocs.STUDY_JSON)
+            for name in doc["settings"]:
+                shutil.copyfile(out / f"pareto_{name}.png", root / "bench" / f"pareto_{name}.png")
+            written = studydocs.regen_docs(root)
+            console.print("published " + ", ".join(str(p) for p in [root / studydocs.STUDY_JSON, *written]))
         if any(not r["ok"] for r in doc["rows"]):
             fail("some study runs failed (see study.md)", code=1)

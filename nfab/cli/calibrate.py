@@ -17,7 +17,8 @@ from nfab.errors import NfabError
 if TYPE_CHECKING:
     from nfab.profile.schema import Profile
 
-_STAGES = {"reference": "FP32 reference", "replay": "replay (phases)", "trials": "short trials"}
+_STAGES = {"reference": "FP32 reference", "replay": "replay (phases)", "trials": "short trials (phases)",
+           "validation": "validation (steps)"}
 
 
 class SweepProgress:
@@ -107,6 +108,11 @@ def register(app: typer.Typer) -> None:
         tol_loss: Annotated[float | None, typer.Option(
             "--tol-loss", help="Fit: maximum relative held-out loss increase of a trial (default 0.02).",
             show_default=False)] = None,
+        validate: Annotated[bool, typer.Option(
+            "--validate/--no-validate", help="Run the fitted profile over the whole window against FP32 and "
+                                             "tighten it until the gap is within --tol-validate.")] = True,
+        tol_validate: Annotated[float, typer.Option(
+            "--tol-validate", help="Validation: maximum relative held-out loss gap to FP32 at the end.")] = 0.01,
     ) -> None:
         """Measure routes per phase and region class on W virtual ranks, then fit a profile."""
         from nfab.calibrate import calibrate as run
@@ -124,9 +130,14 @@ def register(app: typer.Typer) -> None:
                           f"{cfg.steps} steps, {cfg.phases} phases, trials of {cfg.trial_steps} steps"
                           f"{' (quick)' if cfg.quick else ''}", highlight=False)
             with SweepProgress(console) as progress:
-                table_path, profile_path, profile, seconds = run(
-                    cfg, target, progress=progress, command=command, tol_cosine=tol_cosine, tol_loss=tol_loss)
+                result = run(cfg, target, progress=progress, command=command, tol_cosine=tol_cosine,
+                             tol_loss=tol_loss, validate=validate, tol_validate=tol_validate)
         except NfabError as exc:
             fail(str(exc))
-        console.print(profile_table(profile))
-        console.print(f"wrote {table_path} and {profile_path} in {seconds:.0f} s", highlight=False)
+        from nfab.calibrate.summary import describe_timing, describe_validation
+
+        console.print(profile_table(result.profile))
+        if result.validation is not None:
+            console.print(describe_validation(result.validation.to_evidence()), highlight=False)
+        console.print(f"time: {describe_timing(result.timing)}", highlight=False)
+        console.print(f"wrote {result.table_path} and {result.profile_path}", highlight=False)

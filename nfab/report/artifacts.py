@@ -116,6 +116,10 @@ class FittedProfile:
     model: str
     phases: tuple[PhaseChoice, ...]
     evidence: dict[str, dict[str, Evidence]]
+    validation: dict[str, Any] | None = None
+    """`evidence.validation`: the fitted profile run against FP32 over the whole window (None: not recorded)."""
+    timing: dict[str, Any] | None = None
+    """`provenance.timing`: the calibration's seconds per stage and its ratio to the FP32 reference."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -262,7 +266,10 @@ def parse_profile(data: dict[str, Any], path: Path) -> FittedProfile:
     evidence_raw = data.get("evidence") or {}
     if not isinstance(evidence_raw, dict):
         raise NfabError(f"{path}: 'evidence' must be an object")
+    validation = evidence_raw.get("validation")
     for phase_name, regions in evidence_raw.items():
+        if phase_name == "validation":
+            continue
         if not isinstance(regions, dict):
             raise NfabError(f"{path}: evidence['{phase_name}'] must be an object")
         evidence[phase_name] = {
@@ -274,7 +281,11 @@ def parse_profile(data: dict[str, Any], path: Path) -> FittedProfile:
         }
     model = data.get("model")
     model_name = str(model.get("name", "")) if isinstance(model, dict) else ""
-    return FittedProfile(model=model_name, phases=tuple(phases), evidence=evidence)
+    provenance = data.get("provenance")
+    timing = provenance.get("timing") if isinstance(provenance, dict) else None
+    return FittedProfile(model=model_name, phases=tuple(phases), evidence=evidence,
+                         validation=validation if isinstance(validation, dict) else None,
+                         timing=timing if isinstance(timing, dict) else None)
 
 
 def load_calibration(path: Path, name: str) -> CalibrationArtifacts:

@@ -17,7 +17,7 @@ from nfab.report import plots
 from nfab.report.discover import discover
 from nfab.report.html import render_html
 from nfab.report.model import CalibrationView, Report
-from nfab.report.tables import calibration_table, comparison_table, run_table
+from nfab.report.tables import calibration_notes, calibration_table, comparison_table, run_table
 
 
 def _slug(name: str) -> str:
@@ -51,7 +51,7 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
             written.append(atomic_write_bytes(out / heatmap,
                                               plots.calibration_heatmap(cal.name, table)))
         views.append(CalibrationView(name=cal.name, table=table, fitted=cal.profile is not None,
-                                     heatmap=heatmap))
+                                     heatmap=heatmap, notes=calibration_notes(cal)))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(
             {c: "Int64" for c in ("world_size", "steps", "fallback_steps")})  # 4, not 4.0

@@ -75,6 +75,7 @@ def render_html(report: Report) -> str:
                          "rows are listed.</p>")
         columns = [c for c in view.table.columns if c != "calibration"]
         parts.append(table_html(view.table, columns))
+        parts.extend(f"<p class='note'>{escape(note)}</p>" for note in view.notes)
         if view.heatmap:
             parts.append(_figure(f"{calibration_heading(view.name)}: chosen route per phase x region",
                                  view.heatmap))

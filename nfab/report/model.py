@@ -20,6 +20,8 @@ class CalibrationView:
     fitted: bool
     heatmap: str | None = None
     """File name of the heatmap PNG, relative to the report dir."""
+    notes: tuple[str, ...] = ()
+    """Lines under the table: the profile's validation against FP32 and the calibration's time split."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

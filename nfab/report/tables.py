@@ -193,3 +193,19 @@ def calibration_table(cal: CalibrationArtifacts) -> pd.DataFrame:
                          "route": route, "error_feedback": phase.error_feedback,
                          "bits_per_element": bits, "cosine": cosine, "loss_delta": loss_delta})
     return pd.DataFrame(rows, columns=list(CALIBRATION_COLUMNS))
+
+
+def calibration_notes(cal: CalibrationArtifacts) -> tuple[str, ...]:
+    """The profile's validation line and the calibration's time split, as the calibrate command printed them."""
+    from nfab.calibrate.summary import describe_timing, describe_validation
+
+    if cal.profile is None:
+        return ()
+    notes = []
+    if cal.profile.validation is not None:
+        notes.append(describe_validation(cal.profile.validation))
+    else:
+        notes.append("validation: not recorded (profile made before calibrate validated its profiles)")
+    if cal.profile.timing is not None:
+        notes.append(f"calibration time: {describe_timing(cal.profile.timing)}")
+    return tuple(notes)

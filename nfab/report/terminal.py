@@ -71,6 +71,7 @@ def renderables(report: Report) -> list[RenderableType]:
             "fitted route per phase and region, with its evidence" if view.fitted
             else "measurements (no profile.json yet: not fitted)")
         out.append(_table(title, view.table, columns))
+        out.extend(Text(note) for note in view.notes)
     out.append(Text(f"wrote {report.out / 'report.html'}, {report.out / 'summary.csv'} "
                     f"and {sum(p.suffix == '.png' for p in report.files)} PNG plots"))
     return out

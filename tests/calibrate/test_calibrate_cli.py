@@ -40,8 +40,15 @@ def test_calibrate_writes_table_and_profile(calibrated: Path) -> None:
     assert len(frame) == 2 * len(frame["region"].unique()) * 4 * 2  # phases x regions x routes x EF
     q2 = frame[frame["route"] == "q2"]
     assert not q2["capacity_ok"].any() and q2["cosine"].isna().all()  # over capacity at W=4
-    trials = frame[frame["loss_delta"].notna() & (frame["route"] != "fp32")]
-    assert set(trials["route"]) == {"q8", "sign"} and set(trials["error_feedback"]) == {False, True}
+    trials = frame[frame["trial_steps"].gt(0) & (frame["route"] != "fp32")]
+    assert set(trials["route"]) <= {"q8", "sign"} and "sign" in set(trials["route"])  # --quick: sign and q8 only
+    assert set(trials["screen"]) <= {"trial", "trial_stopped"} and trials["loss_delta"].notna().all()
+    untried = frame[frame["trial_steps"].eq(0)]
+    assert untried["loss_delta"].isna().all() and set(untried["screen"]) <= {"replay", "cheaper", "bound", "no_trial"}
+    assert set(frame.loc[frame["route"] == "fp32", "screen"]) == {"reference"}
+    timing = meta["timing"]
+    assert timing["reference_s"] > 0 and timing["ratio"] > 1 and timing["cpu_ratio"] > 1
+    assert {"replay_s", "trials_s", "validation_s", "setup_s", "total_s"} <= set(timing)
     assert meta["world_size"] == 4 and meta["command"].startswith("nfab calibrate")
     assert schema.metadata[b"nfab.command"].startswith(b"nfab calibrate resnet18")
     assert meta["model_options"]["width"] == 4 and len(meta["reference"]["loss"]) == 8
@@ -49,9 +56,19 @@ def test_calibrate_writes_table_and_profile(calibrated: Path) -> None:
     assert profile.provenance["calibration_sha256"] == file_sha256(calibrated / "calibration.parquet")
     assert profile.phases[0].start.fraction == 0.0
     assert "q2" not in profile.routes_used()
-    # the report reads both files
+    # validation ran the profile over the whole window and left its verdict and curves in the evidence
+    v = json.loads((calibrated / "profile.json").read_text())["evidence"]["validation"]
+    assert v["steps"] == 8 and v["rounds"] and isinstance(v["passed"], bool)
+    assert v["eval_steps"][-1] == 8 and len(v["reference_eval"]) == len(v["profile_eval"]) == len(v["eval_steps"])
+    assert profile.provenance["timing"]["validation_s"] > 0
+    # the report reads both files and shows the validation and the time split
     cal = load_calibration(calibrated, "resnet18")
     assert cal.table is not None and cal.profile is not None and cal.profile.model == "resnet18"
+    assert cal.profile.validation == v and "validation" not in cal.profile.evidence
+    from nfab.report.tables import calibration_notes
+
+    notes = calibration_notes(cal)
+    assert notes[0].startswith("validation over 8 steps:") and "x the FP32 reference" in notes[1]
 
 
 def test_fit_refits_with_other_tolerances(calibrated: Path, tmp_path: Path) -> None:

@@ -1,0 +1,269 @@
+"""The study's training loop: a user's plain DDP loop, with one communication variant plugged in.
+
+The study judges nfab where a user meets it: a hand-written loop (`DistributedDataParallel`,
+an optimizer at a constant learning rate, `loss.backward()`, `opt.step()`), on W gloo ranks
+spawned here. The variant decides only what the loop registers on DDP:
+
+| variant | what DDP communicates |
+|---|---|
+| `fp32` | plain DDP (no hook) |
+| `fp16` | PyTorch's `fp16_compress_hook` |
+| `powersgd-r2`, `powersgd-r8` | PyTorch's `powerSGD_hook`, rank 2 / 8, ONE bucket (it aborts on gloo with several) |
+| `sign`, `sign-ef` | `nfab.attach(route="sign")` without / with error feedback |
+| `profile` | `nfab.attach(profile)` (a calibrated profile) |
+
+nfab variants run with `cost_model=None`: on loopback a measured cost model finds FP32
+cheaper and would route every bucket to FP32; the study measures quality and bytes.
+
+Bytes are what each rank sends per step under the collective's algorithm (ring all-reduce
+sends 2(W-1)/W of its payload): FP32 and fp16 from the gradient size, PowerSGD from its
+state's public `compression_stats()` (P, Q and the uncompressed tensors), nfab from its
+runtime's `step_stats()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfab.data import build_dataset, make_loader
+from nfab.data.loader import make_eval_loader
+from nfab.models import build_model
+from nfab.wire.reducers import allreduce_factor
+
+VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "profile")
+POWERSGD_BUCKET_MB = 1000.0
+"""PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
+COLLECTIVE_TIMEOUT_S = 300
+"""A rank stuck in a collective this long fails the setting instead of hanging the study."""
+POWERSGD_START_ITER = 2
+"""PowerSGD runs vanilla all-reduce for this many steps first (its own warm-up)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Setting:
+    """One study setting: model, data, optimizer, steps and world size, and the profile nfab brings."""
+
+    name: str
+    model: str
+    dataset: str
+    metric: str
+    """`loss` (final held-out loss, lower is better) or `accuracy` (higher is better)."""
+    profile: str | None
+    """The calibrated profile the `profile` variant attaches (relative to the repository root)."""
+    model_options: dict[str, Any] = field(default_factory=dict)
+    data_options: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    betas: tuple[float, float] = (0.9, 0.95)
+    batch_size: int = 16
+    """Per rank."""
+    steps: int = 300
+    world_size: int = 4
+    eval_samples: int = 1024
+    """Held-out samples evaluated at the end (the first ones of the test split, every rank a shard)."""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("loss", "accuracy"):
+            raise ValueError(f"metric must be 'loss' or 'accuracy', got {self.metric!r}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
+        if min(self.steps, self.world_size, self.batch_size, self.eval_samples) < 1:
+            raise ValueError("steps, world_size, batch_size and eval_samples must be >= 1")
+
+
+@dataclass(slots=True)
+class RunResult:
+    """One (setting, variant) run, as rank 0 saw it."""
+
+    setting: str
+    variant: str
+    ok: bool
+    steps: int = 0
+    world_size: int = 0
+    eval_loss: float | None = None
+    eval_accuracy: float | None = None
+    wire_mb: float | None = None
+    """MB each rank sent over the run (10^6 bytes)."""
+    fp32_mb: float | None = None
+    """MB plain FP32 DDP sends for the same gradients."""
+    ratio: float | None = None
+    """fp32_mb / wire_mb."""
+    fallback_steps: int | None = None
+    """nfab variants: steps with a safety fallback (health, capacity, non-finite)."""
+    health_events: list[str] = field(default_factory=list)
+    """nfab variants: the health monitor's events (first 20)."""
+    wall_s: float = 0.0
+    error: str = ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
+                 root: Path | None = None) -> list[RunResult]:
+    """Spawn W gloo ranks once; they train `setting` with each variant in turn (a fresh model,
+    optimizer and DDP each time, same seed). One result per variant, as rank 0 saw it."""
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"unknown variant {bad[0]!r} (known: {', '.join(VARIANTS)})")
+    results: dict[str, RunResult] = {}
+    profile = None
+    if "profile" in variants:
+        profile = str((root or Path.cwd()) / setting.profile) if setting.profile else None
+        if profile is None or not Path(profile).is_file():
+            results["profile"] = RunResult(setting.name, "profile", ok=False,
+                                           error=f"profile {setting.profile} not found")
+    todo = tuple(v for v in variants if v not in results)
+    with tempfile.TemporaryDirectory(prefix="nfab-study-") as tmp:
+        out = Path(tmp)
+        try:
+            mp.start_processes(_worker, args=(setting, todo, profile, seed, _free_port(), str(out)),
+                               nprocs=setting.world_size, join=True, start_method="spawn")
+        except Exception as exc:  # a rank failed: its last line; variants that finished keep their result
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            error = lines[-1] if lines else type(exc).__name__
+        else:
+            error = ""
+        for v in todo:
+            f = out / f"{v}.json"
+            results[v] = (RunResult(**json.loads(f.read_text())) if f.exists()
+                          else RunResult(setting.name, v, ok=False, error=error or "no result"))
+    return [results[v] for v in variants]
+
+
+def _optimizer(setting: Setting, params: Any) -> torch.optim.Optimizer:
+    if setting.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=setting.lr, momentum=setting.momentum, weight_decay=setting.weight_decay)
+    return torch.optim.AdamW(params, lr=setting.lr, betas=setting.betas, weight_decay=setting.weight_decay)
+
+
+def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if task == "lm":
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def _worker(rank: int, setting: Setting, variants: tuple[str, ...], profile: str | None, seed: int, port: int,
+            out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=setting.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        for variant in variants:
+            t0 = time.perf_counter()
+            result = _train(rank, setting, variant, profile, seed)
+            result.wall_s = time.perf_counter() - t0
+            if rank == 0:
+                Path(out, f"{variant}.json").write_text(json.dumps(asdict(result)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed: int) -> RunResult:
+    import nfab
+
+    w = setting.world_size
+    spec = build_model(setting.model, seed=seed, **setting.model_options)
+    data_opts = dict(setting.data_options)
+    if spec.task == "lm" and "block_size" not in data_opts:
+        data_opts["block_size"] = spec.block_size
+    train = build_dataset(setting.dataset, split="train", seed=seed, **data_opts)
+    test = build_dataset(setting.dataset, split="test", seed=seed, **data_opts)
+    loader = make_loader(train, batch_size=setting.batch_size, rank=rank, world_size=w, seed=seed)
+    model = spec.module
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fp32_step = allreduce_factor(w) * 4 * numel
+    bucket = POWERSGD_BUCKET_MB if variant.startswith("powersgd") else None
+    ddp = DDP(model, **({"bucket_cap_mb": bucket} if bucket else {}))
+    runtime = state = None
+    if variant == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant.startswith("powersgd"):
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant.split("-r")[1]),
+                                   start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    elif variant in ("sign", "sign-ef"):
+        runtime = nfab.attach(ddp, route="sign", error_feedback=variant == "sign-ef", cost_model=None, seed=seed,
+                              total_steps=setting.steps, head_modules=spec.head_modules)
+    elif variant == "profile":
+        runtime = nfab.attach(ddp, profile, cost_model=None, seed=seed, total_steps=setting.steps,
+                              head_modules=spec.head_modules)
+    opt = _optimizer(setting, ddp.parameters())
+    wire = 0.0
+    fallback_steps = 0
+    events: list[str] = []
+    after_prev = 0
+    step, epoch = 0, 0
+    while step < setting.steps:
+        loader.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        for x, y in loader:
+            if step >= setting.steps:
+                break
+            loss = _loss(spec.task, ddp(x), y)
+            if runtime is not None:
+                runtime.observe_loss(loss)
+            loss.backward()
+            if runtime is not None:
+                stats = runtime.step_stats()
+                wire += stats.wire_bytes
+                fallback_steps += int(stats.fallback)
+                events += [f"{step}:{e}" for e in stats.events]
+            elif state is not None:
+                after = state.compression_stats()[2]
+                wire += allreduce_factor(w) * 4 * (after - after_prev) if step >= POWERSGD_START_ITER else fp32_step
+                after_prev = after
+            else:
+                wire += fp32_step / 2 if variant == "fp16" else fp32_step
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+        epoch += 1
+    loss_sum, correct, count = _evaluate(ddp.module, test, spec.task, setting, rank)
+    fp32_total = fp32_step * setting.steps
+    return RunResult(
+        setting=setting.name, variant=variant, ok=math.isfinite(loss_sum / count), steps=setting.steps, world_size=w,
+        eval_loss=loss_sum / count, eval_accuracy=correct / count if spec.task == "classification" else None,
+        wire_mb=wire / 1e6, fp32_mb=fp32_total / 1e6, ratio=fp32_total / wire if wire else None,
+        fallback_steps=fallback_steps if runtime is not None else None, health_events=events[:20])
+
+
+@torch.no_grad()
+def _evaluate(module: torch.nn.Module, test: Any, task: str, setting: Setting, rank: int) -> tuple[float, float, float]:
+    """Loss sum, correct predictions and count over the first `eval_samples` test samples (all ranks)."""
+    module.eval()
+    n = min(setting.eval_samples, len(test))
+    subset = torch.utils.data.Subset(test, range(n))
+    loader = make_eval_loader(subset, batch_size=64, rank=rank, world_size=setting.world_size)
+    sums = torch.zeros(3, dtype=torch.float64)
+    for x, y in loader:
+        logits = module(x)
+        k = y.numel()
+        sums[0] += _loss(task, logits, y).double() * k
+        if task == "classification":
+            sums[1] += (logits.argmax(-1) == y).sum().double()
+        sums[2] += k
+    dist.all_reduce(sums)
+    return float(sums[0]), float(sums[1]), max(float(sums[2]), 1.0)

@@ -1,0 +1,41 @@
+"""One-line summaries of a calibration's cost and validation, for the CLI and the report.
+
+Both read the JSON-safe forms stored in the artifacts (profile.json's `evidence.validation`
+and `provenance.timing`), so a report of an old calibration prints the same line the
+calibrate command printed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STAGES: tuple[str, ...] = ("reference", "replay", "trials", "validation")
+"""The stages the calibration budget is about (ratio = total / reference)."""
+SHOWN: tuple[str, ...] = ("setup", *STAGES, "other")
+"""Everything the time split shows: setup is building the model and data, other the fit and the files."""
+
+
+def describe_timing(split: dict[str, Any]) -> str:
+    """`total 123 s = 2.95x the FP32 reference (setup 2 s, reference 41 s, ...); CPU 120 s = 2.9x the reference's`."""
+    parts = [f"{k} {split.get(f'{k}_s') or 0.0:.1f} s" for k in SHOWN]
+    ratio, cpu_ratio = split.get("ratio"), split.get("cpu_ratio")
+    head = f"total {split.get('total_s') or 0.0:.0f} s" + (f" = {ratio:.2f}x the FP32 reference" if ratio else "")
+    tail = f"; CPU {split.get('cpu_s') or 0.0:.0f} s = {cpu_ratio:.2f}x the reference's" if cpu_ratio else ""
+    return f"{head} ({', '.join(parts)}){tail}"
+
+
+def describe_validation(ev: dict[str, Any]) -> str:
+    """`validation over 300 steps: passed, gap +0.41% (tolerance 1.00%) after 2 round(s); tightened ...`."""
+    if ev.get("passed") is None:
+        return f"validation: none ({ev.get('stopped') or 'not run'})"
+    gap = ev.get("gap")
+    gap_text = "diverged or stopped early" if gap is None else f"gap {gap * 100:+.2f}%"
+    rounds = ev.get("rounds") or []
+    text = (f"validation over {ev.get('steps')} steps: {'passed' if ev['passed'] else 'FAILED'}, {gap_text} "
+            f"(tolerance {float(ev.get('tolerance') or 0.0) * 100:.2f}%) after {len(rounds)} round(s)")
+    changes = [r["change"] for r in rounds if isinstance(r, dict) and r.get("change")]
+    if changes:
+        text += "; tightened " + ", ".join(changes)
+    if ev.get("stopped"):
+        text += f"; stopped: {ev['stopped']}"
+    return text

@@ -1,0 +1,287 @@
+"""Validation: the fitted profile against FP32 over the whole reference window, tightened until it holds.
+
+A short trial sees K steps of one region on one route; harm that builds up over a run
+(error feedback under Adam, a slow drift of many small biases) does not show in it. So
+after the fit, the profile itself runs the reference's steps in the simulator: every
+region on its phase's route, error feedback as the phase says, the reference's batches
+and schedule, stochastic rounding seeded per step. Its held-out loss is compared with the
+FP32 reference's at the same eval points.
+
+The gap is the relative loss increase averaged over the last quarter of the run. Its
+denominator is the FP32 loss, floored at a quarter of the initial loss: a classifier's
+loss near zero would otherwise turn every wobble into a large relative gap.
+
+Where the gap exceeds the tolerance, the phase whose gap grew most is tightened: its
+riskiest lossy region (largest (1 - cosine) x elements) moves to the next finer route
+that the replay still admits (and no trial rejected), else to FP32. Validation then
+resumes from that phase's start (the earlier phases are unchanged, and per-step seeds
+make the resumed run identical up to there). A run that is clearly failing (gap above
+`ABORT_FACTOR` x tolerance at two evaluations in a row) stops early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from nfab.calibrate.search import Tolerances, replay_ok
+from nfab.calibrate.task import Task
+from nfab.calibrate.trajectory import Reference, Residuals, Segment, Tick, eval_points, run_schedule
+from nfab.profile.schema import Profile
+
+TOL_VALIDATE = 0.01
+"""Default: the validated profile's held-out loss at most 1 % above FP32's at the end of the run."""
+LOSS_FLOOR = 0.25
+"""The gap's denominator is at least this fraction of the initial held-out loss."""
+FINAL_WINDOW = 0.25
+"""The gap is averaged over the eval points in this last fraction of the run."""
+ABORT_FACTOR = 5.0
+"""A validation run stops once its gap exceeds this x tolerance at two evaluations in a row ..."""
+ABORT_AFTER = 0.4
+"""... after this fraction of the run (early on, a compressed run's small lag is a large relative gap)."""
+MAX_ROUNDS = 6
+"""Tightening rounds at most (each re-runs the run from the tightened phase's start)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One validation run: from which step, where it stopped, its gap, and what was changed after it."""
+
+    start_step: int
+    stopped_at: int | None
+    gap: float
+    passed: bool
+    seconds: float
+    change: str | None = None
+    """`phase/region: old -> new` when this round's result made the fit tighten a route."""
+
+
+@dataclass(slots=True)
+class Validation:
+    """What validation found: the final gap, every round, and both loss curves."""
+
+    tolerance: float
+    steps: int
+    rounds: list[Round] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    reference_eval: list[float] = field(default_factory=list)
+    profile_eval: list[float] = field(default_factory=list)
+    stopped: str = ""
+    """Why tightening ended without passing (`rounds`, `budget`, `nothing to tighten`), empty when it passed."""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rounds) and self.rounds[-1].passed
+
+    @property
+    def gap(self) -> float:
+        return self.rounds[-1].gap if self.rounds else math.nan
+
+    def to_evidence(self) -> dict[str, Any]:
+        """The `validation` entry of profile.json's evidence (JSON-safe: non-finite numbers become None)."""
+        return {
+            "passed": self.passed, "gap": _json_num(self.gap), "tolerance": self.tolerance, "steps": self.steps,
+            "stopped": self.stopped or None,
+            "rounds": [{**dataclasses.asdict(r), "gap": _json_num(r.gap), "seconds": round(r.seconds, 2)}
+                       for r in self.rounds],
+            "eval_steps": self.eval_steps,
+            "reference_eval": [_json_num(v) for v in self.reference_eval],
+            "profile_eval": [_json_num(v) for v in self.profile_eval],
+        }
+
+
+def _json_num(v: float) -> float | None:
+    return round(v, 6) if math.isfinite(v) else None
+
+
+def segments_of(profile: Profile, steps: int) -> list[Segment]:
+    """The profile's phases as route segments over a run of `steps` steps."""
+    segs = [Segment(p.start.resolve(steps), dict(p.routes), p.error_feedback) for p in profile.phases]
+    return sorted(segs, key=lambda s: s.start)
+
+
+def gap_at(ref: dict[int, float], val: dict[int, float], floor: float) -> dict[int, float]:
+    """Relative held-out loss gap at each eval point both runs have (inf when the run diverged)."""
+    out = {}
+    for step, loss in val.items():
+        if step in ref:
+            base = max(ref[step], floor)
+            out[step] = (loss - ref[step]) / base if math.isfinite(loss) else math.inf
+    return out
+
+
+def final_gap(ref: dict[int, float], val: dict[int, float], steps: int, floor: float) -> float:
+    """The gap averaged over the run's last FINAL_WINDOW (inf when the run stopped before it)."""
+    window = [s for s in ref if s >= steps * (1 - FINAL_WINDOW)]
+    if not window or any(s not in val for s in window):
+        return math.inf
+    mean_val = sum(val[s] for s in window) / len(window)
+    mean_ref = sum(ref[s] for s in window) / len(window)
+    return (mean_val - mean_ref) / max(mean_ref, floor) if math.isfinite(mean_val) else math.inf
+
+
+def validate_profile(
+    task: Task,
+    ref: Reference,
+    profile: Profile,
+    table: pd.DataFrame,
+    *,
+    tol: Tolerances,
+    tolerance: float = TOL_VALIDATE,
+    seed: int = 0,
+    max_rounds: int = MAX_ROUNDS,
+    seconds_left: Callable[[], float | None] | None = None,
+    tick: Tick | None = None,
+) -> tuple[Profile, Validation]:
+    """Validate `profile` over the reference window; tighten and re-validate while the gap is too large."""
+    steps = task.cfg.steps
+    evals = set(eval_points(steps))
+    floor = LOSS_FLOOR * ref.eval_loss.get(0, 0.0)
+    result = Validation(tolerance=tolerance, steps=steps, eval_steps=sorted(evals))
+    val: dict[int, float] = {0: ref.eval_loss[0]}
+    saved: dict[int, tuple[dict, Residuals]] = {0: (ref.checkpoints[0], Residuals())}
+    start, full_seconds = 0, None
+    while True:
+        segments = segments_of(profile, steps)
+        state, residuals = saved[start]
+        t0 = time.perf_counter()
+        run = run_schedule(task, state, start, steps, segments, seed=seed, eval_at=evals,
+                           save_at={s.start for s in segments}, residuals=residuals,
+                           abort=_abort(ref.eval_loss, floor, tolerance, steps), tick=tick)
+        seconds = time.perf_counter() - t0
+        if start == 0 and run.stopped_at is None:
+            full_seconds = seconds
+        val = {s: v for s, v in val.items() if s <= start} | run.eval_loss
+        saved = {s: v for s, v in saved.items() if s <= start} | {s: v for s, v in run.saved.items() if s > start}
+        gap = final_gap(ref.eval_loss, val, steps, floor)
+        passed = gap <= tolerance
+        result.rounds.append(Round(start_step=start, stopped_at=run.stopped_at, gap=gap, passed=passed,
+                                   seconds=seconds))
+        if passed:
+            break
+        if len(result.rounds) >= max_rounds:
+            result.stopped = "rounds"
+            break
+        change = tighten(profile, table, segments, gap_at(ref.eval_loss, val, floor), steps, tol)
+        if change is None:
+            result.stopped = "nothing to tighten"
+            break
+        profile, phase_start, text = change
+        estimate = (steps - phase_start) / steps * (full_seconds or seconds * steps / max(1, steps - start))
+        left = seconds_left() if seconds_left is not None else None
+        if left is not None and estimate > left:
+            result.stopped = "budget"
+            result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=f"{text} (not validated: budget)")
+            break
+        result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=text)
+        start = phase_start
+        if start not in saved:  # the phase starts where the last run never got to (it stopped early)
+            start = max(s for s in saved if s <= start)
+    result.reference_eval = [ref.eval_loss[s] for s in result.eval_steps]
+    result.profile_eval = [val.get(s, math.nan) for s in result.eval_steps]
+    evidence = {**profile.evidence, "validation": result.to_evidence()}
+    return dataclasses.replace(profile, evidence=evidence), result
+
+
+def _abort(ref: dict[int, float], floor: float, tolerance: float, steps: int) -> Callable[[int, float], bool]:
+    over = 0
+
+    def abort(step: int, loss: float) -> bool:
+        nonlocal over
+        if not math.isfinite(loss):
+            return True
+        if step < ABORT_AFTER * steps or step not in ref:
+            return False
+        over = over + 1 if (loss - ref[step]) / max(ref[step], floor) > max(ABORT_FACTOR * tolerance, 0.05) else 0
+        return over >= 2
+
+    return abort
+
+
+def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], gaps: dict[int, float], steps: int,
+            tol: Tolerances) -> tuple[Profile, int, str] | None:
+    """Move one region of the phase whose gap grew most to its next finer admitted route.
+
+    Returns (new profile, that phase's start step, `phase/region: old -> new`), or None when
+    every phase is all FP32 already.
+    """
+    def gap_before(step: int) -> float:
+        known = [s for s in gaps if s <= step]
+        return gaps[max(known)] if known else 0.0
+
+    growth = []
+    ordered = sorted(profile.phases, key=lambda p: p.start.resolve(steps))
+    for i, (phase, seg) in enumerate(zip(ordered, segments, strict=True)):
+        if all(r == "fp32" for r in seg.routes.values()):
+            continue
+        end = segments[i + 1].start if i + 1 < len(segments) else steps
+        growth.append((gap_before(end) - gap_before(seg.start), -i, phase, seg))
+    if not growth:
+        return None
+    _, _, phase, seg = max(growth, key=lambda g: (g[0], g[1]))
+    rows = table[(table["phase"] == phase.name) & (table["error_feedback"].astype(bool) == phase.error_feedback)]
+    region, old = _riskiest(rows, seg)
+    new = _finer(rows[rows["region"] == region], old, tol)
+    routes = {**phase.routes, region: new["route"] if new is not None else "fp32"}
+    phases = tuple(dataclasses.replace(p, routes=routes) if p is phase else p for p in profile.phases)
+    evidence = dict(profile.evidence)
+    ev = dict(evidence.get(phase.name, {}))
+    ev[region] = {"route": routes[region], "tightened_from": old,
+                  "bits_per_element": None if new is None else _f(new["bits_per_element"]),
+                  "cosine": 1.0 if new is None else _f(new["cosine"]),
+                  "loss_delta": None if new is None else _f(new["loss_delta"])}
+    evidence[phase.name] = ev
+    text = f"{phase.name}/{region}: {old} -> {routes[region]}"
+    return dataclasses.replace(profile, phases=phases, evidence=evidence), seg.start, text
+
+
+def _f(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _riskiest(rows: pd.DataFrame, seg: Segment) -> tuple[str, str]:
+    """The phase's lossy region whose route loses most: (1 - replay cosine) x elements."""
+    def risk(region: str, route: str) -> float:
+        hit = rows[(rows["region"] == region) & (rows["route"] == route)]
+        if hit.empty:
+            return math.inf
+        cos = _f(hit["cosine"].iloc[0])
+        numel = float(hit["numel"].iloc[0]) if "numel" in hit.columns else 1.0
+        return (1.0 - (cos if cos is not None else 0.0)) * numel
+
+    lossy = [(region, route) for region, route in seg.routes.items() if route != "fp32"]
+    return max(lossy, key=lambda rr: risk(*rr))
+
+
+def _finer(rows: pd.DataFrame, old: str, tol: Tolerances) -> dict[str, Any] | None:
+    """The cheapest route dearer than `old` and at least as faithful in replay, that replay admits and no
+    trial rejected (None: FP32). Bits alone do not order fidelity: sign on a region of many small
+    tensors can send more bits (per-tensor scales) than q4 and still lose more."""
+    cur = rows[rows["route"] == old]
+    bits = float(cur["bits_per_element"].iloc[0]) if len(cur) else math.inf
+    cos_now = _f(cur["cosine"].iloc[0]) if len(cur) else None
+    best = None
+    for _, row in rows.iterrows():
+        r = row.to_dict()
+        b, cos = _f(r.get("bits_per_element")), _f(r.get("cosine"))
+        if r["route"] == "fp32" or b is None or b <= bits or not replay_ok(r, tol):
+            continue
+        if cos_now is not None and (cos is None or cos < cos_now):
+            continue
+        delta, train = _f(r.get("loss_delta")), _f(r.get("train_loss_delta"))
+        if int(r.get("trial_steps") or 0) > 0 and ((delta is not None and delta > tol.loss)
+                                                   or (train is not None and train > tol.loss)):
+            continue  # a trial already rejected it
+        if best is None or b < best[0]:
+            best = (b, r)
+    return None if best is None else best[1]

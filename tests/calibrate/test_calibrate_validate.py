@@ -1,0 +1,89 @@
+"""Validation: an FP32 profile reproduces the reference; a failing profile is tightened phase by phase."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from nfab.calibrate import make_config
+from nfab.calibrate.search import Tolerances
+from nfab.calibrate.task import Task
+from nfab.calibrate.trajectory import eval_points, run_reference
+from nfab.calibrate.validate import final_gap, segments_of, tighten, validate_profile
+from nfab.profile.schema import ModelRef, Phase, PhaseStart, Profile
+
+TOL = Tolerances(cosine=0.3, loss=0.02)
+
+
+def profile(*phases: tuple[float, dict[str, str], bool]) -> Profile:
+    return Profile(model=ModelRef(name="resnet18"), phases=tuple(
+        Phase(name=f"p{i}", start=PhaseStart(fraction=f), routes=r, error_feedback=ef)
+        for i, (f, r, ef) in enumerate(phases)))
+
+
+def table(rows: list[tuple[str, str, str, float, float]]) -> pd.DataFrame:
+    """(phase, region, route, bits, cosine) rows without trials, EF off."""
+    return pd.DataFrame([{"phase": p, "region": reg, "route": route, "error_feedback": False, "numel": 1000,
+                          "bits_per_element": bits, "cosine": cos, "rel_error": 0.5, "capacity_ok": True,
+                          "loss_delta": math.nan, "train_loss_delta": math.nan, "trial_steps": 0}
+                         for p, reg, route, bits, cos in rows])
+
+
+def tiny(steps: int = 8) -> Task:
+    cfg = make_config("resnet18", steps=steps, phases=2, trial_steps=2, overrides={
+        "model.width": 4, "batch_size": 8, "eval_samples": 16})
+    return Task(cfg)
+
+
+def test_an_fp32_profile_validates_to_the_reference_bit_for_bit() -> None:
+    task = tiny()
+    ref = run_reference(task)
+    prof = profile((0.0, {"conv": "fp32"}, False), (0.5, {"conv": "fp32"}, True))
+    out, v = validate_profile(task, ref, prof, table([]), tol=TOL, tolerance=0.0)
+    assert v.passed and v.gap == 0.0 and len(v.rounds) == 1
+    assert v.profile_eval == v.reference_eval == [ref.eval_loss[s] for s in eval_points(8)]
+    assert out.evidence["validation"]["passed"] is True and out.phases == prof.phases
+
+
+def test_a_failing_profile_is_tightened_and_resumed_from_the_phase_start() -> None:
+    task = tiny()
+    ref = run_reference(task)
+    rows = [(p, "conv", r, b, c) for p in ("p0", "p1") for r, b, c in
+            (("fp32", 48.0, 1.0), ("q8", 12.0, 0.97), ("q4", 6.0, 0.6), ("sign", 3.0, 0.4))]
+    prof = profile((0.0, {"conv": "sign"}, True), (0.5, {"conv": "sign"}, True))
+    # an impossible tolerance: every round fails, each one tightens one route toward fp32
+    out, v = validate_profile(task, ref, prof, table(rows).assign(error_feedback=True), tol=TOL, tolerance=-1.0,
+                              max_rounds=10)
+    changes = [r.change for r in v.rounds if r.change]
+    assert not v.passed and v.stopped == "nothing to tighten"
+    assert sorted(changes) == sorted(["p0/conv: sign -> q4", "p0/conv: q4 -> q8", "p0/conv: q8 -> fp32",
+                                      "p1/conv: sign -> q4", "p1/conv: q4 -> q8", "p1/conv: q8 -> fp32"])
+    assert {p.routes["conv"] for p in out.phases} == {"fp32"}
+    assert out.evidence["p0"]["conv"]["tightened_from"] == "q8"
+    # a round after a change to p1 only resumes at p1's start (step 4), re-using the run before it
+    for before, after in zip(v.rounds, v.rounds[1:], strict=False):
+        assert after.start_step == (4 if before.change and before.change.startswith("p1") else 0)
+    # the last round is all FP32 again: it reproduces the reference exactly
+    assert v.profile_eval == v.reference_eval and v.gap == 0.0
+
+
+def test_tighten_picks_the_phase_whose_gap_grew_and_its_riskiest_region() -> None:
+    rows = [("p0", reg, r, b, c) for reg in ("conv", "norm") for r, b, c in
+            (("fp32", 48.0, 1.0), ("q8", 12.0, 0.99), ("sign", 3.0, 0.5))]
+    rows += [("p1", reg, r, b, c) for reg in ("conv", "norm") for r, b, c in
+             (("fp32", 48.0, 1.0), ("q8", 12.0, 0.99), ("sign", 3.0, 0.5))]
+    prof = profile((0.0, {"conv": "sign", "norm": "sign"}, False), (0.5, {"conv": "sign", "norm": "q8"}, False))
+    frame = table(rows)
+    frame.loc[frame["region"] == "norm", "numel"] = 10  # conv loses more: (1 - 0.5) x 1000 elements
+    gaps = {0: 0.0, 50: 0.001, 100: 0.05}  # the gap grows in p1 (steps 50..100)
+    new, start, text = tighten(prof, frame, segments_of(prof, 100), gaps, 100, TOL)
+    assert (start, text) == (50, "p1/conv: sign -> q8")
+    assert new.phases[1].routes == {"conv": "q8", "norm": "q8"} and new.phases[0] == prof.phases[0]
+
+
+def test_final_gap_averages_the_last_quarter_and_floors_the_denominator() -> None:
+    ref = {0: 2.0, 50: 1.0, 75: 0.2, 100: 0.1}
+    assert final_gap(ref, {0: 2.0, 50: 1.0, 75: 0.3, 100: 0.2}, 100, floor=0.5) == pytest.approx(0.1 / 0.5)
+    assert final_gap(ref, {0: 2.0, 50: 1.0}, 100, floor=0.5) == math.inf  # stopped before the window
