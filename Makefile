@@ -34,7 +34,7 @@ bench: install
 	$(BIN)/nfab bench hook --json bench/hook.json
 
 study: install
-	$(BIN)/nfab bench study --out bench/study
+	$(BIN)/nfab bench study --out bench/study --publish
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -68,6 +68,9 @@ class StudyConfig:
     tweaks: dict[str, Any] = field(default_factory=dict)
     """Setting fields replaced in every setting (tests: smaller batches, tiny models)."""
     seed: int = 0
+    append: bool = False
+    """Merge into OUT/study.json: rows of other (setting, variant) pairs are kept (results do not depend
+    on timing: same seeds, same rows); the commands that made them are all listed."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.settings if s not in SETTINGS]
@@ -123,6 +126,19 @@ def judge(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _previous(cfg: StudyConfig) -> dict[str, Any] | None:
+    """The study.json to append to (None when there is none yet)."""
+    import json
+
+    path = cfg.out / "study.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    if doc.get("schema") != SCHEMA or doc.get("version") != VERSION or doc.get("seed") != cfg.seed:
+        raise ValueError(f"{path} is not a version-{VERSION} study with seed {cfg.seed}: cannot append to it")
+    return doc
+
+
 def run_study(cfg: StudyConfig, command: str = "", log: Callable[[str], None] = print,
               root: Path | None = None) -> dict[str, Any]:
     """Every setting x variant; writes OUT/study.json, OUT/study.md, OUT/report.html and the Pareto PNGs."""
@@ -137,15 +153,23 @@ def run_study(cfg: StudyConfig, command: str = "", log: Callable[[str], None] = 
             log(f"{name} {row.variant}: " + (f"loss {row.eval_loss:.4f}, {row.ratio:.1f}x" if row.ok and row.ratio
                                              else f"FAILED {row.error}") + f" ({row.wall_s:.0f} s)")
             rows.append(row)
+    old = _previous(cfg) if cfg.append else None
+    new_rows = [asdict(r) for r in rows]
+    done = {(r["setting"], r["variant"]) for r in new_rows}
+    kept = [r for r in (old or {}).get("rows", []) if (r["setting"], r["variant"]) not in done]
+    order = {(n, v): i for i, (n, v) in enumerate((n, v) for n in SETTINGS for v in VARIANTS)}
     doc: dict[str, Any] = {
-        "schema": SCHEMA, "version": VERSION, "command": command, "total_s": round(time.perf_counter() - t0, 1),
+        "schema": SCHEMA, "version": VERSION,
+        "command": " ; ".join([*([old["command"]] if old else []), command]),
+        "total_s": round(time.perf_counter() - t0 + (old["total_s"] if old else 0.0), 1),
         "seed": cfg.seed,
-        "settings": {name: asdict(s) for name, s in settings.items()},
+        "settings": {**(old or {}).get("settings", {}), **{name: asdict(s) for name, s in settings.items()}},
         "note": "one user-style DDP loop per run (constant LR), W gloo ranks on loopback, same seed for every "
                 "variant; nfab variants attach with cost_model=None (on loopback the cost gate would send every "
                 "bucket to FP32); PowerSGD gets one bucket (it aborts on gloo with several)",
-        "rows": [asdict(r) for r in rows],
+        "rows": sorted(kept + new_rows, key=lambda r: order.get((r["setting"], r["variant"]), 1 << 30)),
     }
+    doc["settings"] = {n: doc["settings"][n] for n in SETTINGS if n in doc["settings"]}
     doc["verdicts"] = judge(doc)
     atomic_write_json(cfg.out / "study.json", doc)
     atomic_write_text(cfg.out / "study.md", studydocs.study_markdown(doc, images=True))

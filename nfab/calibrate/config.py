@@ -26,8 +26,8 @@ from nfab.overrides import parse_kv
 from nfab.validation import StrictModel, describe
 from nfab.wire.codecs import ROUTES
 
-DEFAULT_ROUTES: tuple[str, ...] = ("fp32", "bf16", "q8", "q4", "q2", "sign")
-"""Routes a sweep measures unless told otherwise (fp16 is bf16's twin on the wire)."""
+DEFAULT_ROUTES: tuple[str, ...] = tuple(r for r in ROUTES if r != "fp16")
+"""Routes a sweep measures unless told otherwise: every registered route (fp16 is bf16's twin on the wire)."""
 
 QUICK_TRIAL_ROUTES: tuple[str, ...] = ("sign", "q8")
 """Routes `--quick` trials: the cheapest lossy route and the safest cheap one."""

@@ -42,6 +42,8 @@ def register(app: typer.Typer) -> None:
         publish: Annotated[bool, typer.Option(
             "--publish", help="Copy study.json to bench/study.json, regenerate bench/STUDY.md and the README "
                               "tables from it.")] = False,
+        append: Annotated[bool, typer.Option(
+            "--append", help="Merge into OUT/study.json, keeping its rows of other settings/variants.")] = False,
         regen_docs: Annotated[bool, typer.Option(
             "--regen-docs", help="Only regenerate bench/STUDY.md and the README tables from bench/study.json.")
         ] = False,
@@ -65,9 +67,12 @@ def register(app: typer.Typer) -> None:
                 fail(f"{prof} not found: run the study from the repository root (or calibrate {s} first)")
         cfg = StudyConfig(out=out, settings=_names(settings, tuple(SETTINGS), "setting") or tuple(SETTINGS),
                           variants=_names(variants, VARIANTS, "variant") or VARIANTS, steps=steps,
-                          world_size=world_size)
+                          world_size=world_size, append=append)
         command = shlex.join(["nfab", *sys.argv[1:]])
-        doc = run_study(cfg, command=command, log=lambda s: console.print(s, highlight=False), root=root)
+        try:
+            doc = run_study(cfg, command=command, log=lambda s: console.print(s, highlight=False), root=root)
+        except ValueError as exc:
+            fail(str(exc))
         console.print(Markdown((out / "study.md").read_text()))
         console.print(f"wrote {out / 'study.json'}, {out / 'study.md'}, {out / 'report.html'}")
         if publish:
