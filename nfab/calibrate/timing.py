@@ -53,8 +53,8 @@ class StageClock:
         cpu_total = time.process_time() - self.started_cpu
         out.update({f"{k}_cpu_s": round(v, 2) for k, v in self.cpu.items()})
         out["cpu_s"] = round(cpu_total, 2)
-        ratio = self.ratio()
-        out["ratio"] = None if ratio is None else round(ratio, 3)
+        ref = self.wall.get("reference", 0.0)
+        out["ratio"] = round(total / ref, 3) if ref > 0 else None
         ref_cpu = self.cpu.get("reference", 0.0)
         out["cpu_ratio"] = round(cpu_total / ref_cpu, 3) if ref_cpu > 0 else None
         return out

@@ -1,0 +1,36 @@
+"""The calibration's time split: every stage, the total and the ratio to the FP32 reference."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nfab.calibrate.summary import describe_timing, describe_validation
+from nfab.calibrate.timing import StageClock
+
+
+def test_split_charges_each_stage_and_states_the_ratio() -> None:
+    clock = StageClock()
+    with clock.stage("reference"):
+        time.sleep(0.05)
+    with clock.stage("trials"):
+        time.sleep(0.02)
+    with clock.stage("trials"):
+        time.sleep(0.02)
+    split = clock.split()
+    assert split["reference_s"] >= 0.05 and split["trials_s"] >= 0.04 and split["validation_s"] == 0.0
+    assert split["total_s"] >= split["reference_s"] + split["trials_s"]
+    assert split["ratio"] == pytest.approx(split["total_s"] / split["reference_s"], rel=0.02)  # both rounded
+    text = describe_timing(split)
+    assert text.startswith(f"total {split['total_s']:.0f} s = {split['ratio']:.2f}x the FP32 reference")
+    assert f"reference {split['reference_s']:.1f} s" in text and f"trials {split['trials_s']:.1f} s" in text
+
+
+def test_validation_line_names_changes_and_why_it_stopped() -> None:
+    ev = {"passed": False, "gap": 0.034, "tolerance": 0.01, "steps": 300, "stopped": "budget",
+          "rounds": [{"change": "p1/linear: sign -> q8"}, {"change": None}]}
+    line = describe_validation(ev)
+    assert line == ("validation over 300 steps: FAILED, gap +3.40% (tolerance 1.00%) after 2 round(s); "
+                    "tightened p1/linear: sign -> q8; stopped: budget")
+    assert describe_validation({"passed": None, "stopped": "refit"}) == "validation: none (refit)"
