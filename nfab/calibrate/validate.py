@@ -8,8 +8,9 @@ and schedule, stochastic rounding seeded per step. Its held-out loss is compared
 FP32 reference's at the same eval points.
 
 The gap is the relative loss increase averaged over the last quarter of the run. Its
-denominator is the FP32 loss, floored at a quarter of the initial loss: a classifier's
-loss near zero would otherwise turn every wobble into a large relative gap.
+denominator is the FP32 loss, floored at a quarter of the FP32 loss at the first eval point
+after the start: a classifier's loss near zero would otherwise turn every wobble into a
+large relative gap.
 
 Where the gap exceeds the tolerance, the phase whose gap grew most is tightened: its
 riskiest lossy region (largest (1 - cosine) x elements) moves to the next finer route
@@ -38,7 +39,7 @@ from nfab.profile.schema import Profile
 TOL_VALIDATE = 0.01
 """Default: the validated profile's held-out loss at most 1 % above FP32's at the end of the run."""
 LOSS_FLOOR = 0.25
-"""The gap's denominator is at least this fraction of the initial held-out loss."""
+"""The gap's denominator is at least this fraction of the held-out loss early in the run (see `loss_floor`)."""
 FINAL_WINDOW = 0.25
 """The gap is averaged over the eval points in this last fraction of the run."""
 ABORT_FACTOR = 5.0
@@ -106,6 +107,14 @@ def segments_of(profile: Profile, steps: int) -> list[Segment]:
     return sorted(segs, key=lambda s: s.start)
 
 
+def loss_floor(ref_eval: dict[int, float]) -> float:
+    """The gap's smallest denominator: LOSS_FLOOR x the reference's held-out loss at its first eval
+    point after the start. Not the start itself: an untrained model's loss can be huge (a tied
+    embedding head starts at ~68 nats on bytes), which would shrink every gap by 30x."""
+    later = sorted(s for s in ref_eval if s > 0)
+    return LOSS_FLOOR * ref_eval[later[0]] if later else 0.0
+
+
 def gap_at(ref: dict[int, float], val: dict[int, float], floor: float) -> dict[int, float]:
     """Relative held-out loss gap at each eval point both runs have (inf when the run diverged)."""
     out = {}
@@ -142,7 +151,7 @@ def validate_profile(
     """Validate `profile` over the reference window; tighten and re-validate while the gap is too large."""
     steps = task.cfg.steps
     evals = set(eval_points(steps))
-    floor = LOSS_FLOOR * ref.eval_loss.get(0, 0.0)
+    floor = loss_floor(ref.eval_loss)
     result = Validation(tolerance=tolerance, steps=steps, eval_steps=sorted(evals))
     val: dict[int, float] = {0: ref.eval_loss[0]}
     saved: dict[int, tuple[dict, Residuals]] = {0: (ref.checkpoints[0], Residuals())}

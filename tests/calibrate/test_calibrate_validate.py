@@ -11,7 +11,7 @@ from nfab.calibrate import make_config
 from nfab.calibrate.search import Tolerances
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import eval_points, run_reference
-from nfab.calibrate.validate import final_gap, segments_of, tighten, validate_profile
+from nfab.calibrate.validate import final_gap, loss_floor, segments_of, tighten, validate_profile
 from nfab.profile.schema import ModelRef, Phase, PhaseStart, Profile
 
 TOL = Tolerances(cosine=0.3, loss=0.02)
@@ -87,3 +87,12 @@ def test_final_gap_averages_the_last_quarter_and_floors_the_denominator() -> Non
     ref = {0: 2.0, 50: 1.0, 75: 0.2, 100: 0.1}
     assert final_gap(ref, {0: 2.0, 50: 1.0, 75: 0.3, 100: 0.2}, 100, floor=0.5) == pytest.approx(0.1 / 0.5)
     assert final_gap(ref, {0: 2.0, 50: 1.0}, 100, floor=0.5) == math.inf  # stopped before the window
+
+
+def test_the_floor_comes_from_early_training_not_the_untrained_loss() -> None:
+    # the held-out user GPT starts at ~68 nats (tied head): a floor from step 0 hid a +4% gap as +0.5%
+    ref = {0: 68.0, 25: 4.27, 150: 2.52, 225: 2.38, 250: 2.29, 275: 2.20, 300: 2.16}
+    val = {0: 68.0, 25: 4.29, 150: 2.53, 225: 2.45, 250: 2.36, 275: 2.31, 300: 2.25}
+    assert loss_floor(ref) == pytest.approx(0.25 * 4.27)
+    assert final_gap(ref, val, 300, loss_floor(ref)) == pytest.approx(sum(val[s] for s in (225, 250, 275, 300))
+                                                                      / sum(ref[s] for s in (225, 250, 275, 300)) - 1)
