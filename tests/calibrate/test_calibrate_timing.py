@@ -13,15 +13,15 @@ from nfab.calibrate.timing import StageClock
 def test_split_charges_each_stage_and_states_the_ratio() -> None:
     clock = StageClock()
     with clock.stage("reference"):
-        time.sleep(0.05)
+        time.sleep(0.3)
     with clock.stage("trials"):
-        time.sleep(0.02)
+        time.sleep(0.1)
     with clock.stage("trials"):
-        time.sleep(0.02)
+        time.sleep(0.1)
     split = clock.split()
-    assert split["reference_s"] >= 0.05 and split["trials_s"] >= 0.04 and split["validation_s"] == 0.0
-    assert split["total_s"] >= split["reference_s"] + split["trials_s"]
-    assert split["ratio"] == pytest.approx(split["total_s"] / split["reference_s"], rel=0.02)  # both rounded
+    assert split["reference_s"] >= 0.29 and split["trials_s"] >= 0.19 and split["validation_s"] == 0.0
+    assert split["total_s"] >= split["reference_s"] + split["trials_s"] - 0.02  # each rounded to 10 ms
+    assert split["ratio"] == pytest.approx(split["total_s"] / split["reference_s"], rel=0.05)  # from unrounded
     text = describe_timing(split)
     assert text.startswith(f"total {split['total_s']:.0f} s = {split['ratio']:.2f}x the FP32 reference")
     assert f"reference {split['reference_s']:.1f} s" in text and f"trials {split['trials_s']:.1f} s" in text
