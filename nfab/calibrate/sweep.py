@@ -11,7 +11,7 @@ import datetime as _dt
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +269,7 @@ def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | N
     timing = clock.split()
     prov = {**profile.provenance, "calibration_file": str(table_path), "calibration_sha256": file_sha256(table_path),
             "timing": timing}
-    profile = replace(profile, provenance=prov)
+    profile = profile.model_copy(update={"provenance": prov})
     profile.save(out / PROFILE_FILE)
     return Calibration(table_path, out / PROFILE_FILE, profile, timing, validation)
 
@@ -290,7 +290,7 @@ def fit_file(table_path: str | Path, out: str | Path, *, tol_cosine: float | Non
     kwargs = {k: v for k, v in (("tol_cosine", tol_cosine), ("tol_loss", tol_loss)) if v is not None}
     profile = fit_profile(frame, meta=meta, provenance={
         "calibration_file": str(table_path), "calibration_sha256": file_sha256(table_path)}, **kwargs)
-    profile = replace(profile, evidence={**profile.evidence, "validation": {
-        "passed": None, "stopped": "refit from the table: not validated (run nfab calibrate to validate)"}})
+    profile = profile.model_copy(update={"evidence": {**profile.evidence, "validation": {
+        "passed": None, "stopped": "refit from the table: not validated (run nfab calibrate to validate)"}}})
     profile.save(out)
     return profile

@@ -195,7 +195,7 @@ def validate_profile(
     result.reference_eval = [ref.eval_loss[s] for s in result.eval_steps]
     result.profile_eval = [val.get(s, math.nan) for s in result.eval_steps]
     evidence = {**profile.evidence, "validation": result.to_evidence()}
-    return dataclasses.replace(profile, evidence=evidence), result
+    return profile.model_copy(update={"evidence": evidence}), result
 
 
 def _abort(ref: dict[int, float], floor: float, tolerance: float, steps: int) -> Callable[[int, float], bool]:
@@ -238,7 +238,7 @@ def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], gaps
     region, old = _riskiest(rows, seg)
     new = _finer(rows[rows["region"] == region], old, tol)
     routes = {**phase.routes, region: new["route"] if new is not None else "fp32"}
-    phases = tuple(dataclasses.replace(p, routes=routes) if p is phase else p for p in profile.phases)
+    phases = tuple(p.model_copy(update={"routes": routes}) if p is phase else p for p in profile.phases)
     evidence = dict(profile.evidence)
     ev = dict(evidence.get(phase.name, {}))
     ev[region] = {"route": routes[region], "tightened_from": old,
@@ -247,7 +247,7 @@ def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], gaps
                   "loss_delta": None if new is None else _f(new["loss_delta"])}
     evidence[phase.name] = ev
     text = f"{phase.name}/{region}: {old} -> {routes[region]}"
-    return dataclasses.replace(profile, phases=phases, evidence=evidence), seg.start, text
+    return profile.model_copy(update={"phases": phases, "evidence": evidence}), seg.start, text
 
 
 def _f(v: Any) -> float | None:
