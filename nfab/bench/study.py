@@ -41,7 +41,7 @@ SETTINGS: dict[str, Setting] = {
     "heldout": Setting(
         name="heldout", model="nfab.bench.heldout:user_gpt", dataset="stdlib-text", metric="loss",
         data_options={"max_bytes": 2_000_000}, optimizer="adamw", lr=3e-3, weight_decay=0.1, batch_size=16,
-        steps=300, profile="calibrations/heldout/profile.json",
+        steps=300, profile="bench/calibrations/heldout/profile.json",
         note="user-style GPT nfab was not tuned on (nn.MultiheadAttention, tied head), AdamW wd 0.1"),
 }
 MIN_RATIO = 8.0
