@@ -68,7 +68,7 @@ class LevelRow:
     level: str
     world_size: int
     wire_bytes: float
-    fp32_wire_bytes: float
+    baseline_wire_bytes: float
 
 
 @dataclass(slots=True)
@@ -94,12 +94,12 @@ class Inspection:
     @property
     def ratio(self) -> float:
         """How many times fewer bytes than FP32 DDP (all-reduce of every gradient in fp32)."""
-        return self.fp32_wire_bytes / self.wire_bytes if self.wire_bytes else float("inf")
+        return self.baseline_wire_bytes / self.wire_bytes if self.wire_bytes else float("inf")
 
     def to_dict(self, crossovers: list[tuple[int, str]] | None = None) -> dict[str, Any]:
         """Everything the `nfab inspect` tables show (all buckets), with the totals, as JSON-ready data."""
         out = asdict(self)
-        out.update(wire_bytes=self.wire_bytes, fp32_wire_bytes=self.fp32_wire_bytes, ratio=self.ratio)
+        out.update(wire_bytes=self.wire_bytes, baseline_wire_bytes=self.baseline_wire_bytes, ratio=self.ratio)
         if crossovers is not None:
             out["crossovers"] = [{"from_world_size": w, "cheapest": k} for w, k in crossovers]
         return out
@@ -173,7 +173,7 @@ def inspect_model(
             ", ".join(sorted({f"{why}({reg})" for why, reg in routes.fallbacks})),
         ))
     out.regions = sorted(per_region.values(), key=lambda r: -r.elements)
-    out.levels = [LevelRow("flat", world_size, out.wire_bytes, out.fp32_wire_bytes)]
+    out.levels = [LevelRow("flat", world_size, out.wire_bytes, out.baseline_wire_bytes)]
     for route in ROUTES:
         for red in candidates(route):
             cap = red.capacity(world_size)
