@@ -98,7 +98,9 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
                 out.amax.update(zip(names, values, strict=True))
             if o.cosine is not None and la.probe is not None:
                 out.cosine = (o.cosine, la.probe.regions)
-    st.grad_norm = math.sqrt(grad_sq / world_size)
+    # a skipped step applies no gradient (every bucket is zeroed): its norm is 0, as the
+    # health monitor and metrics have always read it, not the finite part of a poisoned sum
+    st.grad_norm = 0.0 if st.skipped else math.sqrt(grad_sq / world_size)
     return out
 
 
