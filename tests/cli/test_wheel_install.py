@@ -9,6 +9,7 @@ test to about a minute; `pip check` then proves the wheel's requirements are met
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,6 +26,19 @@ def run(args: list[str], cwd: Path, timeout: float = 600) -> subprocess.Complete
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def source_copy(dest: Path) -> Path:
+    """The checkout's files as a fresh clone would have them (tracked and new, never ignored
+    build output): a stale `build/` in the checkout must not leak old modules into the wheel."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, listed):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
 def ok(res: subprocess.CompletedProcess[str]) -> str:
     assert res.returncode == 0, f"{res.args}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
     return res.stdout
@@ -35,7 +49,8 @@ def ok(res: subprocess.CompletedProcess[str]) -> str:
 def test_wheel_installs_and_trains_with_a_shipped_profile_by_name(tmp_path: Path) -> None:
     dist, venv, work = tmp_path / "dist", tmp_path / "venv", tmp_path / "work"
     work.mkdir()
-    ok(run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)], cwd=tmp_path))
+    src = source_copy(tmp_path / "src")
+    ok(run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)], cwd=tmp_path))
     (wheel,) = dist.glob("nfab-*.whl")
     ok(run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path))
     python = venv / "bin" / "python"
