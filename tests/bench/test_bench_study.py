@@ -53,7 +53,7 @@ def test_replace_block_needs_the_markers() -> None:
 def test_study_runs_every_variant_in_a_user_loop(tmp_path: Path) -> None:
     cfg = study.StudyConfig(out=tmp_path / "study", settings=("resnet18",), steps=3, world_size=2, tweaks={
         "model_options": {"width": 4, "small_input": True, "num_classes": 10, "in_channels": 1},
-        "batch_size": 8, "eval_samples": 64})
+        "batch_size": 8, "eval_samples": 64, "routes_only": True})
     doc = study.run_study(cfg, command="test", log=lambda s: None, root=ROOT)
     assert [r["variant"] for r in doc["rows"]] == list(study.VARIANTS)
     by = {r["variant"]: r for r in doc["rows"]}
