@@ -13,6 +13,8 @@ from functools import cache
 import numpy as np
 import torch
 
+from nfab.wire import fastpath
+
 ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign")
 """Every route a profile or a user may name, cheapest-last is NOT implied."""
 
@@ -58,10 +60,13 @@ _MANY_SEGMENTS = 8
 def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """max |x| over each consecutive segment of `x` (fp32; 0 for an empty segment).
 
-    Many segments (a bucket's norms and biases) are reduced in one scatter pass instead of
-    one reduction each: max is order-free, so both ways give the same bits.
+    On CPU one compiled pass reads fp32/bf16/fp16 as they are (`fastpath.segment_max_abs`).
+    Elsewhere many segments (a bucket's norms and biases) are reduced in one scatter pass
+    instead of one reduction each. Max is order-free, so every way gives the same bits.
     """
     lengths = list(lengths)
+    if fastpath.qsum_supports(x):
+        return fastpath.segment_max_abs(x, lengths)
     if len(lengths) > _MANY_SEGMENTS:
         counts = torch.tensor(lengths, device=x.device)
         seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), counts, output_size=x.numel())

@@ -129,23 +129,59 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
     return res
 
 
-def qsum_levels(x: torch.Tensor, noise: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
+QSUM_DTYPES = SIGN_DTYPES
+
+
+def qsum_supports(x: torch.Tensor) -> bool:
+    """Whether `qsum_levels` runs on `x` (1-D, contiguous, fp32/bf16/fp16, on CPU)."""
+    return supports(x) and x.dim() == 1 and x.dtype in QSUM_DTYPES
+
+
+def qsum_levels(x: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
                 max_level: int, layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(levels uint8, lane containers) of qsum's stochastic rounding, fused in one pass.
 
-    `scales` are the safe (non-zero) per-segment scales; same bits as the torch reference.
+    `keys` are the segments' noise keys (`nfab.wire.noise`; the noise is computed in the
+    kernel, never stored), `scales` the safe (non-zero) per-segment scales; bf16/fp16 are
+    read as they are. Same bits as the torch reference.
     """
     assert kernels is not None
     n = x.numel()
     starts, ends = _bounds(lengths)
     levels = np.empty(n, dtype=np.uint8)
-    kernels.qsum_levels(x.numpy(), noise.numpy(), starts, ends, scales.to(torch.float32).contiguous().numpy(),
-                        np.float32(1.0), np.float32(0.5 * max_level), max_level, levels)
+    # one-lane containers are the levels: the kernel writes both (the payload may be reduced in place)
+    payload = np.empty(n if layout.lanes == 1 else 0, dtype=np.uint8)
+    k = keys.numpy()
+    sc = scales.to(torch.float32).contiguous().numpy()
+    one, half_m = np.float32(1.0), np.float32(0.5 * max_level)
+    if x.dtype == torch.float32:
+        kernels.qsum_levels(x.numpy(), k, starts, ends, sc, one, half_m, max_level, levels, payload)
+    else:
+        kernels.qsum_levels_half(x.view(torch.int16).numpy().view(np.uint16), _HALF[x.dtype], k, starts, ends, sc,
+                                 one, half_m, max_level, levels, payload)
     if layout.lanes == 1:
-        return torch.from_numpy(levels), torch.from_numpy(levels.copy())  # the payload may be reduced in place
+        return torch.from_numpy(levels), torch.from_numpy(payload)
     containers = np.empty(layout.containers_for(n), dtype=np.uint8)
     kernels.pack_bytes(levels, layout.lane_bits, containers)
     return torch.from_numpy(levels), torch.from_numpy(containers)
+
+
+def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """max |x| per segment (fp32) in one compiled integer pass over fp32/bf16/fp16 `x` (1-D, CPU).
+
+    A NaN in a segment gives NaN (as torch's max does); its payload is whichever NaN had the
+    largest bits, so compare NaNs by isnan, not by bits.
+    """
+    assert kernels is not None
+    starts, ends = _bounds(lengths)
+    if x.dtype == torch.float32:
+        out = np.empty(len(starts), dtype=np.uint32)
+        kernels.segment_max_abs_bits(x.view(torch.int32).numpy().view(np.uint32), np.uint32(0x7FFFFFFF),
+                                     starts, ends, out)
+        return torch.from_numpy(out.view(np.float32))
+    half = np.empty(len(starts), dtype=np.uint16)
+    kernels.segment_max_abs_bits(x.view(torch.int16).numpy().view(np.uint16), np.uint16(0x7FFF), starts, ends, half)
+    return torch.from_numpy(half.view(np.int16)).view(x.dtype).to(torch.float32)  # widening is exact
 
 
 @lru_cache(maxsize=1)

@@ -341,25 +341,97 @@ def decode_lanes(containers, lane_bits, lanes, numel, table, out):
 # ---- qsum levels ---------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
-def qsum_levels(x, noise, seg_starts, seg_ends, scales, one, half_m, max_level, levels):
-    """Stochastically rounded levels floor((x/s + 1) * M/2 + u) clamped to [0, M], in one pass.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # the constants of `nfab.wire.noise` (its docstring: the semantics)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_U24 = np.float32(2.0**-24)
 
-    The float32 operations and their order are those of the torch reference (`QSum.encode`),
-    so the levels are the same bits.
+
+@njit(cache=True, nogil=True, inline="always")
+def _noise_u(key, i):
+    """`nfab.wire.noise` for element i (uint64) of the segment with uint64 `key`: float32 in [0, 1)."""
+    z = key + (i + np.uint64(1)) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    return np.float32(np.int64(z >> np.uint64(40))) * _U24
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _level(xv, u, sc, one, half_m, top):
+    """One level: floor((x/s + 1) * M/2 + u) clamped to [0, M], in the reference's float32 order."""
+    t = np.floor((xv / sc + one) * half_m + u)
+    return np.uint8(min(max(t, np.float32(0)), top))
+
+
+@njit(cache=True, nogil=True)
+def _round_run(xs, key, i0, sc, one, half_m, top, ls, ps):
+    """Levels of fp32 run `xs` (elements i0.. of its segment) into `ls`, and into `ps` too unless
+    it is empty (the payload of one-lane containers); the noise is computed here, never stored.
+    Two loops, not one with a branch: stores to possibly aliased arrays would not vectorize."""
+    base = np.uint64(i0)
+    if ps.size == 0:
+        for i in range(xs.size):
+            ls[i] = _level(xs[i], _noise_u(key, base + np.uint64(i)), sc, one, half_m, top)
+        return
+    for i in range(xs.size):
+        v = _level(xs[i], _noise_u(key, base + np.uint64(i)), sc, one, half_m, top)
+        ls[i] = v
+        ps[i] = v
+
+
+@njit(cache=True, nogil=True)
+def qsum_levels(x, keys, seg_starts, seg_ends, scales, one, half_m, max_level, levels, payload):
+    """Stochastically rounded levels floor((x/s + 1) * M/2 + u) clamped to [0, M], in one pass,
+    into `levels` and (when it is not empty) `payload`.
+
+    u is the counter-based noise of `nfab.wire.noise` (segment s's key, the element's index
+    in its segment), computed here and never stored; the float32 operations and their order
+    are those of the torch reference (`QSum._levels_reference`), so the levels are the same bits.
     """
     top = np.float32(max_level)
-    zero = np.float32(0)
     for s in range(seg_starts.size):
-        sc = scales[s]
         a = seg_starts[s]
         e = seg_ends[s]
-        xs = x[a:e]
-        ns = noise[a:e]
-        ls = levels[a:e]
-        for i in range(xs.size):
-            t = np.floor((xs[i] / sc + one) * half_m + ns[i])
-            ls[i] = np.uint8(min(max(t, zero), top))
+        ps = payload[a:e] if payload.size else payload
+        _round_run(x[a:e], np.uint64(keys[s]), 0, scales[s], one, half_m, top, levels[a:e], ps)
+
+
+@njit(cache=True, nogil=True)
+def qsum_levels_half(u, bf16, keys, seg_starts, seg_ends, scales, one, half_m, max_level, levels, payload):
+    """`qsum_levels` for bf16 (bf16=True) or fp16 inputs given as raw uint16 bits, widened
+    exactly to fp32 chunk by chunk in an L1 scratch buffer (no fp32 copy of the input)."""
+    top = np.float32(max_level)
+    wide = np.empty(_CHUNK, dtype=np.uint32)
+    f32 = wide.view(np.float32)
+    for s in range(seg_starts.size):
+        a = seg_starts[s]
+        e = seg_ends[s]
+        key = np.uint64(keys[s])
+        for c0 in range(a, e, _CHUNK):
+            uc = u[c0 : min(c0 + _CHUNK, e)]
+            ln = uc.size
+            if bf16:
+                for i in range(ln):
+                    wide[i] = np.uint32(uc[i]) << 16
+            else:
+                for i in range(ln):
+                    f32[i] = _f16_to_f32(uc[i])
+            ps = payload[c0 : c0 + ln] if payload.size else payload
+            _round_run(f32[:ln], key, c0 - a, scales[s], one, half_m, top, levels[c0 : c0 + ln], ps)
+
+
+@njit(cache=True, nogil=True)
+def segment_max_abs_bits(u, sign_mask, seg_starts, seg_ends, out):
+    """max over each segment of (raw float bits & ~sign): for IEEE floats of one width the
+    integer order of |x|'s bits is the order of |x| (NaN above inf), so this is max |x| as
+    bits, in one vectorized integer pass; 0 for an empty segment."""
+    for s in range(seg_starts.size):
+        us = u[seg_starts[s] : seg_ends[s]]
+        m = us.dtype.type(0)
+        for i in range(us.size):
+            m = max(m, us[i] & sign_mask)
+        out[s] = m
 
 
 @njit(cache=True, nogil=True)

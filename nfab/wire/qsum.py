@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from nfab.wire import fastpath
+from nfab.wire import fastpath, noise
 from nfab.wire.lanes import layout_for, pack
 from nfab.wire.reducer import (
     Capacity,
@@ -69,12 +69,12 @@ class QSum(Reducer):
         m = self.max_level(world_size)
         lengths = list(lengths)
         safe = torch.where(shared_scale > 0, shared_scale, torch.ones_like(shared_scale)).to(torch.float32)
-        if x.dtype == torch.float32 and x.dim() == 1 and fastpath.supports(x, safe):
-            # one compiled pass: divide, shift, add the noise, round, clamp, lane-pack
-            noise = _uniform_noise(x, lengths, generator)
-            levels, payload = fastpath.qsum_levels(x, noise, safe.reshape(-1), lengths, m, self._layout)
+        keys = noise.draw_keys(generator, len(lengths), x.device)  # one per segment: see nfab.wire.noise
+        if fastpath.qsum_supports(x) and fastpath.supports(safe):
+            # one compiled pass: divide, shift, add the noise (computed, never stored), round, clamp
+            levels, payload = fastpath.qsum_levels(x, keys, safe.reshape(-1), lengths, m, self._layout)
         else:
-            levels, payload = self._levels_reference(x, safe, lengths, m, generator)
+            levels, payload = self._levels_reference(x, safe, lengths, m, keys)
         values = self.level_values(world_size, 1, x.device)
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
@@ -82,7 +82,7 @@ class QSum(Reducer):
 
         return Encoded(payload, None, make_local=local)
 
-    def _levels_reference(self, x, safe, lengths, m, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _levels_reference(self, x, safe, lengths, m, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """(levels, containers) in torch ops on any device: the definition the fast path matches."""
         if len(lengths) == 1:
             t = torch.div(x.to(torch.float32), safe.reshape(-1)[0])
@@ -90,7 +90,7 @@ class QSum(Reducer):
             t = torch.div(x.to(torch.float32),
                           torch.repeat_interleave(safe, torch.tensor(lengths, device=x.device), output_size=x.numel()))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
-        t.add_(_uniform_noise(t, lengths, generator))
+        t.add_(noise.uniform(keys, lengths))
         levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
         return levels, pack(levels, self._layout)
 
@@ -122,25 +122,4 @@ class QSum(Reducer):
             total += decode_scaled(payloads[r], self._layout, numel, values, scales[r], lengths)
         total.mul_(1.0 / w)
         return write_into(out, total)
-
-
-def _uniform_noise(
-    t: torch.Tensor, lengths: Sequence[int], generator: torch.Generator | Sequence[torch.Generator] | None
-) -> torch.Tensor:
-    """U[0,1) rounding noise: from one generator, or one generator per segment.
-
-    Per-segment generators (the runtime seeds one per parameter and step) make the noise
-    a parameter sees independent of which bucket, and which neighbours, it travels with —
-    so a resumed run, whose first step uses DDP's initial buckets, rounds exactly as the
-    uninterrupted run did with the rebuilt ones.
-    """
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(t.shape, generator=generator, device=t.device, dtype=torch.float32)
-    out = torch.empty(t.numel(), device=t.device, dtype=torch.float32)
-    start = 0
-    for n, g in zip(lengths, generator, strict=True):
-        torch.rand(n, generator=g, device=t.device, out=out[start : start + n])
-        start += n
-    return out
-
 
