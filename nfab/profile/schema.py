@@ -112,7 +112,8 @@ class Health(FrozenModel):
     max_backoff: int = Field(8, ge=0)
     """A region's n-th drift demotion lasts min(2^(n-1), this) cool-downs."""
     dense_probe_steps: int = Field(20, ge=0)
-    """Probe every step during the first this many steps: sign + error feedback under AdamW
+    """Probe every step during the first this many steps (when `attach` was given an optimizer
+    with a second moment, the only case the drift monitor acts on): sign + error feedback under AdamW
     bent the held-out GPT for good within its first ~20 steps, before probes every
     `probe_every` steps could see a trend."""
 
