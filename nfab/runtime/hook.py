@@ -115,7 +115,7 @@ class Runtime:
         self._step_open = False
         self._saw_last = False
         self._loss_local: torch.Tensor | float | None = None
-        self._cosine_next: tuple[torch.Tensor, frozenset[str]] | None = None
+        self._cosine_next: tuple[float, frozenset[str]] | None = None
         """The last probe's cosine (this rank's) and regions: the next first word carries it."""
         self._fidelity_next: dict[str, RegionFidelity] = {}
         """The last probes' per-region fidelity (this rank's): the next first word carries it."""

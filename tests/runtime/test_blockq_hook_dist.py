@@ -125,6 +125,8 @@ def test_drift_demotes_sign_with_error_feedback_identically_on_every_rank_and_sp
     sign = run(_drift, 2, "sign", True, 0.85, steps)
     assert sign[0]["ef"] is True
     assert sign[0]["events"] == sign[1]["events"] and sign[0]["cos"] == sign[1]["cos"]
+    # step 0's probe fidelity rides step 1's first control word (agreed over ranks), so step 1 reports it
+    assert sign[0]["cos"][0] == {} and sign[0]["cos"][1], sign[0]["cos"][:2]
     flat = [e for step in sign[0]["events"] for e in step]
     ef_off = [i for i, e in enumerate(flat) if e.startswith("ef_off:drift(")]
     drift = [i for i, e in enumerate(flat) if e.startswith("fallback:drift(")]
