@@ -52,7 +52,7 @@ def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale:
     model = twins.Awkward()
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=bucket_mb)
     prof = Profile.static(ROUTES)
-    prof = dataclasses.replace(prof, health=dataclasses.replace(prof.health, probe_every=2))
+    prof = prof.model_copy(update={"health": prof.health.model_copy(update={"probe_every": 2})})
     cls = DefaultDeviceMeta if meta else Runtime
     if meta:
         with torch.device("meta"):
@@ -112,8 +112,9 @@ def _health_run(rank: int, world_size: int, threshold: float | None, perturb: bo
     model = twins.Awkward()
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
     prof = Profile.static(ROUTES)
-    health = dataclasses.replace(prof.health, probe_every=4, min_fidelity_cosine=threshold or 0.0, cooldown_steps=2)
-    prof = dataclasses.replace(prof, health=health)
+    health = prof.health.model_copy(update={"probe_every": 4, "min_fidelity_cosine": threshold or 0.0,
+                                          "cooldown_steps": 2})
+    prof = prof.model_copy(update={"health": health})
     rt = (PerturbedCosine if perturb else Runtime)(ddp, prof, explicit=True, cost_model=None)
     ddp.register_comm_hook(rt, nfab_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
