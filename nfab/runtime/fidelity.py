@@ -80,7 +80,7 @@ def region_fidelity(
         w = inverse_rms(run.name) if inverse_rms is not None else None
         pre = w is not None
         if w is not None:
-            idx = torch.arange(run.start, run.start + run.step * run.count, run.step)
+            idx = torch.arange(run.start, run.start + run.step * run.count, run.step, device=w.device)
             w64 = w[idx].to(torch.float64)
             e, f = e * w64, f * w64
         es, fs, ok = parts.setdefault(run.region, ([], [], True))

@@ -69,11 +69,12 @@ FIDELITY_FIELDS = ("cosine", "rel_error", "preconditioned", "samples")
 """A region's fidelity in the control word: these values, one column each, regions in order."""
 
 
-def fidelity_word(fidelity: dict[str, RegionFidelity]) -> tuple[tuple[str, ...], torch.Tensor]:
-    """This rank's per-region fidelity as control-word values (regions sorted)."""
+def fidelity_word(fidelity: dict[str, RegionFidelity],
+                  device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
+    """This rank's per-region fidelity as control-word values (regions sorted), on `device`."""
     names = tuple(sorted(fidelity))
     vals = [float(getattr(fidelity[r], f)) for r in names for f in FIDELITY_FIELDS]
-    return names, torch.tensor(vals, dtype=torch.float32)
+    return names, torch.tensor(vals, dtype=torch.float32, device=device)
 
 
 def fidelity_columns(word: control.Builder, fidelity: dict[str, RegionFidelity],
@@ -81,8 +82,8 @@ def fidelity_columns(word: control.Builder, fidelity: dict[str, RegionFidelity],
     """Append this rank's region fidelity to the word being built; its regions and columns."""
     if not fidelity:
         return None
-    names, values = fidelity_word(fidelity)
-    return names, word.add(values.to(device))
+    names, values = fidelity_word(fidelity, device)
+    return names, word.add(values)
 
 
 def agree_fidelity(rows: list[list[float]], names: tuple[str, ...], cols: control.Columns) -> dict[str, RegionFidelity]:

@@ -66,9 +66,9 @@ def _block_index(lengths: tuple[int, ...], block: int) -> tuple[torch.Tensor, in
     ids, start = [], 0
     for n in lengths:
         nb = -(-n // block)
-        ids.append(torch.arange(n, dtype=torch.int64) // block + start)
+        ids.append(torch.arange(n, dtype=torch.int64, device="cpu") // block + start)
         start += nb
-    return (torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)), start
+    return (torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")), start
 
 
 class BlockQSum(Reducer):
