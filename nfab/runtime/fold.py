@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -171,3 +172,20 @@ def drop_ef_residuals(residuals: dict[str, torch.Tensor], regions: dict[str, str
     off = {r for e in events if e.kind == "ef_off" for r in e.regions}
     for name in [n for n in residuals if regions.get(n) in off]:
         del residuals[name]
+
+
+def carried_state(cosine: tuple[float, frozenset[str]] | None,
+                  fidelity: dict[str, RegionFidelity]) -> dict[str, Any]:
+    """The probe values the next step's first word will carry, for a checkpoint."""
+    return {"cosine": None if cosine is None else [cosine[0], sorted(cosine[1])],
+            "fidelity": {r: [f.cosine, f.rel_error, f.preconditioned, f.samples] for r, f in sorted(fidelity.items())}}
+
+
+def load_carried(state: dict[str, Any] | None) -> tuple[tuple[float, frozenset[str]] | None, dict[str, RegionFidelity]]:
+    """`carried_state`'s inverse (absent in older checkpoints: nothing carried)."""
+    if not state:
+        return None, {}
+    c = state.get("cosine")
+    cosine = None if c is None else (float(c[0]), frozenset(c[1]))
+    fid = {r: RegionFidelity(float(v[0]), float(v[1]), bool(v[2]), int(v[3])) for r, v in state["fidelity"].items()}
+    return cosine, fid

@@ -51,7 +51,7 @@ from nfab.runtime.bindings import classify
 from nfab.runtime.controller import BucketRoutes, Controller
 from nfab.runtime.decode import finish_bucket
 from nfab.runtime.fidelity import RegionFidelity
-from nfab.runtime.fold import drop_ef_residuals, fidelity_columns, fold_step
+from nfab.runtime.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
 from nfab.runtime.handoff import Encoded, Launch, Outcome
 from nfab.runtime.optim import Preconditioner
 from nfab.runtime.plan import BucketPlan, build_plan, plan_key
@@ -144,6 +144,8 @@ class Runtime:
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "health": self.health.to_dict(),
             "amax": self.scales.state_dict(),
+            # the last probe's values ride the next step's first word: a resumed run sends them too
+            "carried_probe": carried_state(self._cosine_next, self._fidelity_next),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,6 +156,7 @@ class Runtime:
         self.health = health_mod.HealthState.from_dict(state["health"])
         # absent in states saved before delayed scaling: those slices agree exactly once
         self.scales.load_state_dict(state.get("amax", {}))
+        self._cosine_next, self._fidelity_next = load_carried(state.get("carried_probe"))
 
     # ---- the hook -------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
