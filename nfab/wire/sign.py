@@ -31,6 +31,14 @@ def _mean_abs(sums: np.ndarray, lengths: Sequence[int]) -> torch.Tensor:
     return torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1)).astype(np.float32))
 
 
+
+def count_lane_capacity(name: str, world_size: int) -> Capacity:
+    """Sign counts of W ranks fit one lane of `ceil(log2(W+1))` bits; a container holds at most 63."""
+    bits = count_lane_bits(world_size)
+    if bits > 63:
+        return Capacity(name, world_size, False, bits, reason="count lanes wider than 63 bits")
+    return Capacity(name, world_size, True, lane_bits=bits)
+
 class _SignReducer(Reducer):
     """Shared decode for sign votes: a positive count per element -> vote x mean scale."""
 
@@ -99,10 +107,7 @@ class SignCount(_SignReducer):
         return layout_for(count_lane_bits(world_size))
 
     def capacity(self, world_size: int) -> Capacity:
-        bits = count_lane_bits(world_size)
-        if bits > 63:
-            return Capacity(self.name, world_size, False, bits, reason="count lanes wider than 63 bits")
-        return Capacity(self.name, world_size, True, lane_bits=bits)
+        return count_lane_capacity(self.name, world_size)
 
     def payload_bytes(self, numel: int, world_size: int) -> int:
         lay = self.layout(world_size)

@@ -40,6 +40,7 @@ from nfab.wire.reducer import (
     split_out,
     write_into,
 )
+from nfab.wire.sign import count_lane_capacity
 
 _SHARD_ALIGN = 40  # shard sizes are a multiple of 8 (whole vote bytes) and 5 (whole trit bytes)
 _TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256
@@ -77,10 +78,7 @@ class SignScatter(Reducer):
         return shard // _TRITS_PER_BYTE if self.ternary(world_size) else shard // 8
 
     def capacity(self, world_size: int) -> Capacity:
-        bits = count_lane_bits(world_size)
-        if bits > 63:
-            return Capacity(self.name, world_size, False, bits, reason="count lanes wider than 63 bits")
-        return Capacity(self.name, world_size, True, lane_bits=bits)
+        return count_lane_capacity(self.name, world_size)
 
     def payload_bytes(self, numel: int, world_size: int) -> int:
         lay = self.layout(world_size)
