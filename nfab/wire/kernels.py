@@ -122,6 +122,17 @@ def _f16_to_f32(u):
 
 
 @njit(cache=True, nogil=True)
+def _widen_chunk(uc, bf16, wide, f32):
+    """Write a chunk of raw bf16/fp16 bits into the fp32 scratch (`f32` is a view of `wide`)."""
+    if bf16:
+        for i in range(uc.size):
+            wide[i] = np.uint32(uc[i]) << 16
+    else:
+        for i in range(uc.size):
+            f32[i] = _f16_to_f32(uc[i])
+
+
+@njit(cache=True, nogil=True)
 def sign_bits_half(u, bf16, seg_starts, seg_ends, base, bits, sums):
     """`sign_bits_f32` for bf16 (bf16=True) or fp16 inputs given as raw uint16 bits.
 
@@ -139,12 +150,7 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, base, bits, sums):
         for c0 in range(a, e, _CHUNK):
             uc = u[c0 : min(c0 + _CHUNK, e)]
             ln = uc.size
-            if bf16:
-                for i in range(ln):
-                    wide[i] = np.uint32(uc[i]) << 16
-            else:
-                for i in range(ln):
-                    f32[i] = _f16_to_f32(uc[i])
+            _widen_chunk(uc, bf16, wide, f32)
             tot += _sign_chunk(f32[:ln], v8, words, bits, base + c0)
         sums[s] = tot
 
@@ -411,12 +417,7 @@ def qsum_levels_half(u, bf16, keys, seg_starts, seg_ends, scales, one, half_m, m
         for c0 in range(a, e, _CHUNK):
             uc = u[c0 : min(c0 + _CHUNK, e)]
             ln = uc.size
-            if bf16:
-                for i in range(ln):
-                    wide[i] = np.uint32(uc[i]) << 16
-            else:
-                for i in range(ln):
-                    f32[i] = _f16_to_f32(uc[i])
+            _widen_chunk(uc, bf16, wide, f32)
             ps = payload[c0 : c0 + ln] if payload.size else payload
             _round_run(f32[:ln], key, c0 - a, scales[s], one, half_m, top, levels[c0 : c0 + ln], ps)
 
