@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.attach_checks import check_attach
@@ -12,6 +13,7 @@ from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.hook import Runtime, nfab_hook
+from nfab.runtime.optim import ERROR_FEEDBACK_CHOICES, Preconditioner, is_adaptive, is_sharded, resolve_error_feedback
 from nfab.runtime.scales import QSUM_SCALES
 from nfab.wire import cost as cost_mod
 
@@ -23,7 +25,8 @@ def attach(
     profile: str | Path | Profile | None = None,
     *,
     route: str | dict[str, str] | None = None,
-    error_feedback: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    error_feedback: bool | str = "auto",
     total_steps: int | None = None,
     cost_model: str | Path | cost_mod.CostModel | None = "measure",
     seed: int = 0,
@@ -39,6 +42,16 @@ def attach(
     fp32). A profile's routes pass the cost gate (fallback to FP32 where compression is
     modelled not to pay); an explicit route is honoured as asked, except where reducer
     capacity makes it impossible.
+
+    `optimizer`: the optimizer that steps `ddp_model`'s parameters. nfab reads two things
+    from it: whether it is adaptive (Adam, AdamW, ...: see `error_feedback`), and, for the
+    health monitor, each coordinate's second moment, so that probes measure fidelity
+    where the optimizer acts (slow-divergence detection; see runtime/health.py).
+
+    `error_feedback`: "auto" (default) is on only for a known non-adaptive optimizer (SGD)
+    and off for adaptive ones or when no optimizer is given: error feedback under Adam-style
+    optimizers collapsed training in nfab's measurements. True forces it on (a warning is
+    logged under an adaptive optimizer), False off. A profile phase can still turn it off.
 
     `cost_model`: "measure" (default: a short collective measurement, agreed by all
     ranks), a path to a JSON from `nfab bench wire --cost`, a `CostModel`, or None
@@ -57,6 +70,10 @@ def attach(
     """
     if qsum_scale not in QSUM_SCALES:
         raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
+    if error_feedback not in ERROR_FEEDBACK_CHOICES or not isinstance(error_feedback, bool | str):
+        raise NfabError(f"error_feedback must be 'auto', True or False, got {error_feedback!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise NfabError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(ddp_model, DistributedDataParallel):
         raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model")
     if (profile is None) == (route is None):
@@ -74,9 +91,18 @@ def attach(
         cm = cost_mod.CostModel.load(cost_model)
     else:
         cm = cost_model
-    runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=error_feedback,
+    use_ef = resolve_error_feedback(error_feedback, optimizer)
+    if use_ef and optimizer is not None and error_feedback is True and is_adaptive(optimizer):
+        log.warning("error feedback forced on under adaptive %s: it can collapse training; the health "
+                    "monitor demotes regions that drift", type(optimizer).__name__)
+    runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
                       qsum_scale=qsum_scale, coalesce=coalesce)
+    if optimizer is not None and is_sharded(optimizer):  # its state differs across ranks: never decide from it
+        log.warning("%s shards its state: the drift monitor compares probes without preconditioning",
+                    type(optimizer).__name__)
+    elif optimizer is not None:
+        runtime.preconditioner = Preconditioner(optimizer, dict(ddp_model.module.named_parameters()))
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
 

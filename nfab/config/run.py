@@ -112,8 +112,9 @@ class CommConfig(StrictModel):
     """A route for every region (`sign`, `q8`, ...), `conv:sign,*.bias:fp32`, or a mapping region/glob -> route."""
     fp32: bool = False
     """Plain DDP, no nfab hook at all (the reference)."""
-    error_feedback: bool = True
-    """Add back what compression dropped on the next step (lossy routes)."""
+    error_feedback: bool | Literal["auto"] = "auto"
+    """Add back what compression dropped on the next step (lossy routes): `auto` (on for SGD,
+    off for adaptive optimizers such as AdamW, where it collapsed training), true or false."""
     cost_model: str = "measure"
     """`measure` (a short collective benchmark at start, kept for resumes), `none`, or a JSON path."""
     bucket_cap_mb: float | None = Field(None, gt=0)

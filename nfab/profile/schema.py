@@ -91,8 +91,9 @@ class Health(FrozenModel):
     """Unhealthy when the reduced gradient norm exceeds this times its running baseline."""
     min_fidelity_cosine: float = 0.1
     """Unhealthy when a fidelity probe's cosine (low-bit vs FP32 result) falls below this."""
-    probe_every: int = Field(25, ge=0)
-    """Every this many steps one bucket is also reduced in FP32 (0 = never)."""
+    probe_every: int = Field(10, ge=0)
+    """Every this many steps each lossy bucket also reduces a strided sample (at most 8192
+    elements per group) in FP32 (0 = never): a few per mille of FP32's bytes at this rate."""
     cooldown_steps: int = Field(20, ge=0)
     """Steps a demoted region stays on FP32 at least."""
     readmit_after: int = Field(10, ge=0)
@@ -101,6 +102,20 @@ class Health(FrozenModel):
     """EMA factor of the loss and gradient-norm baselines."""
     warmup_steps: int = Field(10, ge=0)
     """Steps before spike and jump detection starts (the baseline needs history)."""
+    min_trend_cosine: float = Field(0.5, ge=-1, le=1)
+    """Slow divergence: demote a region when the trend of its probe cosine, measured in the
+    optimizer's preconditioned space, falls below this (0 = off). See runtime/health.py."""
+    trend_beta: float = Field(0.5, ge=0, lt=1)
+    """EMA factor of the per-region fidelity trend, per probe."""
+    trend_min_probes: int = Field(2, ge=0)
+    """Probes a region's trend needs before it can demote (one probe is noise)."""
+    max_backoff: int = Field(8, ge=0)
+    """A region's n-th drift demotion lasts min(2^(n-1), this) cool-downs."""
+    dense_probe_steps: int = Field(20, ge=0)
+    """Probe every step during the first this many steps (when `attach` was given an optimizer
+    with a second moment, the only case the drift monitor acts on): sign + error feedback under AdamW
+    bent the held-out GPT for good within its first ~20 steps, before probes every
+    `probe_every` steps could see a trend."""
 
 
 class Fallback(FrozenModel):

@@ -56,7 +56,7 @@ class StepValues:
     """What the step's first control word carries beside a bucket's own fields (this rank's)."""
 
     loss: torch.Tensor | None = None
-    cosine: torch.Tensor | None = None
+    cosine: torch.Tensor | float | None = None
 
 
 class Builder:

@@ -9,6 +9,7 @@ decoded regardless and masked on the device, so no callback waits for the device
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -16,14 +17,19 @@ import torch
 from nfab.runtime import control
 from nfab.runtime.controller import FP32
 from nfab.runtime.encode import probe_index, views
+from nfab.runtime.fidelity import SampleRun, probe_runs, region_fidelity
 from nfab.runtime.handoff import Launch, Outcome, Sent
 from nfab.wire.qsum import QSum
 from nfab.wire.reducer import write_into
 from nfab.wire.reducers import REDUCERS, mean_of_ranks
 
 
-def finish_bucket(launch: Launch, world_size: int) -> Outcome:
-    """Decode `launch`'s groups into its bucket (zeroed on every rank if any rank was non-finite)."""
+def finish_bucket(launch: Launch, world_size: int,
+                  inverse_rms: Callable[[str], torch.Tensor | None] | None = None) -> Outcome:
+    """Decode `launch`'s groups into its bucket (zeroed on every rank if any rank was non-finite).
+
+    `inverse_rms`: the optimizer's preconditioner (`optim.Preconditioner.inverse_rms`), read
+    here, before any rank steps, so that a probe's region fidelity compares where it acts."""
     t0 = time.perf_counter()
     buffer = launch.buffer
     table = _control_table(launch, world_size)
@@ -35,18 +41,24 @@ def finish_bucket(launch: Launch, world_size: int) -> Outcome:
     amax: list[tuple[tuple[str, ...], torch.Tensor]] = []
     saturated: list[torch.Tensor] = []
     decoded_lossy: list[torch.Tensor] = []
+    runs: list[SampleRun] = []
     if not _known_true(bad):
         for sent in launch.sent:
             out = _decode_group(launch, sent, table, world_size, amax, saturated)
             if out is not None:
-                decoded_lossy.append(out[probe_index(sent.enc.group.numel)])
+                group = sent.enc.group
+                decoded_lossy.append(out[probe_index(group.numel)])
+                runs.extend(probe_runs([(s.region, s.name, s.numel) for s in group.slices],
+                                       probe_index(group.numel).step))
     _zero_if(buffer, bad)
-    cosine = None
+    cosine, fidelity = None, {}
     if launch.probe is not None and decoded_lossy:
         est = torch.cat(decoded_lossy).to(torch.float32)
         ref = launch.probe.future.value().to(torch.float32)
         cosine = torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30)
-    return Outcome(launch.index, table, None, tuple(amax), tuple(saturated), cosine, time.perf_counter() - t0)
+        fidelity = region_fidelity(est, ref, runs, inverse_rms)
+    return Outcome(launch.index, table, None, tuple(amax), tuple(saturated), cosine, time.perf_counter() - t0,
+                   fidelity)
 
 
 def _control_table(launch: Launch, w: int) -> torch.Tensor | None:

@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 
 from nfab.runtime import coalesce, control
-from nfab.runtime.controller import FP32, Group
-from nfab.runtime.handoff import Encoded, Sent
+from nfab.runtime.controller import FP32, BucketRoutes, Group
+from nfab.runtime.handoff import Encoded, Probe, Sent
 from nfab.runtime.scales import AmaxHistory
+from nfab.wire.blockq import BlockQSum
 from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 
-PROBE_ELEMENTS = 1 << 16
+PROBE_ELEMENTS = 1 << 13
 """The fidelity probe reduces at most this many elements per group in FP32: a strided
 sample estimates the cosine well and keeps the probe's bytes negligible."""
 
@@ -39,6 +40,8 @@ class EncodeContext:
     """The bucket goes out as one all-gather: qsum encodes with this rank's own scale."""
     residuals: dict[str, torch.Tensor]
     scales: AmaxHistory
+    ef_off: frozenset[str] = frozenset()
+    """Regions whose error feedback the drift monitor switched off: no residual added or staged."""
 
 
 @dataclass(slots=True)
@@ -81,9 +84,14 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
     if ctx.probing:
         probe_parts.append(x[probe_index(group.numel)].to(torch.float32, copy=True))  # before EF
     if ctx.error_feedback:
-        _add_residuals(ctx.residuals, x, group)
+        _add_residuals(ctx.residuals, x, group, ctx.ef_off)
     shared = amax_cols = None
-    if red.needs_shared_scale:
+    if isinstance(red, BlockQSum):  # one uint8 scale code per block, agreed now (blocking uint8 MAX)
+        # a non-finite element already shows in the bucket's |g|^2 (control word): no column here
+        shared = red.agree(red.local_scale(x, group.lengths), ctx.process_group)
+        blocking.rounds += 1
+        blocking.wire_bytes += allreduce_factor(w) * shared.numel()
+    elif red.needs_shared_scale:
         amax = red.local_scale(x, group.lengths)
         shared = amax if ctx.gathered else ctx.scales.delayed((s.name for s in group.slices), ctx.step, x.device)
         if shared is None:  # no recent agreed history: agree now (blocking)
@@ -97,7 +105,8 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
         resid = x - enc.local
-        residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True))
+        residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True)
+                          if s.region not in ctx.ef_off)  # the drift monitor switched it off
     return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals)
 
 
@@ -132,6 +141,15 @@ def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: i
     return sent, ctrl_part, rows.view(w, -1), [fut], allgather_factor(w) * row.numel()
 
 
+def launch_probe(parts: list[torch.Tensor], routes: BucketRoutes, w: int, pg: dist.ProcessGroup | None) -> Probe | None:
+    """The bucket's probe samples (every lossy group's), FP32-mean all-reduced beside it."""
+    if not parts:
+        return None
+    sample = torch.cat(parts).mul_(1.0 / w)
+    regions = frozenset(s.region for g in routes.groups if g.lossy for s in g.slices)
+    return Probe(REDUCERS[FP32].launch(sample, w, pg), regions, sample.numel())
+
+
 def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns | None:
     return word.add(scales) if scales is not None else None
 
@@ -149,10 +167,11 @@ def _noise(ctx: EncodeContext, group: Group, device: torch.device) -> list[torch
     return gens
 
 
-def _add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group) -> None:
+def _add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,
+                   ef_off: frozenset[str]) -> None:
     pos = 0
     for s in group.slices:
-        r = residuals.get(s.name)
+        r = None if s.region in ef_off else residuals.get(s.name)
         if r is not None:
             x[pos : pos + s.numel].add_(r)
         pos += s.numel

@@ -1,8 +1,8 @@
 """Folding a finished step: every bucket's (Launch, Outcome) -> statistics and agreed values.
 
 This is the one place device values come back to the host: once per step, in one copy.
-Everything decided from them — skipped step, grad norm, loss, probe cosine, qsum scale
-history, which error-feedback residuals to keep — is computed from the all-gathered
+Everything decided from them — skipped step, grad norm, loss, probe cosine, per-region
+probe fidelity, qsum scale history, which error-feedback residuals to keep — is computed from the all-gathered
 control words (identical bits on every rank) with the same host arithmetic in the same
 order, so every rank folds to the same result.
 """
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from nfab.runtime import control
+from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.handoff import Launch, Outcome
 from nfab.runtime.health import HealthEvent
 from nfab.runtime.stats import StepStats
@@ -27,8 +29,13 @@ class Folded:
     stats: StepStats
     residuals: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     amax: dict[str, float] = field(default_factory=dict)
-    cosine: tuple[torch.Tensor, frozenset[str]] | None = None
-    """This rank's cosine of the step's probe and its regions (the next step's first word carries it)."""
+    cosine: tuple[float, frozenset[str]] | None = None
+    """This rank's cosine of the step's probe (the worst probed bucket) and that bucket's
+    regions: the next step's first word carries it."""
+    fidelity_local: dict[str, RegionFidelity] = field(default_factory=dict)
+    """This rank's per-region fidelity of the step's probes: the next step's first word carries it."""
+    fidelity: dict[str, RegionFidelity] = field(default_factory=dict)
+    """The previous step's per-region fidelity, agreed over ranks from this step's first word."""
     reasons: dict[str, set[str]] = field(default_factory=dict)
 
     def record(self, events: list[HealthEvent]) -> None:
@@ -59,13 +66,53 @@ def read_to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
     return out
 
 
+FIDELITY_FIELDS = ("cosine", "rel_error", "preconditioned", "samples")
+"""A region's fidelity in the control word: these values, one column each, regions in order."""
+
+
+def fidelity_word(fidelity: dict[str, RegionFidelity],
+                  device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
+    """This rank's per-region fidelity as control-word values (regions sorted), on `device`."""
+    names = tuple(sorted(fidelity))
+    vals = [float(getattr(fidelity[r], f)) for r in names for f in FIDELITY_FIELDS]
+    return names, torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+def fidelity_columns(word: control.Builder, fidelity: dict[str, RegionFidelity],
+                     device: torch.device) -> tuple[tuple[str, ...], control.Columns] | None:
+    """Append this rank's region fidelity to the word being built; its regions and columns."""
+    if not fidelity:
+        return None
+    names, values = fidelity_word(fidelity, device)
+    return names, word.add(values)
+
+
+def agree_fidelity(rows: list[list[float]], names: tuple[str, ...], cols: control.Columns) -> dict[str, RegionFidelity]:
+    """The ranks' per-region fidelity, agreed: cosine and relative error averaged in rank
+    order, preconditioned only where every rank was (identical on every rank)."""
+    k = len(FIDELITY_FIELDS)
+    out: dict[str, RegionFidelity] = {}
+    for i, region in enumerate(names):
+        cos = rel = 0.0
+        pre, samples = True, 0
+        for r in rows:
+            c, e, p, n = r[cols.start + i * k : cols.start + (i + 1) * k]
+            cos += c
+            rel += e
+            pre &= p > 0
+            samples = max(samples, int(n))
+        out[region] = RegionFidelity(cos / len(rows), rel / len(rows), pre, samples)
+    return out
+
+
 def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outcome], world_size: int) -> Folded:
     """The step's statistics and agreed values (see the module doc)."""
     by_index = {o.index: o for o in outcomes}
     pairs = [(la, by_index[la.index]) for la in sorted(launches, key=lambda la: la.index)]
     reads: list[torch.Tensor] = []
     for _, o in pairs:
-        reads += [o.table if o.table is not None else o.unsent_bad, *(a for _, a in o.amax), *o.saturated]
+        reads += [o.table if o.table is not None else o.unsent_bad, *(a for _, a in o.amax), *o.saturated,
+                  *([o.cosine] if o.cosine is not None else [])]
     host = iter(read_to_host([t for t in reads if t is not None]))
     st = StepStats(step=step, phase=phase, buckets=len(pairs))
     out = Folded(st)
@@ -83,11 +130,14 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
                 st.loss = agreed.loss
             if agreed.cosine is not None:
                 st.fidelity_cosine = agreed.cosine
+            if la.fidelity_cols is not None and not out.fidelity:
+                out.fidelity = agree_fidelity(rows, *la.fidelity_cols)
         else:
             bad = next(host)[0] > 0
             st.skipped |= bad
         amax = [(names, next(host)) for names, _ in o.amax]
         st.saturated_slices += sum(int(next(host)[0]) for _ in o.saturated)
+        cosine = next(host)[0] if o.cosine is not None else None
         _account(st, la, o)
         for why, region in la.routes.fallbacks:
             out.reasons.setdefault(why, set()).add(region)
@@ -96,8 +146,10 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
                 out.residuals.extend(sent.enc.residuals)
             for names, values in amax:
                 out.amax.update(zip(names, values, strict=True))
-            if o.cosine is not None and la.probe is not None:
-                out.cosine = (o.cosine, la.probe.regions)
+            if cosine is not None and la.probe is not None and (out.cosine is None or cosine < out.cosine[0]):
+                out.cosine = (cosine, la.probe.regions)  # every lossy bucket is probed: the worst one counts
+            out.fidelity_local.update(o.fidelity)
+    st.region_cosine = {k: v.cosine for k, v in sorted(out.fidelity.items())}
     # a skipped step applies no gradient (every bucket is zeroed): its norm is 0, as the
     # health monitor and metrics have always read it, not the finite part of a poisoned sum
     st.grad_norm = 0.0 if st.skipped else math.sqrt(grad_sq / world_size)
@@ -114,3 +166,28 @@ def _account(st: StepStats, la: Launch, o: Outcome) -> None:
         st.hook_time_s += s
     st.scale_rounds += la.scale_rounds
     st.collectives += la.collectives
+
+
+def drop_ef_residuals(residuals: dict[str, torch.Tensor], regions: dict[str, str], events: list[HealthEvent]) -> None:
+    """Forget the residuals of regions whose error feedback the drift monitor switched off:
+    under Adam-style optimizers they are what bent the update."""
+    off = {r for e in events if e.kind == "ef_off" for r in e.regions}
+    for name in [n for n in residuals if regions.get(n) in off]:
+        del residuals[name]
+
+
+def carried_state(cosine: tuple[float, frozenset[str]] | None,
+                  fidelity: dict[str, RegionFidelity]) -> dict[str, Any]:
+    """The probe values the next step's first word will carry, for a checkpoint."""
+    return {"cosine": None if cosine is None else [cosine[0], sorted(cosine[1])],
+            "fidelity": {r: [f.cosine, f.rel_error, f.preconditioned, f.samples] for r, f in sorted(fidelity.items())}}
+
+
+def load_carried(state: dict[str, Any] | None) -> tuple[tuple[float, frozenset[str]] | None, dict[str, RegionFidelity]]:
+    """`carried_state`'s inverse (absent in older checkpoints: nothing carried)."""
+    if not state:
+        return None, {}
+    c = state.get("cosine")
+    cosine = None if c is None else (float(c[0]), frozenset(c[1]))
+    fid = {r: RegionFidelity(float(v[0]), float(v[1]), bool(v[2]), int(v[3])) for r, v in state["fidelity"].items()}
+    return cosine, fid

@@ -14,13 +14,14 @@ the bucket buffer (DDP's) and one `Outcome`; nothing is mutated by both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from nfab.runtime.coalesce import Part
 from nfab.runtime.control import Columns
 from nfab.runtime.controller import BucketRoutes, Group
+from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.plan import BucketPlan
 
 
@@ -57,6 +58,7 @@ class Probe:
 
     future: torch.futures.Future
     regions: frozenset[str]
+    numel: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,9 @@ class Launch:
     elements: tuple[tuple[str, int], ...]
     phases: tuple[tuple[str, float], ...]
     """Seconds the hook body spent in each phase for this bucket (`hook.HOOK_PHASES`)."""
+    fidelity_cols: tuple[tuple[str, ...], Columns] | None = None
+    """The step's first word only: the previous step's per-region probe fidelity this rank
+    measured (regions, and their `FIDELITY_FIELDS` columns), agreed over ranks at the fold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,3 +106,6 @@ class Outcome:
     cosine: torch.Tensor | None
     """This rank's fidelity cosine of the bucket's probe, when it carried one."""
     callback_time_s: float
+    fidelity: dict[str, RegionFidelity] = field(default_factory=dict)
+    """This rank's per-region (preconditioned) fidelity of the bucket's probe, for the drift
+    monitor; the next step's first control word carries it so that ranks decide on agreed values."""

@@ -8,14 +8,30 @@ baseline, a gradient-norm jump, a fidelity probe below threshold. An unhealthy s
 demotes the affected region classes to FP32 for at least `cooldown_steps`; a demoted
 region is re-admitted after `readmit_after` consecutive healthy steps past the
 cool-down (hysteresis, so a borderline region does not flap).
+
+Slow divergence. Low-bit training rarely fails with a spike: it drifts (on the held-out
+GPT under AdamW, sign + error feedback ended +56% with no spike, no norm jump and a plain
+probe cosine far above any floor). So every probe also gives a per-region fidelity in
+the optimizer's preconditioned space (`runtime/fidelity.py`), and the monitor keeps its
+trend (an EMA over probes) per region. It acts only on preconditioned fidelity, i.e. when
+`attach` was given an optimizer that keeps a second moment (Adam-style). A region whose trend falls below
+`min_trend_cosine` loses what is most likely to blame first: a region running with error
+feedback gets error feedback switched off for the rest of the run (its residuals dropped:
+under Adam they are the stale mass that bends the update), keeping its route; a region
+that drifts without error feedback is demoted to FP32 ("drift"). Each further drift
+demotion of the same region doubles its cool-down (up to `max_backoff` times), so a
+route that keeps failing spends ever less of the run on the wire, and a re-admitted (or
+error-feedback-free) region starts a fresh trend.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nfab.profile.schema import Health
+from nfab.runtime.fidelity import RegionFidelity
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +44,8 @@ class Observation:
     nonfinite: bool
     probe_cosine: float | None = None
     probe_regions: frozenset[str] = frozenset()
+    fidelity: Mapping[str, RegionFidelity] = field(default_factory=dict)
+    """Per-region probe fidelity (preconditioned where the optimizer keeps a second moment)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +53,7 @@ class HealthEvent:
     """A fallback or a re-admission, with its reason."""
 
     step: int
-    kind: str  # "fallback" | "readmit"
+    kind: str  # "fallback" | "readmit" | "ef_off"
     reason: str
     regions: tuple[str, ...]
 
@@ -49,9 +67,22 @@ class HealthState:
     steps_seen: int = 0
     demoted_at: dict[str, int] = field(default_factory=dict)
     healthy_streak: dict[str, int] = field(default_factory=dict)
+    trend: dict[str, float] = field(default_factory=dict)
+    """Per region: EMA over probes of its (preconditioned) probe cosine."""
+    probes: dict[str, int] = field(default_factory=dict)
+    """Per region: probes folded into its current trend."""
+    strikes: dict[str, int] = field(default_factory=dict)
+    """Per region: drift demotions so far (each doubles the next cool-down)."""
+    ef_off: set[str] = field(default_factory=set)
+    """Regions whose error feedback the drift monitor switched off (for the rest of the run)."""
 
     def demoted(self) -> frozenset[str]:
         return frozenset(self.demoted_at)
+
+    def cooldown(self, cfg: Health, region: str) -> int:
+        """Steps `region` stays demoted: the base cool-down, doubled per earlier drift demotion."""
+        strikes = self.strikes.get(region, 0)
+        return cfg.cooldown_steps * min(1 << min(max(strikes - 1, 0), 30), max(cfg.max_backoff, 1))
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +91,10 @@ class HealthState:
             "steps_seen": self.steps_seen,
             "demoted_at": dict(self.demoted_at),
             "healthy_streak": dict(self.healthy_streak),
+            "trend": dict(self.trend),
+            "probes": dict(self.probes),
+            "strikes": dict(self.strikes),
+            "ef_off": sorted(self.ef_off),
         }
 
     @classmethod
@@ -68,6 +103,10 @@ class HealthState:
             d["loss_baseline"], d["norm_baseline"], int(d["steps_seen"]),
             {str(k): int(v) for k, v in d["demoted_at"].items()},
             {str(k): int(v) for k, v in d["healthy_streak"].items()},
+            {str(k): float(v) for k, v in d.get("trend", {}).items()},  # absent in states saved before drift
+            {str(k): int(v) for k, v in d.get("probes", {}).items()},
+            {str(k): int(v) for k, v in d.get("strikes", {}).items()},
+            {str(r) for r in d.get("ef_off", [])},
         )
 
 
@@ -90,8 +129,12 @@ def global_reasons(state: HealthState, cfg: Health, obs: Observation) -> list[st
     return reasons
 
 
-def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: frozenset[str]) -> list[HealthEvent]:
-    """Advance the monitor by one agreed observation; returns the events it decided."""
+def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: frozenset[str],
+           ef_regions: frozenset[str] = frozenset()) -> list[HealthEvent]:
+    """Advance the monitor by one agreed observation; returns the events it decided.
+
+    `ef_regions`: lossy regions that ran with error feedback this step (a drifting one
+    loses its error feedback before its route)."""
     events: list[HealthEvent] = []
     reasons = global_reasons(state, cfg, obs)
     healthy = not reasons
@@ -111,17 +154,20 @@ def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
             for r in hit:
                 state.demoted_at[r] = obs.step
                 state.healthy_streak[r] = 0
+    events.extend(_drift(state, cfg, obs, lossy_regions, ef_regions - state.ef_off))
     # re-admit after cool-down and a healthy streak
     if healthy:
         back = []
         for r, at in sorted(state.demoted_at.items()):
-            if obs.step - at >= cfg.cooldown_steps:
+            if obs.step - at >= state.cooldown(cfg, r):
                 state.healthy_streak[r] = state.healthy_streak.get(r, 0) + 1
                 if state.healthy_streak[r] >= cfg.readmit_after:
                     back.append(r)
         for r in back:
             del state.demoted_at[r]
             state.healthy_streak.pop(r, None)
+            state.trend.pop(r, None)  # a re-admitted region earns a fresh trend
+            state.probes.pop(r, None)
         if back:
             events.append(HealthEvent(obs.step, "readmit", "healthy", tuple(back)))
     # baselines learn only from healthy, finite steps (a spike must not poison them)
@@ -132,3 +178,53 @@ def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
             state.norm_baseline = _ema(state.norm_baseline, obs.grad_norm, cfg.baseline_beta)
     state.steps_seen += 1
     return events
+
+
+def fold_trend(state: HealthState, cfg: Health, fidelity: Mapping[str, RegionFidelity]) -> None:
+    """Fold one probe's preconditioned per-region cosines into the regions' trends (EMA over probes).
+
+    Plain cosines (no optimizer given, SGD, or before Adam's first step) are not folded: in
+    plain space a majority-vote sign sits near 0.4-0.6 while training well under SGD, so
+    a floor there would demote healthy runs and cost bytes.
+    """
+    for region, fid in sorted(fidelity.items()):
+        if not fid.preconditioned:
+            continue
+        state.trend[region] = _ema(state.trend.get(region), fid.cosine, cfg.trend_beta)
+        state.probes[region] = state.probes.get(region, 0) + 1
+
+
+def _drift(state: HealthState, cfg: Health, obs: Observation, lossy_regions: frozenset[str],
+           ef_regions: frozenset[str]) -> list[HealthEvent]:
+    """Switch off error feedback in, or else demote, lossy regions whose trend fell below `min_trend_cosine`."""
+    if not obs.fidelity:
+        return []
+    fold_trend(state, cfg, obs.fidelity)
+    if cfg.min_trend_cosine <= 0:
+        return []
+    hit = tuple(sorted(
+        r for r in (lossy_regions - state.demoted()) & set(obs.fidelity)
+        # switching error feedback off costs no bytes: one probe is evidence enough for it
+        if state.probes.get(r, 0) >= (1 if r in ef_regions else cfg.trend_min_probes)
+        and state.trend[r] < cfg.min_trend_cosine and obs.fidelity[r].preconditioned
+    ))
+    if not hit:
+        return []
+    detail = ",".join(f"{r}={state.trend[r]:.3f}" for r in hit)
+    why = f"drift(preconditioned cosine trend {detail} < {cfg.min_trend_cosine})"
+    events = []
+    no_ef = tuple(r for r in hit if r in ef_regions)
+    if no_ef:  # first suspect: error feedback (stale residuals under a per-coordinate RMS)
+        state.ef_off.update(no_ef)
+        for r in no_ef:
+            state.trend.pop(r, None)
+            state.probes.pop(r, None)
+        events.append(HealthEvent(obs.step, "ef_off", why, no_ef))
+    hit = tuple(r for r in hit if r not in ef_regions)
+    if not hit:
+        return events
+    for r in hit:
+        state.demoted_at[r] = obs.step
+        state.healthy_streak[r] = 0
+        state.strikes[r] = state.strikes.get(r, 0) + 1
+    return [*events, HealthEvent(obs.step, "fallback", why, hit)]

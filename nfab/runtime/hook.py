@@ -16,7 +16,7 @@ Per bucket, in the hook body (DDP calls it in bucket order on every rank):
 2. encode each group (error-feedback residuals added on lossy routes; slices that need
    neither residuals nor a probe sample are read where they lie in the bucket);
 3. build the control word (head + per-slice scales / max |x|) — for every bucket with a
-   lossy group, the step's first bucket (loss, previous probe cosine) and its last (the
+   lossy group, the step's first bucket (loss, previous probe cosine and region fidelity) and its last (the
    |g|^2 of FP32-only buckets since the previous word, so the step's norm is complete);
 4. launch, asynchronously: one collective per group plus the word's all-gather, or —
    beside a signgather group, when cheaper — all of it as the bytes of ONE all-gather;
@@ -33,6 +33,7 @@ rank holds bit for bit.
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
 # against dist.GradBucket and torch.futures.Future at registration.
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -49,13 +50,15 @@ from nfab.runtime import health as health_mod
 from nfab.runtime.bindings import classify
 from nfab.runtime.controller import BucketRoutes, Controller
 from nfab.runtime.decode import finish_bucket
-from nfab.runtime.fold import fold_step
-from nfab.runtime.handoff import Encoded, Launch, Outcome, Probe
+from nfab.runtime.fidelity import RegionFidelity
+from nfab.runtime.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
+from nfab.runtime.handoff import Encoded, Launch, Outcome
+from nfab.runtime.optim import Preconditioner
 from nfab.runtime.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
 from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
-from nfab.wire.reducers import REDUCERS, allreduce_factor
+from nfab.wire.reducers import allreduce_factor
 
 __all__ = ["AMAX_HISTORY", "QSUM_SCALES", "Runtime", "nfab_hook"]
 
@@ -103,16 +106,19 @@ class Runtime:
         self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)
         """The latest steps' statistics (bounded: a run of days must not grow without end)."""
         self.events: list[health_mod.HealthEvent] = []
+        self.preconditioner: Preconditioner | None = None
+        """The optimizer's per-coordinate RMS (set by `attach(optimizer=)`): probes compare there."""
         # the step in progress: launches written by the hook, outcomes by the callbacks
         self._launches: list[Launch] = []
         self._outcomes: list[Outcome] = []
         self._carried_sq: torch.Tensor | None = None
         self._step_open = False
         self._saw_last = False
-        self._probed = False
         self._loss_local: torch.Tensor | float | None = None
-        self._cosine_next: tuple[torch.Tensor, frozenset[str]] | None = None
+        self._cosine_next: tuple[float, frozenset[str]] | None = None
         """The last probe's cosine (this rank's) and regions: the next first word carries it."""
+        self._fidelity_next: dict[str, RegionFidelity] = {}
+        """The last probes' per-region fidelity (this rank's): the next first word carries it."""
 
     @property
     def qsum_scale(self) -> str:
@@ -138,6 +144,8 @@ class Runtime:
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "health": self.health.to_dict(),
             "amax": self.scales.state_dict(),
+            # the last probe's values ride the next step's first word: a resumed run sends them too
+            "carried_probe": carried_state(self._cosine_next, self._fidelity_next),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -148,6 +156,7 @@ class Runtime:
         self.health = health_mod.HealthState.from_dict(state["health"])
         # absent in states saved before delayed scaling: those slices agree exactly once
         self.scales.load_state_dict(state.get("amax", {}))
+        self._cosine_next, self._fidelity_next = load_carried(state.get("carried_probe"))
 
     # ---- the hook -------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -156,7 +165,7 @@ class Runtime:
         marks = [time.perf_counter()]  # phase boundaries: plan, norm, encode, launch
         first = not self._step_open
         if first:
-            self._step_open, self._saw_last, self._probed = True, False, False
+            self._step_open, self._saw_last = True, False
         last = bucket.is_last()
         self._saw_last |= last
         buffer = bucket.buffer()
@@ -166,6 +175,8 @@ class Runtime:
         marks.append(time.perf_counter())
         word, probe_parts, blocking = control.Builder(), [], encode.Blocking()
         encoded = [encode.encode_group(ctx, buffer, g, word, probe_parts, blocking) for g in routes.groups]
+        # the step's first word: the previous step's region fidelity, agreed at the fold
+        fid_cols = fidelity_columns(word, self._fidelity_next, buffer.device) if first else None
         ctrl = None
         if routes.has_lossy or first or last:
             carried = self._carried_sq if self._carried_sq is not None else torch.zeros_like(bucket_sq)
@@ -176,6 +187,8 @@ class Runtime:
         marks.append(time.perf_counter())
         launch, futs = self._launch(bucket.index(), plan, routes, buffer, ctx, encoded, ctrl, probe_parts, blocking,
                                     marks)
+        if fid_cols is not None:
+            launch = dataclasses.replace(launch, fidelity_cols=fid_cols)
         self._launches.append(launch)
         return torch.futures.collect_all(futs).then(partial(self._callback, launch))
 
@@ -186,11 +199,12 @@ class Runtime:
         phase = self.controller.phase(self.step)
         routes = self.controller.routes(plan, phase, self.health.demoted())
         w = self.world_size
-        probing = routes.has_lossy and not self._probed and self._probe_step()
+        # every lossy bucket on a probe step: each region's drift trend needs its own samples
+        probing = routes.has_lossy and self._probe_step()
         gathered = coalesce.should_coalesce(routes.groups, w, self.coalesce, self.controller.cost_model)
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered,
-                                   self.residuals, self.scales)
+                                   self.residuals, self.scales, frozenset(self.health.ef_off))
         return plan, routes, ctx
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
@@ -206,14 +220,10 @@ class Runtime:
         else:
             sent, recv, futs, nbytes = encode.launch_each(encoded, ctrl, w, pg)
             ctrl_part, rows, collectives = None, None, len(futs)
-        probe = None
-        if probe_parts:
-            self._probed = True
-            sample = torch.cat(probe_parts).mul_(1.0 / w)
-            regions = frozenset(s.region for g in routes.groups if g.lossy for s in g.slices)
-            probe = Probe(REDUCERS["allreduce-fp32"].launch(sample, w, pg), regions)
+        probe = encode.launch_probe(probe_parts, routes, w, pg)
+        if probe is not None:
             futs.append(probe.future)
-            nbytes += allreduce_factor(w) * sample.numel() * 4
+            nbytes += allreduce_factor(w) * probe.numel * 4
             collectives += 1
         elements: dict[str, int] = {}
         for g in routes.groups:
@@ -231,7 +241,9 @@ class Runtime:
 
     def _finish(self, launch: Launch) -> Outcome:
         """The callback's work: decode into the bucket; the callback's one hand-back value."""
-        return finish_bucket(launch, self.world_size)
+        # the optimizer state as of the previous step: no rank has stepped yet (still in backward)
+        inverse_rms = self.preconditioner.inverse_rms if self.preconditioner is not None else None
+        return finish_bucket(launch, self.world_size, inverse_rms)
 
     def _step_values(self, first: bool, device: torch.device) -> control.StepValues:
         """The step's first word carries this rank's loss and the previous probe's cosine."""
@@ -240,8 +252,7 @@ class Runtime:
         loss, self._loss_local = self._loss_local, None  # consumed here: a step boundary must not drop it
         if isinstance(loss, float):
             loss = torch.full((), loss, dtype=torch.float32, device=device)
-        cosine = self._cosine_next[0] if self._cosine_next is not None else None
-        return control.StepValues(loss, cosine)
+        return control.StepValues(loss, self._cosine_next[0] if self._cosine_next is not None else None)
 
     # ---- internals ------------------------------------------------------------------
     def _plan(self, bucket: dist.GradBucket, buffer: torch.Tensor) -> BucketPlan:
@@ -255,7 +266,9 @@ class Runtime:
 
     def _probe_step(self) -> bool:
         every = self.profile.health.probe_every
-        return every > 0 and self.step % every == 0
+        # dense early probes feed the drift monitor, which acts only with the optimizer's second moment
+        dense = self.preconditioner is not None and self.step < self.profile.health.dense_probe_steps
+        return every > 0 and (self.step % every == 0 or dense)
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""
@@ -269,8 +282,11 @@ class Runtime:
         self.scales.fold(folded.amax, self.step)
         lossy = frozenset().union(*(self.controller.lossy_regions(la.plan, phase) for la in self._launches))
         obs = health_mod.Observation(self.step, st.loss, st.grad_norm, st.skipped, st.fidelity_cosine,
-                                     probe_regions if st.fidelity_cosine is not None else frozenset())
-        events = health_mod.update(self.health, self.profile.health, obs, lossy)
+                                     probe_regions if st.fidelity_cosine is not None else frozenset(),
+                                     folded.fidelity)
+        with_ef = lossy if self.error_feedback and phase.error_feedback else frozenset()
+        events = health_mod.update(self.health, self.profile.health, obs, lossy, with_ef)
+        drop_ef_residuals(self.residuals, self.regions, events)
         folded.record(events)
         for e in events:
             log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
@@ -279,6 +295,7 @@ class Runtime:
         st.hook_time_s += st.hook_phases["fold"]
         self.history.append(st)
         self._cosine_next = folded.cosine
+        self._fidelity_next = folded.fidelity_local
         self.step += 1
         self._step_open = self._saw_last = False
         self._launches, self._outcomes = [], []

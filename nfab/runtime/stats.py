@@ -29,6 +29,8 @@ class StepStats:
     """Cosine between a probed bucket's low-bit result and its FP32 all-reduce (on a strided
     sample): the probe taken in the PREVIOUS step, whose result the control words of this
     step's first bucket carry, averaged over ranks (so every rank decides on the same value)."""
+    region_cosine: dict[str, float] = field(default_factory=dict)
+    """Per region: the probe's cosine in the optimizer's preconditioned space (drift monitor)."""
     grad_norm: float = 0.0
     """sqrt(mean over ranks of each rank's local |g|^2 before communication), from the control
     words (identical on every rank); non-finite buckets count 0."""
@@ -60,4 +62,5 @@ class StepStats:
         d.pop("hook_phases")
         d["route_mix"] = json.dumps(self.route_mix, sort_keys=True)
         d["events"] = "; ".join(self.events)
+        d["region_cosine"] = json.dumps(self.region_cosine, sort_keys=True)
         return d

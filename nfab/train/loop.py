@@ -169,6 +169,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                                   bucket_cap_mb=cfg.comm.bucket_mb)
     runtime: Runtime | None = None
     cost_json = shared.get("cost_model")
+    optimizer = build_optimizer(module, cfg.optim, spec.optimizer)  # before attach: nfab reads its family and state
     if not cfg.comm.fp32:
         cm = _cost_model(cfg, ddp, cost_json)
         cost_json = cm.to_json() if cm is not None else None
@@ -176,9 +177,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             ddp, profile=cfg.comm.profile, route=cfg.comm.route, error_feedback=cfg.comm.error_feedback,
             total_steps=cfg.steps, cost_model=cm, seed=cfg.seed, head_modules=spec.head_modules,
             model_signature=model_signature(module) if cfg.comm.profile else None,
-            qsum_scale=cfg.comm.qsum_scale,
+            qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer,
         )
-    optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
     rows: list[dict[str, Any]] = list(shared.get("rows", []))
     start = int(shared.get("step", 0))
@@ -304,5 +304,6 @@ def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, m
     return make_row(step=step, phase=st.phase, loss=float("nan"), lr=lr, grad_norm=st.grad_norm,
                     wire_bytes=st.wire_bytes, baseline_wire_bytes=st.baseline_wire_bytes, route_mix=st.route_mix,
                     fallback=st.fallback, fallback_reason=st.fallback_reason, skipped=st.skipped,
-                    fidelity_cosine=st.fidelity_cosine, hook_time_s=st.hook_time_s, collectives=st.collectives,
+                    fidelity_cosine=st.fidelity_cosine, region_cosine=st.region_cosine,
+                    hook_time_s=st.hook_time_s, collectives=st.collectives,
                     scale_rounds=st.scale_rounds, saturated_slices=st.saturated_slices, events="; ".join(st.events))

@@ -33,6 +33,7 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("fallback_reason", pa.string()),
     ("skipped", pa.bool_()),
     ("fidelity_cosine", pa.float64()),
+    ("region_cosine", pa.string()),
     ("hook_time_s", pa.float64()),
     ("collectives", pa.int64()),
     ("scale_rounds", pa.int64()),
@@ -46,7 +47,7 @@ SCHEMA = pa.schema([pa.field(name, kind, nullable=False) for name, kind in COLUM
 NAN = float("nan")
 
 
-_COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0}
+_COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0, "region_cosine": "{}"}
 
 
 def _nan(value: float | None) -> float:
@@ -67,6 +68,7 @@ def make_row(
     fallback_reason: str = "",
     skipped: bool = False,
     fidelity_cosine: float | None = None,
+    region_cosine: dict[str, float] | None = None,
     hook_time_s: float = 0.0,
     collectives: int = 0,
     scale_rounds: int = 0,
@@ -80,7 +82,9 @@ def make_row(
         "grad_norm": float(grad_norm), "wire_bytes": int(wire_bytes), "baseline_wire_bytes": int(baseline_wire_bytes),
         "route_mix": json.dumps(route_mix, sort_keys=True), "fallback": bool(fallback),
         "fallback_reason": fallback_reason or "", "skipped": bool(skipped),
-        "fidelity_cosine": _nan(fidelity_cosine), "hook_time_s": float(hook_time_s),
+        "fidelity_cosine": _nan(fidelity_cosine),
+        "region_cosine": json.dumps(region_cosine or {}, sort_keys=True),  # drift monitor's per-region probe
+        "hook_time_s": float(hook_time_s),
         "collectives": int(collectives), "scale_rounds": int(scale_rounds), "saturated_slices": int(saturated_slices),
         "step_time_s": float(step_time_s), "eval_loss": NAN, "eval_accuracy": NAN, "events": events or "",
     }

@@ -15,7 +15,11 @@ import torch
 
 from nfab.wire import fastpath
 
-ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign")
+BLOCK_ROUTES: tuple[str, ...] = tuple(
+    f"bq{bits}{'' if block == 64 else f'-{block}'}" for block in (64, 128, 256) for bits in (8, 4, 3))
+"""Block-scaled qsum (wire/blockq.py): `bq3` = 8 levels per rank, one agreed scale per 64
+elements; `bq4-128` = 16 levels, 128-element blocks."""
+ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign", *BLOCK_ROUTES)
 """Every route a profile or a user may name, cheapest-last is NOT implied."""
 
 

@@ -58,6 +58,7 @@ class CostModel:
                  "reducescatter": self.reducescatter or self.allreduce}
         t = sum(links[kind].latency_s + b / links[kind].bandwidth_bps
                 for kind, b in red.link_bytes(numel, w, segments).items())
+        t += red.blocking_rounds * self.allreduce.latency_s  # e.g. blockq's uint8 MAX of block codes
         return t + self.codec_s_per_element.get(key, 0.0) * numel
 
     def cheaper_than_fp32(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> bool:

@@ -113,6 +113,8 @@ class Reducer(ABC):
     lossy: bool = True
     needs_shared_scale: bool = False
     """True when ranks must agree on a scale (all-reduce MAX) before encoding."""
+    blocking_rounds: int = 0
+    """Collectives the hook must wait for before encoding (block-scaled qsum's code agreement)."""
 
     @abstractmethod
     def capacity(self, world_size: int) -> Capacity: ...

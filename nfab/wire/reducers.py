@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from nfab.wire import codecs
+from nfab.wire.blockq import BlockQSum, block_reducers
 from nfab.wire.qsum import QSum
 from nfab.wire.reducer import (  # re-exported: the reducer contract lives in reducer.py
     Capacity,
@@ -35,7 +36,8 @@ from nfab.wire.sign import SignCount, SignGather
 from nfab.wire.signscatter import SignScatter
 
 __all__ = [
-    "REDUCERS", "AllReduce", "Capacity", "Encoded", "QSum", "Reducer", "SignCount", "SignGather", "SignScatter",
+    "REDUCERS", "AllReduce", "BlockQSum", "Capacity", "Encoded", "QSum", "Reducer", "SignCount", "SignGather",
+    "SignScatter",
     "all_gather_flat", "allgather_factor", "allreduce_factor", "candidates", "gather_scales", "mean_of_ranks",
 ]
 
@@ -80,6 +82,7 @@ REDUCERS: dict[str, Reducer] = {
     "qsum-q8": QSum(8),
     "qsum-q4": QSum(4),
     "qsum-q2": QSum(2),
+    **block_reducers(),  # blockq-bq3, blockq-bq4-128, ...
 }
 
 
@@ -91,6 +94,8 @@ def candidates(route: str) -> list[Reducer]:
         return [REDUCERS[f"allreduce-{route}"]]
     if route in ("q8", "q4", "q2"):
         return [REDUCERS[f"qsum-{route}"]]
+    if route in codecs.BLOCK_ROUTES:
+        return [REDUCERS[f"blockq-{route}"]]
     if route == "sign":
         return [REDUCERS["signgather"], REDUCERS["signcount"], REDUCERS["signscatter"]]
     raise ValueError(f"unknown route {route!r}; routes are {', '.join(codecs.ROUTES)}")

@@ -141,8 +141,9 @@ def _train(rank: int, world_size: int, steps: int, start_state: dict | None, sto
     torch.manual_seed(0)
     model = twins.Awkward()
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
-    rt = nfab.attach(ddp, route=route, cost_model=None) if route is not None else None
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    # SGD: error_feedback="auto" turns error feedback on
+    rt = nfab.attach(ddp, route=route, cost_model=None, optimizer=opt) if route is not None else None
     first = 0
     if start_state is not None:
         model.load_state_dict(start_state["model"])

@@ -1,0 +1,102 @@
+"""What the hook learns from the user's optimizer: its family, and Adam's preconditioner.
+
+Two uses, both from `attach(..., optimizer=opt)`:
+
+- `error_feedback="auto"` (the default) turns error feedback on only for non-adaptive
+  optimizers. Under Adam-style optimizers the residuals it re-injects are divided by each
+  coordinate's own RMS, so small coordinates receive amplified stale mass: on the held-out
+  GPT, sign + error feedback under AdamW ended at +56% validation loss, without it +7.8%.
+- The health monitor measures fidelity where the optimizer acts: Adam moves coordinate i
+  by about g_i / (sqrt(v_i) + eps), so a probe's low-bit and FP32 results are compared
+  after that division (`Preconditioner.inverse_rms`). A sign route whose error sits on the
+  small-RMS coordinates looks fine in plain cosine and poor here.
+
+Every rank holds the same optimizer state bit for bit (DDP replicas step on identical
+reduced gradients), so a decision computed from it is rank-consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ERROR_FEEDBACK_CHOICES = ("auto", True, False)
+
+_ADAPTIVE_TYPES: tuple[type, ...] = tuple(
+    t for t in (getattr(torch.optim, n, None) for n in (
+        "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam", "Adafactor"))
+    if isinstance(t, type)
+)
+_ADAPTIVE_NAME_HINTS = ("adam", "lamb", "lion", "adafactor", "adagrad", "rmsprop", "sophia", "shampoo", "soap")
+_SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
+"""Optimizer-state keys holding a per-coordinate second moment (Adam*, RMSprop, Adagrad)."""
+
+
+def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
+    """Does `optimizer` scale each coordinate by its own statistics (Adam-like)?
+
+    torch's adaptive classes by type; others by name (LAMB, Lion, Sophia, ... from other
+    libraries) or by Adam-style `betas` in their defaults. SGD (with or without momentum)
+    is not adaptive.
+    """
+    if isinstance(optimizer, _ADAPTIVE_TYPES):
+        return True
+    name = type(optimizer).__name__.lower()
+    if any(h in name for h in _ADAPTIVE_NAME_HINTS):
+        return True
+    return "betas" in getattr(optimizer, "defaults", {})
+
+
+def is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """Does each rank hold only part of the optimizer state (ZeRO)? Then it differs across ranks."""
+    return "zero" in type(optimizer).__name__.lower() or "sharded" in type(optimizer).__name__.lower()
+
+
+def resolve_error_feedback(choice: bool | str, optimizer: torch.optim.Optimizer | None) -> bool:
+    """`attach`'s `error_feedback` as a bool: "auto" is on only for a known non-adaptive optimizer.
+
+    Without an optimizer "auto" is off: error feedback helps SGD a little and can collapse
+    Adam, so the safe guess for an unknown optimizer is without it.
+    """
+    if choice is True or choice is False:
+        return choice
+    if choice != "auto":
+        raise ValueError(f"error_feedback must be 'auto', True or False, got {choice!r}")
+    if optimizer is None:
+        log.info("error_feedback='auto' without optimizer=: off (pass optimizer= to enable it for SGD)")
+        return False
+    return not is_adaptive(optimizer)
+
+
+class Preconditioner:
+    """1 / (sqrt(second moment) + eps) per parameter, read from the optimizer's state.
+
+    None for a parameter without a second moment yet (before the first step) or when the
+    optimizer keeps none (SGD): then the monitor falls back to the plain cosine.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor]) -> None:
+        if is_sharded(optimizer):
+            raise ValueError(f"{type(optimizer).__name__} shards its state across ranks: its second moment "
+                             "is not the same on every rank, so the drift monitor cannot read it")
+        self.optimizer = optimizer
+        self.params = dict(params)
+        self._eps = {id(p): float(g.get("eps", 1e-8)) for g in optimizer.param_groups for p in g["params"]}
+
+    def inverse_rms(self, name: str) -> torch.Tensor | None:
+        """Flat 1 / (sqrt(v) + eps) of parameter `name`, or None when there is no v."""
+        p = self.params.get(name)
+        if p is None:
+            return None
+        state = self.optimizer.state.get(p)
+        if not state:
+            return None
+        v = next((state[k] for k in _SECOND_MOMENT_KEYS if isinstance(state.get(k), torch.Tensor)), None)
+        if v is None or v.numel() != p.numel():
+            return None
+        eps = self._eps.get(id(p), 1e-8)
+        return (v.detach().reshape(-1).to(torch.float32).sqrt() + eps).reciprocal()

@@ -1,0 +1,118 @@
+"""The slow-divergence monitor: per-region preconditioned fidelity, its trend, demotion with back-off."""
+
+from __future__ import annotations
+
+import torch
+
+from nfab.profile.schema import Health
+from nfab.runtime.fidelity import RegionFidelity, probe_runs, region_fidelity
+from nfab.runtime.health import HealthState, Observation, update
+
+CFG = Health(cooldown_steps=4, readmit_after=2, warmup_steps=0, min_trend_cosine=0.5, trend_beta=0.5,
+             trend_min_probes=2, max_backoff=4)
+LOSSY = frozenset({"linear", "embedding"})
+
+
+def fid(**cos: float) -> dict[str, RegionFidelity]:
+    return {r: RegionFidelity(c, 0.0, True, 100) for r, c in cos.items()}
+
+
+def obs(step: int, fidelity=None) -> Observation:
+    return Observation(step, 1.0, 1.0, False, fidelity=fidelity or {})
+
+
+def test_probe_runs_locate_every_strided_sample():
+    slices = [("linear", "a", 10), ("norm", "b", 3), ("linear", "c", 20)]
+    runs = probe_runs(slices, 4)
+    flat = [(s, r.start + i * r.step) for r in runs for s in [r.name] for i in range(r.count)]
+    # independent: every 4th element of the concatenation, mapped back to (name, index)
+    owners = [(n, i) for _, n, k in slices for i in range(k)]
+    assert flat == owners[::4]
+
+
+def test_region_fidelity_preconditions_before_comparing():
+    runs = probe_runs([("linear", "w", 6), ("norm", "n", 2)], 1)
+    ref = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.01, 0.01, 2.0, 2.0])
+    est = torch.tensor([1.0, 1.0, 1.0, 1.0, -0.01, -0.01, 2.0, 2.0])  # small coordinates flipped
+    plain = region_fidelity(est, ref, runs)
+    assert plain["linear"].cosine > 0.99 and not plain["linear"].preconditioned
+    # Adam divides by sqrt(v): the small coordinates have a small RMS, so their flip dominates
+    inv = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0, 100.0, 100.0])}
+    pre = region_fidelity(est, ref, runs, inv.get)
+    e, f = est[:6] * inv["w"], ref[:6] * inv["w"]
+    assert abs(pre["linear"].cosine - float(e @ f / (e.norm() * f.norm()))) < 1e-6
+    assert pre["linear"].cosine < 0.34 and pre["linear"].preconditioned  # 2 of 6 equal-weight flips
+    assert abs(pre["norm"].cosine - 1.0) < 1e-12 and not pre["norm"].preconditioned  # no second moment for n
+    assert abs(pre["linear"].rel_error - float((e - f).norm() / f.norm())) < 1e-6
+
+
+def test_a_falling_trend_demotes_only_that_region_after_enough_probes():
+    st = HealthState()
+    assert update(st, CFG, obs(0, fid(linear=0.2, embedding=0.9)), LOSSY) == []  # one probe is not a trend
+    ev = update(st, CFG, obs(5, fid(linear=0.3, embedding=0.8)), LOSSY)
+    assert len(ev) == 1 and ev[0].kind == "fallback" and ev[0].regions == ("linear",)
+    assert ev[0].reason.startswith("drift(preconditioned cosine trend linear=0.250")
+    assert st.demoted() == {"linear"} and st.strikes == {"linear": 1}
+
+
+def test_healthy_fluctuation_above_the_floor_never_demotes():
+    st = HealthState()
+    for t, c in enumerate([0.9, 0.55, 0.95, 0.6, 0.7, 0.52, 0.8]):
+        assert update(st, CFG, obs(t, fid(linear=c, embedding=c)), LOSSY) == []
+
+
+def test_back_off_doubles_each_drift_demotion_and_readmission_needs_a_fresh_trend():
+    st = HealthState()
+    update(st, CFG, obs(0, fid(linear=0.1)), LOSSY)
+    update(st, CFG, obs(1, fid(linear=0.1)), LOSSY)
+    assert st.demoted() == {"linear"} and st.cooldown(CFG, "linear") == 4
+    back = None
+    for t in range(2, 20):
+        ev = update(st, CFG, obs(t), LOSSY)
+        if ev:
+            back = t
+            break
+    assert back == 1 + 4 + 1  # cool-down 4, then 2 healthy steps
+    assert "linear" not in st.trend  # a fresh trend after re-admission
+    update(st, CFG, obs(10, fid(linear=0.1)), LOSSY)
+    ev = update(st, CFG, obs(11, fid(linear=0.1)), LOSSY)
+    assert ev[0].regions == ("linear",) and st.cooldown(CFG, "linear") == 8
+    st.strikes["linear"] = 10
+    assert st.cooldown(CFG, "linear") == 16  # capped at max_backoff cool-downs
+
+
+def test_threshold_zero_only_observes_and_state_round_trips():
+    quiet = Health(min_trend_cosine=0.0, warmup_steps=0)
+    st = HealthState()
+    for t in range(5):
+        assert update(st, quiet, obs(t, fid(linear=-0.5)), LOSSY) == []
+    assert st.trend["linear"] < 0 and st.probes["linear"] == 5
+    assert HealthState.from_dict(st.to_dict()) == st
+    old = st.to_dict()
+    for k in ("trend", "probes", "strikes"):
+        old.pop(k)
+    assert HealthState.from_dict(old).trend == {}  # states saved before the drift monitor still load
+
+
+def test_plain_cosines_are_observed_but_never_demote():
+    """Without a second moment (SGD, no optimizer given) a low plain cosine is normal for sign."""
+    st = HealthState()
+    plain = {"linear": RegionFidelity(0.1, 2.0, False, 100)}
+    for t in range(6):
+        assert update(st, CFG, obs(t, plain), LOSSY) == []
+    assert "linear" not in st.trend
+
+
+def test_a_drifting_region_with_error_feedback_loses_error_feedback_before_its_route():
+    st = HealthState()
+    ef = frozenset({"linear"})
+    ev = update(st, CFG, obs(0, fid(linear=0.1, embedding=0.1)), LOSSY, ef)
+    assert [(e.kind, e.regions) for e in ev] == [("ef_off", ("linear",))]  # costs no bytes: one probe suffices
+    ev = update(st, CFG, obs(1, fid(linear=0.9, embedding=0.1)), LOSSY, ef)
+    assert [(e.kind, e.regions) for e in ev] == [("fallback", ("embedding",))]  # a route needs a trend
+    assert st.ef_off == {"linear"} and st.demoted() == {"embedding"} and st.probes["linear"] == 1  # a fresh trend
+    # still drifting without error feedback: now the route goes
+    update(st, CFG, obs(2, fid(linear=0.1)), LOSSY, ef)
+    ev = update(st, CFG, obs(3, fid(linear=0.1)), LOSSY, ef)
+    assert [(e.kind, e.regions) for e in ev] == [("fallback", ("linear",))]
+    assert HealthState.from_dict(st.to_dict()) == st

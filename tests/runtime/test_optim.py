@@ -1,0 +1,51 @@
+"""Safe defaults: error feedback only for non-adaptive optimizers; the preconditioner read from Adam."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nfab.runtime.optim import Preconditioner, is_adaptive, resolve_error_feedback
+
+
+def _params():
+    return [torch.nn.Parameter(torch.randn(5))]
+
+
+@pytest.mark.parametrize("make,adaptive", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), False),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False),
+    (lambda p: torch.optim.Adam(p), True),
+    (lambda p: torch.optim.AdamW(p), True),
+    (lambda p: torch.optim.RMSprop(p), True),
+    (lambda p: torch.optim.Adagrad(p), True),
+])
+def test_optimizer_families(make, adaptive):
+    opt = make(_params())
+    assert is_adaptive(opt) is adaptive
+    assert resolve_error_feedback("auto", opt) is (not adaptive)
+    assert resolve_error_feedback(True, opt) is True and resolve_error_feedback(False, opt) is False
+
+
+def test_unknown_optimizer_and_unknown_choice():
+    class Lion(torch.optim.Optimizer):  # a third-party adaptive optimizer, known only by name
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-4})
+
+    assert is_adaptive(Lion(_params()))
+    assert resolve_error_feedback("auto", None) is False  # unknown optimizer: the safe side
+    with pytest.raises(ValueError, match="error_feedback"):
+        resolve_error_feedback("yes", None)
+
+
+def test_preconditioner_reads_adams_second_moment():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([p], eps=1e-3)
+    pre = Preconditioner(opt, {"p": p})
+    assert pre.inverse_rms("p") is None  # no step yet
+    p.grad = torch.tensor([1.0, 2.0, 0.0, -3.0])
+    opt.step()
+    v = opt.state[p]["exp_avg_sq"]
+    assert torch.equal(pre.inverse_rms("p"), 1.0 / (v.sqrt() + 1e-3))
+    assert pre.inverse_rms("missing") is None
+    assert Preconditioner(torch.optim.SGD([p], lr=0.1), {"p": p}).inverse_rms("p") is None
