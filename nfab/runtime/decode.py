@@ -14,10 +14,9 @@ from functools import partial
 
 import torch
 
-from nfab.runtime import control
-from nfab.runtime.controller import FP32
-from nfab.runtime.encode import probe_index, views
-from nfab.runtime.fidelity import SampleRun, probe_runs, region_fidelity
+from nfab.runtime import control, fidelity
+from nfab.runtime.controller import FP32, Group
+from nfab.runtime.encode import views
 from nfab.runtime.handoff import Launch, Outcome, Sent
 from nfab.wire.qsum import QSum
 from nfab.wire.reducer import write_into
@@ -36,29 +35,34 @@ def finish_bucket(launch: Launch, world_size: int,
     if table is None:  # FP32 only, no word: a non-finite element shows in the reduced sum itself
         bad = ~torch.isfinite(torch.linalg.vector_norm(buffer, float("inf")))
         _zero_if(buffer, bad)
-        return Outcome(launch.index, None, bad, (), (), None, time.perf_counter() - t0)
+        return Outcome(launch.index, None, bad, (), (), time.perf_counter() - t0)
     bad = control.nonfinite(table)
     amax: list[tuple[tuple[str, ...], torch.Tensor]] = []
     saturated: list[torch.Tensor] = []
-    decoded_lossy: list[torch.Tensor] = []
-    runs: list[SampleRun] = []
+    probed: list[tuple[Group, torch.Tensor]] = []
     if not _known_true(bad):
         for sent in launch.sent:
             out = _decode_group(launch, sent, table, world_size, amax, saturated)
             if out is not None:
-                group = sent.enc.group
-                decoded_lossy.append(out[probe_index(group.numel)])
-                runs.extend(probe_runs([(s.region, s.name, s.numel) for s in group.slices],
-                                       probe_index(group.numel).step))
+                probed.append((sent.enc.group, out))
     _zero_if(buffer, bad)
-    cosine, fidelity = None, {}
-    if launch.probe is not None and decoded_lossy:
-        est = torch.cat(decoded_lossy).to(torch.float32)
-        ref = launch.probe.future.value().to(torch.float32)
-        cosine = torch.nn.functional.cosine_similarity(est, ref, dim=0, eps=1e-30)
-        fidelity = region_fidelity(est, ref, runs, inverse_rms)
-    return Outcome(launch.index, table, None, tuple(amax), tuple(saturated), cosine, time.perf_counter() - t0,
-                   fidelity)
+    probe = _probe_sums(launch, probed, inverse_rms) if launch.probe is not None and probed else ()
+    return Outcome(launch.index, table, None, tuple(amax), tuple(saturated), time.perf_counter() - t0, probe)
+
+
+def _probe_sums(launch: Launch, probed: list[tuple[Group, torch.Tensor]],
+                inverse_rms: Callable[[str], torch.Tensor | None] | None) -> tuple:
+    """Per probed group: its parameters and their probe sums (device values, no host read)."""
+    assert launch.probe is not None
+    ref = launch.probe.future.value()
+    out, pos = [], 0
+    for group, decoded in probed:
+        layout = fidelity.sample_layout(tuple(group.lengths), decoded.device)
+        est = fidelity.sample(decoded, layout)
+        out.append(fidelity.bucket_probe(est, ref[pos : pos + layout.numel], [(s.name, s.region) for s in group.slices],
+                                         layout, inverse_rms))
+        pos += layout.numel
+    return tuple(out)
 
 
 def _control_table(launch: Launch, w: int) -> torch.Tensor | None:

@@ -12,16 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nfab.runtime import coalesce, control
+from nfab.runtime import coalesce, control, fidelity
 from nfab.runtime.controller import FP32, BucketRoutes, Group
 from nfab.runtime.handoff import Encoded, Probe, Sent
 from nfab.runtime.scales import AmaxHistory
 from nfab.wire.blockq import BlockQSum
 from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
-
-PROBE_ELEMENTS = 1 << 13
-"""The fidelity probe reduces at most this many elements per group in FP32: a strided
-sample estimates the cosine well and keeps the probe's bytes negligible."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +48,6 @@ class Blocking:
     wire_bytes: float = 0.0
 
 
-def probe_index(numel: int) -> slice:
-    """The elements a fidelity probe samples from a group of `numel`: every k-th."""
-    return slice(0, numel, max(1, -(-numel // PROBE_ELEMENTS)))
-
-
 def views(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """The group's slices as views of the bucket (encode sources, decode destinations)."""
     return [buffer[s.offset : s.offset + s.numel] for s in group.slices]
@@ -82,7 +73,8 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
         x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
         return Encoded(group, x)
     if ctx.probing:
-        probe_parts.append(x[probe_index(group.numel)].to(torch.float32, copy=True))  # before EF
+        # before EF; per parameter, so a parameter's sample does not depend on its bucket
+        probe_parts.append(fidelity.sample(x, fidelity.sample_layout(tuple(group.lengths), x.device)))
     if ctx.error_feedback:
         _add_residuals(ctx.residuals, x, group, ctx.ef_off)
     shared = amax_cols = None

@@ -10,25 +10,32 @@ whose error is small in absolute terms but lands on coordinates with a small RMS
 gives every coordinate the same magnitude; error feedback re-injects stale mass) bends
 the *update* far more than the plain cosine shows. Comparing est and ref after dividing
 both by sqrt(v) + eps measures the error where the optimizer feels it.
+
+Why per parameter: the sample is taken from each parameter on its own (every k-th element
+from its index 0, k fixed by the parameter's size) and reduced to a few sums per parameter
+in a fixed-width row, so a parameter's numbers do not depend on which bucket it travels in
+or what sits beside it. DDP's buckets differ between a run's first step and the rest (it
+rebuilds them after step 0) — a resumed run's first step is on the initial buckets — and
+the drift monitor's decisions must not differ with them. The callback leaves the sums on
+the device; the step's fold reads them in its one host copy and adds them up per region
+in sorted parameter order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
+PARAM_SAMPLES = 512
+"""A probe samples at most this many elements of each parameter (every k-th from index 0)."""
 
-@dataclass(frozen=True, slots=True)
-class SampleRun:
-    """Probe samples that fall in one parameter: indices start, start+step, ... (count of them)."""
-
-    region: str
-    name: str
-    start: int
-    step: int
-    count: int
+STAT_FIELDS = ("dot", "est_sq", "ref_sq", "pre_dot", "pre_est_sq", "pre_ref_sq", "pre_diff_sq")
+"""Per parameter: plain sums of est*ref, est^2, ref^2, then the same (and (est-ref)^2) after
+multiplying both by the preconditioner (by 1 where the parameter has none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,56 +50,133 @@ class RegionFidelity:
     samples: int
 
 
-def probe_runs(slices: Sequence[tuple[str, str, int]], stride: int) -> list[SampleRun]:
-    """Where a group's strided probe sample lands: `slices` are (region, name, numel) in
-    group order; the sample is every `stride`-th element of their concatenation."""
-    runs: list[SampleRun] = []
-    pos = 0
-    for region, name, numel in slices:
-        first_j = -(-pos // stride)
-        end_j = -(-(pos + numel) // stride)
-        if end_j > first_j:
-            runs.append(SampleRun(region, name, first_j * stride - pos, stride, end_j - first_j))
-        pos += numel
-    return runs
+@dataclass(frozen=True, slots=True)
+class SampleLayout:
+    """Where a group's probe sample comes from and where each element lands in the stats rows."""
+
+    src: torch.Tensor
+    """Indices into the group's concatenated slices (int64, on the group's device)."""
+    dst: torch.Tensor
+    """Their positions in a (slices, PARAM_SAMPLES) matrix, flattened (int64)."""
+    strides: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.counts)
 
 
-def region_fidelity(
-    est: torch.Tensor,
-    ref: torch.Tensor,
-    runs: Sequence[SampleRun],
-    inverse_rms: Callable[[str], torch.Tensor | None] | None = None,
-) -> dict[str, RegionFidelity]:
-    """Per region: cosine and relative error of `est` vs `ref` (aligned with `runs`).
+def param_stride(numel: int) -> int:
+    """Every k-th element of a parameter of `numel` is sampled (at most PARAM_SAMPLES of them)."""
+    return max(1, -(-numel // PARAM_SAMPLES))
 
-    With `inverse_rms` (name -> flat 1/(sqrt(v)+eps), or None) both are weighted by the
-    optimizer's preconditioner at the sampled indices; a region is marked preconditioned
-    only when every one of its parameters had a second moment. Sums run in float64 in a
-    fixed order, so every rank gets the same numbers.
+
+@lru_cache(maxsize=1024)
+def sample_layout(lengths: tuple[int, ...], device: torch.device) -> SampleLayout:
+    """The probe sample of a group whose slices have `lengths` (cached: a plan's groups repeat)."""
+    src, dst, strides, counts, pos = [], [], [], [], 0
+    for i, n in enumerate(lengths):
+        k = param_stride(n)
+        c = -(-n // k)
+        src.append(torch.arange(pos, pos + n, k, dtype=torch.int64, device=device))
+        dst.append(torch.arange(i * PARAM_SAMPLES, i * PARAM_SAMPLES + c, dtype=torch.int64, device=device))
+        strides.append(k)
+        counts.append(c)
+        pos += n
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return SampleLayout(torch.cat(src) if src else empty, torch.cat(dst) if dst else empty, tuple(strides),
+                        tuple(counts))
+
+
+def sample(x: torch.Tensor, layout: SampleLayout) -> torch.Tensor:
+    """The group's probe sample of `x` (its concatenated slices), as a float32 copy."""
+    return x.index_select(0, layout.src).to(torch.float32)
+
+
+def _stat_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def probe_stats(est: torch.Tensor, ref: torch.Tensor, layout: SampleLayout,
+                weights: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """(slices, len(STAT_FIELDS)) sums per parameter, on the device (no host read).
+
+    `weights[i]`: parameter i's flat 1/(sqrt(v)+eps), or None (then weight 1). Rows have a
+    fixed width (PARAM_SAMPLES, zero-padded), so each row's sums depend on that parameter alone.
     """
-    assert sum(r.count for r in runs) == est.numel() == ref.numel(), "probe layout and samples disagree"
-    parts: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], bool]] = {}
-    pos = 0
-    for run in runs:
-        e = est[pos : pos + run.count].to(torch.float64)
-        f = ref[pos : pos + run.count].to(torch.float64)
-        pos += run.count
-        w = inverse_rms(run.name) if inverse_rms is not None else None
-        pre = w is not None
-        if w is not None:
-            idx = torch.arange(run.start, run.start + run.step * run.count, run.step, device=w.device)
-            w64 = w[idx].to(torch.float64)
-            e, f = e * w64, f * w64
-        es, fs, ok = parts.setdefault(run.region, ([], [], True))
-        es.append(e)
-        fs.append(f)
-        parts[run.region] = (es, fs, ok and pre)
-    out: dict[str, RegionFidelity] = {}
-    for region in sorted(parts):
-        es, fs, pre = parts[region]
-        e, f = torch.cat(es), torch.cat(fs)
-        ne, nf = float(e.norm()), float(f.norm())
-        cos = float(e @ f) / (ne * nf) if ne > 0 and nf > 0 else 1.0
-        rel = float((e - f).norm()) / nf if nf > 0 else 0.0
-        out[region] = RegionFidelity(cos, rel, pre, int(e.numel()))
-    return out
+    n, dt, dev = len(layout.counts), _stat_dtype(est.device), est.device
+    e = torch.zeros(n * PARAM_SAMPLES, dtype=dt, device=dev).index_copy_(0, layout.dst, est.to(dt)).view(n, -1)
+    f = torch.zeros(n * PARAM_SAMPLES, dtype=dt, device=dev).index_copy_(0, layout.dst, ref.to(dt)).view(n, -1)
+    w = torch.ones(n, PARAM_SAMPLES, dtype=dt, device=dev)
+    for i, (wi, k, c) in enumerate(zip(weights, layout.strides, layout.counts, strict=True)):
+        if wi is not None:
+            w[i, :c] = wi[::k].to(dt)
+    pe, pf = e * w, f * w
+    cols = (e * f, e * e, f * f, pe * pf, pe * pe, pf * pf, (pe - pf).square())
+    return torch.stack([c.sum(dim=1) for c in cols], dim=1)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamProbe:
+    """One parameter's probe sums, read to the host at the fold."""
+
+    region: str
+    preconditioned: bool
+    samples: int
+    stats: tuple[float, ...]
+    """`STAT_FIELDS`, in order."""
+
+
+def bucket_probe(est: torch.Tensor, ref: torch.Tensor, slices: Sequence[tuple[str, str]], layout: SampleLayout,
+                 inverse_rms: Callable[[str], torch.Tensor | None] | None) -> tuple[tuple, torch.Tensor]:
+    """A probed group's per-parameter sums: ((name, region, preconditioned, samples), ...) and
+    the (slices, fields) device tensor. `slices`: (name, region) in group order."""
+    weights = [inverse_rms(name) if inverse_rms is not None else None for name, _ in slices]
+    meta = tuple((name, region, w is not None, c)
+                 for (name, region), w, c in zip(slices, weights, layout.counts, strict=True))
+    return meta, probe_stats(est, ref, layout, weights)
+
+
+def read_params(meta: Iterable[tuple[str, str, bool, int]], rows: Sequence[Sequence[float]]) -> dict[str, ParamProbe]:
+    """Host rows of `bucket_probe`'s tensor, keyed by parameter name."""
+    return {name: ParamProbe(region, pre, samples, tuple(row))
+            for (name, region, pre, samples), row in zip(meta, rows, strict=True)}
+
+
+def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, RegionFidelity]]:
+    """The step's plain cosine over every probed parameter and each region's fidelity.
+
+    Sums run over parameters in sorted name order in Python floats: the same numbers for the
+    same parameters, whatever the buckets were. A region counts as preconditioned only when
+    every one of its parameters had a second moment.
+    """
+    if not params:
+        return None, {}
+    acc: dict[str, list[float]] = {}
+    pre: dict[str, bool] = {}
+    samples: dict[str, int] = {}
+    plain = [0.0, 0.0, 0.0]
+    for name in sorted(params):
+        p = params[name]
+        for i in range(3):
+            plain[i] += p.stats[i]
+        a = acc.setdefault(p.region, [0.0] * len(STAT_FIELDS))
+        for i, v in enumerate(p.stats):
+            a[i] += v
+        pre[p.region] = pre.get(p.region, True) and p.preconditioned
+        samples[p.region] = samples.get(p.region, 0) + p.samples
+    out = {}
+    for region in sorted(acc):
+        a = acc[region]
+        if pre[region]:
+            dot, ee, ff, dd = a[3], a[4], a[5], a[6]
+        else:
+            dot, ee, ff = a[0], a[1], a[2]
+            dd = max(ee - 2 * dot + ff, 0.0)
+        out[region] = RegionFidelity(_cosine(dot, ee, ff), math.sqrt(dd / ff) if ff > 0 else 0.0, pre[region],
+                                     samples[region])
+    return _cosine(*plain), out
+
+
+def _cosine(dot: float, ee: float, ff: float) -> float:
+    return dot / math.sqrt(ee * ff) if ee > 0 and ff > 0 else 1.0

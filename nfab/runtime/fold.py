@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nfab.runtime import control
+from nfab.runtime import control, fidelity
 from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.handoff import Launch, Outcome
 from nfab.runtime.health import HealthEvent
@@ -30,8 +30,8 @@ class Folded:
     residuals: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     amax: dict[str, float] = field(default_factory=dict)
     cosine: tuple[float, frozenset[str]] | None = None
-    """This rank's cosine of the step's probe (the worst probed bucket) and that bucket's
-    regions: the next step's first word carries it."""
+    """This rank's plain cosine over every parameter the step probed, and their regions:
+    the next step's first word carries it."""
     fidelity_local: dict[str, RegionFidelity] = field(default_factory=dict)
     """This rank's per-region fidelity of the step's probes: the next step's first word carries it."""
     fidelity: dict[str, RegionFidelity] = field(default_factory=dict)
@@ -112,11 +112,12 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
     reads: list[torch.Tensor] = []
     for _, o in pairs:
         reads += [o.table if o.table is not None else o.unsent_bad, *(a for _, a in o.amax), *o.saturated,
-                  *([o.cosine] if o.cosine is not None else [])]
+                  *(sums for _, sums in o.probe)]
     host = iter(read_to_host([t for t in reads if t is not None]))
     st = StepStats(step=step, phase=phase, buckets=len(pairs))
     out = Folded(st)
     grad_sq = 0.0
+    params: dict[str, fidelity.ParamProbe] = {}
     for la, o in pairs:
         if o.table is not None:
             flat = next(host)
@@ -137,7 +138,7 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
             st.skipped |= bad
         amax = [(names, next(host)) for names, _ in o.amax]
         st.saturated_slices += sum(int(next(host)[0]) for _ in o.saturated)
-        cosine = next(host)[0] if o.cosine is not None else None
+        probed = [(meta, next(host)) for meta, _ in o.probe]
         _account(st, la, o)
         for why, region in la.routes.fallbacks:
             out.reasons.setdefault(why, set()).add(region)
@@ -146,9 +147,13 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
                 out.residuals.extend(sent.enc.residuals)
             for names, values in amax:
                 out.amax.update(zip(names, values, strict=True))
-            if cosine is not None and la.probe is not None and (out.cosine is None or cosine < out.cosine[0]):
-                out.cosine = (cosine, la.probe.regions)  # every lossy bucket is probed: the worst one counts
-            out.fidelity_local.update(o.fidelity)
+            for meta, flat in probed:
+                k = len(fidelity.STAT_FIELDS)
+                params.update(fidelity.read_params(meta, [flat[i * k : (i + 1) * k] for i in range(len(meta))]))
+    # every probed parameter of the step, summed per region in name order (bucket-independent)
+    cosine, out.fidelity_local = fidelity.fold_probes(params)
+    if cosine is not None:
+        out.cosine = (cosine, frozenset(p.region for p in params.values()))
     st.region_cosine = {k: v.cosine for k, v in sorted(out.fidelity.items())}
     # a skipped step applies no gradient (every bucket is zeroed): its norm is 0, as the
     # health monitor and metrics have always read it, not the finite part of a poisoned sum

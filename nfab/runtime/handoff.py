@@ -14,14 +14,13 @@ the bucket buffer (DDP's) and one `Outcome`; nothing is mutated by both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from nfab.runtime.coalesce import Part
 from nfab.runtime.control import Columns
 from nfab.runtime.controller import BucketRoutes, Group
-from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.plan import BucketPlan
 
 
@@ -103,9 +102,8 @@ class Outcome:
     """Per qsum group: its slices' names and their agreed max |x| (MAX over ranks)."""
     saturated: tuple[torch.Tensor, ...]
     """Per summed qsum group: how many of its slices exceeded the shared scale."""
-    cosine: torch.Tensor | None
-    """This rank's fidelity cosine of the bucket's probe, when it carried one."""
     callback_time_s: float
-    fidelity: dict[str, RegionFidelity] = field(default_factory=dict)
-    """This rank's per-region (preconditioned) fidelity of the bucket's probe, for the drift
-    monitor; the next step's first control word carries it so that ranks decide on agreed values."""
+    probe: tuple[tuple[tuple[tuple[str, str, bool, int], ...], torch.Tensor], ...] = ()
+    """Per probed group: its parameters (name, region, preconditioned, samples) and their
+    probe sums (`fidelity.STAT_FIELDS`) on the device; folded per region at the step's end,
+    and the next step's first control word carries the result so ranks decide on agreed values."""

@@ -98,12 +98,21 @@ def test_meta_default_device_gives_the_same_bits(bucket_mb, qsum_scale):
 
 
 class PerturbedCosine(Runtime):
-    """Rank 1 measures its probe cosine one ulp lower (as a different CPU or GPU might)."""
+    """Rank 1 measures its probe sums one ulp lower (as a different CPU or GPU might)."""
 
     def _finish(self, launch):  # noqa: ANN001, ANN202
         out = super()._finish(launch)
-        if self.rank == 1 and out.cosine is not None:
-            out = dataclasses.replace(out, cosine=torch.nextafter(out.cosine, torch.full_like(out.cosine, -2.0)))
+        if self.rank == 1 and out.probe:
+            out = dataclasses.replace(out, probe=tuple((meta, _lower_dots(sums)) for meta, sums in out.probe))
+        return out
+
+
+def _lower_dots(sums: torch.Tensor) -> torch.Tensor:
+    """The est.ref sums one float32 ulp lower (the fold reads the sums as float32)."""
+    low = sums.clone()
+    dots = sums[:, [0, 3]].to(torch.float32)
+    low[:, [0, 3]] = torch.nextafter(dots, torch.full_like(dots, -1e30)).to(sums.dtype)
+    return low
         return out
 
 

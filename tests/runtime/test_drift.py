@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nfab.profile.schema import Health
-from nfab.runtime.fidelity import RegionFidelity, probe_runs, region_fidelity
+from nfab.runtime.fidelity import (
+    PARAM_SAMPLES,
+    RegionFidelity,
+    bucket_probe,
+    fold_probes,
+    read_params,
+    sample,
+    sample_layout,
+)
 from nfab.runtime.health import HealthState, Observation, update
 
 CFG = Health(cooldown_steps=4, readmit_after=2, warmup_steps=0, min_trend_cosine=0.5, trend_beta=0.5,
@@ -21,29 +31,62 @@ def obs(step: int, fidelity=None) -> Observation:
     return Observation(step, 1.0, 1.0, False, fidelity=fidelity or {})
 
 
-def test_probe_runs_locate_every_strided_sample():
-    slices = [("linear", "a", 10), ("norm", "b", 3), ("linear", "c", 20)]
-    runs = probe_runs(slices, 4)
-    flat = [(s, r.start + i * r.step) for r in runs for s in [r.name] for i in range(r.count)]
-    # independent: every 4th element of the concatenation, mapped back to (name, index)
-    owners = [(n, i) for _, n, k in slices for i in range(k)]
-    assert flat == owners[::4]
+def test_the_sample_is_every_kth_element_of_each_parameter_from_its_own_start():
+    lengths = (10, 3, 1500, 700)
+    layout = sample_layout(lengths, torch.device("cpu"))
+    # independent: per parameter, every k-th element from its index 0, k = ceil(n / PARAM_SAMPLES)
+    want, pos = [], 0
+    for n in lengths:
+        k = max(1, math.ceil(n / PARAM_SAMPLES))
+        want += [pos + i for i in range(0, n, k)]
+        pos += n
+    assert layout.src.tolist() == want
+    assert max(layout.counts) <= PARAM_SAMPLES and layout.strides == (1, 1, 3, 2)
+
+
+def test_a_parameters_probe_sums_do_not_depend_on_its_bucket_neighbours():
+    """DDP rebuilds its buckets after step 0 (and a resumed run starts on the initial ones):
+    a parameter's probe numbers must be the same in any group."""
+    g = torch.Generator().manual_seed(0)
+    w_est, w_ref = torch.randn(3000, generator=g), torch.randn(3000, generator=g)
+    o_est, o_ref = torch.randn(705, generator=g), torch.randn(705, generator=g)
+    inv = torch.rand(3000, generator=g) + 0.1
+
+    def sums(est, ref, slices, weights):
+        layout = sample_layout(tuple(n for _, n in slices), torch.device("cpu"))
+        meta, t = bucket_probe(sample(est, layout), sample(ref, layout), [(name, "linear") for name, _ in slices],
+                               layout, weights.get)
+        return dict(zip([m[0] for m in meta], t, strict=True))
+
+    alone = sums(w_est, w_ref, [("w", 3000)], {"w": inv})
+    mixed = sums(torch.cat([o_est[:700], w_est, o_est[700:]]), torch.cat([o_ref[:700], w_ref, o_ref[700:]]),
+                 [("a", 700), ("w", 3000), ("b", 5)], {"w": inv})
+    assert torch.equal(alone["w"], mixed["w"])
+
+
+def _fidelity(est, ref, slices, inverse=None):
+    layout = sample_layout(tuple(n for _, _, n in slices), torch.device("cpu"))
+    meta, t = bucket_probe(sample(est, layout), sample(ref, layout), [(name, region) for region, name, _ in slices],
+                           layout, inverse)
+    return fold_probes(read_params(meta, t.tolist()))
 
 
 def test_region_fidelity_preconditions_before_comparing():
-    runs = probe_runs([("linear", "w", 6), ("norm", "n", 2)], 1)
+    slices = [("linear", "w", 6), ("norm", "n", 2)]
     ref = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.01, 0.01, 2.0, 2.0])
     est = torch.tensor([1.0, 1.0, 1.0, 1.0, -0.01, -0.01, 2.0, 2.0])  # small coordinates flipped
-    plain = region_fidelity(est, ref, runs)
+    cosine, plain = _fidelity(est, ref, slices)
     assert plain["linear"].cosine > 0.99 and not plain["linear"].preconditioned
+    assert abs(cosine - float(est @ ref / (est.norm() * ref.norm()))) < 1e-6  # the step's plain cosine
     # Adam divides by sqrt(v): the small coordinates have a small RMS, so their flip dominates
     inv = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0, 100.0, 100.0])}
-    pre = region_fidelity(est, ref, runs, inv.get)
+    _, pre = _fidelity(est, ref, slices, inv.get)
     e, f = est[:6] * inv["w"], ref[:6] * inv["w"]
     assert abs(pre["linear"].cosine - float(e @ f / (e.norm() * f.norm()))) < 1e-6
     assert pre["linear"].cosine < 0.34 and pre["linear"].preconditioned  # 2 of 6 equal-weight flips
     assert abs(pre["norm"].cosine - 1.0) < 1e-12 and not pre["norm"].preconditioned  # no second moment for n
     assert abs(pre["linear"].rel_error - float((e - f).norm() / f.norm())) < 1e-6
+    assert pre["linear"].samples == 6 and pre["norm"].samples == 2
 
 
 def test_a_falling_trend_demotes_only_that_region_after_enough_probes():
