@@ -83,7 +83,7 @@ class Launch:
     scale_rounds: int
     elements: tuple[tuple[str, int], ...]
     phases: tuple[tuple[str, float], ...]
-    """Seconds the hook body spent in each phase for this bucket (`hook.HOOK_PHASES`)."""
+    """Seconds the hook body spent in each phase for this bucket (`HOOK_PHASES`)."""
     fidelity_cols: tuple[tuple[str, ...], Columns] | None = None
     """The step's first word only: the previous step's per-region probe fidelity this rank
     measured (regions, and their `FIDELITY_FIELDS` columns), agreed over ranks at the fold."""
@@ -107,3 +107,13 @@ class Outcome:
     """Per probed group: its parameters (name, region, preconditioned, samples) and their
     probe sums (`fidelity.STAT_FIELDS`) on the device; folded per region at the step's end,
     and the next step's first control word carries the result so ranks decide on agreed values."""
+
+
+HOOK_PHASES = ("plan", "norm", "encode", "launch")
+"""The hook body's phases, timed per bucket (`StepStats.hook_phases`; the callback adds
+`decode`, the step boundary `fold`)."""
+
+
+def spans(marks: list[float]) -> tuple[tuple[str, float], ...]:
+    """`Launch.phases` from the hook body's phase boundaries (len(HOOK_PHASES) + 1 clock reads)."""
+    return tuple((name, b - a) for name, a, b in zip(HOOK_PHASES, marks[:-1], marks[1:], strict=True))

@@ -26,12 +26,16 @@ error-feedback-free) region starts a fresh trend.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nfab.profile.schema import Health
 from nfab.runtime.fidelity import RegionFidelity
+from nfab.runtime.stats import StepStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,17 @@ def global_reasons(state: HealthState, cfg: Health, obs: Observation) -> list[st
         if obs.grad_norm > cfg.grad_norm_jump * state.norm_baseline:
             reasons.append("grad_norm_jump")
     return reasons
+
+
+def observe(state: HealthState, cfg: Health, st: StepStats, fidelity: Mapping[str, RegionFidelity],
+            probe_regions: frozenset[str], lossy: frozenset[str], with_ef: frozenset[str]) -> list[HealthEvent]:
+    """Fold a finished step's agreed statistics into the monitor; the events it decided (logged)."""
+    obs = Observation(st.step, st.loss, st.grad_norm, st.skipped, st.fidelity_cosine,
+                      probe_regions if st.fidelity_cosine is not None else frozenset(), fidelity)
+    events = update(state, cfg, obs, lossy, with_ef)
+    for e in events:
+        log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
+    return events
 
 
 def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: frozenset[str],

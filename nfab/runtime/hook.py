@@ -34,7 +34,6 @@ rank holds bit for bit.
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
 # against dist.GradBucket and torch.futures.Future at registration.
 import dataclasses
-import logging
 import time
 from collections import deque
 from functools import partial
@@ -52,7 +51,7 @@ from nfab.runtime.controller import BucketRoutes, Controller
 from nfab.runtime.decode import finish_bucket
 from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
-from nfab.runtime.handoff import Encoded, Launch, Outcome
+from nfab.runtime.handoff import HOOK_PHASES, Encoded, Launch, Outcome, spans
 from nfab.runtime.optim import Preconditioner
 from nfab.runtime.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
@@ -60,9 +59,7 @@ from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
 from nfab.wire.reducers import allreduce_factor
 
-__all__ = ["AMAX_HISTORY", "QSUM_SCALES", "Runtime", "nfab_hook"]
-
-log = logging.getLogger(__name__)
+__all__ = ["AMAX_HISTORY", "HOOK_PHASES", "QSUM_SCALES", "Runtime", "nfab_hook"]
 
 HISTORY_STEPS = 4096
 
@@ -231,7 +228,7 @@ class Runtime:
         baseline = allreduce_factor(w) * buffer.numel() * buffer.element_size()
         launch = Launch(index, plan, routes, buffer, tuple(sent), recv, ctrl_part, rows, probe,
                         nbytes + blocking.wire_bytes, baseline, collectives + blocking.rounds, blocking.rounds,
-                        tuple(elements.items()), _spans(marks + [time.perf_counter()]))
+                        tuple(elements.items()), spans(marks + [time.perf_counter()]))
         return launch, futs
 
     def _callback(self, launch: Launch, done: torch.futures.Future) -> torch.Tensor:
@@ -281,15 +278,11 @@ class Runtime:
             self.residuals[name] = resid
         self.scales.fold(folded.amax, self.step)
         lossy = frozenset().union(*(self.controller.lossy_regions(la.plan, phase) for la in self._launches))
-        obs = health_mod.Observation(self.step, st.loss, st.grad_norm, st.skipped, st.fidelity_cosine,
-                                     probe_regions if st.fidelity_cosine is not None else frozenset(),
-                                     folded.fidelity)
         with_ef = lossy if self.error_feedback and phase.error_feedback else frozenset()
-        events = health_mod.update(self.health, self.profile.health, obs, lossy, with_ef)
+        events = health_mod.observe(self.health, self.profile.health, st, folded.fidelity, probe_regions, lossy,
+                                    with_ef)
         drop_ef_residuals(self.residuals, self.regions, events)
         folded.record(events)
-        for e in events:
-            log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
         self.events.extend(events)
         st.hook_phases["fold"] = time.perf_counter() - t0
         st.hook_time_s += st.hook_phases["fold"]
@@ -299,15 +292,6 @@ class Runtime:
         self.step += 1
         self._step_open = self._saw_last = False
         self._launches, self._outcomes = [], []
-
-
-HOOK_PHASES = ("plan", "norm", "encode", "launch")
-"""The hook body's phases, timed per bucket (`StepStats.hook_phases`; the callback adds
-`decode`, the step boundary `fold`)."""
-
-
-def _spans(marks: list[float]) -> tuple[tuple[str, float], ...]:
-    return tuple((name, b - a) for name, a, b in zip(HOOK_PHASES, marks[:-1], marks[1:], strict=True))
 
 
 def nfab_hook(state: Runtime, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -113,7 +113,6 @@ def _lower_dots(sums: torch.Tensor) -> torch.Tensor:
     dots = sums[:, [0, 3]].to(torch.float32)
     low[:, [0, 3]] = torch.nextafter(dots, torch.full_like(dots, -1e30)).to(sums.dtype)
     return low
-        return out
 
 
 def _health_run(rank: int, world_size: int, threshold: float | None, perturb: bool) -> dict:
