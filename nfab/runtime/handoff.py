@@ -60,6 +60,19 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class LevelSent:
+    """A bucket's two-level groups (`twolevel`), reduced in the hook body: bytes per level and
+    the error feedback they staged (committed at the fold unless the bucket was non-finite)."""
+
+    intra_bytes: float
+    """Node-local reduce-scatter + all-gather, in the bucket's dtype (the fast link)."""
+    inter_bytes: float
+    """The route across nodes at W = nodes, scales included (the slow link)."""
+    collectives: int
+    residuals: tuple[tuple[str, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Launch:
     """Everything the callback needs, written once by the hook."""
 
@@ -82,7 +95,9 @@ class Launch:
     scale_rounds: int
     elements: tuple[tuple[str, int], ...]
     phases: tuple[tuple[str, float], ...]
-    """Seconds the hook body spent in each phase for this bucket (`hook.HOOK_PHASES`)."""
+    """Seconds the hook body spent in each phase for this bucket (`HOOK_PHASES`)."""
+    levels: LevelSent | None = None
+    """Its lossy groups' two-level reduction, already in the buffer (with a hierarchy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,3 +116,13 @@ class Outcome:
     cosine: torch.Tensor | None
     """This rank's fidelity cosine of the bucket's probe, when it carried one."""
     callback_time_s: float
+
+
+HOOK_PHASES = ("plan", "norm", "encode", "launch")
+"""The hook body's phases, timed per bucket (`StepStats.hook_phases`; the callback adds
+`decode`, the step boundary `fold`)."""
+
+
+def spans(marks: list[float]) -> tuple[tuple[str, float], ...]:
+    """Seconds between consecutive phase marks, named by `HOOK_PHASES`."""
+    return tuple((name, b - a) for name, a, b in zip(HOOK_PHASES, marks[:-1], marks[1:], strict=True))

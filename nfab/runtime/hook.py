@@ -7,6 +7,7 @@ The package in parts (each readable alone):
 - `encode`: the hook body's work per bucket (encode groups, launch collectives);
 - `decode`: the callback's work per bucket (decode into slices, zero a non-finite bucket);
 - `handoff`: the immutable values passed hook -> callback (`Launch`) and back (`Outcome`);
+- `twolevel`: with `hierarchy=`, lossy groups reduced node-local -> across nodes -> node-local;
 - `controller`, `health`, `plan`, `bindings`, `stats`: routes, health, slice tables,
   region classes, per-step statistics.
 
@@ -44,20 +45,21 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.profile.schema import Profile
-from nfab.runtime import coalesce, control, encode
+from nfab.runtime import coalesce, control, encode, twolevel
 from nfab.runtime import health as health_mod
 from nfab.runtime.bindings import classify
 from nfab.runtime.controller import BucketRoutes, Controller
 from nfab.runtime.decode import finish_bucket
 from nfab.runtime.fold import fold_step
-from nfab.runtime.handoff import Encoded, Launch, Outcome, Probe
+from nfab.runtime.handoff import HOOK_PHASES, Encoded, Launch, Outcome, Probe, spans
+from nfab.runtime.hierarchy import Hierarchy
 from nfab.runtime.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
 from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
 from nfab.wire.reducers import REDUCERS, allreduce_factor
 
-__all__ = ["AMAX_HISTORY", "QSUM_SCALES", "Runtime", "nfab_hook"]
+__all__ = ["AMAX_HISTORY", "HOOK_PHASES", "QSUM_SCALES", "Runtime", "nfab_hook"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ class Runtime:
         head_modules: tuple[str, ...] | None = None,
         qsum_scale: str = "exact",
         coalesce: bool = True,
+        hierarchy: Hierarchy | str | int | None = None,
     ) -> None:
         self.scales = AmaxHistory(qsum_scale)
         self.profile = profile
@@ -89,7 +92,9 @@ class Runtime:
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.error_feedback = error_feedback
-        self.controller = Controller(profile, self.world_size, cost_model, explicit=explicit, total_steps=total_steps)
+        self.two_level = twolevel.setup(hierarchy, self.group)  # with a hierarchy, routes are decided at W = nodes
+        self.controller = Controller(profile, self.two_level.nodes if self.two_level else self.world_size, cost_model,
+                                     explicit=explicit, total_steps=total_steps)
         module = ddp.module
         self.bindings = classify(module, head_modules)
         self.names = {id(p): n for n, p in module.named_parameters()}
@@ -165,7 +170,8 @@ class Runtime:
         bucket_sq = encode.local_sq(buffer)  # before any group is pre-scaled or encoded in place
         marks.append(time.perf_counter())
         word, probe_parts, blocking = control.Builder(), [], encode.Blocking()
-        encoded = [encode.encode_group(ctx, buffer, g, word, probe_parts, blocking) for g in routes.groups]
+        encoded, levels = twolevel.encode_bucket(self.two_level, ctx, buffer, routes.groups, word, probe_parts,
+                                                 blocking)
         ctrl = None
         if routes.has_lossy or first or last:
             carried = self._carried_sq if self._carried_sq is not None else torch.zeros_like(bucket_sq)
@@ -176,7 +182,7 @@ class Runtime:
         marks.append(time.perf_counter())
         launch, futs = self._launch(bucket.index(), plan, routes, buffer, ctx, encoded, ctrl, probe_parts, blocking,
                                     marks)
-        self._launches.append(launch)
+        self._launches.append(twolevel.with_levels(launch, levels))
         return torch.futures.collect_all(futs).then(partial(self._callback, launch))
 
     def _context(self, bucket: dist.GradBucket,
@@ -187,7 +193,8 @@ class Runtime:
         routes = self.controller.routes(plan, phase, self.health.demoted())
         w = self.world_size
         probing = routes.has_lossy and not self._probed and self._probe_step()
-        gathered = coalesce.should_coalesce(routes.groups, w, self.coalesce, self.controller.cost_model)
+        gathered = not self.two_level and coalesce.should_coalesce(routes.groups, w, self.coalesce,
+                                                                     self.controller.cost_model)
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered,
                                    self.residuals, self.scales)
@@ -221,7 +228,7 @@ class Runtime:
         baseline = allreduce_factor(w) * buffer.numel() * buffer.element_size()
         launch = Launch(index, plan, routes, buffer, tuple(sent), recv, ctrl_part, rows, probe,
                         nbytes + blocking.wire_bytes, baseline, collectives + blocking.rounds, blocking.rounds,
-                        tuple(elements.items()), _spans(marks + [time.perf_counter()]))
+                        tuple(elements.items()), spans(marks + [time.perf_counter()]))
         return launch, futs
 
     def _callback(self, launch: Launch, done: torch.futures.Future) -> torch.Tensor:
@@ -282,15 +289,6 @@ class Runtime:
         self.step += 1
         self._step_open = self._saw_last = False
         self._launches, self._outcomes = [], []
-
-
-HOOK_PHASES = ("plan", "norm", "encode", "launch")
-"""The hook body's phases, timed per bucket (`StepStats.hook_phases`; the callback adds
-`decode`, the step boundary `fold`)."""
-
-
-def _spans(marks: list[float]) -> tuple[tuple[str, float], ...]:
-    return tuple((name, b - a) for name, a, b in zip(HOOK_PHASES, marks[:-1], marks[1:], strict=True))
 
 
 def nfab_hook(state: Runtime, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
