@@ -308,6 +308,8 @@ def nfab_info(run: Run, warmup: int) -> dict[str, Any] | None:
         "route_mix": last.route_mix,
         "wire_bytes_per_step": float(np.mean([h.wire_bytes for h in hist])),
         "baseline_wire_bytes_per_step": float(np.mean([h.baseline_wire_bytes for h in hist])),
+        "intra_node_bytes_per_step": float(np.mean([h.intra_node_bytes for h in hist])),
+        "inter_node_bytes_per_step": float(np.mean([h.inter_node_bytes for h in hist])),
         "fallback_reasons": sorted({h.fallback_reason for h in hist if h.fallback_reason}),
         "hook_ms_median": 1e3 * float(np.median([h.hook_time_s for h in hist])),
         "buckets": last.buckets,
