@@ -17,7 +17,7 @@ from torch import nn
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
-from nfab.runtime.controller import Controller, route_label
+from nfab.runtime.controller import Controller, Group, route_label
 from nfab.runtime.hierarchy import level_bytes
 from nfab.runtime.plan import BucketPlan, Slice
 from nfab.wire.codecs import ROUTES
@@ -192,16 +192,7 @@ def inspect_model(
         wire = 0.0
         labels = []
         for g in routes.groups:
-            red = REDUCERS[g.key]
-            fp32 = REDUCERS["allreduce-fp32"].wire_bytes(g.numel, world_size)
-            if hierarchy is not None and g.lossy:
-                lb = level_bytes(g.numel, red, hierarchy[0], hierarchy[1], 4, len(g.slices))
-                b = lb.local + lb.cross
-                _add(per_level["node-local"], lb.local, fp32)
-                _add(per_level["across nodes"], lb.cross, fp32)
-            else:
-                b = red.wire_bytes(g.numel, world_size, len(g.slices))
-                _add(per_level["all ranks"], b, fp32)
+            b = _group_bytes(g, world_size, hierarchy, per_level)
             wire += b
             out.route_bytes[g.label] = out.route_bytes.get(g.label, 0.0) + b
             labels.append(f"{g.label}:{g.numel / plan.numel:.0%}")
@@ -226,6 +217,21 @@ def inspect_model(
             bpe = red.bits_per_element(route_world) if cap.ok else None
             out.capacity.append(CapacityRow(route, red.name, cap.ok, cap.lane_bits, cap.levels, bpe, cap.reason))
     return out
+
+
+def _group_bytes(g: Group, world_size: int, hierarchy: tuple[int, int] | None,
+                 per_level: dict[str, list[float]]) -> float:
+    """A group's bytes per rank, added to its level(s) with FP32 DDP's bytes for the same elements."""
+    red = REDUCERS[g.key]
+    fp32 = REDUCERS["allreduce-fp32"].wire_bytes(g.numel, world_size)
+    if hierarchy is None or not g.lossy:
+        b = red.wire_bytes(g.numel, world_size, len(g.slices))
+        _add(per_level["all ranks"], b, fp32)
+        return b
+    lb = level_bytes(g.numel, red, hierarchy[0], hierarchy[1], 4, len(g.slices))
+    _add(per_level["node-local"], lb.local, fp32)
+    _add(per_level["across nodes"], lb.cross, fp32)
+    return lb.local + lb.cross
 
 
 def _add(acc: list[float], wire: float, baseline: float) -> None:
