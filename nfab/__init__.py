@@ -1,6 +1,7 @@
 """nfab (NEURON-Fabric): controlled low-bit gradient communication for PyTorch DDP.
 
-Public API: `nfab.attach(ddp_model, profile)` and `nfab.Profile`; the `nfab` CLI.
+Public API: `nfab.attach(ddp_model, profile)`, `nfab.Profile` and `nfab.Hierarchy` (two-level
+reduction, `attach(..., hierarchy=)`); the `nfab` CLI.
 """
 
 from __future__ import annotations
@@ -8,11 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Profile", "attach", "__version__"]
+__all__ = ["Hierarchy", "Profile", "attach", "__version__"]
 
 if TYPE_CHECKING:
     from nfab.api import attach
     from nfab.profile.schema import Profile
+    from nfab.runtime.hierarchy import Hierarchy
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +27,8 @@ def __getattr__(name: str) -> Any:
         from nfab.profile.schema import Profile
 
         return Profile
+    if name == "Hierarchy":
+        from nfab.runtime.hierarchy import Hierarchy
+
+        return Hierarchy
     raise AttributeError(name)

@@ -12,6 +12,7 @@ from nfab.attach_checks import check_attach
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
+from nfab.runtime.hierarchy import Hierarchy, parse
 from nfab.runtime.hook import Runtime, nfab_hook
 from nfab.runtime.optim import ERROR_FEEDBACK_CHOICES, Preconditioner, is_adaptive, is_sharded, resolve_error_feedback
 from nfab.runtime.scales import QSUM_SCALES
@@ -34,6 +35,7 @@ def attach(
     model_signature: str | None = None,
     qsum_scale: str = "exact",
     coalesce: bool = True,
+    hierarchy: Hierarchy | str | int | None = None,
 ) -> Runtime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
 
@@ -67,6 +69,15 @@ def attach(
     `coalesce`: a bucket with a signgather group goes out as ONE all-gather (control word
     and every group's payload) when that is modelled cheaper than a collective per group
     (always at W=2). False keeps one collective per group (for A/B comparisons).
+
+    `hierarchy`: reduce lossy routes in two levels — node-local reduce-scatter in the
+    bucket's dtype, the route across nodes at W = nodes (the same local rank on every node),
+    node-local all-gather. "auto" takes the nodes from torchrun's LOCAL_WORLD_SIZE; an int
+    is ranks per node; "NODESxLOCAL" (e.g. "64x8") is checked against the world size; a
+    `Hierarchy` says the same in code; None / "flat" (default) is the flat path. Consecutive
+    global ranks share a node. Sign becomes a majority of node sums, not of ranks
+    (`nfab.runtime.hierarchy`); capacity, reducer choice and the cost gate see W = nodes.
+    FP32 slices stay one plain all-reduce. One node, or one rank per node, runs flat.
     """
     if qsum_scale not in QSUM_SCALES:
         raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
@@ -74,6 +85,7 @@ def attach(
         raise NfabError(f"error_feedback must be 'auto', True or False, got {error_feedback!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise NfabError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    parse(hierarchy)  # a malformed spec is refused before any collective
     if not isinstance(ddp_model, DistributedDataParallel):
         raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model")
     if (profile is None) == (route is None):
@@ -97,7 +109,7 @@ def attach(
                     "monitor demotes regions that drift", type(optimizer).__name__)
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
-                      qsum_scale=qsum_scale, coalesce=coalesce)
+                      qsum_scale=qsum_scale, coalesce=coalesce, hierarchy=hierarchy)
     if optimizer is not None and is_sharded(optimizer):  # its state differs across ranks: never decide from it
         log.warning("%s shards its state: the drift monitor compares probes without preconditioning",
                     type(optimizer).__name__)

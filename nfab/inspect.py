@@ -14,9 +14,11 @@ from typing import Any
 
 from torch import nn
 
+from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
-from nfab.runtime.controller import Controller, route_label
+from nfab.runtime.controller import Controller, Group, route_label
+from nfab.runtime.hierarchy import level_bytes
 from nfab.runtime.plan import BucketPlan, Slice
 from nfab.wire.codecs import ROUTES
 from nfab.wire.cost import CostModel, default_cost_model
@@ -59,10 +61,12 @@ class CapacityRow:
 
 @dataclass(slots=True)
 class LevelRow:
-    """Bytes per step and rank at one level of the reduction (one flat level today).
+    """Bytes per step and rank at one level of the reduction.
 
-    A two-level plan (node-local and inter-node groups) adds one row per level, each with
-    its own world size; the totals below add them up.
+    Flat: one row (`flat`, W ranks). With a hierarchy: `node-local` (the lossy groups'
+    reduce-scatter + all-gather in fp32, W = ranks per node), `across nodes` (their route at
+    W = nodes) and `all ranks` (FP32 groups, plain all-reduce over W); the totals add them up.
+    `baseline_wire_bytes` is what FP32 DDP sends for the elements that level carries.
     """
 
     level: str
@@ -82,6 +86,23 @@ class Inspection:
     capacity: list[CapacityRow] = field(default_factory=list)
     route_bytes: dict[str, float] = field(default_factory=dict)
     levels: list[LevelRow] = field(default_factory=list)
+    hierarchy: tuple[int, int] | None = None
+    """(nodes, ranks per node) of a two-level plan; None: flat."""
+
+    @property
+    def slow_link_bytes(self) -> float:
+        """Bytes per step one node sends across the inter-node link: a flat ring crosses each node
+        boundary once, so that is one rank's bytes; two levels send every local rank's shard."""
+        if self.hierarchy is None:
+            return self.wire_bytes
+        local = self.hierarchy[1]
+        return sum(lv.wire_bytes * (local if lv.level == "across nodes" else 1)
+                   for lv in self.levels if lv.level != "node-local")
+
+    @property
+    def slow_link_ratio(self) -> float:
+        """How many times fewer bytes than FP32 DDP cross the inter-node link, per node."""
+        return self.baseline_wire_bytes / self.slow_link_bytes if self.slow_link_bytes else float("inf")
 
     @property
     def wire_bytes(self) -> float:
@@ -99,7 +120,10 @@ class Inspection:
     def to_dict(self, crossovers: list[tuple[int, str]] | None = None) -> dict[str, Any]:
         """Everything the `nfab inspect` tables show (all buckets), with the totals, as JSON-ready data."""
         out = asdict(self)
-        out.update(wire_bytes=self.wire_bytes, baseline_wire_bytes=self.baseline_wire_bytes, ratio=self.ratio)
+        out.update(wire_bytes=self.wire_bytes, baseline_wire_bytes=self.baseline_wire_bytes, ratio=self.ratio,
+                   slow_link_bytes_per_node=self.slow_link_bytes, slow_link_ratio=self.slow_link_ratio)
+        out["hierarchy"] = None if self.hierarchy is None else dict(zip(("nodes", "local_world"), self.hierarchy,
+                                                                         strict=True))
         if crossovers is not None:
             out["crossovers"] = [{"from_world_size": w, "cheapest": k} for w, k in crossovers]
         return out
@@ -135,13 +159,23 @@ def inspect_model(
     cost_model: CostModel | None = None,
     bucket_cap_mb: float = 25.0,
     head_modules: tuple[str, ...] | None = None,
+    hierarchy: tuple[int, int] | None = None,
 ) -> Inspection:
-    """Plan a model under a profile at W without running anything."""
+    """Plan a model under a profile at W without running anything.
+
+    `hierarchy` = (nodes, ranks per node) plans the two-level path as the hook runs it: routes
+    decided at W = nodes, lossy groups node-local + across nodes, FP32 groups over all ranks.
+    """
+    if hierarchy is not None and hierarchy[0] * hierarchy[1] != world_size:
+        raise NfabError(f"--hierarchy {hierarchy[0]}x{hierarchy[1]} is {hierarchy[0] * hierarchy[1]} ranks, "
+                        f"not the world size {world_size}")
+    route_world = hierarchy[0] if hierarchy is not None else world_size
     cm = cost_model or default_cost_model(world_size)
     bindings = classify(model, head_modules)
-    ctl = Controller(profile, world_size, cm, explicit=explicit, total_steps=total_steps)
+    ctl = Controller(profile, route_world, cm, explicit=explicit, total_steps=total_steps)
     phase = ctl.phase(step)
-    out = Inspection(name, world_size, phase.name, sum(b.numel for b in bindings.values()))
+    out = Inspection(name, world_size, phase.name, sum(b.numel for b in bindings.values()), hierarchy=hierarchy)
+    per_level = {"node-local": [0.0, 0.0], "across nodes": [0.0, 0.0], "all ranks": [0.0, 0.0]}
     per_region: dict[str, RegionRow] = {}
     for b in bindings.values():
         row = per_region.setdefault(b.region, RegionRow(b.region, 0, 0, phase.route_for(b.region), ""))
@@ -158,8 +192,7 @@ def inspect_model(
         wire = 0.0
         labels = []
         for g in routes.groups:
-            red = REDUCERS[g.key]
-            b = red.wire_bytes(g.numel, world_size, len(g.slices))
+            b = _group_bytes(g, world_size, hierarchy, per_level)
             wire += b
             out.route_bytes[g.label] = out.route_bytes.get(g.label, 0.0) + b
             labels.append(f"{g.label}:{g.numel / plan.numel:.0%}")
@@ -173,13 +206,37 @@ def inspect_model(
             ", ".join(sorted({f"{why}({reg})" for why, reg in routes.fallbacks})),
         ))
     out.regions = sorted(per_region.values(), key=lambda r: -r.elements)
-    out.levels = [LevelRow("flat", world_size, out.wire_bytes, out.baseline_wire_bytes)]
+    if hierarchy is None:
+        out.levels = [LevelRow("flat", world_size, out.wire_bytes, out.baseline_wire_bytes)]
+    else:
+        worlds = {"node-local": hierarchy[1], "across nodes": hierarchy[0], "all ranks": world_size}
+        out.levels = [LevelRow(level, worlds[level], b, base) for level, (b, base) in per_level.items()]
     for route in ROUTES:
         for red in candidates(route):
-            cap = red.capacity(world_size)
-            bpe = red.bits_per_element(world_size) if cap.ok else None
+            cap = red.capacity(route_world)
+            bpe = red.bits_per_element(route_world) if cap.ok else None
             out.capacity.append(CapacityRow(route, red.name, cap.ok, cap.lane_bits, cap.levels, bpe, cap.reason))
     return out
+
+
+def _group_bytes(g: Group, world_size: int, hierarchy: tuple[int, int] | None,
+                 per_level: dict[str, list[float]]) -> float:
+    """A group's bytes per rank, added to its level(s) with FP32 DDP's bytes for the same elements."""
+    red = REDUCERS[g.key]
+    fp32 = REDUCERS["allreduce-fp32"].wire_bytes(g.numel, world_size)
+    if hierarchy is None or not g.lossy:
+        b = red.wire_bytes(g.numel, world_size, len(g.slices))
+        _add(per_level["all ranks"], b, fp32)
+        return b
+    lb = level_bytes(g.numel, red, hierarchy[0], hierarchy[1], 4, len(g.slices))
+    _add(per_level["node-local"], lb.local, fp32)
+    _add(per_level["across nodes"], lb.cross, fp32)
+    return lb.local + lb.cross
+
+
+def _add(acc: list[float], wire: float, baseline: float) -> None:
+    acc[0] += wire
+    acc[1] += baseline
 
 
 def crossovers(cost_model: CostModel, numel: int, max_world: int = 1024) -> list[tuple[int, str]]:

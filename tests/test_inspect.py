@@ -1,6 +1,8 @@
 """`nfab inspect` at scale: the cheapest exact sign path for a 1.3B GPT at W = 8 and 512, and --json."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -39,3 +41,39 @@ def test_json_writes_what_the_table_shows(tmp_path):
     shown = [line for line in result.output.splitlines() if "signscatter" in line and "yes" in line]
     assert shown and any(c["reducer"] == "signscatter" and c["ok"] for c in data["capacity"])
     assert sum(b["wire_bytes"] for b in data["buckets"]) == pytest.approx(data["wire_bytes"])
+
+
+def test_two_level_plan_shows_both_levels_and_checks_capacity_at_w_nodes(gpt13b):
+    res = inspect_model("gpt", gpt13b.module, Profile.static("q8"), 512, explicit=True,
+                        cost_model=default_cost_model(512), head_modules=gpt13b.head_modules, hierarchy=(64, 8))
+    assert [(lv.level, lv.world_size) for lv in res.levels] == [("node-local", 8), ("across nodes", 64),
+                                                                ("all ranks", 512)]
+    assert sum(lv.wire_bytes for lv in res.levels) == pytest.approx(res.wire_bytes)
+    assert set(res.route_bytes) == {"q8"}  # q8 is over capacity at W=512 flat, exact at W = 64 nodes
+    assert next(c for c in res.capacity if c.route == "q8").ok
+    across = res.levels[1].wire_bytes
+    assert res.slow_link_bytes == pytest.approx(8 * across)
+    assert res.slow_link_ratio > 3.5 > res.ratio  # the slow link gains; the fast one carries fp32
+
+
+def test_hierarchy_json_writes_what_the_table_shows(tmp_path):
+    path = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["inspect", "gpt", "--size", "1.3b", "--world-size", "512", "--route", "sign",
+                                      "--hierarchy", "64x8", "--json", str(path)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    data = json.loads(path.read_text())
+    assert data["hierarchy"] == {"nodes": 64, "local_world": 8}
+    for lv in data["levels"]:
+        assert f"{lv['wire_bytes'] / 1e6:.2f}" in result.output
+    assert f"{data['slow_link_bytes_per_node'] / 1e6:.2f} MB vs FP32 DDP" in result.output
+    assert f"{data['slow_link_ratio']:.1f}x fewer bytes" in result.output
+    assert f"{data['ratio']:.1f}x fewer bytes" in result.output
+
+
+@pytest.mark.parametrize("bad", ["63x8", "2y", "auto", "0"])
+def test_a_bad_hierarchy_is_one_line_and_exit_2(bad):
+    res = subprocess.run([sys.executable, "-c", "from nfab.cli.app import main; main()", "inspect", "gpt", "--size",
+                          "nano", "--world-size", "512", "--hierarchy", bad], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

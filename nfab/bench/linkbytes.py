@@ -100,7 +100,14 @@ def per_rank_bytes(variant: str, module: torch.nn.Module, world_size: int, nfab_
 
 def modelled_link_bytes(variant: str, module: torch.nn.Module, world_size: int, nodes: int,
                         nfab_info: dict[str, Any] | None) -> float:
-    """Bytes the model predicts across the shaped link per step (every node's tx together)."""
+    """Bytes the model predicts across the shaped link per step (every node's tx together).
+
+    A two-level nfab variant sends its node-local level inside the node (never across) and its
+    cross level as W/nodes rings of `nodes` ranks, each crossing the link `nodes` times."""
     gradient = per_rank_bytes(variant, module, world_size, nfab_info) * crossing_edges(world_size, nodes)
+    if nfab_info is not None and nfab_info.get("inter_node_bytes_per_step"):
+        inter, intra = nfab_info["inter_node_bytes_per_step"], nfab_info["intra_node_bytes_per_step"]
+        flat = float(nfab_info["wire_bytes_per_step"]) - inter - intra
+        gradient = flat * crossing_edges(world_size, nodes) + inter * (world_size // nodes) * nodes
     buffers = buffer_bytes(module) * (world_size - 1 if nodes == 1 else world_size - world_size // nodes)
     return gradient + buffers

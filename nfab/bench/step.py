@@ -61,6 +61,7 @@ VARIANTS: dict[str, str] = {
     "powersgd": "torch powerSGD_hook, rank 2, one bucket",
     "nfab-fp32": "nfab, route fp32",
     "nfab-sign": "nfab, static route sign",
+    "nfab-sign-2level": "nfab, static route sign, two-level (hierarchy auto: node-local + across nodes)",
     "nfab-profile": "nfab, profile (cost-gated)",
 }
 """Variant name -> what it runs."""
@@ -218,6 +219,9 @@ def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
     elif name == "powersgd":
         run.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
         ddp.register_comm_hook(run.state, psgd.powerSGD_hook)
+    elif name == "nfab-sign-2level":  # nodes from torchrun's LOCAL_WORLD_SIZE (W / --nodes per node)
+        run.runtime = nfab.attach(ddp, route="sign", total_steps=total, seed=cfg.seed, cost_model=cm,
+                                  hierarchy="auto")
     elif name in ("nfab-fp32", "nfab-sign") or name.startswith(ROUTE_VARIANT):
         route = name.removeprefix(ROUTE_VARIANT).removeprefix("nfab-")
         run.runtime = nfab.attach(ddp, route=route, total_steps=total, seed=cfg.seed, cost_model=cm)
@@ -304,6 +308,8 @@ def nfab_info(run: Run, warmup: int) -> dict[str, Any] | None:
         "route_mix": last.route_mix,
         "wire_bytes_per_step": float(np.mean([h.wire_bytes for h in hist])),
         "baseline_wire_bytes_per_step": float(np.mean([h.baseline_wire_bytes for h in hist])),
+        "intra_node_bytes_per_step": float(np.mean([h.intra_node_bytes for h in hist])),
+        "inter_node_bytes_per_step": float(np.mean([h.inter_node_bytes for h in hist])),
         "fallback_reasons": sorted({h.fallback_reason for h in hist if h.fallback_reason}),
         "hook_ms_median": 1e3 * float(np.median([h.hook_time_s for h in hist])),
         "buckets": last.buckets,

@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
                               "else a test profile: conv/linear/head sign).")] = None,
         variants: Annotated[str | None, typer.Option(
             "--variants", help="Comma-separated subset of: plain, floor, fp16, powersgd, nfab-fp32, "
-                               "nfab-sign, nfab-profile, allreduce-hook.")] = None,
+                               "nfab-sign, nfab-sign-2level, nfab-profile, allreduce-hook.")] = None,
         nfab_bucket_mb: Annotated[float, typer.Option(
             "--nfab-bucket-mb", min=0.1,
             help="DDP bucket cap for the nfab variants (nfab train's default; others: DDP's 25).")] = NFAB_BUCKET_MB,

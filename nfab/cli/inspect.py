@@ -31,6 +31,8 @@ def register(app: typer.Typer) -> None:
         buckets: Annotated[int, typer.Option(help="Show at most this many buckets.")] = 12,
         json_path: Annotated[Path | None, typer.Option(
             "--json", help="Also write the plan (all buckets) as JSON.")] = None,
+        hierarchy: Annotated[str | None, typer.Option(
+            help="Two-level plan: NODESxLOCAL (e.g. 64x8) or ranks per node; bytes per level.")] = None,
     ) -> None:
         """Show the plan: region classes, buckets with their routes, capacity, bytes vs FP32.
 
@@ -57,11 +59,13 @@ def register(app: typer.Typer) -> None:
                 total_steps = setting.steps
         else:
             prof, explicit = Profile.static(route or "sign"), True
+        layout = _layout(hierarchy, world_size)
         cm = CostModel.load(cost) if cost else default_cost_model(world_size)
         res = inspect_model(model, spec.module, prof, world_size, explicit=explicit, step=step,
                             total_steps=total_steps, cost_model=cm, bucket_cap_mb=bucket_cap_mb,
-                            head_modules=spec.head_modules)
-        title = f"{model} {size or ''} — {res.total_params:,} parameters, W={world_size}, phase {res.phase!r}"
+                            head_modules=spec.head_modules, hierarchy=layout)
+        shape = f" ({layout[0]} nodes x {layout[1]})" if layout else ""
+        title = f"{model} {size or ''} — {res.total_params:,} parameters, W={world_size}{shape}, phase {res.phase!r}"
         t = Table(title=title)
         for col in ("region", "params", "elements", "profile route", "reducer"):
             t.add_column(col, justify="right" if col in ("params", "elements") else "left")
@@ -75,7 +79,8 @@ def register(app: typer.Typer) -> None:
             b.add_row(str(row.index), f"{row.elements:,}", str(row.slices), row.regions, row.routes,
                       f"{row.wire_bytes / 1e6:.2f}", f"{row.baseline_wire_bytes / 1e6:.2f}", row.fallbacks)
         console.print(b)
-        c = Table(title=f"reducer capacity at W={world_size}")
+        cap_world = layout[0] if layout else world_size
+        c = Table(title=f"reducer capacity at W={cap_world}" + (" (across nodes)" if layout else ""))
         for col in ("route", "reducer", "exact", "lane bits", "levels/rank", "bits/element sent"):
             c.add_column(col)
         for row in res.capacity:
@@ -88,6 +93,8 @@ def register(app: typer.Typer) -> None:
         console.print(f"per step, per rank: [bold]{res.wire_bytes / 1e6:.2f} MB[/] sent ({mix}) vs "
                       f"FP32 DDP {res.baseline_wire_bytes / 1e6:.2f} MB — {ratio:.1f}x fewer bytes "
                       f"(cost model: {cm.source})")
+        if layout:
+            _print_levels(res)
         largest = max((row.elements for row in res.buckets), default=0)
         xs = crossovers(cm, largest) if largest else []
         if xs:
@@ -98,3 +105,34 @@ def register(app: typer.Typer) -> None:
 
             atomic_write_json(json_path, res.to_dict(xs))
             console.print(f"wrote {json_path}")
+
+
+def _layout(hierarchy: str | None, world_size: int) -> tuple[int, int] | None:
+    """(nodes, ranks per node) from --hierarchy, checked against the world size; None: flat."""
+    from nfab.errors import ConfigError
+    from nfab.runtime.hierarchy import parse
+
+    h = parse(hierarchy)
+    if h is None:
+        return None
+    if h.local_world is None:
+        raise ConfigError(f"--hierarchy {hierarchy}: inspect plans on paper; give NODESxLOCAL (e.g. 64x8) "
+                          "or ranks per node")
+    topo = h.topology(world_size, 0)
+    return topo.nodes, topo.local_world
+
+
+def _print_levels(res) -> None:  # noqa: ANN001 - an Inspection
+    """Bytes per level (the fast node-local link, the slow inter-node one) and both factors."""
+    nodes, local = res.hierarchy
+    t = Table(title=f"bytes per level, per step ({nodes} nodes x {local} ranks)")
+    for col in ("level", "W", "MB per rank", "MB per node", "FP32 DDP MB per rank"):
+        t.add_column(col)
+    for lv in res.levels:
+        per_node = lv.wire_bytes * local if lv.level == "across nodes" else lv.wire_bytes
+        t.add_row(lv.level, str(lv.world_size), f"{lv.wire_bytes / 1e6:.2f}",
+                  f"{per_node / 1e6:.2f}" if lv.level != "node-local" else "(inside the node)",
+                  f"{lv.baseline_wire_bytes / 1e6:.2f}")
+    console.print(t)
+    console.print(f"across the inter-node link, per node: [bold]{res.slow_link_bytes / 1e6:.2f} MB[/] vs FP32 DDP "
+                  f"{res.baseline_wire_bytes / 1e6:.2f} MB — {res.slow_link_ratio:.1f}x fewer bytes")

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nfab.errors import ConfigError
+from nfab.errors import ConfigError, NfabError
 from nfab.profile.routes import RouteSpec, parse_route
 from nfab.validation import StrictModel
 
@@ -121,6 +121,21 @@ class CommConfig(StrictModel):
     """DDP bucket size in MB; None: DDP's 25 for `fp32`, `NFAB_BUCKET_MB` under nfab's hook."""
     qsum_scale: Literal["exact", "delayed"] = "exact"
     """Shared q8/q4/q2 scales: `exact` (blocking MAX each step) or `delayed` (recent agreed max |x|)."""
+    hierarchy: str | int | None = None
+    """Two-level reduction: `auto` (nodes from torchrun's LOCAL_WORLD_SIZE), ranks per node (`8`),
+    `NODESxLOCAL` (`64x8`, checked against the world size), or None / `flat`. Lossy routes then
+    reduce node-local, run across nodes at W = nodes, and all-gather node-local."""
+
+    @field_validator("hierarchy")
+    @classmethod
+    def _hierarchy(cls, v: str | int | None) -> str | int | None:
+        from nfab.runtime.hierarchy import parse
+
+        try:
+            parse(v)
+        except NfabError as exc:
+            raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("route")
     @classmethod

@@ -145,6 +145,8 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
         if not bad:
             for sent in la.sent:
                 out.residuals.extend(sent.enc.residuals)
+            if la.levels is not None:
+                out.residuals.extend(la.levels.residuals)
             for names, values in amax:
                 out.amax.update(zip(names, values, strict=True))
             for meta, flat in probed:
@@ -164,6 +166,9 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
 def _account(st: StepStats, la: Launch, o: Outcome) -> None:
     st.wire_bytes += int(round(la.wire_bytes))
     st.baseline_wire_bytes += int(round(la.baseline_bytes))
+    if la.levels is not None:
+        st.intra_node_bytes += int(round(la.levels.intra_bytes))
+        st.inter_node_bytes += int(round(la.levels.inter_bytes))
     for label, n in la.elements:
         st.route_elements[label] = st.route_elements.get(label, 0) + n
     for name, s in (*la.phases, ("decode", o.callback_time_s)):

@@ -61,6 +61,19 @@ class Probe:
 
 
 @dataclass(frozen=True, slots=True)
+class LevelSent:
+    """A bucket's two-level groups (`twolevel`), reduced in the hook body: bytes per level and
+    the error feedback they staged (committed at the fold unless the bucket was non-finite)."""
+
+    intra_bytes: float
+    """Node-local reduce-scatter + all-gather, in the bucket's dtype (the fast link)."""
+    inter_bytes: float
+    """The route across nodes at W = nodes, scales included (the slow link)."""
+    collectives: int
+    residuals: tuple[tuple[str, torch.Tensor], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Launch:
     """Everything the callback needs, written once by the hook."""
 
@@ -87,6 +100,8 @@ class Launch:
     fidelity_cols: tuple[tuple[str, ...], Columns] | None = None
     """The step's first word only: the previous step's per-region probe fidelity this rank
     measured (regions, and their `FIDELITY_FIELDS` columns), agreed over ranks at the fold."""
+    levels: LevelSent | None = None
+    """Its lossy groups' two-level reduction, already in the buffer (with a hierarchy)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,6 +96,58 @@ class Topology:
         return cls(nodes=world // local, local_world=local, rank=me)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hierarchy:
+    """How `attach(..., hierarchy=)` splits the ranks into nodes (consecutive global ranks per node).
+
+    `attach` also takes the short forms `parse` reads: "auto" (torchrun's LOCAL_WORLD_SIZE),
+    an int (ranks per node), "NODESxLOCAL" (e.g. "64x8", checked against the world size),
+    or None / "flat" (no hierarchy).
+    """
+
+    local_world: int | None = None
+    """Ranks per node; None: torchrun's LOCAL_WORLD_SIZE (the whole world when unset)."""
+    nodes: int | None = None
+    """Nodes; when given, nodes x ranks per node must be the world size (a check, not a choice)."""
+
+    def topology(self, world_size: int, rank: int) -> Topology:
+        """This rank's place; a layout that does not fit the world size is refused in one line."""
+        if self.local_world is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+        else:
+            local = self.local_world
+        if local < 1 or world_size % local:
+            raise NfabError(f"hierarchy: {local} ranks per node do not divide the world size {world_size} "
+                            "(every node needs the same number of ranks)")
+        if self.nodes is not None and self.nodes * local != world_size:
+            raise NfabError(f"hierarchy: {self.nodes} nodes x {local} ranks is not the world size {world_size}")
+        return Topology(nodes=world_size // local, local_world=local, rank=rank)
+
+
+def parse(spec: Hierarchy | str | int | None) -> Hierarchy | None:
+    """A hierarchy from what a user wrote (see `Hierarchy`); None means flat."""
+    if spec is None or isinstance(spec, Hierarchy):
+        return spec
+    if isinstance(spec, bool):
+        raise NfabError(f"hierarchy must be 'auto', 'flat', ranks per node or NODESxLOCAL, got {spec!r}")
+    if isinstance(spec, int):
+        if spec < 1:
+            raise NfabError(f"hierarchy: ranks per node must be >= 1, got {spec}")
+        return Hierarchy(local_world=spec)
+    text = str(spec).strip().lower()
+    if text in ("flat", "none", ""):
+        return None
+    if text == "auto":
+        return Hierarchy()
+    nodes, sep, local = text.partition("x")
+    if text.isdigit():
+        return parse(int(text))
+    if sep and nodes.isdigit() and local.isdigit() and int(nodes) >= 1 and int(local) >= 1:
+        return Hierarchy(nodes=int(nodes), local_world=int(local))
+    raise NfabError(f"hierarchy must be 'auto', 'flat', ranks per node (e.g. 8) or NODESxLOCAL (e.g. 64x8), "
+                    f"got {spec!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Groups:
     """This rank's node-local group and its cross-node group."""
@@ -148,6 +200,28 @@ def shard_lengths(lengths: Sequence[int], start: int, end: int) -> list[int]:
     return out
 
 
+def scatter(x: torch.Tensor, groups: Groups) -> tuple[torch.Tensor, int, int]:
+    """Level 1: node-local SUM reduce-scatter in x's dtype. This rank's shard of the node
+    mean (fp32), its start in x, and the shard length (the last shard is zero-padded)."""
+    topo = groups.topology
+    flat = x.reshape(-1)
+    numel = flat.numel()
+    padded, shard = shard_bounds(numel, topo.local_world)
+    full = torch.zeros(padded, dtype=flat.dtype, device=flat.device)
+    full[:numel] = flat
+    mine = torch.empty(shard, dtype=flat.dtype, device=flat.device)
+    dist.reduce_scatter_tensor(mine, full, op=dist.ReduceOp.SUM, group=groups.local)
+    return mine.to(torch.float32) / topo.local_world, topo.local_rank * shard, shard
+
+
+def gather(reduced: torch.Tensor, like: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Level 3: node-local all-gather of every rank's reduced shard, as `like` (shape, dtype)."""
+    shard = reduced.numel()
+    out = torch.empty(shard * groups.topology.local_world, dtype=like.dtype, device=like.device)
+    all_gather_flat(out, reduced.to(like.dtype).contiguous(), group=groups.local)
+    return out[: like.numel()].view_as(like)
+
+
 def reduce(x: torch.Tensor, reducer: Reducer, groups: Groups, lengths: Sequence[int] | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:
     """Mean over all ranks of `x` through the two-level path (blocking; a new tensor of x's shape).
@@ -156,23 +230,12 @@ def reduce(x: torch.Tensor, reducer: Reducer, groups: Groups, lengths: Sequence[
     there is no slow link and no cross level: the result is the exact node mean.
     """
     topo = groups.topology
-    flat = x.reshape(-1)
-    numel = flat.numel()
-    lengths = [numel] if lengths is None else list(lengths)
-    padded, shard = shard_bounds(numel, topo.local_world)
-    full = torch.zeros(padded, dtype=flat.dtype, device=flat.device)
-    full[:numel] = flat
-    mine = torch.empty(shard, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_tensor(mine, full, op=dist.ReduceOp.SUM, group=groups.local)
-    node_mean = mine.to(torch.float32) / topo.local_world
-    start = topo.local_rank * shard
-    seg = shard_lengths(lengths, start, start + shard)
+    lengths = [x.numel()] if lengths is None else list(lengths)
+    node_mean, start, shard = scatter(x, groups)
     if topo.nodes > 1:
-        node_mean = reducer.reduce(node_mean, seg, group=groups.cross, generator=generator)
-    reduced = node_mean.to(flat.dtype)
-    out = torch.empty(padded, dtype=flat.dtype, device=flat.device)
-    all_gather_flat(out, reduced.contiguous(), group=groups.local)
-    return out[:numel].view_as(x)
+        node_mean = reducer.reduce(node_mean, shard_lengths(lengths, start, start + shard), group=groups.cross,
+                                   generator=generator)
+    return gather(node_mean, x, groups)
 
 
 def replay(xs: Sequence[torch.Tensor], reducer: Reducer, nodes: int, lengths: Sequence[int] | None = None,

@@ -7,17 +7,17 @@ The package in parts (each readable alone):
 - `encode`: the hook body's work per bucket (encode groups, launch collectives);
 - `decode`: the callback's work per bucket (decode into slices, zero a non-finite bucket);
 - `handoff`: the immutable values passed hook -> callback (`Launch`) and back (`Outcome`);
-- `controller`, `health`, `plan`, `bindings`, `stats`: routes, health, slice tables,
-  region classes, per-step statistics.
+- `twolevel`: with `hierarchy=`, lossy groups reduced node-local -> across nodes -> node-local;
+- `controller`, `health`, `fidelity`, `plan`, `bindings`, `stats`: routes, health, probes, ...
 
 Per bucket, in the hook body (DDP calls it in bucket order on every rank):
 1. look up the bucket plan and this step's groups (controller: a pure function of agreed
    state, so every rank launches the same collectives in the same order);
 2. encode each group (error-feedback residuals added on lossy routes; slices that need
    neither residuals nor a probe sample are read where they lie in the bucket);
-3. build the control word (head + per-slice scales / max |x|) — for every bucket with a
-   lossy group, the step's first bucket (loss, previous probe cosine and region fidelity) and its last (the
-   |g|^2 of FP32-only buckets since the previous word, so the step's norm is complete);
+3. build the control word (head + per-slice scales / max |x|) — for every bucket with a lossy
+   group, the step's first bucket (loss, previous probe's cosine and region fidelity) and its
+   last (the |g|^2 of FP32-only buckets since the previous word: the step's norm is complete);
 4. launch, asynchronously: one collective per group plus the word's all-gather, or —
    beside a signgather group, when cheaper — all of it as the bytes of ONE all-gather;
 5. return a future whose callback (`decode.finish_bucket`) decodes every slice in place
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.profile.schema import Profile
-from nfab.runtime import coalesce, control, encode
+from nfab.runtime import coalesce, control, encode, twolevel
 from nfab.runtime import health as health_mod
 from nfab.runtime.bindings import classify
 from nfab.runtime.controller import BucketRoutes, Controller
@@ -52,6 +52,7 @@ from nfab.runtime.decode import finish_bucket
 from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
 from nfab.runtime.handoff import HOOK_PHASES, Encoded, Launch, Outcome, spans
+from nfab.runtime.hierarchy import Hierarchy
 from nfab.runtime.optim import Preconditioner
 from nfab.runtime.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
@@ -80,16 +81,18 @@ class Runtime:
         head_modules: tuple[str, ...] | None = None,
         qsum_scale: str = "exact",
         coalesce: bool = True,
+        hierarchy: Hierarchy | str | int | None = None,
     ) -> None:
         self.scales = AmaxHistory(qsum_scale)
         self.profile = profile
-        self.coalesce = coalesce
-        """Send a bucket with a signgather group as one all-gather when that is cheaper."""
+        self.coalesce = coalesce  # send a bucket with a signgather group as one all-gather when cheaper
         self.group = getattr(ddp, "process_group", None)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.error_feedback = error_feedback
-        self.controller = Controller(profile, self.world_size, cost_model, explicit=explicit, total_steps=total_steps)
+        self.two_level = twolevel.setup(hierarchy, self.group)  # with a hierarchy, routes are decided at W = nodes
+        self.controller = Controller(profile, self.two_level.nodes if self.two_level else self.world_size, cost_model,
+                                     explicit=explicit, total_steps=total_steps)
         module = ddp.module
         self.bindings = classify(module, head_modules)
         self.names = {id(p): n for n, p in module.named_parameters()}
@@ -100,11 +103,9 @@ class Runtime:
         self.health = health_mod.HealthState()
         self.seed = seed
         self.step = 0
-        self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)
-        """The latest steps' statistics (bounded: a run of days must not grow without end)."""
+        self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)  # bounded: a run of days must not grow
         self.events: list[health_mod.HealthEvent] = []
-        self.preconditioner: Preconditioner | None = None
-        """The optimizer's per-coordinate RMS (set by `attach(optimizer=)`): probes compare there."""
+        self.preconditioner: Preconditioner | None = None  # attach(optimizer=): probes compare where Adam acts
         # the step in progress: launches written by the hook, outcomes by the callbacks
         self._launches: list[Launch] = []
         self._outcomes: list[Outcome] = []
@@ -112,10 +113,9 @@ class Runtime:
         self._step_open = False
         self._saw_last = False
         self._loss_local: torch.Tensor | float | None = None
+        # this rank's last probe (plain cosine and its regions; per-region fidelity): the next first word carries it
         self._cosine_next: tuple[float, frozenset[str]] | None = None
-        """The last probe's cosine (this rank's) and regions: the next first word carries it."""
         self._fidelity_next: dict[str, RegionFidelity] = {}
-        """The last probes' per-region fidelity (this rank's): the next first word carries it."""
 
     @property
     def qsum_scale(self) -> str:
@@ -171,7 +171,8 @@ class Runtime:
         bucket_sq = encode.local_sq(buffer)  # before any group is pre-scaled or encoded in place
         marks.append(time.perf_counter())
         word, probe_parts, blocking = control.Builder(), [], encode.Blocking()
-        encoded = [encode.encode_group(ctx, buffer, g, word, probe_parts, blocking) for g in routes.groups]
+        encoded, levels = twolevel.encode_bucket(self.two_level, ctx, buffer, routes.groups, word, probe_parts,
+                                                 blocking)
         # the step's first word: the previous step's region fidelity, agreed at the fold
         fid_cols = fidelity_columns(word, self._fidelity_next, buffer.device) if first else None
         ctrl = None
@@ -186,7 +187,7 @@ class Runtime:
                                     marks)
         if fid_cols is not None:
             launch = dataclasses.replace(launch, fidelity_cols=fid_cols)
-        self._launches.append(launch)
+        self._launches.append(twolevel.with_levels(launch, levels))
         return torch.futures.collect_all(futs).then(partial(self._callback, launch))
 
     def _context(self, bucket: dist.GradBucket,
@@ -198,7 +199,8 @@ class Runtime:
         w = self.world_size
         # every lossy bucket on a probe step: each region's drift trend needs its own samples
         probing = routes.has_lossy and self._probe_step()
-        gathered = coalesce.should_coalesce(routes.groups, w, self.coalesce, self.controller.cost_model)
+        gathered = not self.two_level and coalesce.should_coalesce(routes.groups, w, self.coalesce,
+                                                                     self.controller.cost_model)
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered,
                                    self.residuals, self.scales, frozenset(self.health.ef_off))
@@ -262,10 +264,9 @@ class Runtime:
         return plan
 
     def _probe_step(self) -> bool:
-        every = self.profile.health.probe_every
-        # dense early probes feed the drift monitor, which acts only with the optimizer's second moment
-        dense = self.preconditioner is not None and self.step < self.profile.health.dense_probe_steps
-        return every > 0 and (self.step % every == 0 or dense)
+        h = self.profile.health  # dense early probes feed the drift monitor (it reads the optimizer's 2nd moment)
+        dense = self.preconditioner is not None and self.step < h.dense_probe_steps
+        return h.probe_every > 0 and (self.step % h.probe_every == 0 or dense)
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""

@@ -17,6 +17,12 @@ class StepStats:
     baseline_wire_bytes: int = 0
     """Bytes plain DDP would have sent for the same buckets, in each bucket's own dtype
     (2 bytes per element for a bf16/fp16 bucket): the base every compression ratio uses."""
+    intra_node_bytes: int = 0
+    """Of `wire_bytes`: the two-level path's node-local reduce-scatter + all-gather (the fast
+    link; 0 without a hierarchy)."""
+    inter_node_bytes: int = 0
+    """Of `wire_bytes`: the two-level path's route across nodes at W = nodes (the slow link; 0
+    without a hierarchy). The rest of `wire_bytes` went over all ranks (FP32 groups, control words)."""
     route_elements: dict[str, int] = field(default_factory=dict)
     """Gradient elements per route (sign split into signcount / signgather)."""
     fallback: bool = False

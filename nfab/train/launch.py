@@ -31,6 +31,7 @@ from nfab.fsutil import atomic_write_text
 from nfab.models import model_signature
 from nfab.profile.schema import Profile
 from nfab.runtime.controller import candidates
+from nfab.runtime.hierarchy import parse as parse_hierarchy
 from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig, load_config
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
@@ -158,6 +159,9 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
         check_world(profile, world, f"profile {cfg.comm.profile}", warn)
     if cfg.comm.route is not None:
         check_world(Profile.static(cfg.comm.route), world, "route", warn)
+    layout = parse_hierarchy(cfg.comm.hierarchy)
+    if layout is not None and layout.local_world is not None:  # "auto" is torchrun's --nproc per node
+        layout.topology(world, 0)
     if cfg.comm.cost_model not in ("measure", "none"):
         CostModel.load(cfg.comm.cost_model)
     if cfg.run_dir is None:

@@ -116,6 +116,12 @@ def _cost_model(cfg: TrainConfig, ddp: DistributedDataParallel, saved: str | Non
     return cost_mod.CostModel.load(choice)
 
 
+def _levels(runtime: Runtime | None) -> str | None:
+    """"NODESxLOCAL" when the hook reduces in two levels, else None (flat)."""
+    two = runtime.two_level if runtime is not None else None
+    return f"{two.topology.nodes}x{two.topology.local_world}" if two is not None else None
+
+
 def restart_history(run_dir: Path, shared: dict[str, Any], resumed: bool, start: int) -> list[dict[str, Any]]:
     """Every (re)start of this run so far, this one included when it resumed.
 
@@ -177,7 +183,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             ddp, profile=cfg.comm.profile, route=cfg.comm.route, error_feedback=cfg.comm.error_feedback,
             total_steps=cfg.steps, cost_model=cm, seed=cfg.seed, head_modules=spec.head_modules,
             model_signature=model_signature(module) if cfg.comm.profile else None,
-            qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer,
+            qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer, hierarchy=cfg.comm.hierarchy,
         )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
     rows: list[dict[str, Any]] = list(shared.get("rows", []))
@@ -194,7 +200,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     plain_bytes = baseline_wire_bytes(module, world)
     identity = {
         "model": spec.name, "dataset": cfg.data.name, "world_size": world, "route": route_label(cfg),
-        "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb,
+        "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb, "hierarchy": _levels(runtime),
         "profile": {"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)} if cfg.comm.profile else None,
         "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
     }
@@ -306,4 +312,5 @@ def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, m
                     fallback=st.fallback, fallback_reason=st.fallback_reason, skipped=st.skipped,
                     fidelity_cosine=st.fidelity_cosine, region_cosine=st.region_cosine,
                     hook_time_s=st.hook_time_s, collectives=st.collectives,
-                    scale_rounds=st.scale_rounds, saturated_slices=st.saturated_slices, events="; ".join(st.events))
+                    scale_rounds=st.scale_rounds, saturated_slices=st.saturated_slices, events="; ".join(st.events),
+                    intra_node_bytes=st.intra_node_bytes, inter_node_bytes=st.inter_node_bytes)

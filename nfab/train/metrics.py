@@ -28,6 +28,8 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("grad_norm", pa.float64()),
     ("wire_bytes", pa.int64()),
     ("baseline_wire_bytes", pa.int64()),
+    ("intra_node_bytes", pa.int64()),
+    ("inter_node_bytes", pa.int64()),
     ("route_mix", pa.string()),
     ("fallback", pa.bool_()),
     ("fallback_reason", pa.string()),
@@ -47,7 +49,8 @@ SCHEMA = pa.schema([pa.field(name, kind, nullable=False) for name, kind in COLUM
 NAN = float("nan")
 
 
-_COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0, "region_cosine": "{}"}
+_COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0, "region_cosine": "{}",
+                    "intra_node_bytes": 0, "inter_node_bytes": 0}
 
 
 def _nan(value: float | None) -> float:
@@ -73,6 +76,8 @@ def make_row(
     collectives: int = 0,
     scale_rounds: int = 0,
     saturated_slices: int = 0,
+    intra_node_bytes: int = 0,
+    inter_node_bytes: int = 0,
     step_time_s: float = 0.0,
     events: str = "",
 ) -> dict[str, Any]:
@@ -80,6 +85,7 @@ def make_row(
     return {
         "step": int(step), "phase": str(phase), "loss": float(loss), "lr": float(lr),
         "grad_norm": float(grad_norm), "wire_bytes": int(wire_bytes), "baseline_wire_bytes": int(baseline_wire_bytes),
+        "intra_node_bytes": int(intra_node_bytes), "inter_node_bytes": int(inter_node_bytes),
         "route_mix": json.dumps(route_mix, sort_keys=True), "fallback": bool(fallback),
         "fallback_reason": fallback_reason or "", "skipped": bool(skipped),
         "fidelity_cosine": _nan(fidelity_cosine),
@@ -103,6 +109,8 @@ class Totals:
 
     wire_bytes: int = 0
     baseline_wire_bytes: int = 0
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
     fallback_steps: int = 0
     skipped_steps: int = 0
     final_eval: dict[str, float] = field(default_factory=dict)
@@ -113,6 +121,8 @@ class Totals:
         for r in rows:
             t.wire_bytes += r["wire_bytes"]
             t.baseline_wire_bytes += r["baseline_wire_bytes"]
+            t.intra_node_bytes += r.get("intra_node_bytes", 0)
+            t.inter_node_bytes += r.get("inter_node_bytes", 0)
             t.fallback_steps += bool(r["fallback"])
             t.skipped_steps += bool(r["skipped"])
         evals = [r for r in rows if not math.isnan(r["eval_loss"])]
@@ -141,6 +151,8 @@ def write_summary(path: str | Path, identity: dict[str, Any], rows: list[dict[st
         "wire_bytes_total": t.wire_bytes,
         "baseline_wire_bytes_total": t.baseline_wire_bytes,
         "compression_ratio": t.baseline_wire_bytes / t.wire_bytes if t.wire_bytes else 1.0,
+        "intra_node_bytes_total": t.intra_node_bytes,
+        "inter_node_bytes_total": t.inter_node_bytes,
         "fallback_steps": t.fallback_steps,
         "skipped_steps": t.skipped_steps,
         "wall_time_s": wall_time_s,

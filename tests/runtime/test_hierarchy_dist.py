@@ -13,7 +13,7 @@ from nfab.runtime import hierarchy as hier
 from nfab.wire.reducers import REDUCERS
 
 NUMEL, LENGTHS = 1001, [300, 5, 696]  # odd: the last shard is padded; segments cut by shard boundaries
-KEYS = ("allreduce-fp32", "allreduce-bf16", "signgather", "signcount", "qsum-q8")
+KEYS = ("allreduce-fp32", "allreduce-bf16", "signgather", "signcount", "signscatter", "qsum-q8")
 
 
 def grads(rank: int) -> torch.Tensor:
