@@ -115,6 +115,12 @@ def judge(doc: dict[str, Any]) -> list[dict[str, Any]]:
             bad = d is None or (d > FAIL_LOSS_RISE if setting["metric"] == "loss" else d < -5 * MAX_ACC_DROP)
             if variant in ("sign", "sign-ef") and bad:
                 verdict["failing_static"].append(variant)
+        caught = rows.get("sign-ef")
+        if caught is not None and caught["ok"] and setting["metric"] == "loss":
+            # forced error feedback under AdamW: the monitor must act (events) and hold the loss
+            d = quality_delta(setting, caught, fp32)
+            verdict.update(monitor_events=len(caught.get("health_events") or []), monitor_delta=d,
+                           monitor_ok=bool(caught.get("health_events")) and d is not None and d <= FAIL_LOSS_RISE)
         prof = rows.get("profile")
         if prof is not None and prof["ok"]:
             d = quality_delta(setting, prof, fp32)

@@ -26,8 +26,9 @@ LABELS: dict[str, str] = {
     "fp16": "fp16 (`fp16_compress_hook`)",
     "powersgd-r2": "PowerSGD rank 2 (one bucket)",
     "powersgd-r8": "PowerSGD rank 8 (one bucket)",
-    "sign": "nfab static sign, no error feedback",
-    "sign-ef": "nfab static sign + error feedback",
+    "sign": "nfab static sign (error feedback auto: off under AdamW)",
+    "sign-ef": "nfab static sign + error feedback forced (health monitor on)",
+    "bq3": "nfab static bq3 (block-scaled 3-bit qsum)",
     "profile": "**nfab calibrated profile**",
 }
 
@@ -87,6 +88,11 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
             parts.append(f"profile {dtext} at {_fmt(v['profile_ratio'], '.1f', 'x')}: target (within "
                          f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt of FP32 at >= {MIN_RATIO:.0f}x) "
                          f"{'MET' if v['met'] else 'MISSED'}")
+        if "monitor_ok" in v:
+            d = v["monitor_delta"]
+            parts.append(f"health monitor on sign + forced error feedback: {v['monitor_events']} events, "
+                         f"{'–' if d is None else f'{d * 100:+.2f}%'} (target: events and within 5%): "
+                         f"{'MET' if v['monitor_ok'] else 'MISSED'}")
         if v["failing_static"]:
             parts.append("static low-bit measurably fails: " + ", ".join(v["failing_static"]))
         out.append(f"- **{v['setting']}**: " + "; ".join(parts or ["no profile run"]))

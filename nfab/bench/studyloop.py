@@ -9,8 +9,13 @@ spawned here. The variant decides only what the loop registers on DDP:
 | `fp32` | plain DDP (no hook) |
 | `fp16` | PyTorch's `fp16_compress_hook` |
 | `powersgd-r2`, `powersgd-r8` | PyTorch's `powerSGD_hook`, rank 2 / 8, ONE bucket (it aborts on gloo with several) |
-| `sign`, `sign-ef` | `nfab.attach(route="sign")` without / with error feedback |
-| `profile` | `nfab.attach(profile)` (a calibrated profile) |
+| `sign` | `nfab.attach(route="sign", optimizer=opt)`: error feedback "auto" (off under Adam-style optimizers) |
+| `sign-ef` | the same with `error_feedback=True` forced: what the health monitor must catch |
+| `bq3` | `nfab.attach(route="bq3", optimizer=opt)`: block-scaled 3-bit qsum everywhere |
+| `profile` | `nfab.attach(profile, optimizer=opt)` (a calibrated profile) |
+
+Every nfab variant hands `attach` the optimizer, as the README tells users to: nfab then
+knows the optimizer family (error feedback) and its second moment (the drift monitor).
 
 nfab variants run with `cost_model=None`: on loopback a measured cost model finds FP32
 cheaper and would route every bucket to FP32; the study measures quality and bytes.
@@ -46,7 +51,7 @@ from nfab.data.loader import make_eval_loader
 from nfab.models import build_model
 from nfab.wire.reducers import allreduce_factor
 
-VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "profile")
+VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "profile")
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
 COLLECTIVE_TIMEOUT_S = 300
@@ -202,22 +207,23 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     bucket = POWERSGD_BUCKET_MB if variant.startswith("powersgd") else None
     ddp = DDP(model, **({"bucket_cap_mb": bucket} if bucket else {}))
     runtime = state = None
+    opt = _optimizer(setting, ddp.parameters())  # before attach: nfab reads its family and second moment
     if variant == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif variant.startswith("powersgd"):
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant.split("-r")[1]),
                                    start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    elif variant in ("sign", "sign-ef"):
-        runtime = nfab.attach(ddp, route="sign", error_feedback=variant == "sign-ef", cost_model=None, seed=seed,
+    elif variant in ("sign", "sign-ef", "bq3"):
+        runtime = nfab.attach(ddp, route=variant.removesuffix("-ef"), optimizer=opt,
+                              error_feedback=True if variant == "sign-ef" else "auto", cost_model=None, seed=seed,
                               total_steps=setting.steps, head_modules=spec.head_modules)
     elif variant == "profile":
         prof = nfab.Profile.load(profile)
         if setting.routes_only:
             prof = prof.model_copy(update={"model": prof.model.model_copy(update={"signature": None})})
-        runtime = nfab.attach(ddp, prof, cost_model=None, seed=seed, total_steps=setting.steps,
+        runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
                               head_modules=spec.head_modules)
-    opt = _optimizer(setting, ddp.parameters())
     wire = 0.0
     fallback_steps = 0
     events: list[str] = []

@@ -24,10 +24,15 @@ from nfab.models.options import accepted_options
 from nfab.models.registry import MODELS
 from nfab.overrides import parse_kv
 from nfab.validation import StrictModel, describe
-from nfab.wire.codecs import ROUTES
+from nfab.wire.codecs import BLOCK_ROUTES, ROUTES
 
-DEFAULT_ROUTES: tuple[str, ...] = tuple(r for r in ROUTES if r != "fp16")
-"""Routes a sweep measures unless told otherwise: every registered route (fp16 is bf16's twin on the wire)."""
+DEFAULT_BLOCK_ROUTES: tuple[str, ...] = ("bq3", "bq4", "bq3-256")
+"""Block-scaled qsum routes a sweep measures by default: 3 and 4 bits of levels per 64-element
+block, and 3 bits per 256 (so the fit can choose the block size); the others can be named."""
+DEFAULT_ROUTES: tuple[str, ...] = tuple(
+    r for r in ROUTES if r != "fp16" and (r not in BLOCK_ROUTES or r in DEFAULT_BLOCK_ROUTES))
+"""Routes a sweep measures unless told otherwise: every per-tensor route (fp16 is bf16's twin
+on the wire) and `DEFAULT_BLOCK_ROUTES`."""
 
 QUICK_TRIAL_ROUTES: tuple[str, ...] = ("sign", "q8")
 """Routes `--quick` trials: the cheapest lossy route and the safest cheap one."""
