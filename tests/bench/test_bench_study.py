@@ -71,7 +71,7 @@ def test_study_runs_every_variant_in_a_user_loop(tmp_path: Path) -> None:
     assert (cfg.out / "pareto_resnet18.png").read_bytes()[:4] == b"\x89PNG"
     html = (cfg.out / "report.html").read_text()
     assert "pareto_resnet18.png" in html and "PowerSGD rank 8" in html
-    assert "| nfab static sign + error feedback |" in (cfg.out / "study.md").read_text()
+    assert "| nfab static sign + error feedback forced (health monitor on) |" in (cfg.out / "study.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [
