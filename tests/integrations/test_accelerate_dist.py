@@ -143,7 +143,12 @@ def test_save_state_carries_every_ranks_nfab_state(tmp_path: Path):
     for a, b in zip(first, resumed, strict=True):
         assert a["half"]["step"] == 2 and a["half"]["residuals"]
         full = a["full"]
-        assert b["step"] == full["step"] == 3 and b["health"] == full["health"]
+        assert b["step"] == full["step"] == 3
+        # floats to 1e-6: the first resumed step runs on DDP's initial buckets, and the step's |g|^2
+        # is summed bucket by bucket, so its last bits may differ from the uninterrupted run's
+        assert b["health"].keys() == full["health"].keys()
+        for k, v in full["health"].items():
+            assert b["health"][k] == (pytest.approx(v, rel=1e-6) if isinstance(v, float) else v)
         assert b["residuals"].keys() == full["residuals"].keys()
         assert all(torch.equal(b["residuals"][k], full["residuals"][k]) for k in full["residuals"])
         assert torch.equal(b["params"], full["params"])
