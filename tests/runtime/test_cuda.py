@@ -181,18 +181,25 @@ def _forcing(key, world_size: int):
 
 
 def _reference_ok(route: str, g: torch.Tensor, got: torch.Tensor, w: int, scale_hist: float | None) -> bool:
-    """W=1: the hook's 'mean' is this rank's own gradient through the route."""
+    """W=1: the hook's 'mean' is this rank's own gradient through the route. The twin's
+    gradient `g` comes from a second backward, which CUDA kernels with atomics may round
+    differently in the last bit: tolerances allow that, and a sign may differ only where
+    |g| is within that noise of zero."""
     g, got = g.float().reshape(-1), got.float().reshape(-1)
+    big = g.abs().max() + 1e-30
     if route == "sign":  # majority of one vote: +-1 times the slice's mean |g|
-        expect = torch.where(g >= 0, 1.0, -1.0) * g.abs().mean()
-        return bool(((got - expect).abs() <= 1e-5 * g.abs().mean() + 1e-30).all())
+        s = g.abs().mean()
+        expect = torch.where(g >= 0, 1.0, -1.0) * s
+        off = (got - expect).abs() > 1e-4 * s + 1e-30
+        return bool((g[off].abs() <= 1e-5 * big).all())
     if route in ("q8", "q4"):
         scale = torch.tensor(scale_hist, device=g.device) if scale_hist is not None else g.abs().max()
         m = ((1 << int(route[1])) - 1) // w
-        return bool(((got - g.clamp(-scale, scale)).abs() <= 2 * scale / m * (1 + 1e-5)).all())
-    if route in ("bf16", "fp16"):
-        return torch.equal(got, g.to(torch.bfloat16 if route == "bf16" else torch.float16).float())
-    return torch.equal(got, g)
+        return bool(((got - g.clamp(-scale, scale)).abs() <= 2 * scale / m * (1 + 1e-4) + 1e-6 * big).all())
+    if route in ("bf16", "fp16"):  # one rounding of g to the route's dtype
+        ulp = 2.0**-8 if route == "bf16" else 2.0**-11
+        return bool(((got - g).abs() <= ulp * g.abs() + 1e-6 * big).all())
+    return bool(((got - g).abs() <= 1e-5 * g.abs() + 1e-6 * big).all())
 
 
 def _routes_run(rank: int, world_size: int, case: str) -> dict:
@@ -200,6 +207,7 @@ def _routes_run(rank: int, world_size: int, case: str) -> dict:
     from nfab.runtime.hook import nfab_hook
 
     routes, ef, qsum_scale, force = ROUTE_CASES[case]
+    torch.backends.cudnn.deterministic = True  # the twin's conv gradient as DDP's (references above)
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     model = twins.Awkward().to(dev)
