@@ -3,6 +3,11 @@
 Accelerate's `DistributedDataParallelKwargs(comm_hook=...)` accepts only its own built-in
 hooks, so nfab registers on the prepared model directly, exactly as `nfab.attach` does in a
 plain loop. Call it once, after `prepare` and before the first backward, on every process.
+
+It also registers nfab's state for Accelerate's checkpoints (`register_for_checkpointing`):
+`accelerator.save_state(dir)` stores every rank's state (error-feedback residuals are per
+rank; `nfab.integrations.state.RankStates`) and `accelerator.load_state(dir)` restores each
+rank's own, as every process calls both.
 """
 
 from __future__ import annotations
@@ -51,5 +56,8 @@ def attach(
             f"{type(prepared_model).__name__} (distributed type {accelerator.distributed_type})"
         )
     from nfab.api import attach as nfab_attach
+    from nfab.integrations.state import RankStates
 
-    return nfab_attach(prepared_model, profile, route=route, **attach_kwargs)
+    runtime = nfab_attach(prepared_model, profile, route=route, **attach_kwargs)
+    accelerator.register_for_checkpointing(RankStates(runtime, prepared_model))
+    return runtime

@@ -9,6 +9,11 @@ public `setup(trainer)` instead: Lightning's own setup wraps the module in DDP
 attaches to the wrapped model whatever the device, and can be given the optimizer (which
 `error_feedback="auto"` reads). Overriding the private `_register_ddp_hooks` would bind nfab
 to a Lightning internal, and the public `configure_ddp` runs before the optimizers exist.
+
+Checkpoints carry nfab's state under `checkpoint["nfab"]`: every rank's (the error-feedback
+residuals differ per rank; `nfab.integrations.state.RankStates`), gathered in
+`save_checkpoint` (which Lightning calls on every rank, writing on rank 0), and restored on
+each rank right after `setup` attaches, from what `load_checkpoint` read on `fit(ckpt_path=...)`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.optim import Optimizer
 from nfab.errors import NfabError
 from nfab.integrations.defaults import attach_with_defaults
 from nfab.integrations.metrics import step_metrics
+from nfab.integrations.state import KEY, RankStates, restore
 from nfab.profile.schema import Profile
 from nfab.runtime.hook import Runtime
 
@@ -66,6 +72,7 @@ class NfabDDPStrategy(DDPStrategy):
         self.runtime: Runtime | None = None
         """nfab's hook state on this rank, set when `fit` wraps the model in DDP."""
         self._logged_step = -1
+        self._pending: dict[str, Any] | None = None
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Lightning's setup (DDP wrap in `configure_ddp`, then optimizers), then attach nfab on any device."""
@@ -76,6 +83,21 @@ class NfabDDPStrategy(DDPStrategy):
         self.runtime = attach_with_defaults(self.model, self._nfab_profile, self._nfab_route, self._attach_kwargs,
                                             total_steps=_total_steps(trainer), optimizer=optimizer)
         self._logged_step = -1
+        if self._pending is not None:  # resuming: nfab's state from the checkpoint, this rank's entry
+            restore(self.runtime, self.model, self._pending)
+            self._pending = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Add every rank's nfab state (a collective: Lightning calls this on every rank), then save."""
+        if self.runtime is not None:
+            checkpoint[KEY] = RankStates(self.runtime, self.model).state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load; nfab's state is kept for `setup` (the hook does not exist yet)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._pending = checkpoint.get(KEY)
+        return checkpoint
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's training step; its loss feeds nfab's health monitor (it rides with the next control word)."""

@@ -6,6 +6,14 @@ inside `train()`. So `attach(trainer, ...)` adds a `TrainerCallback` that, at
 just built, before the first backward) and then puts each logged step's nfab statistics into
 the Trainer's logs through `trainer.log`, so `log_history` and every `report_to` reporter
 see them.
+
+Checkpoints: at `on_save` every rank writes its own nfab state (error-feedback residuals are
+per rank) into the checkpoint folder the Trainer just wrote, `nfab_state_rank<r>.pt`,
+temp file + rename, as the Trainer writes its per-process RNG states. A resumed
+`train(resume_from_checkpoint=...)` restores it at `on_train_begin`, right after attaching,
+from `args.resume_from_checkpoint` when that names a folder, else from
+`<output_dir>/checkpoint-<global step>` (where `resume_from_checkpoint=True` resumes from);
+set `callback.resume_from` to name another folder.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 
 try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nfab.integrations.transformers needs Transformers: pip install 'nfab[transformers]'") from e
 from torch.nn.parallel import DistributedDataParallel
@@ -23,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nfab.errors import NfabError
 from nfab.integrations.defaults import attach_with_defaults
 from nfab.integrations.metrics import step_metrics
+from nfab.integrations.state import load_rank_file, save_rank_file
 from nfab.profile.schema import Profile
 from nfab.runtime.hook import Runtime
 
@@ -52,6 +62,8 @@ class NfabCallback(TrainerCallback):
         self.runtime: Runtime | None = None
         self._ddp: DistributedDataParallel | None = None
         self._logged_step = -1
+        self.resume_from: str | Path | None = None
+        """The checkpoint folder to restore nfab's state from (default: see the module doc)."""
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -68,6 +80,25 @@ class NfabCallback(TrainerCallback):
                                             total_steps=state.max_steps, optimizer=self.trainer.optimizer)
         self._ddp = model
         self._logged_step = -1
+        if state.global_step > 0:
+            self._restore(args, state, model)
+
+    def _restore(self, args: TrainingArguments, state: TrainerState, model: DistributedDataParallel) -> None:
+        assert self.runtime is not None
+        folder = self.resume_from
+        named = args.resume_from_checkpoint
+        if folder is None and isinstance(named, str) and Path(named).is_dir():
+            folder = named
+        if folder is None:
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not load_rank_file(self.runtime, model, folder):
+            log.warning("nfab: resumed at step %d but %s holds no nfab state: residuals and health start afresh",
+                        state.global_step, folder)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Every rank writes its nfab state into the checkpoint folder the Trainer just saved."""
+        if self.runtime is not None:
+            save_rank_file(self.runtime, Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:

@@ -2,8 +2,9 @@
 
 Runs as a future callback (any thread, any order across buckets): it launches no
 collective, writes only the bucket buffer, and returns an `Outcome`. Host reads: on the
-CPU the non-finite flag is read directly (free there); on an accelerator the bucket is
-decoded regardless and masked on the device, so no callback waits for the device.
+CPU the non-finite flag is read directly (free there); on any other device (and on the CPU
+under `fastpath.host_paths(False)`) the bucket is decoded regardless and masked on the
+device, and the decoders take their torch paths, so no callback waits for the device.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nfab.runtime import control, fidelity
 from nfab.runtime.controller import FP32, Group
 from nfab.runtime.encode import views
 from nfab.runtime.handoff import Launch, Outcome, Sent
+from nfab.wire import fastpath
 from nfab.wire.qsum import QSum
 from nfab.wire.reducer import write_into
 from nfab.wire.reducers import REDUCERS, mean_of_ranks
@@ -115,12 +117,12 @@ def _value(sent: Sent) -> torch.Tensor:
 
 def _known_true(flag: torch.Tensor) -> bool:
     """The flag's value where reading it costs nothing (CPU); False (decode anyway) elsewhere."""
-    return flag.device.type == "cpu" and bool(flag)
+    return fastpath.on_host(flag) and bool(flag)
 
 
 def _zero_if(buffer: torch.Tensor, flag: torch.Tensor) -> None:
     """Zero the bucket when `flag` (0-d bool) is set: read on the CPU, masked on the device elsewhere."""
-    if flag.device.type == "cpu":
+    if fastpath.on_host(flag):
         if bool(flag):
             buffer.zero_()
     else:

@@ -8,7 +8,7 @@ these with lane packing and collectives. Route names are the user's vocabulary:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 import torch
@@ -26,6 +26,17 @@ ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign", *BL
 _ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
 
 
+def segment_counts(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`lengths` as an int64 tensor on `device`, without waiting: built on the host and sent
+    with a non-blocking copy (a blocking one would wait for the device; cached per layout)."""
+    return _segment_counts(tuple(lengths), torch.device(device))
+
+
+@lru_cache(maxsize=512)
+def _segment_counts(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+
+
 def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """Mean |x| over each consecutive segment of `x` (one scale per parameter slice).
 
@@ -35,12 +46,12 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     every replay gets the same bits.
     """
     lengths = list(lengths)
-    if x.device.type != "cpu":
+    divisors = segment_counts([max(n, 1) for n in lengths], x.device).to(torch.float32)
+    if not fastpath.on_host(x):
         parts = torch.split(x, lengths)
         sums = [torch.linalg.vector_norm(p, 1, dtype=torch.float32) if p.numel()
                 else x.new_zeros((), dtype=torch.float32) for p in parts]
-        return (torch.stack(sums) if sums else x.new_zeros(0, dtype=torch.float32)) / torch.tensor(
-            [max(n, 1) for n in lengths], dtype=torch.float32, device=x.device)
+        return (torch.stack(sums) if sums else x.new_zeros(0, dtype=torch.float32)) / divisors
     buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32, device=x.device)
     sums = []
     start = 0
@@ -55,7 +66,7 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         start += n
     if not sums:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
-    return torch.stack(sums) / torch.tensor([max(n, 1) for n in lengths], dtype=torch.float32, device=x.device)
+    return torch.stack(sums) / divisors
 
 
 _MANY_SEGMENTS = 8
@@ -72,8 +83,8 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     if fastpath.qsum_supports(x):
         return fastpath.segment_max_abs(x, lengths)
     if len(lengths) > _MANY_SEGMENTS:
-        counts = torch.tensor(lengths, device=x.device)
-        seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), counts, output_size=x.numel())
+        seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), segment_counts(lengths, x.device),
+                                      output_size=x.numel())
         out = torch.zeros(len(lengths), dtype=torch.float32, device=x.device)
         return out.scatter_reduce_(0, seg, x.abs().to(torch.float32), "amax")
     parts = torch.split(x, lengths)
@@ -85,19 +96,35 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
 
 
 def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """Multiply each segment of `x` in place by its scale; returns `x`."""
+    """Multiply each segment of `x` in place by its scale; returns `x`.
+
+    The scales stay where they are: on the host one Python float per segment (free to read
+    on the CPU), elsewhere a 0-d device tensor per segment, or for many segments one
+    per-element scale vector (one kernel instead of one per segment). Either way each
+    element is fl(x * s) in fp32, so every path gives the same bits.
+    """
     lengths = list(lengths)
+    flat = scales.reshape(-1)
     if len(lengths) == 1:
-        return x.mul_(scales.reshape(-1)[0])
-    for part, s in zip(torch.split(x, lengths), scales.tolist(), strict=True):
-        part.mul_(s)
+        return x.mul_(flat[0])
+    if fastpath.on_host(scales):
+        for part, s in zip(torch.split(x, lengths), flat.tolist(), strict=True):
+            part.mul_(s)
+    elif len(lengths) > _MANY_SEGMENTS:
+        x.mul_(torch.repeat_interleave(flat.to(x.dtype), segment_counts(lengths, x.device), output_size=x.numel()))
+    else:
+        for i, part in enumerate(torch.split(x, lengths)):
+            part.mul_(flat[i])
     return x
 
 
 def scale_segments_into(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
                         dests: Sequence[torch.Tensor]) -> None:
-    """dests[i] = segment i of `x` times scales[i]: scaling and scattering in one pass."""
-    for part, s, d in zip(torch.split(x, list(lengths)), scales.tolist(), dests, strict=True):
+    """dests[i] = segment i of `x` times scales[i]: scaling and scattering in one pass
+    (each scale a host float on the CPU, a 0-d device tensor elsewhere: no host read)."""
+    flat = scales.reshape(-1)
+    factors = flat.tolist() if fastpath.on_host(scales) else list(flat.unbind())
+    for part, s, d in zip(torch.split(x, list(lengths)), factors, dests, strict=True):
         torch.mul(part, s, out=d)
 
 
@@ -106,7 +133,7 @@ def sign_bits(x: torch.Tensor) -> torch.Tensor:
 
     -0.0 votes positive and NaN negative on every path (numpy's >= is IEEE like torch's).
     """
-    if x.device.type == "cpu" and x.dtype == torch.float32:
+    if fastpath.on_host(x) and x.dtype == torch.float32:
         out = np.empty(x.numel(), dtype=np.bool_)
         np.greater_equal(x.reshape(-1).contiguous().numpy(), np.float32(0), out=out)
         return torch.from_numpy(out).view(x.shape)
@@ -123,7 +150,7 @@ def _unit_sign_table() -> np.ndarray:
 def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """This rank's own decoded contribution: +scale where the vote is positive, else -scale."""
     n = bits.numel()
-    if bits.device.type == "cpu" and n:
+    if fastpath.on_host(bits) and n:
         packed = np.packbits(bits.reshape(-1).contiguous().numpy(), bitorder="little")
         return sign_values_packed(packed, n, scales, lengths)
     local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)
@@ -131,7 +158,8 @@ def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]
 
 
 def sign_values_packed(packed: np.ndarray, n: int, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """`sign_values` from votes packed 1 bit per element (little-endian bit order), on CPU."""
+    """`sign_values` from votes packed 1 bit per element (little-endian bit order), on CPU
+    only (the CPU encoders' path: it reads the scale on the host)."""
     lengths = list(lengths)
     out = np.empty(packed.size * 8, dtype=np.float32)
     table = _unit_sign_table()

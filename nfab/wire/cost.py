@@ -115,12 +115,21 @@ def measure_codecs(world_size: int, numel: int = 1 << 18, reps: int = 3,
     """Encode+decode seconds per element for every reducer that can run at W (one process),
     on `device` (where the gradients live)."""
     x = torch.randn(numel, device=device)
+    done = _synchronizer(device)
     out: dict[str, float] = {}
     for key, red in REDUCERS.items():
         if key == "allreduce-fp32" or not red.capacity(world_size).ok:
             continue
-        out[key] = best_time(lambda r=red: _encode_decode(r, x, world_size), reps) / numel
+        out[key] = best_time(lambda r=red: done(_encode_decode(r, x, world_size)), reps) / numel
     return out
+
+
+def _synchronizer(device: torch.device | str):
+    """On CUDA a call returns when its kernels are queued: wait for them, so the timer measures
+    the work (attach-time measurement, never in the hook). Elsewhere the call has finished."""
+    if torch.device(device).type == "cuda":
+        return lambda result=None: torch.cuda.synchronize(device)
+    return lambda result=None: result
 
 
 def _encode_decode(red: Reducer, x: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -182,18 +191,19 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
     w = dist.get_world_size(group)
     sizes = (256, large_numel // 8, large_numel)
     fp32 = REDUCERS["allreduce-fp32"]
+    done = _synchronizer(device)
     timings: list[float] = []
     for n in sizes:
         buf = torch.zeros(n, device=device)
-        timings.append(median_time(lambda b=buf: dist.all_reduce(b, group=group), reps))
+        timings.append(median_time(lambda b=buf: done(dist.all_reduce(b, group=group)), reps))
     for n in sizes:
         src = torch.zeros(n * 4, dtype=torch.uint8, device=device)
         dst = torch.empty(n * 4 * w, dtype=torch.uint8, device=device)
-        timings.append(median_time(lambda s=src, d=dst: all_gather_flat(d, s, group=group), reps))
+        timings.append(median_time(lambda s=src, d=dst: done(all_gather_flat(d, s, group=group)), reps))
     for n in sizes:  # int32 count lanes, as signscatter sends them
         full = torch.zeros(-(-n // w) * w, dtype=torch.int32, device=device)
         part = torch.empty(full.numel() // w, dtype=torch.int32, device=device)
-        timings.append(median_time(lambda f=full, p=part: reduce_scatter_flat(p, f, group=group), reps))
+        timings.append(median_time(lambda f=full, p=part: done(reduce_scatter_flat(p, f, group=group)), reps))
     codec = measure_codecs(w, device=device)
     keys = sorted(codec)
     vec = torch.tensor(timings + [codec[k] for k in keys], dtype=torch.float64, device=device)

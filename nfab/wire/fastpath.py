@@ -4,12 +4,19 @@ Every function here has a torch reference that runs on any device (`lanes.py`,
 `codecs.py`, the reducers' own torch code) and produces the same bits; the reducers
 call `supports(...)` and take the fast path only for CPU tensors on a little-endian
 machine with numba installed. Tests check both paths against each other bit for bit.
+
+`on_host` is the one dispatch by device: these kernels, the numpy codecs and a callback's
+direct flag read run only where it says the values are free to read (CPU tensors); every
+other device takes torch ops that never read a value back to the host. `host_paths(False)`
+sends CPU tensors down the device path too, so a CPU machine can check it reads nothing
+(tests/runtime/test_host_reads_dist.py).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 
 import numpy as np
@@ -28,9 +35,30 @@ _HALF = {torch.bfloat16: True, torch.float16: False}
 SIGN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_host = True
+
+
+def on_host(*tensors: torch.Tensor) -> bool:
+    """Whether host code may read these tensors' values: all on the CPU (where reading is
+    free), unless `host_paths(False)` is in effect. False on CUDA and every other device."""
+    return _host and all(t.device.type == "cpu" for t in tensors)
+
+
+@contextmanager
+def host_paths(enabled: bool) -> Iterator[None]:
+    """Let CPU tensors take the host paths (default) or, with False, the device paths every
+    other device takes (process-wide: the hook's callbacks run on other threads)."""
+    global _host
+    was, _host = _host, enabled
+    try:
+        yield
+    finally:
+        _host = was
+
+
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled CPU path may run on these tensors (CPU, contiguous)."""
-    return AVAILABLE and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    """Whether the compiled CPU path may run on these tensors (on the host, contiguous)."""
+    return AVAILABLE and on_host(*tensors) and all(t.is_contiguous() for t in tensors)
 
 
 def sign_supports(x: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from nfab.wire import fastpath, noise
+from nfab.wire import codecs, fastpath, noise
 from nfab.wire.lanes import layout_for, pack
 from nfab.wire.reducer import (
     Capacity,
@@ -88,7 +88,8 @@ class QSum(Reducer):
             t = torch.div(x.to(torch.float32), safe.reshape(-1)[0])
         else:  # one division for all segments (a bucket's norms and biases are many small ones)
             t = torch.div(x.to(torch.float32),
-                          torch.repeat_interleave(safe, torch.tensor(lengths, device=x.device), output_size=x.numel()))
+                          torch.repeat_interleave(safe, codecs.segment_counts(lengths, x.device),
+                                                  output_size=x.numel()))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
         t.add_(noise.uniform(keys, lengths))
         levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding

@@ -44,7 +44,6 @@ from nfab.wire.sign import count_lane_capacity
 
 _SHARD_ALIGN = 40  # shard sizes are a multiple of 8 (whole vote bytes) and 5 (whole trit bytes)
 _TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256
-_POW3 = (1, 3, 9, 27, 81)
 
 
 def reduce_scatter_factor(world_size: int) -> float:
@@ -178,22 +177,28 @@ class SignScatter(Reducer):
             digits = unpack_trits(reduced, numel)
         else:
             digits = unpack(reduced, layout_for(1), numel)
-        unit = torch.from_numpy(values).to(reduced.device)[digits.to(torch.int64)]
+        # the digit's value, computed where it lies: {-1, 0, 1} for trits, {-1, 1} for bits (exact)
+        unit = digits.to(torch.float32) - 1.0 if ternary else digits.to(torch.float32) * 2.0 - 1.0
         if dests is not None:
             return finish_segments(unit, scale_mean, lengths, out)
         return write_into(one, finish_segments(unit, scale_mean, lengths, None))
 
 
+def _pow3(device: torch.device) -> torch.Tensor:
+    """3**0..3**4 as int32 on `device`, computed there (no host-to-device copy)."""
+    return torch.pow(3, torch.arange(_TRITS_PER_BYTE, dtype=torch.int32, device=device))
+
+
 def pack_trits(trits: torch.Tensor) -> torch.Tensor:
     """Values in {0, 1, 2} (length a multiple of 5) -> bytes of 5 base-3 digits, digit i times 3**i."""
     grid = trits.reshape(-1, _TRITS_PER_BYTE).to(torch.int32)
-    weights = torch.tensor(_POW3, dtype=torch.int32, device=trits.device)
+    weights = _pow3(trits.device)
     return (grid * weights).sum(1).to(torch.uint8)
 
 
 def unpack_trits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of `pack_trits`: the first `numel` digits."""
-    weights = torch.tensor(_POW3, dtype=torch.int32, device=packed.device)
+    weights = _pow3(packed.device)
     digits = (packed.to(torch.int32).reshape(-1, 1) // weights) % 3
     return digits.reshape(-1)[:numel]
 

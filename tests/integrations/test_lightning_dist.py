@@ -124,3 +124,62 @@ def test_strategy_needs_one_of_profile_or_route():
         NfabDDPStrategy()
     with pytest.raises(NfabError, match="exactly one"):
         NfabDDPStrategy(profile="p.json", route="sign")
+
+
+class _Small(_Regressor):
+    """64 samples: one epoch is 2 optimizer steps at W=2, so a checkpoint after 2 steps is an epoch end."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 32, generator=g)
+        y = x[:, :4] * 2 + 0.1 * torch.randn(64, 4, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def _ckpt_fit(world_size: int, root: str, steps: int, ckpt: str | None) -> tuple[_Small, NfabDDPStrategy, pl.Trainer]:
+    torch.manual_seed(0)
+    module = _Small()
+    strategy = NfabDDPStrategy(route="sign", cost_model=None, error_feedback=True, total_steps=4)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=root)
+    trainer.fit(module, ckpt_path=ckpt)
+    return module, strategy, trainer
+
+
+def _nfab_state(module: torch.nn.Module, strategy: NfabDDPStrategy) -> dict:
+    rt = strategy.runtime
+    return {"params": torch.cat([p.detach().reshape(-1) for p in module.parameters()]), "step": rt.step,
+            "residuals": {k: v.clone() for k, v in rt.residuals.items()}, "health": rt.health.to_dict()}
+
+
+def _first_half(rank: int, world_size: int, root: str) -> dict:
+    full = _nfab_state(*_ckpt_fit(world_size, root, 3, None)[:2])  # the uninterrupted run
+    module, strategy, trainer = _ckpt_fit(world_size, root, 2, None)
+    trainer.save_checkpoint(str(Path(root) / "half.ckpt"))  # every rank calls it; rank 0 writes
+    return {"full": full, "half": _nfab_state(module, strategy)}
+
+
+def _resumed(rank: int, world_size: int, root: str) -> dict:
+    module, strategy, _ = _ckpt_fit(world_size, root, 3, str(Path(root) / "half.ckpt"))
+    return _nfab_state(module, strategy)
+
+
+@pytest.mark.world_size(2)
+def test_checkpoint_carries_every_ranks_nfab_state(tmp_path: Path):
+    first = run_ranks(_first_half, 2, str(tmp_path), timeout_s=180)
+    resumed = run_ranks(_resumed, 2, str(tmp_path), timeout_s=180)  # a fresh process group
+    saved = torch.load(tmp_path / "half.ckpt", weights_only=True)["nfab"]
+    assert saved["world_size"] == 2 and [s["step"] for s in saved["ranks"]] == [2, 2]
+    for r, (a, b) in enumerate(zip(first, resumed, strict=True)):
+        assert a["half"]["residuals"] and a["half"]["step"] == 2
+        # rank r's own residuals went into the checkpoint (they differ between ranks)
+        assert all(torch.equal(v, saved["ranks"][r]["residuals"][k]) for k, v in a["half"]["residuals"].items())
+        full = a["full"]
+        assert b["step"] == full["step"] == 3 and b["health"] == full["health"]
+        assert b["residuals"].keys() == full["residuals"].keys()
+        assert all(torch.equal(b["residuals"][k], full["residuals"][k]) for k in full["residuals"])
+        assert torch.equal(b["params"], full["params"])
+    assert not all(torch.equal(first[0]["half"]["residuals"][k], first[1]["half"]["residuals"][k])
+                   for k in first[0]["half"]["residuals"])
+    assert torch.equal(resumed[0]["params"], resumed[1]["params"])
