@@ -56,19 +56,27 @@ def route_name(bits: int, block: int = DEFAULT_BLOCK) -> str:
 
 def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
     """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top)."""
-    codes = torch.searchsorted(SCALES.to(block_max.device), block_max.to(torch.float32).contiguous())
+    codes = torch.searchsorted(_scales_on(block_max.device), block_max.to(torch.float32).contiguous())
     return codes.clamp_(max=255).to(torch.uint8)
 
 
+@lru_cache(maxsize=16)
+def _scales_on(device: torch.device) -> torch.Tensor:
+    """SCALES on `device`, copied once (no copy in the hook body after the first step)."""
+    return SCALES.to(device, non_blocking=True)
+
+
 @lru_cache(maxsize=256)
-def _block_index(lengths: tuple[int, ...], block: int) -> tuple[torch.Tensor, int]:
-    """Block id of every element of the concatenated segments (blocks restart per segment)."""
+def _block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Block id of every element of the concatenated segments (blocks restart per segment), on
+    `device`: made on the host once per layout and copied without waiting for the device."""
     ids, start = [], 0
     for n in lengths:
         nb = -(-n // block)
         ids.append(torch.arange(n, dtype=torch.int64, device="cpu") // block + start)
         start += nb
-    return (torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")), start
+    index = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")
+    return index.to(device, non_blocking=True), start
 
 
 class BlockQSum(Reducer):
@@ -119,9 +127,9 @@ class BlockQSum(Reducer):
     # ---- scales -------------------------------------------------------------------
     def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """This rank's max |x| per block (fp32; non-finite when the block holds NaN/Inf)."""
-        bid, nblocks = _block_index(tuple(lengths), self.block)
+        bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
         out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
-        out.scatter_reduce_(0, bid.to(x.device), x.abs(), "amax", include_self=True)
+        out.scatter_reduce_(0, bid, x.abs(), "amax", include_self=True)
         # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
         out[:1] = torch.where(torch.isfinite(x).all(), out[:1], torch.full_like(out[:1], math.nan))
         return out
@@ -134,9 +142,9 @@ class BlockQSum(Reducer):
 
     def _element_scales(self, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         codes = shared if shared.dtype == torch.uint8 else scale_codes(torch.nan_to_num(shared, nan=0.0))
-        bid, nblocks = _block_index(tuple(lengths), self.block)
+        bid, nblocks = _block_index(tuple(lengths), self.block, codes.device)
         assert codes.numel() == nblocks, f"{codes.numel()} scale codes for {nblocks} blocks"
-        return SCALES.to(codes.device)[codes.long()][bid.to(codes.device)]
+        return _scales_on(codes.device)[codes.long()][bid]
 
     # ---- encode / launch / decode ---------------------------------------------------
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:

@@ -37,6 +37,8 @@ MIXED = {"conv": "sign", "linear": "q8", "embedding": "sign", "head": "sign", "n
          "small": "fp32"}
 OTHER = {"conv": "sign", "linear": "q4", "embedding": "sign", "head": "sign", "norm": "fp16", "bias": "q8",
          "small": "fp32"}
+BLOCKQ = {"conv": "bq3", "linear": "bq4-128", "embedding": "bq3", "head": "sign", "norm": "bq8", "bias": "bq3",
+          "small": "fp32"}
 SIGN_KEYS = ("signgather", "signcount", "signscatter")
 # (routes, error feedback, qsum scale, bucket MB, the sign reducer to force or None)
 CASES = {
@@ -44,6 +46,7 @@ CASES = {
     "signcount-fp16-delayed": (OTHER, False, "delayed", 0.02, "signcount"),
     "signscatter-ef": (OTHER, True, "exact", 0.02, "signscatter"),
     "coalesced-ef": (MIXED, True, "exact", 100.0, None),  # signgather + gathered qsum in one all-gather
+    "blockq-ef": (BLOCKQ, True, "exact", 0.02, None),  # block codes agreed by a uint8 MAX in the hook body
 }
 NAN_STEP = 2
 STEPS = 4
@@ -109,6 +112,16 @@ def _check_step(rank: int, w: int, routes: dict, ef: bool, rt: Runtime, model: t
             ok = bool(((got - cmean / w).abs() <= step_size * (1 + 1e-5)).all())
             if ef and ok:  # this rank's own rounding error: less than one step, plus what was clipped
                 ok = bool(((resid - (x - clipped)).abs() <= step_size * (1 + 1e-5)).all())
+        elif route.startswith("bq"):  # within one level step of the block scale (<= 2^(1/4) x the block max)
+            bits, _, block = route[2:].partition("-")
+            blocks = torch.nn.functional.pad(x.reshape(-1), (0, -x.numel() % int(block or 64))).abs()
+            bmax = blocks.view(-1, int(block or 64)).amax(dim=1)
+            dist.all_reduce(bmax, op=dist.ReduceOp.MAX)
+            step_size = (2 * 2.0**0.25 * bmax / ((1 << int(bits)) - 1)).repeat_interleave(int(block or 64))
+            step_size = step_size[: x.numel()].view_as(x)
+            ok = bool(((got - mean).abs() <= step_size * (1 + 1e-5) + 1e-30).all())
+            if ef and ok:  # residual = x - this rank's own decoded levels: less than one step
+                ok = bool((resid.abs() <= step_size * (1 + 1e-5) + 1e-30).all())
         elif route in ("bf16", "fp16"):  # x/W rounded on each rank, then the sum: 2 roundings of |x|/W
             size = x.abs()
             dist.all_reduce(size)
@@ -186,4 +199,5 @@ def test_device_paths_read_nothing_on_the_host_and_match_references():
             assert torch.allclose(dev["params"], host["params"], rtol=1e-3, atol=1e-4), case
             if force is not None:
                 assert force in dev["keys"], (case, dev["keys"])
-            assert any(k.startswith("qsum") for k in dev["keys"]), (case, dev["keys"])
+            summed = "blockq" if case.startswith("blockq") else "qsum"  # a summed route with shared scales
+            assert any(k.startswith(summed) for k in dev["keys"]), (case, dev["keys"])
