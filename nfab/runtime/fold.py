@@ -76,7 +76,7 @@ def fidelity_word(fidelity: dict[str, RegionFidelity],
     names = tuple(sorted(fidelity))
     vals = [float(getattr(fidelity[r], f)) for r in names for f in FIDELITY_FIELDS]
     # host values made at the fold: copied without waiting for the device (the hook body never syncs)
-    return names, torch.tensor(vals, dtype=torch.float32).to(device, non_blocking=True)
+    return names, torch.tensor(vals, dtype=torch.float32, device="cpu").to(device, non_blocking=True)
 
 
 def fidelity_columns(word: control.Builder, fidelity: dict[str, RegionFidelity],

@@ -129,7 +129,7 @@ class BlockQSum(Reducer):
         """This rank's max |x| per block (fp32; non-finite when the block holds NaN/Inf)."""
         bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
         out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
-        out.scatter_reduce_(0, bid, x.abs(), "amax", include_self=True)
+        out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 buckets too
         # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
         out[:1] = torch.where(torch.isfinite(x).all(), out[:1], torch.full_like(out[:1], math.nan))
         return out

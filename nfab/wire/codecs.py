@@ -34,7 +34,7 @@ def segment_counts(lengths: Sequence[int], device: torch.device) -> torch.Tensor
 
 @lru_cache(maxsize=512)
 def _segment_counts(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(lengths, dtype=torch.int64).to(device, non_blocking=True)
+    return torch.tensor(lengths, dtype=torch.int64, device="cpu").to(device, non_blocking=True)
 
 
 def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

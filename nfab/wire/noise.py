@@ -69,7 +69,7 @@ def uniform(keys: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     lengths = list(lengths)
     n = sum(lengths)
     dev = keys.device
-    counts = torch.tensor(lengths, dtype=torch.int64).to(dev, non_blocking=True)  # no wait for the device
+    counts = torch.tensor(lengths, dtype=torch.int64, device="cpu").to(dev, non_blocking=True)  # no wait for the device
     starts = torch.cumsum(counts, 0) - counts
     seg_key = torch.repeat_interleave(keys, counts, output_size=n)
     index = torch.arange(n, dtype=torch.int64, device=dev) - torch.repeat_interleave(starts, counts, output_size=n)
