@@ -40,8 +40,8 @@ per rank; nfab.api: what `nfab.attach` imports)."""
 
 
 def fork_ranks_from_server(preload: Sequence[str] = PRELOAD) -> None:
-    """Start every later `run_ranks` rank by forking multiprocessing's forkserver, which imports
-    `preload` once, instead of spawning a fresh interpreter per rank.
+    """Start every later gloo `run_ranks` rank by forking multiprocessing's forkserver, which
+    imports `preload` once, instead of spawning a fresh interpreter per rank (NCCL ranks still spawn).
 
     The server is a clean single-threaded process (never this one, which may hold threads or a
     CUDA context), so a fork from it is as safe as a spawn; a rank's result is the same.
@@ -118,7 +118,8 @@ def run_ranks(
     join the same rendezvous at `master_addr:port` from elsewhere. Results are this node's,
     in rank order.
     """
-    ctx = _START
+    # NCCL ranks always spawn: the forkserver is fork-safe for CPU work, unproven with CUDA
+    ctx = _START if backend != "nccl" else mp.get_context("spawn")
     queue = ctx.Queue()
     ranks = range(world_size) if ranks is None else ranks
     port = free_port() if port is None else port
