@@ -9,6 +9,11 @@ and the remaining processes are killed: a hang never outlives the timeout.
 On an emulated node (`nfab.bench.nodes`) the same call starts only that node's share of
 the ranks (`ranks=`), which rendezvous with the other node's at `master_addr:port`; each
 rank sees torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE / GROUP_RANK for its node.
+
+Ranks start by `spawn`: a fresh interpreter each, which pays Python's and torch's start-up
+(2-4 s of CPU) per rank. A test suite that starts thousands of ranks calls
+`fork_ranks_from_server()` once: later ranks fork from one server process that imported
+torch once. Either way a rank sees the caller's `os.environ` as it is at the call.
 """
 
 from __future__ import annotations
@@ -19,12 +24,32 @@ import os
 import queue as queue_mod
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+_START: Any = mp.get_context("spawn")
+"""How run_ranks starts its processes (see `fork_ranks_from_server`)."""
+
+PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo", "nfab.api")
+"""What a rank server imports once (torch._dynamo: DDP's constructor imports it, seconds of CPU
+per rank; nfab.api: what `nfab.attach` imports)."""
+
+
+def fork_ranks_from_server(preload: Sequence[str] = PRELOAD) -> None:
+    """Start every later gloo `run_ranks` rank by forking multiprocessing's forkserver, which
+    imports `preload` once, instead of spawning a fresh interpreter per rank (NCCL ranks still spawn).
+
+    The server is a clean single-threaded process (never this one, which may hold threads or a
+    CUDA context), so a fork from it is as safe as a spawn; a rank's result is the same.
+    """
+    global _START
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    _START = ctx
 
 
 def free_port() -> int:
@@ -45,8 +70,12 @@ def _rank_main(
     master_addr: str = "127.0.0.1",
     node: tuple[int, int, int] = (0, 0, 0),
     backend: str = "gloo",
+    environ: dict[str, str] | None = None,
 ) -> None:
     group_rank, first, local_world = node
+    if environ is not None:  # the caller's environment now (a forked rank inherits the server's)
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank - first),
                       LOCAL_WORLD_SIZE=str(local_world or world_size), GROUP_RANK=str(group_rank))
@@ -89,7 +118,8 @@ def run_ranks(
     join the same rendezvous at `master_addr:port` from elsewhere. Results are this node's,
     in rank order.
     """
-    ctx = mp.get_context("spawn")
+    # NCCL ranks always spawn: the forkserver is fork-safe for CPU work, unproven with CUDA
+    ctx = _START if backend != "nccl" else mp.get_context("spawn")
     queue = ctx.Queue()
     ranks = range(world_size) if ranks is None else ranks
     port = free_port() if port is None else port
@@ -101,7 +131,8 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s, master_addr, node, backend),
+            args=(fn, rank, world_size, port, blob.getvalue(), queue, pg_timeout_s, master_addr, node, backend,
+                  dict(os.environ)),
             daemon=True,
         )
         for rank in ranks

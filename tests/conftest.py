@@ -1,5 +1,14 @@
-"""Shared test setup: one thread per process (2 cores, several gloo ranks)."""
+"""Shared test setup: one thread per process (2 cores, several gloo ranks), ranks forked from one server.
+
+The suite starts hundreds of `run_ranks` ranks; forked from a server that imported torch and
+nfab once (and loaded numba's kernels: tests/rankwarm.py), each starts in a fraction of a
+second instead of seconds of interpreter, torch and DDP start-up
+(nfab.distributed.fork_ranks_from_server).
+"""
 
 import torch
 
+from nfab.distributed import PRELOAD, fork_ranks_from_server
+
 torch.set_num_threads(1)
+fork_ranks_from_server((*PRELOAD, "rankwarm"))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from inprocess import nfab_main
 from typer.testing import CliRunner
 
 from nfab import __version__
@@ -45,9 +46,11 @@ def test_inspect_mixed_route_keeps_norms_fp32():
 
 
 def test_user_errors_are_one_line_and_exit_2():
+    # through the console-script entry in this process; the installed script's own exit path is
+    # test_version's and tests/report/test_report_cli.py::test_console_entry_exits_2_without_traceback's
     for args in (["inspect", "nosuchmodel"], ["inspect", "gpt", "--size", "huge"],
                  ["inspect", "gpt", "--profile", "/nonexistent/profile.json"]):
-        res = subprocess.run([NFAB, *args], capture_output=True, text=True, timeout=60)
-        assert res.returncode == 2, (args, res.stderr)
-        assert "Traceback" not in res.stderr
+        res = nfab_main(*args)
+        assert res.code == 2, (args, res.stderr)
+        assert "Traceback" not in res.stderr + res.stdout
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -1,7 +1,10 @@
-"""Bad input through the real CLI (subprocesses): one clear line on stderr, exit 2, no traceback, nothing written.
+"""Bad input through the real CLI: one clear line on stderr, exit 2, no traceback, nothing written.
 
-Every case is refused by the parent before any rank starts, so these stay in the fast suite;
-they run two at a time (each is mostly the interpreter and torch starting).
+Every case is refused by the parent before any rank starts, so these stay in the fast suite.
+Most run through the console-script entry in this process (`inprocess.nfab_main`: a
+subprocess would be mostly the interpreter and torch starting); the cases in `SUBPROCESS`
+run the installed `nfab` script, two at a time, so the real process's exit path, environment
+(NFAB_FAULT) and weights-only checkpoint load are covered as a user meets them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from inprocess import nfab_main
 from relrun import GPT, REPO, RESNET, Result, nfab, one_line_error, tree, write_profile
 
 from nfab.models import build_model, model_signature
@@ -127,22 +131,33 @@ def build_cases(root: Path) -> dict[str, Case]:
     }
 
 
+SUBPROCESS = {"bad-fault", "pickle-code-in-checkpoint", "fit-truncated-parquet", "report-truncated-metrics"}
+"""Cases run as a real `nfab` process: the environment-driven one, the hostile checkpoint, and one per
+other command."""
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Case, Result, dict, dict]]:
     root = tmp_path_factory.mktemp("bad-input")
     cases = build_cases(root)
+    assert all(not case.env for name, case in cases.items() if name not in SUBPROCESS)  # in-process: no env
 
-    def job(case: Case) -> Callable[[], tuple[Case, Result, dict, dict]]:
+    def job(case: Case, in_process: bool) -> Callable[[], tuple[Case, Result, dict, dict]]:
         def go() -> tuple[Case, Result, dict, dict]:
             before = tree(case.watch) if case.watch and case.watch.exists() else {}
-            result = nfab(*case.args, env=case.env, timeout=120)
+            if in_process:
+                ran = nfab_main(*case.args)
+                result = Result(ran.code, ran.stdout, ran.stderr, ran.seconds)
+            else:
+                result = nfab(*case.args, env=case.env, timeout=120)
             after = tree(case.watch) if case.watch and case.watch.exists() else {}
             return case, result, before, after
         return go
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(job(case)) for name, case in cases.items()}
-        done = {name: f.result() for name, f in futures.items()}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the subprocesses start first and overlap the rest
+        futures = {name: pool.submit(job(cases[name], False)) for name in sorted(SUBPROCESS)}
+        done = {name: job(case, True)() for name, case in cases.items() if name not in SUBPROCESS}
+        done |= {name: f.result() for name, f in futures.items()}
     assert not (root / "run").exists(), "a refused run created its run dir"
     assert not (root / "PWNED").exists(), "a checkpoint ran code while loading"
     return done
@@ -164,5 +179,5 @@ def test_bad_input_is_one_line_exit_2_nothing_written(name: str, outcomes) -> No
 
 
 def test_cases_cover_the_table(outcomes) -> None:
-    assert sorted(outcomes) == sorted(CASES)
+    assert sorted(outcomes) == sorted(CASES) and SUBPROCESS <= set(CASES)
 

@@ -7,7 +7,6 @@ of one rank away); drift demotions must be identical on every rank.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -50,9 +49,7 @@ def _bq_in_hook(rank: int, world_size: int, routes: dict[str, str], steps: int) 
     out: dict = {"bad": [], "checked": 0, "replicas": [], "mix": [], "rounds": []}
     for step in range(steps):
         x, y = twins.batch(rank, step)
-        twin = copy.deepcopy(model)
-        twins.loss_fn(twin, x, y).backward()
-        local = {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+        local = twins.local_grads(model, [(x, y)])
         opt.zero_grad()
         twins.loss_fn(ddp, x, y).backward()
         st = rt.step_stats()
@@ -71,10 +68,7 @@ def _bq_in_hook(rank: int, world_size: int, routes: dict[str, str], steps: int) 
                 out["bad"].append(f"{step}:{name}: error {float(err.max()):.3g}")
             out["checked"] += 1
         opt.step()
-        flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
-        every_params = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(every_params, flat)
-        out["replicas"].append(all(torch.equal(every_params[0], t) for t in every_params[1:]))
+        out["replicas"].append(twins.replicas_equal(model, world_size))
     return out
 
 

@@ -9,7 +9,6 @@ feedback residuals carry across steps.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -29,15 +28,6 @@ ROUTES = {"conv": "sign", "linear": "sign", "embedding": "sign", "head": "sign",
 STEPS = 3
 
 
-def _local_grads(model: torch.nn.Module, batches: list) -> dict[str, torch.Tensor]:
-    """This rank's gradient without DDP, accumulated over `batches` (as DDP's no_sync does)."""
-    twin = copy.deepcopy(model)
-    twin.zero_grad(set_to_none=True)
-    for x, y in batches:
-        twins.loss_fn(twin, x, y).backward()
-    return {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
-
-
 def _run(rank: int, world_size: int, option: str) -> dict:
     torch.manual_seed(0)
     model = twins.Awkward()
@@ -54,7 +44,7 @@ def _run(rank: int, world_size: int, option: str) -> dict:
     bad, replicas = [], []
     for step in range(STEPS):
         batches = [twins.batch(rank, step * accum + m) for m in range(accum)]
-        local = _local_grads(model, batches)
+        local = twins.local_grads(model, batches)
         opt.zero_grad()
         for m, (x, y) in enumerate(batches):
             if m < accum - 1:
@@ -72,15 +62,10 @@ def _run(rank: int, world_size: int, option: str) -> dict:
                 if not torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7):
                     bad.append(f"{step}:{name}:fp32")
             elif step == 0:  # no residual yet: the decoded sign is the ranks' majority vote
-                votes = (g >= 0).to(torch.int64)
-                dist.all_reduce(votes)
-                if not torch.equal(torch.sign(p.grad), torch.sign(2 * votes - world_size).to(p.grad.dtype)):
+                if not torch.equal(torch.sign(p.grad), twins.majority_sign(g, world_size)):
                     bad.append(f"{step}:{name}:sign")
         opt.step()
-        flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
-        every = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(every, flat)
-        replicas.append(all(torch.equal(every[0], t) for t in every[1:]))
+        replicas.append(twins.replicas_equal(model, world_size))
     st = rt.step_stats()
     return {"bad": bad, "replicas": replicas, "steps": rt.step, "last_step": st.step, "residuals": sorted(rt.residuals),
             "mix": st.route_mix}

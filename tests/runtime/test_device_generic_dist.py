@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -135,11 +134,8 @@ def _health_run(rank: int, world_size: int, threshold: float | None, perturb: bo
         mixes.append(st.route_mix)
         cosines.append(st.fidelity_cosine)
         opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(every, flat)
     return {"mixes": mixes, "cosines": cosines, "events": [str(e) for e in rt.events],
-            "replicas": all(torch.equal(every[0], t) for t in every[1:])}
+            "replicas": twins.replicas_equal(model, world_size)}
 
 
 @pytest.mark.world_size(2)
@@ -175,24 +171,17 @@ def _bf16(rank: int, world_size: int) -> dict:
         for (n, p), q in zip(plain.named_parameters(), ours.parameters(), strict=True):
             if p.grad is not None and not torch.equal(p.grad, q.grad):
                 out["fp32_mismatch"].append(f"{step}:{n}")
-        twin = copy.deepcopy(mixed)
-        twin.zero_grad()
-        twins.loss_fn(twin, x, y).float().backward()
-        for (n, p), t in zip(mixed.named_parameters(), twin.parameters(), strict=True):
+        local = twins.local_grads(mixed, [(x, y)])
+        for n, p in mixed.named_parameters():
             if p.grad is None or ROUTES.get(regions[n]) != "sign":
                 continue
-            votes = (t.grad >= 0).to(torch.int64)
-            dist.all_reduce(votes)
-            if not torch.equal(torch.sign(p.grad.float()), torch.sign(2.0 * votes - world_size)):
+            if not torch.equal(torch.sign(p.grad.float()), twins.majority_sign(local[n], world_size)):
                 out["sign_mismatch"].append(f"{step}:{n}")
     numel = sum(p.numel() for p in ours.parameters() if p.requires_grad)
     out["baseline"] = (rt.step_stats().baseline_wire_bytes, 2 * (world_size - 1) / world_size * 2 * numel)
     st = rt_mixed.step_stats()
     out["mixed"] = (st.baseline_wire_bytes, st.wire_bytes, st.route_mix)
-    flat = torch.cat([p.detach().float().reshape(-1) for p in mixed.parameters()])
-    every = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(every, flat)
-    out["replicas"] = all(torch.equal(every[0], t) for t in every[1:])
+    out["replicas"] = twins.replicas_equal(mixed, world_size)
     return out
 
 

@@ -15,7 +15,6 @@ steps equal the host-path run's.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -146,9 +145,7 @@ def _run(rank: int, world_size: int, case: str, host: bool) -> dict:
     with fastpath.host_paths(host):
         for step in range(STEPS):
             x, y = twins.batch(rank, step)
-            twin = copy.deepcopy(model)
-            twins.loss_fn(twin, x, y).backward()
-            local = {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+            local = twins.local_grads(model, [(x, y)])
             resid_before = {k: v.clone() for k, v in rt.residuals.items()}
             demoted = rt.health.demoted()
             delayed = {k: max(a for _, a in h) for k, h in rt.scales.history.items()
@@ -169,9 +166,7 @@ def _run(rank: int, world_size: int, case: str, host: bool) -> dict:
                             out["bad"], step)
             opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(every, flat)
-    out["replicas"] = all(torch.equal(every[0], t) for t in every[1:])
+    out["replicas"] = twins.replicas_equal(model, world_size)
     out["seen"] = sorted(set(rt.seen))
     out["keys"] = sorted({g.key for plan in rt.plans.values()
                           for g in rt.controller.routes(plan, rt.controller.phase(0), frozenset()).groups})

@@ -11,7 +11,6 @@ Two ways a qsum slice travels:
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -55,9 +54,7 @@ def _qsum_in_hook(rank: int, world_size: int, steps: int, mode: str) -> dict:
     for step in range(steps):
         x, y = twins.batch(rank, step)
         factor = 8.0 if step == SPIKE_STEP else 1.0
-        twin = copy.deepcopy(model)
-        (factor * twins.loss_fn(twin, x, y)).backward()
-        local = {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+        local = twins.local_grads(model, [(x, y)], scale=factor)
         opt.zero_grad()
         (factor * twins.loss_fn(ddp, x, y)).backward()
         st = rt.step_stats()
@@ -90,10 +87,7 @@ def _qsum_in_hook(rank: int, world_size: int, steps: int, mode: str) -> dict:
             out["checked"] += 1
         out["expected_saturated"].append(expected_sat)
         opt.step()
-        flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
-        gathered_params = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(gathered_params, flat)
-        out["replicas"].append(all(torch.equal(gathered_params[0], t) for t in gathered_params[1:]))
+        out["replicas"].append(twins.replicas_equal(model, world_size))
     out["state_amax"] = sorted(rt.state_dict()["amax"])
     return out
 

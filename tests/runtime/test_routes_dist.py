@@ -24,13 +24,6 @@ MIXED = {"norm": "fp32", "bias": "fp32", "small": "fp32", "conv": "sign", "linea
          "embedding": "sign", "head": "sign", "other": "sign"}
 
 
-def _local_grads(model: torch.nn.Module, x, y) -> dict[str, torch.Tensor]:
-    twin = copy.deepcopy(model)
-    twin.zero_grad(set_to_none=True)
-    twins.loss_fn(twin, x, y).backward()
-    return {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
-
-
 def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool, coalesce: bool) -> dict:
     torch.manual_seed(0)
     model = twins.Awkward()
@@ -44,7 +37,7 @@ def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool, coalesc
     report = {"fp32_mismatch": [], "sign_mismatch": [], "replica_mismatch": [], "regions": regions, "stats": []}
     for step in range(steps):
         x, y = twins.batch(rank, step)
-        local = _local_grads(model, x, y)
+        local = twins.local_grads(model, [(x, y)])
         opt.zero_grad()
         twins.loss_fn(ddp, x, y).backward()
         report["stats"].append(rt.step_stats())
@@ -60,16 +53,10 @@ def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool, coalesc
                 elif not torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7):
                     report["fp32_mismatch"].append(f"{step}:{name}")
             elif not error_feedback or step == 0:
-                votes = (g >= 0).to(torch.int64)
-                dist.all_reduce(votes)
-                majority = torch.sign(2 * votes - world_size)
-                if not torch.equal(torch.sign(p.grad), majority.to(p.grad.dtype)):
+                if not torch.equal(torch.sign(p.grad), twins.majority_sign(g, world_size)):
                     report["sign_mismatch"].append(f"{step}:{name}")
         opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(gathered, flat)
-        if not all(torch.equal(gathered[0], t) for t in gathered[1:]):
+        if not twins.replicas_equal(model, world_size):
             report["replica_mismatch"].append(step)
     return report
 
@@ -116,11 +103,8 @@ def _nonfinite(rank: int, world_size: int, bad_step: int) -> dict:
         if step == bad_step:
             out["grads_zero_at_bad"] = all(bool((p.grad == 0).all()) for p in model.parameters() if p.grad is not None)
         opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(gathered, flat)
-        out["replicas_equal"] &= all(torch.equal(gathered[0], t) for t in gathered[1:])
-        out["finite"] = bool(torch.isfinite(flat).all())
+        out["replicas_equal"] &= twins.replicas_equal(model, world_size)
+        out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     out["events"] = [str(e) for e in rt.events]
     return out
 

@@ -6,13 +6,11 @@ W = 2 and 3; every sign gradient must be the independent majority vote, replicas
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,24 +37,17 @@ def _run(rank: int, world_size: int, steps: int) -> dict:
     report: dict = {"sign_mismatch": [], "replica_mismatch": [], "routes": {}}
     for step in range(steps):
         x, y = twins.batch(rank, step)
-        twin = copy.deepcopy(model)
-        twins.loss_fn(twin, x, y).backward()
-        local = {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+        local = twins.local_grads(model, [(x, y)])
         opt.zero_grad()
         twins.loss_fn(ddp, x, y).backward()
         for k, v in rt.step_stats().route_elements.items():
             report["routes"][k] = report["routes"].get(k, 0) + v
         for name, p in model.named_parameters():
             if name in local and ROUTE[regions[name]] == "sign":
-                votes = (local[name] >= 0).to(torch.int64)
-                dist.all_reduce(votes)
-                if not torch.equal(torch.sign(p.grad), torch.sign(2 * votes - world_size).to(p.grad.dtype)):
+                if not torch.equal(torch.sign(p.grad), twins.majority_sign(local[name], world_size)):
                     report["sign_mismatch"].append(f"{step}:{name}")
         opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(gathered, flat)
-        if not all(torch.equal(gathered[0], t) for t in gathered[1:]):
+        if not twins.replicas_equal(model, world_size):
             report["replica_mismatch"].append(step)
     return report
 

@@ -1,8 +1,16 @@
-"""A small model with every awkward feature, and a DDP twin harness for runtime tests."""
+"""A small model with every awkward feature, and a DDP twin harness for runtime tests.
+
+The harness: a rank's own gradient without DDP (`local_grads`, from a deep copy), the
+independent reference a sign route must reproduce (`majority_sign`: every rank's vote,
+all-reduced), and the replica check every multi-rank test ends with (`replicas_equal`)."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -42,3 +50,31 @@ def batch(rank: int, step: int, n: int = 8, t: int = 6) -> tuple[torch.Tensor, t
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(x)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def local_grads(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], scale: float = 1.0,
+                ) -> dict[str, torch.Tensor]:
+    """This rank's gradient without DDP (a deep copy of `model`), accumulated over `batches` as
+    DDP's no_sync does, of `scale` times the loss; by parameter name, grad-less ones left out."""
+    twin = copy.deepcopy(model)
+    twin.zero_grad(set_to_none=True)
+    for x, y in batches:
+        (scale * loss_fn(twin, x, y).float()).backward()
+    return {n: p.grad.clone() for n, p in twin.named_parameters() if p.grad is not None}
+
+
+def majority_sign(local: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The ranks' majority vote on the sign of `local` (every rank calls it: one all-reduce), as
+    float32 in {-1, 0, +1}; 0 is a tie (even W). A sign route's decoded gradient must have exactly
+    this sign when no residual is carried."""
+    votes = (local >= 0).to(torch.int64)
+    dist.all_reduce(votes)
+    return torch.sign(2.0 * votes - world_size)
+
+
+def replicas_equal(model: nn.Module, world_size: int) -> bool:
+    """Whether every rank holds bit-identical parameters (every rank calls it: one all-gather)."""
+    flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    every = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(every, flat)
+    return all(torch.equal(every[0], t) for t in every[1:])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from inprocess import nfab_main
 from trainrun import GPT, RESNET, Result, metrics, nfab_train, start_train
 
 from nfab.distributed import free_port
@@ -154,7 +155,7 @@ def test_two_nodes_on_one_machine_match_one_node(runs) -> None:
 def test_finished_run_dir_is_refused(runs) -> None:
     done = ok(runs, "gpt-sign")
     before = sorted(str(p) for p in done.rglob("*"))
-    r = nfab_train(*GPT, "--route", "sign", "--nproc", "2", "--run-dir", str(done))
+    r = nfab_main("train", *GPT, "--route", "sign", "--nproc", "2", "--run-dir", str(done))  # refused before launch
     assert r.code == 2 and "already holds a finished run" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr + r.stdout
     assert sorted(str(p) for p in done.rglob("*")) == before
