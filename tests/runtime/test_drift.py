@@ -18,8 +18,8 @@ from nfab.runtime.fidelity import (
 )
 from nfab.runtime.health import HealthState, Observation, update
 
-CFG = Health(cooldown_steps=4, readmit_after=2, warmup_steps=0, min_trend_cosine=0.5, trend_beta=0.5,
-             trend_min_probes=2, max_backoff=4)
+CFG = Health(cooldown_steps=4, readmit_after=2, warmup_steps=0, drift_demote_after=0, min_trend_cosine=0.5,
+             trend_beta=0.5, trend_min_probes=2, max_backoff=4)
 LOSSY = frozenset({"linear", "embedding"})
 
 
@@ -159,3 +159,16 @@ def test_a_drifting_region_with_error_feedback_loses_error_feedback_before_its_r
     ev = update(st, CFG, obs(3, fid(linear=0.1)), LOSSY, ef)
     assert [(e.kind, e.regions) for e in ev] == [("fallback", ("linear",))]
     assert HealthState.from_dict(st.to_dict()) == st
+
+
+def test_demotions_wait_for_the_preconditioner_but_error_feedback_goes_at_once():
+    """Adam's first steps give low preconditioned cosines even for healthy routes: a demotion
+    (FP32 bytes) waits `drift_demote_after` steps; switching error feedback off (free) does not."""
+    cfg = CFG.model_copy(update={"drift_demote_after": 10})
+    st = HealthState()
+    assert update(st, cfg, obs(1, fid(linear=0.1)), LOSSY) == []
+    assert update(st, cfg, obs(2, fid(linear=0.1)), LOSSY) == []  # two probes, a low trend, but step 2 < 10
+    ev = update(st, cfg, obs(3, fid(embedding=0.1)), LOSSY, ef_regions=frozenset({"embedding"}))
+    assert [e.kind for e in ev] == ["ef_off"] and st.ef_off == {"embedding"}
+    ev = update(st, cfg, obs(10, fid(linear=0.1)), LOSSY)
+    assert [(e.kind, e.regions) for e in ev] == [("fallback", ("linear",))]
