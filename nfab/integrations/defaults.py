@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,15 @@ def attach_with_defaults(
 
     A keyword the user passed always wins. The framework's optimizer is passed as
     `optimizer=` (unwrapped from Accelerate's `AcceleratedOptimizer`, whose `.optimizer` is
-    the torch one) only where `nfab.attach` takes that argument: `error_feedback="auto"`
-    needs it to tell SGD from Adam, and the user of a Trainer never holds the optimizer
-    before the Trainer builds it.
+    the torch one): `error_feedback="auto"` needs it to tell SGD from Adam, the drift monitor
+    reads its second moment, and the user of a Trainer never holds the optimizer before the
+    Trainer builds it.
     """
     from nfab.api import attach
 
     kwargs = dict(attach_kwargs)
     kwargs.setdefault("total_steps", total_steps)
     inner = getattr(optimizer, "optimizer", optimizer)
-    if isinstance(inner, torch.optim.Optimizer) and "optimizer" in inspect.signature(attach).parameters:
+    if isinstance(inner, torch.optim.Optimizer):
         kwargs.setdefault("optimizer", inner)
     return attach(ddp_model, profile, route=route, **kwargs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.loggers.logger import Logger  # noqa: E402
 
-import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
 from nfab.integrations.lightning import NfabDDPStrategy  # noqa: E402
@@ -98,8 +96,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict:
 def test_strategy_attaches_on_cpu_gloo_and_logs_each_step(tmp_path: Path):
     res = run_ranks(_fit, 2, str(tmp_path), timeout_s=180)
     for r in res:
-        if "optimizer" in inspect.signature(nfab.attach).parameters:  # error_feedback="auto" saw the SGD
-            assert r["error_feedback"] is True
+        assert r["error_feedback"] is True  # error_feedback="auto" saw the strategy's SGD
         assert r["total_steps"] == STEPS  # from trainer.estimated_stepping_batches (optimizer steps)
         # the hook ran once per optimizer step: Lightning accumulates under DDP's no_sync
         assert [h[0] for h in r["history"]] == list(range(STEPS))
