@@ -117,8 +117,9 @@ class Health(FrozenModel):
     bent the held-out GPT for good within its first ~20 steps, before probes every
     `probe_every` steps could see a trend."""
     drift_demote_after: int = Field(20, ge=0)
-    """Steps before the drift monitor may demote a route to FP32; switching error feedback off
-    (no bytes) acts from the first probe. Adam's first updates are close to sign(g) and its
+    """Steps before the drift monitor may demote a route to FP32, except in a region whose error
+    feedback it already switched off (a confirmed suspect); switching error feedback off (no
+    bytes) acts from the first probe. Adam's first updates are close to sign(g) and its
     second moment averages only a few squared gradients, so early preconditioned cosines sit
     low even for healthy routes: on the held-out GPT, bq3 (+1.0% over the run) was demoted at
     steps 4-12 and sent ~30 steps of its largest regions in FP32 (4.0x instead of ~5.9x)."""

@@ -19,7 +19,8 @@ trend (an EMA over probes) per region. It acts only on preconditioned fidelity, 
 feedback gets error feedback switched off for the rest of the run (its residuals dropped:
 under Adam they are the stale mass that bends the update), keeping its route; a region
 that drifts without error feedback is demoted to FP32 ("drift"), but only from step
-`drift_demote_after` on: Adam's first updates are close to sign(g) and its second moment is
+`drift_demote_after` on (earlier only where its error feedback was already switched off
+for drift: a confirmed suspect): Adam's first updates are close to sign(g) and its second moment is
 an average of a few squared gradients, so early preconditioned cosines are low for healthy
 routes too (switching error feedback off costs no bytes and may act at once). Each further drift
 demotion of the same region doubles its cool-down (up to `max_backoff` times), so a
@@ -239,7 +240,10 @@ def _drift(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
             state.probes.pop(r, None)
         events.append(HealthEvent(obs.step, "ef_off", why, no_ef))
     hit = tuple(r for r in hit if r not in ef_regions)
-    if not hit or obs.step < cfg.drift_demote_after:  # the preconditioner is still immature: no bytes spent yet
+    # before the preconditioner matures only confirmed suspects are demoted: regions whose error
+    # feedback was already switched off for drift and still drift without it
+    hit = hit if obs.step >= cfg.drift_demote_after else tuple(r for r in hit if r in state.ef_off)
+    if not hit:
         return events
     for r in hit:
         state.demoted_at[r] = obs.step

@@ -170,5 +170,9 @@ def test_demotions_wait_for_the_preconditioner_but_error_feedback_goes_at_once()
     assert update(st, cfg, obs(2, fid(linear=0.1)), LOSSY) == []  # two probes, a low trend, but step 2 < 10
     ev = update(st, cfg, obs(3, fid(embedding=0.1)), LOSSY, ef_regions=frozenset({"embedding"}))
     assert [e.kind for e in ev] == ["ef_off"] and st.ef_off == {"embedding"}
+    # a confirmed suspect (error feedback already off for drift) is demoted before step 10
+    assert update(st, cfg, obs(4, fid(embedding=0.1)), LOSSY) == []  # a fresh trend: one probe is not one
+    ev = update(st, cfg, obs(5, fid(embedding=0.1, linear=0.1)), LOSSY)
+    assert [(e.kind, e.regions) for e in ev] == [("fallback", ("embedding",))]
     ev = update(st, cfg, obs(10, fid(linear=0.1)), LOSSY)
     assert [(e.kind, e.regions) for e in ev] == [("fallback", ("linear",))]
