@@ -34,16 +34,6 @@ ROUTES = {"conv": "sign", "linear": "q8", "embedding": "bq3", "head": "sign", "n
           "small": "fp32"}
 
 
-class DefaultDeviceMeta(Runtime):
-    """A Runtime whose hook bodies and callbacks run with the meta device as the default."""
-
-    def hook(self, bucket):  # noqa: ANN001, ANN201 - DDP's signature
-        with torch.device("meta"):
-            return super().hook(bucket)
-
-    def _callback(self, launch, done):  # noqa: ANN001, ANN202
-        with torch.device("meta"):
-            return super()._callback(launch, done)
 
 
 def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale: str, steps: int) -> dict:
@@ -52,7 +42,7 @@ def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale:
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=bucket_mb)
     prof = Profile.static(ROUTES)
     prof = prof.model_copy(update={"health": prof.health.model_copy(update={"probe_every": 2})})
-    cls = DefaultDeviceMeta if meta else Runtime
+    cls = twins.DefaultDeviceMeta if meta else Runtime
     if meta:
         with torch.device("meta"):
             cm = cost_mod.measure(None, large_numel=1 << 10, reps=1, device="cpu")

@@ -8,18 +8,23 @@ of each node's mean |node mean| per shard piece of a slice; FP32 slices are the 
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import nfab
-from nfab.distributed import run_ranks
-from nfab.errors import NfabError
-from nfab.profile.schema import Profile
-from nfab.runtime.hook import Runtime, nfab_hook
-from nfab.wire.reducers import allreduce_factor
+sys.path.insert(0, str(Path(__file__).parent))
+import twins  # noqa: E402
+
+import nfab  # noqa: E402
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.errors import NfabError  # noqa: E402
+from nfab.profile.schema import Profile  # noqa: E402
+from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
+from nfab.wire.reducers import allreduce_factor  # noqa: E402
 
 pytestmark = pytest.mark.world_size(4)
 
@@ -38,17 +43,6 @@ def loss_fn(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((m(x) - y) ** 2).mean()
 
 
-class MetaDefault(Runtime):
-    """Hook bodies and callbacks with the meta device as default: an allocation that does not
-    name the gradient's device fails (as a default-device allocation would on CUDA)."""
-
-    def hook(self, bucket):  # noqa: ANN001, ANN201 - DDP's signature
-        with torch.device("meta"):
-            return super().hook(bucket)
-
-    def _callback(self, launch, done):  # noqa: ANN001, ANN202
-        with torch.device("meta"):
-            return super()._callback(launch, done)
 
 
 def _scenario(rank: int, route: str | dict, ef: bool, steps: int, hierarchy, cls=Runtime, bucket_mb=1.0) -> dict:
@@ -95,7 +89,7 @@ LINEAR = {"linear": "sign"}  # weights sign, biases (and nothing else) fp32: a m
 def _all(rank: int, world: int) -> dict:
     res = {
         "sign": _scenario(rank, LINEAR, False, 3, "2x2"),
-        "sign-meta": _scenario(rank, LINEAR, False, 3, "2x2", cls=MetaDefault),
+        "sign-meta": _scenario(rank, LINEAR, False, 3, "2x2", cls=twins.DefaultDeviceMeta),
         "q8-ef": _scenario(rank, {"linear": "q8", "bias": "sign"}, True, 3, 2, bucket_mb=0.005),
         "fp32": _scenario(rank, "fp32", True, 1, 2),
         "q2-two": _scenario(rank, {"linear": "q2"}, False, 1, nfab.Hierarchy(local_world=2)),

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nfab.runtime.hook import Runtime
+
 
 class Awkward(nn.Module):
     """Convs, norms, biases, a tied embedding/head, an unused branch and a frozen layer."""
@@ -78,3 +80,17 @@ def replicas_equal(model: nn.Module, world_size: int) -> bool:
     every = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(every, flat)
     return all(torch.equal(every[0], t) for t in every[1:])
+
+
+class DefaultDeviceMeta(Runtime):
+    """A Runtime whose hook bodies and callbacks run with the meta device as the default: an
+    allocation that does not name the gradient's device fails (as a default-device allocation
+    would on CUDA)."""
+
+    def hook(self, bucket):  # noqa: ANN001, ANN201 - DDP's signature
+        with torch.device("meta"):
+            return super().hook(bucket)
+
+    def _callback(self, launch, done):  # noqa: ANN001, ANN202
+        with torch.device("meta"):
+            return super()._callback(launch, done)
