@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.runtime import coalesce, control, fidelity
-from nfab.runtime.controller import FP32, BucketRoutes, Group
+from nfab.runtime.controller import FP32, Group
 from nfab.runtime.handoff import Encoded, Probe, Sent
 from nfab.runtime.scales import AmaxHistory
 from nfab.wire.blockq import BlockQSum
@@ -76,21 +76,20 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
         # before EF; per parameter, so a parameter's sample does not depend on its bucket
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(tuple(group.lengths), x.device)))
     if ctx.error_feedback:
-        _add_residuals(ctx.residuals, x, group, ctx.ef_off)
+        add_residuals(ctx.residuals, x, group, ctx.ef_off)
     shared = amax_cols = None
     if isinstance(red, BlockQSum):  # one uint8 scale code per block, agreed now (blocking uint8 MAX)
         # a non-finite element already shows in the bucket's |g|^2 (control word): no column here
         shared = red.agree(red.local_scale(x, group.lengths), ctx.process_group)
         blocking.rounds += 1
-        blocking.wire_bytes += allreduce_factor(w) * shared.numel()
+        blocking.wire_bytes += allreduce_factor(w) * shared.numel() * shared.element_size()
     elif red.needs_shared_scale:
         amax = red.local_scale(x, group.lengths)
         shared = amax if ctx.gathered else ctx.scales.delayed((s.name for s in group.slices), ctx.step, x.device)
         if shared is None:  # no recent agreed history: agree now (blocking)
-            shared = amax.clone()
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=ctx.process_group)
+            shared = red.agree(amax, ctx.process_group)
             blocking.rounds += 1
-            blocking.wire_bytes += allreduce_factor(w) * shared.numel() * 4
+            blocking.wire_bytes += allreduce_factor(w) * shared.numel() * shared.element_size()
         amax_cols = word.add(amax)
     noise = _noise(ctx, group, x.device) if red.needs_shared_scale else None
     enc = red.encode(x, group.lengths, w, shared, noise)
@@ -133,13 +132,12 @@ def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: i
     return sent, ctrl_part, rows.view(w, -1), [fut], allgather_factor(w) * row.numel()
 
 
-def launch_probe(parts: list[torch.Tensor], routes: BucketRoutes, w: int, pg: dist.ProcessGroup | None) -> Probe | None:
+def launch_probe(parts: list[torch.Tensor], w: int, pg: dist.ProcessGroup | None) -> Probe | None:
     """The bucket's probe samples (every lossy group's), FP32-mean all-reduced beside it."""
     if not parts:
         return None
     sample = torch.cat(parts).mul_(1.0 / w)
-    regions = frozenset(s.region for g in routes.groups if g.lossy for s in g.slices)
-    return Probe(REDUCERS[FP32].launch(sample, w, pg), regions, sample.numel())
+    return Probe(REDUCERS[FP32].launch(sample, w, pg), sample.numel())
 
 
 def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns | None:
@@ -159,8 +157,10 @@ def _noise(ctx: EncodeContext, group: Group, device: torch.device) -> list[torch
     return gens
 
 
-def _add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,
-                   ef_off: frozenset[str]) -> None:
+def add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,
+                  ef_off: frozenset[str]) -> None:
+    """Add what error feedback owes each slice to `x` (the group's slices, concatenated),
+    except in regions whose error feedback the drift monitor switched off."""
     pos = 0
     for s in group.slices:
         r = None if s.region in ef_off else residuals.get(s.name)

@@ -24,7 +24,7 @@ in sorted parameter order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,6 +48,20 @@ class RegionFidelity:
     """||est - ref|| / ||ref||, in the same space."""
     preconditioned: bool
     samples: int
+
+    def as_row(self) -> list[float]:
+        """Its `ROW_FIELDS` as floats (a control-word row, a checkpoint entry)."""
+        return [self.cosine, self.rel_error, float(self.preconditioned), float(self.samples)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RegionFidelity:
+        """`as_row`'s inverse."""
+        cosine, rel_error, pre, samples = row
+        return cls(float(cosine), float(rel_error), pre > 0, int(samples))
+
+
+ROW_FIELDS = ("cosine", "rel_error", "preconditioned", "samples")
+"""`RegionFidelity.as_row`'s order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,10 +151,11 @@ def bucket_probe(est: torch.Tensor, ref: torch.Tensor, slices: Sequence[tuple[st
     return meta, probe_stats(est, ref, layout, weights)
 
 
-def read_params(meta: Iterable[tuple[str, str, bool, int]], rows: Sequence[Sequence[float]]) -> dict[str, ParamProbe]:
-    """Host rows of `bucket_probe`'s tensor, keyed by parameter name."""
-    return {name: ParamProbe(region, pre, samples, tuple(row))
-            for (name, region, pre, samples), row in zip(meta, rows, strict=True)}
+def read_params(meta: Sequence[tuple[str, str, bool, int]], flat: Sequence[float]) -> dict[str, ParamProbe]:
+    """`bucket_probe`'s tensor read to the host (flat, row after row), keyed by parameter name."""
+    k = len(STAT_FIELDS)
+    return {name: ParamProbe(region, pre, samples, tuple(flat[i * k : (i + 1) * k]))
+            for i, (name, region, pre, samples) in enumerate(meta)}
 
 
 def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, RegionFidelity]]:

@@ -66,15 +66,12 @@ def read_to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
     return out
 
 
-FIDELITY_FIELDS = ("cosine", "rel_error", "preconditioned", "samples")
-"""A region's fidelity in the control word: these values, one column each, regions in order."""
-
-
 def fidelity_word(fidelity: dict[str, RegionFidelity],
                   device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
-    """This rank's per-region fidelity as control-word values (regions sorted), on `device`."""
+    """This rank's per-region fidelity as control-word values (regions sorted, a
+    `RegionFidelity.as_row` each), on `device`."""
     names = tuple(sorted(fidelity))
-    vals = [float(getattr(fidelity[r], f)) for r in names for f in FIDELITY_FIELDS]
+    vals = [v for r in names for v in fidelity[r].as_row()]
     # host values made at the fold: copied without waiting for the device (the hook body never syncs)
     return names, torch.tensor(vals, dtype=torch.float32, device="cpu").to(device, non_blocking=True)
 
@@ -91,18 +88,13 @@ def fidelity_columns(word: control.Builder, fidelity: dict[str, RegionFidelity],
 def agree_fidelity(rows: list[list[float]], names: tuple[str, ...], cols: control.Columns) -> dict[str, RegionFidelity]:
     """The ranks' per-region fidelity, agreed: cosine and relative error averaged in rank
     order, preconditioned only where every rank was (identical on every rank)."""
-    k = len(FIDELITY_FIELDS)
+    k = len(fidelity.ROW_FIELDS)
     out: dict[str, RegionFidelity] = {}
     for i, region in enumerate(names):
-        cos = rel = 0.0
-        pre, samples = True, 0
-        for r in rows:
-            c, e, p, n = r[cols.start + i * k : cols.start + (i + 1) * k]
-            cos += c
-            rel += e
-            pre &= p > 0
-            samples = max(samples, int(n))
-        out[region] = RegionFidelity(cos / len(rows), rel / len(rows), pre, samples)
+        each = [RegionFidelity.from_row(r[cols.start + i * k : cols.start + (i + 1) * k]) for r in rows]
+        n = len(each)
+        out[region] = RegionFidelity(sum(f.cosine for f in each) / n, sum(f.rel_error for f in each) / n,
+                                     all(f.preconditioned for f in each), max(f.samples for f in each))
     return out
 
 
@@ -151,8 +143,7 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
             for names, values in amax:
                 out.amax.update(zip(names, values, strict=True))
             for meta, flat in probed:
-                k = len(fidelity.STAT_FIELDS)
-                params.update(fidelity.read_params(meta, [flat[i * k : (i + 1) * k] for i in range(len(meta))]))
+                params.update(fidelity.read_params(meta, flat))
     # every probed parameter of the step, summed per region in name order (bucket-independent)
     cosine, out.fidelity_local = fidelity.fold_probes(params)
     if cosine is not None:
@@ -191,7 +182,7 @@ def carried_state(cosine: tuple[float, frozenset[str]] | None,
                   fidelity: dict[str, RegionFidelity]) -> dict[str, Any]:
     """The probe values the next step's first word will carry, for a checkpoint."""
     return {"cosine": None if cosine is None else [cosine[0], sorted(cosine[1])],
-            "fidelity": {r: [f.cosine, f.rel_error, f.preconditioned, f.samples] for r, f in sorted(fidelity.items())}}
+            "fidelity": {r: f.as_row() for r, f in sorted(fidelity.items())}}
 
 
 def load_carried(state: dict[str, Any] | None) -> tuple[tuple[float, frozenset[str]] | None, dict[str, RegionFidelity]]:
@@ -200,5 +191,5 @@ def load_carried(state: dict[str, Any] | None) -> tuple[tuple[float, frozenset[s
         return None, {}
     c = state.get("cosine")
     cosine = None if c is None else (float(c[0]), frozenset(c[1]))
-    fid = {r: RegionFidelity(float(v[0]), float(v[1]), bool(v[2]), int(v[3])) for r, v in state["fidelity"].items()}
+    fid = {r: RegionFidelity.from_row(v) for r, v in state["fidelity"].items()}
     return cosine, fid

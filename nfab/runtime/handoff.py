@@ -56,7 +56,6 @@ class Probe:
     """A fidelity probe: a strided FP32 sample of the lossy groups, all-reduced beside them."""
 
     future: torch.futures.Future
-    regions: frozenset[str]
     numel: int
 
 
@@ -99,7 +98,7 @@ class Launch:
     """Seconds the hook body spent in each phase for this bucket (`HOOK_PHASES`)."""
     fidelity_cols: tuple[tuple[str, ...], Columns] | None = None
     """The step's first word only: the previous step's per-region probe fidelity this rank
-    measured (regions, and their `FIDELITY_FIELDS` columns), agreed over ranks at the fold."""
+    measured (regions, and their `fidelity.ROW_FIELDS` columns), agreed over ranks at the fold."""
     levels: LevelSent | None = None
     """Its lossy groups' two-level reduction, already in the buffer (with a hierarchy)."""
 

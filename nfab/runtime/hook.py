@@ -219,7 +219,7 @@ class Runtime:
         else:
             sent, recv, futs, nbytes = encode.launch_each(encoded, ctrl, w, pg)
             ctrl_part, rows, collectives = None, None, len(futs)
-        probe = encode.launch_probe(probe_parts, routes, w, pg)
+        probe = encode.launch_probe(probe_parts, w, pg)
         if probe is not None:
             futs.append(probe.future)
             nbytes += allreduce_factor(w) * probe.numel * 4

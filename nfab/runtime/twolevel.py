@@ -30,6 +30,7 @@ exactly what was owed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -62,14 +63,14 @@ class TwoLevel:
         topo, red = self.topology, REDUCERS[group.key]
         x = buffer if group.whole else torch.cat(encode.views(buffer, group))
         if ctx.error_feedback:
-            _add_owed(ctx.residuals, x, group)
+            encode.add_residuals(ctx.residuals, x, group, ctx.ef_off)
         node_mean, start, shard = hier.scatter(x, self.groups)
         lengths = hier.shard_lengths(group.lengths, start, start + shard)
         gen = _noise(ctx, group, x.device) if red.needs_shared_scale else None
         mean, local, calls = cross(node_mean, red, lengths, self.groups.cross, topo.nodes, gen, ctx.error_feedback)
         residuals: tuple[tuple[str, torch.Tensor], ...] = ()
         if ctx.error_feedback and local is not None:
-            residuals = _owed(group, node_mean.sub_(local).mul_(topo.local_world), start)
+            residuals = _owed(group, node_mean.sub_(local).mul_(topo.local_world), start, ctx.ef_off)
         out = hier.gather(mean, x, self.groups)
         if group.whole:
             buffer.copy_(out)
@@ -113,8 +114,6 @@ def with_levels(launch: Launch, levels: LevelSent | None) -> Launch:
     """The bucket's `Launch` with its two-level bytes and collectives counted in."""
     if levels is None:
         return launch
-    import dataclasses
-
     return dataclasses.replace(launch, levels=levels, wire_bytes=launch.wire_bytes + levels.intra_bytes
                                + levels.inter_bytes, collectives=launch.collectives + levels.collectives)
 
@@ -124,9 +123,8 @@ def cross(x: torch.Tensor, red: Reducer, lengths: Sequence[int], group: dist.Pro
     """Level 2, `Reducer.reduce`'s arithmetic at W = nodes, plus this rank's own decoded
     contribution (error feedback) and the collectives it took."""
     calls, shared = 1, None
-    if red.needs_shared_scale:
-        shared = red.local_scale(x, lengths)
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+    if red.needs_shared_scale:  # blockq agrees uint8 codes, as its cross-level bytes count them
+        shared = red.agree(red.local_scale(x, lengths), group)
         calls += 1
     enc = red.encode(x, lengths, nodes, shared, generator)
     local = enc.local if want_local else None  # from encode's state: the payload may be reduced in place
@@ -138,24 +136,16 @@ def cross(x: torch.Tensor, red: Reducer, lengths: Sequence[int], group: dist.Pro
     return red.decode(fut.wait(), scale_mean, x.numel(), lengths, nodes), local, calls
 
 
-def _add_owed(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group) -> None:
-    """Add each slice's owed error feedback to this rank's contribution (before the node sum)."""
-    pos = 0
-    for s in group.slices:
-        r = residuals.get(s.name)
-        start = s.offset if group.whole else pos
-        if r is not None:
-            x[start : start + s.numel].add_(r)
-        pos += s.numel
-
-
-def _owed(group: Group, shard_owed: torch.Tensor, start: int) -> tuple[tuple[str, torch.Tensor], ...]:
-    """This rank's owed values (L * r on its shard, zero elsewhere) split per slice."""
+def _owed(group: Group, shard_owed: torch.Tensor, start: int,
+          ef_off: frozenset[str]) -> tuple[tuple[str, torch.Tensor], ...]:
+    """This rank's owed values (L * r on its shard, zero elsewhere) split per slice, except in
+    regions whose error feedback the drift monitor switched off."""
     full = torch.zeros(group.numel, dtype=torch.float32, device=shard_owed.device)
     end = min(start + shard_owed.numel(), group.numel)
     if end > start:
         full[start:end] = shard_owed[: end - start]
-    return tuple((s.name, part) for s, part in zip(group.slices, full.split(group.lengths), strict=True))
+    return tuple((s.name, part) for s, part in zip(group.slices, full.split(group.lengths), strict=True)
+                 if s.region not in ef_off)
 
 
 def _noise(ctx: encode.EncodeContext, group: Group, device: torch.device) -> torch.Generator:

@@ -135,7 +135,8 @@ class BlockQSum(Reducer):
         return out
 
     def agree(self, block_max: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """The agreed codes: this rank's per-block codes, MAX all-reduced as uint8 (blocking)."""
+        """The agreed codes: this rank's per-block codes, MAX all-reduced as uint8 (blocking):
+        one byte per block, the same codes as the MAX of the fp32 block maxima (monotone)."""
         codes = scale_codes(torch.nan_to_num(block_max, nan=0.0))
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
         return codes

@@ -201,6 +201,13 @@ class Reducer(ABC):
         """This rank's candidate for the shared scale (reduced with MAX across ranks)."""
         return codecs.segment_max_abs(x, lengths)
 
+    def agree(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The shared scale every rank encodes with: the MAX over ranks of `local_scale` (a
+        blocking collective; a new tensor, `local` is kept). Its bytes are its element size."""
+        shared = local.clone()
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+        return shared
+
     # ---- whole paths --------------------------------------------------------------
     def reduce(
         self,
@@ -218,8 +225,7 @@ class Reducer(ABC):
             return x.clone()  # gloo rejects empty collectives: nothing to send
         shared = None
         if self.needs_shared_scale:
-            shared = self.local_scale(x, lengths)
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+            shared = self.agree(self.local_scale(x, lengths), group)
         enc = self.encode(x, lengths, world_size, shared, generator)
         fut = self.launch(enc.payload, world_size, group)
         scale_mean = None

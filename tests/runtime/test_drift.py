@@ -68,7 +68,7 @@ def _fidelity(est, ref, slices, inverse=None):
     layout = sample_layout(tuple(n for _, _, n in slices), torch.device("cpu"))
     meta, t = bucket_probe(sample(est, layout), sample(ref, layout), [(name, region) for region, name, _ in slices],
                            layout, inverse)
-    return fold_probes(read_params(meta, t.tolist()))
+    return fold_probes(read_params(meta, t.reshape(-1).tolist()))
 
 
 def test_region_fidelity_preconditions_before_comparing():
