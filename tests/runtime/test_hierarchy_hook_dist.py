@@ -86,11 +86,20 @@ def _scenario(rank: int, route: str | dict, ef: bool, steps: int, hierarchy, cls
 LINEAR = {"linear": "sign"}  # weights sign, biases (and nothing else) fp32: a mixed bucket
 
 
+class LinearEfOff(Runtime):
+    """As after the drift monitor's `ef_off` event for `linear`: its error feedback stays off."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.health.ef_off.add("linear")
+
+
 def _all(rank: int, world: int) -> dict:
     res = {
         "sign": _scenario(rank, LINEAR, False, 3, "2x2"),
         "sign-meta": _scenario(rank, LINEAR, False, 3, "2x2", cls=twins.DefaultDeviceMeta),
         "q8-ef": _scenario(rank, {"linear": "q8", "bias": "sign"}, True, 3, 2, bucket_mb=0.005),
+        "q8-ef-off": _scenario(rank, {"linear": "q8", "bias": "sign"}, True, 3, 2, cls=LinearEfOff, bucket_mb=0.005),
         "fp32": _scenario(rank, "fp32", True, 1, 2),
         "q2-two": _scenario(rank, {"linear": "q2"}, False, 1, nfab.Hierarchy(local_world=2)),
     }
@@ -171,6 +180,14 @@ def test_error_feedback_lives_on_each_ranks_shard_and_replicas_stay_identical(ru
         for n in a:
             assert not ((a[n] != 0) & (b[n] != 0)).any(), n
     assert runs[0]["q8-ef"]["stats"][-1][4].get("q8", 0) > 0
+
+
+def test_error_feedback_switched_off_by_the_monitor_stays_off_on_the_two_level_path(runs):
+    _check_replicas(runs, "q8-ef-off")
+    for r in runs:
+        regions, owed = r["q8-ef-off"]["regions"], r["q8-ef-off"]["residuals"]
+        assert not any(regions[n] == "linear" for n in owed)  # neither added nor staged again
+        assert any(regions[n] == "bias" for n in owed)  # the other lossy region keeps its own
 
 
 def test_fp32_route_with_a_hierarchy_is_plain_ddp(runs):
