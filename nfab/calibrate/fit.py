@@ -6,6 +6,15 @@ tolerances (a trial's held-out and training loss deltas both within `tol_loss`: 
 training one alone is noisy); a route without a trial passes only on a very high cosine. Each phase
 runs with one error-feedback setting: the one whose validated routes send fewer bytes
 (a tie keeps EF off). Health thresholds come from the reference run's own statistics.
+
+Under an adaptive optimizer (anything but SGD) replay fidelity decides alone: a K-step trial
+cannot see the harm an unfaithful route builds up over a run under Adam's per-coordinate
+normalisation (held-out GPT: sign passed its 20-step trials at ~0 and cost +5..7% over 300
+steps; per-tensor q4, replay cosine ~0.55, +4.9%; 64-element block q3, cosine ~0.97, +0.8%).
+So there every lossy route needs `ADAPTIVE_COSINE` and passes on it without a trial; what
+builds up over the run is then validation's to see. Among routes within `BITS_SLACK` of the
+cheapest passing one's bits, the most faithful is chosen: 2 % fewer bytes are not worth a
+coarser block.
 """
 
 from __future__ import annotations
@@ -32,6 +41,12 @@ MAX_REL_ERROR = 2.0
 """A route whose error is more than twice the true gradient's norm is noise with a bias."""
 HIGH_COSINE = 0.99
 """A route with no trial passes only at or above this cosine (e.g. bf16 on a tiny region)."""
+ADAPTIVE_COSINE = 0.95
+"""Under an adaptive optimizer a lossy route needs at least this replay cosine, and passes on it
+without a trial (the bar between per-tensor 4-bit/sign, ~0.5-0.75, and block-scaled 3-bit, ~0.96-0.98)."""
+BITS_SLACK = 0.05
+"""Passing routes within this fraction of the cheapest one's bits count as equally cheap: the most
+faithful (highest replay cosine) of them is chosen."""
 MARGIN = 1.5
 """Health thresholds are the reference run's worst ratio times this margin."""
 MAX_WORLD = 1 << 16
@@ -65,8 +80,31 @@ def passes(row: pd.Series | dict[str, Any], tol_cosine: float, tol_loss: float, 
     return delta <= tol_loss and (train is None or train <= tol_loss)
 
 
+def adaptive(optimizer: str | None) -> bool:
+    """Is the optimizer family adaptive (per-coordinate step sizes: AdamW)? Unknown counts as SGD-like."""
+    return optimizer is not None and optimizer not in ("sgd", "", "auto")
+
+
+def fidelity_bars(optimizer: str | None, tol_cosine: float, high_cosine: float) -> tuple[float, float]:
+    """(cosine a trialled route needs, cosine that passes without a trial) under this optimizer family."""
+    if adaptive(optimizer):
+        return max(tol_cosine, ADAPTIVE_COSINE), min(high_cosine, max(tol_cosine, ADAPTIVE_COSINE))
+    return tol_cosine, high_cosine
+
+
+def optimizer_of(table: pd.DataFrame, meta: dict[str, Any] | None) -> str | None:
+    """The optimizer family the table was measured under (meta first, then the table's column)."""
+    opt = (meta or {}).get("optimizer")
+    if isinstance(opt, dict) and opt.get("name"):
+        return str(opt["name"])
+    if "optimizer" in table.columns and len(table):
+        return str(table["optimizer"].iloc[0])
+    return None
+
+
 def _choose(rows: pd.DataFrame, tol_cosine: float, tol_loss: float, high_cosine: float) -> dict[str, Any]:
-    """The cheapest passing route among one (phase, region, EF) group's rows; fp32 if none."""
+    """The cheapest passing route among one (phase, region, EF) group's rows (the most faithful of
+    those within BITS_SLACK of the cheapest); fp32 if none."""
     ok = [r for _, r in rows.iterrows() if passes(r, tol_cosine, tol_loss, high_cosine)]
     if not ok:
         fp = rows[rows["route"] == "fp32"]
@@ -74,7 +112,10 @@ def _choose(rows: pd.DataFrame, tol_cosine: float, tol_loss: float, high_cosine:
     if not ok:
         return {"route": "fp32", "bits_per_element": None, "cosine": 1.0, "loss_delta": None}
     order = {r: i for i, r in enumerate(ROUTES)}
-    best = min(ok, key=lambda r: (float(r["bits_per_element"]), order.get(r["route"], 99)))
+    cheapest = min(float(r["bits_per_element"]) for r in ok)
+    near = [r for r in ok if float(r["bits_per_element"]) <= cheapest * (1 + BITS_SLACK)]
+    best = min(near, key=lambda r: (-(_num(r["cosine"]) or 0.0), float(r["bits_per_element"]),
+                                    order.get(r["route"], 99)))
     return {"route": str(best["route"]), "bits_per_element": _num(best["bits_per_element"]),
             "cosine": _num(best["cosine"]), "loss_delta": _num(best["loss_delta"])}
 
@@ -162,6 +203,8 @@ def fit_profile(
     """The operating profile a calibration table supports at these tolerances."""
     check_columns(table)
     meta = meta or {}
+    optimizer = optimizer_of(table, meta)
+    tol_cosine, high_cosine = fidelity_bars(optimizer, tol_cosine, high_cosine)
     starts = table.groupby("phase", sort=False).agg(step=("step", "min"), fraction=("phase_fraction", "min"))
     starts = starts.sort_values("step")
     phases, evidence, chosen_cos = [], {}, []
@@ -182,6 +225,8 @@ def fit_profile(
         "tol_cosine": tol_cosine,
         "tol_loss": tol_loss,
         "high_cosine": high_cosine,
+        "adaptive_optimizer": adaptive(optimizer),
+        "bits_slack": BITS_SLACK,
         "calibrated": {k: meta[k] for k in ("model", "model_options", "dataset", "data_options", "world_size",
                                             "optimizer", "schedule",
                                             "steps", "trial_steps", "ef_steps", "batch_size", "seed", "command",

@@ -21,7 +21,7 @@ import torch
 
 from nfab import __version__
 from nfab.calibrate.config import CalibrationConfig
-from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fit_profile, passes
+from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes
 from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, replay_reducer, true_means
 from nfab.calibrate.search import Tolerances, ef_order, search_phase, trial_candidate
 from nfab.calibrate.table import SCHEMA, read_table, write_table
@@ -113,6 +113,9 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
     trial_regions = sorted(((r.name, r.numel) for r in task.regions.values()
                             if r.numel / total_numel >= cfg.trial_min_share), key=lambda rn: -rn[1])
     order = ef_order(cfg.optimizer.name)
+    # the bars the fit will apply: under AdamW replay fidelity decides alone, so no trial can change the fit
+    bar, high = fidelity_bars(cfg.optimizer.name, tol.cosine, HIGH_COSINE)
+    search_tol = Tolerances(bar, tol.loss)
     trials_run = 0
     rows: list[dict[str, Any]] = []
     for p_i, (step, kind) in enumerate(points):
@@ -134,11 +137,11 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
             cell["trial_steps"] = len(res.train_loss)
             cell["screen"] = "trial_stopped" if res.stopped_early else "trial"
             progress("trials", _done, len(points))
-            return passes(cell, tol.cosine, tol.loss, HIGH_COSINE)
+            return passes(cell, search_tol.cosine, search_tol.loss, high)
 
         with clock.stage("trials"):
             trials_run += search_phase(cells, trial_regions, candidates=lambda r, _c=cells: _trial_routes(cfg, _c, r),
-                                       order=order, tol=tol, high_cosine=HIGH_COSINE, run=trial)
+                                       order=order, tol=search_tol, high_cosine=high, run=trial)
         progress("trials", p_i + 1, len(points))
         rows.extend(cells.values())
 

@@ -12,12 +12,17 @@ denominator is the FP32 loss, floored at a quarter of the FP32 loss at the first
 after the start: a classifier's loss near zero would otherwise turn every wobble into a
 large relative gap.
 
-Where the gap exceeds the tolerance, the phase whose gap grew most is tightened: its
-riskiest lossy region (largest (1 - cosine) x elements) moves to the next finer route
-that the replay still admits (and no trial rejected), else to FP32. Validation then
-resumes from that phase's start (the earlier phases are unchanged, and per-step seeds
-make the resumed run identical up to there). A run that is clearly failing (gap above
-`ABORT_FACTOR` x tolerance at two evaluations in a row) stops early.
+Validation shares the reference's work: the steps before the profile's first lossy phase are
+the FP32 reference itself (bit for bit), so a run starts from the reference's checkpoint there.
+
+Where the gap exceeds the tolerance, every lossy phase is tightened at once: each phase's
+riskiest lossy region (largest (1 - cosine) x elements) moves to the next finer route that
+the replay still admits (and no trial rejected), else to FP32. One phase per round would need
+a round per phase, and the harm that shows late is often done earlier (sign on the held-out
+GPT's linear layers in its middle phases showed up as a gap in the last one). Validation then
+resumes from the earliest changed phase's start. A run that is clearly failing (gap above
+`ABORT_FACTOR` x tolerance at two evaluations in a row after `ABORT_AFTER` of the run) stops
+early, which leaves the budget for the next round.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ LOSS_FLOOR = 0.25
 """The gap's denominator is at least this fraction of the held-out loss early in the run (see `loss_floor`)."""
 FINAL_WINDOW = 0.25
 """The gap is averaged over the eval points in this last fraction of the run."""
-ABORT_FACTOR = 5.0
-"""A validation run stops once its gap exceeds this x tolerance at two evaluations in a row ..."""
+ABORT_FACTOR = 2.0
+"""A validation run stops once its gap exceeds this x tolerance (at least ABORT_MIN) at two evaluations in a row ..."""
+ABORT_MIN = 0.01
+"""... and at least this relative gap (a zero or negative tolerance does not stop every run)."""
 ABORT_AFTER = 0.4
 """... after this fraction of the run (early on, a compressed run's small lag is a large relative gap)."""
 MAX_ROUNDS = 6
@@ -115,16 +122,6 @@ def loss_floor(ref_eval: dict[int, float]) -> float:
     return LOSS_FLOOR * ref_eval[later[0]] if later else 0.0
 
 
-def gap_at(ref: dict[int, float], val: dict[int, float], floor: float) -> dict[int, float]:
-    """Relative held-out loss gap at each eval point both runs have (inf when the run diverged)."""
-    out = {}
-    for step, loss in val.items():
-        if step in ref:
-            base = max(ref[step], floor)
-            out[step] = (loss - ref[step]) / base if math.isfinite(loss) else math.inf
-    return out
-
-
 def final_gap(ref: dict[int, float], val: dict[int, float], steps: int, floor: float) -> float:
     """The gap averaged over the run's last FINAL_WINDOW (inf when the run stopped before it)."""
     window = [s for s in ref if s >= steps * (1 - FINAL_WINDOW)]
@@ -153,9 +150,11 @@ def validate_profile(
     evals = set(eval_points(steps))
     floor = loss_floor(ref.eval_loss)
     result = Validation(tolerance=tolerance, steps=steps, eval_steps=sorted(evals))
-    val: dict[int, float] = {0: ref.eval_loss[0]}
-    saved: dict[int, tuple[dict, Residuals]] = {0: (ref.checkpoints[0], Residuals())}
-    start, full_seconds = 0, None
+    start = shared_start(segments_of(profile, steps), ref, steps)
+    # before the first lossy step the profile *is* the reference: its evals and checkpoints
+    val: dict[int, float] = {s: v for s, v in ref.eval_loss.items() if s <= start}
+    saved: dict[int, tuple[dict, Residuals]] = {s: (c, Residuals()) for s, c in ref.checkpoints.items() if s <= start}
+    per_step = 0.0
     while True:
         segments = segments_of(profile, steps)
         state, residuals = saved[start]
@@ -164,8 +163,7 @@ def validate_profile(
                            save_at={s.start for s in segments}, residuals=residuals,
                            abort=_abort(ref.eval_loss, floor, tolerance, steps), tick=tick)
         seconds = time.perf_counter() - t0
-        if start == 0 and run.stopped_at is None:
-            full_seconds = seconds
+        per_step = max(per_step, seconds / max(1, (run.stopped_at or steps) - start))
         val = {s: v for s, v in val.items() if s <= start} | run.eval_loss
         saved = {s: v for s, v in saved.items() if s <= start} | {s: v for s, v in run.saved.items() if s > start}
         gap = final_gap(ref.eval_loss, val, steps, floor)
@@ -177,25 +175,30 @@ def validate_profile(
         if len(result.rounds) >= max_rounds:
             result.stopped = "rounds"
             break
-        change = tighten(profile, table, segments, gap_at(ref.eval_loss, val, floor), steps, tol)
+        change = tighten(profile, table, segments, steps, tol)
         if change is None:
             result.stopped = "nothing to tighten"
             break
         profile, phase_start, text = change
-        estimate = (steps - phase_start) / steps * (full_seconds or seconds * steps / max(1, steps - start))
         left = seconds_left() if seconds_left is not None else None
-        if left is not None and estimate > left:
+        if left is not None and per_step * (steps - phase_start) > left:
             result.stopped = "budget"
             result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=f"{text} (not validated: budget)")
             break
         result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=text)
-        start = phase_start
-        if start not in saved:  # the phase starts where the last run never got to (it stopped early)
-            start = max(s for s in saved if s <= start)
+        start = max(s for s in saved if s <= phase_start)  # the last run may have stopped before the phase
     result.reference_eval = [ref.eval_loss[s] for s in result.eval_steps]
     result.profile_eval = [val.get(s, math.nan) for s in result.eval_steps]
     evidence = {**profile.evidence, "validation": result.to_evidence()}
     return profile.model_copy(update={"evidence": evidence}), result
+
+
+def shared_start(segments: list[Segment], ref: Reference, steps: int) -> int:
+    """Where a validation run must start: the reference checkpoint at or before the first step any
+    region leaves FP32 (the steps before it are the reference's own)."""
+    lossy = [seg.start for seg in segments if any(r != "fp32" for r in seg.routes.values())]
+    first = min(lossy, default=steps)
+    return max(s for s in ref.checkpoints if s <= first)
 
 
 def _abort(ref: dict[int, float], floor: float, tolerance: float, steps: int) -> Callable[[int, float], bool]:
@@ -207,47 +210,45 @@ def _abort(ref: dict[int, float], floor: float, tolerance: float, steps: int) ->
             return True
         if step < ABORT_AFTER * steps or step not in ref:
             return False
-        over = over + 1 if (loss - ref[step]) / max(ref[step], floor) > max(ABORT_FACTOR * tolerance, 0.05) else 0
+        over = over + 1 if (loss - ref[step]) / max(ref[step], floor) > max(ABORT_FACTOR * tolerance, ABORT_MIN) else 0
         return over >= 2
 
     return abort
 
 
-def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], gaps: dict[int, float], steps: int,
+def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], steps: int,
             tol: Tolerances) -> tuple[Profile, int, str] | None:
-    """Move one region of the phase whose gap grew most to its next finer admitted route.
+    """Move the riskiest lossy region of every lossy phase to its next finer admitted route.
 
-    Returns (new profile, that phase's start step, `phase/region: old -> new`), or None when
-    every phase is all FP32 already.
+    Returns (new profile, the earliest changed phase's start step, `phase/region: old -> new, ...`),
+    or None when every phase is all FP32 already.
     """
-    def gap_before(step: int) -> float:
-        known = [s for s in gaps if s <= step]
-        return gaps[max(known)] if known else 0.0
-
-    growth = []
     ordered = sorted(profile.phases, key=lambda p: p.start.resolve(steps))
-    for i, (phase, seg) in enumerate(zip(ordered, segments, strict=True)):
+    routes_of: dict[str, dict[str, str]] = {}
+    evidence = dict(profile.evidence)
+    texts, starts = [], []
+    for phase, seg in zip(ordered, segments, strict=True):
         if all(r == "fp32" for r in seg.routes.values()):
             continue
-        end = segments[i + 1].start if i + 1 < len(segments) else steps
-        growth.append((gap_before(end) - gap_before(seg.start), -i, phase, seg))
-    if not growth:
+        rows = table[(table["phase"] == phase.name)
+                     & (table["error_feedback"].astype(bool) == phase.error_feedback)]
+        region, old = _riskiest(rows, seg)
+        new = _finer(rows[rows["region"] == region], old, tol)
+        routes = {**phase.routes, region: new["route"] if new is not None else "fp32"}
+        routes_of[phase.name] = routes
+        ev = dict(evidence.get(phase.name, {}))
+        ev[region] = {"route": routes[region], "tightened_from": old,
+                      "bits_per_element": None if new is None else _f(new["bits_per_element"]),
+                      "cosine": 1.0 if new is None else _f(new["cosine"]),
+                      "loss_delta": None if new is None else _f(new["loss_delta"])}
+        evidence[phase.name] = ev
+        texts.append(f"{phase.name}/{region}: {old} -> {routes[region]}")
+        starts.append(seg.start)
+    if not texts:
         return None
-    _, _, phase, seg = max(growth, key=lambda g: (g[0], g[1]))
-    rows = table[(table["phase"] == phase.name) & (table["error_feedback"].astype(bool) == phase.error_feedback)]
-    region, old = _riskiest(rows, seg)
-    new = _finer(rows[rows["region"] == region], old, tol)
-    routes = {**phase.routes, region: new["route"] if new is not None else "fp32"}
-    phases = tuple(p.model_copy(update={"routes": routes}) if p is phase else p for p in profile.phases)
-    evidence = dict(profile.evidence)
-    ev = dict(evidence.get(phase.name, {}))
-    ev[region] = {"route": routes[region], "tightened_from": old,
-                  "bits_per_element": None if new is None else _f(new["bits_per_element"]),
-                  "cosine": 1.0 if new is None else _f(new["cosine"]),
-                  "loss_delta": None if new is None else _f(new["loss_delta"])}
-    evidence[phase.name] = ev
-    text = f"{phase.name}/{region}: {old} -> {routes[region]}"
-    return profile.model_copy(update={"phases": phases, "evidence": evidence}), seg.start, text
+    phases = tuple(p.model_copy(update={"routes": routes_of[p.name]}) if p.name in routes_of else p
+                   for p in profile.phases)
+    return profile.model_copy(update={"phases": phases, "evidence": evidence}), min(starts), ", ".join(texts)
 
 
 def _f(v: Any) -> float | None:
