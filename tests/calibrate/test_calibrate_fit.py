@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import pytest
 
-from nfab.calibrate.fit import fit_health, fit_profile, world_range
+from nfab.calibrate.fit import ADAPTIVE_COSINE, BITS_SLACK, fit_health, fit_profile, world_range
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 
@@ -112,3 +112,26 @@ def test_a_trial_must_not_hurt_the_training_loss_either() -> None:
     t.loc[sel, "train_loss_delta"] = 0.5  # held-out fine (0.01), training loss 50 % worse
     p = fit_profile(t, tol_cosine=0.3, tol_loss=0.02)
     assert p.phases[0].routes["conv"] == "q8"
+
+
+def test_under_adamw_replay_fidelity_decides_without_trials() -> None:
+    # sign passed its short trial (p0, EF on) but its replay cosine 0.6 is under the adaptive bar;
+    # q8 at cosine 0.98 passes on replay alone, as a route without a trial would
+    t = table()
+    t["optimizer"] = "adamw"
+    t.loc[t["route"] == "q8", "loss_delta"] = math.nan
+    p = fit_profile(t, tol_cosine=0.3, tol_loss=0.02)
+    assert [ph.routes["conv"] for ph in p.phases] == ["q8", "q8"]
+    assert p.provenance["adaptive_optimizer"] is True and p.provenance["tol_cosine"] == ADAPTIVE_COSINE
+    assert fit_profile(t.assign(optimizer="sgd"), tol_cosine=0.3, tol_loss=0.02).phases[0].routes["conv"] == "sign"
+    # meta names the optimizer when the table's column does not
+    assert fit_profile(table(), meta={"optimizer": {"name": "adamw"}}).phases[0].routes["conv"] == "q8"
+
+
+def test_the_most_faithful_of_nearly_equally_cheap_routes_is_chosen() -> None:
+    rows = [row("p0", 0, "conv", "fp32", False, 1.0, 0.0), row("p0", 0, "conv", "q8", False, 0.9, 0.0),
+            row("p0", 0, "conv", "q4", False, 0.6, 0.0)]
+    rows[2]["bits_per_element"] = 12.0 * (1 - BITS_SLACK / 2)  # q4 sends 2.5 % fewer bits, q8 is more faithful
+    assert fit_profile(pd.DataFrame(rows)).phases[0].routes["conv"] == "q8"
+    rows[2]["bits_per_element"] = 12.0 * (1 - 2 * BITS_SLACK)  # 10 % fewer bits: the cheaper one wins
+    assert fit_profile(pd.DataFrame(rows)).phases[0].routes["conv"] == "q4"
