@@ -8,7 +8,8 @@ only worth running when its answer can change that:
 - routes are tried cheapest first; once one passes, the dearer ones cannot be chosen
   (`screen = "cheaper"`);
 - the second EF setting is searched only while it can still beat the first one's bytes
-  (a branch-and-bound over the phase's regions, biggest first; `screen = "bound"`).
+  (a branch-and-bound over the phase's regions, biggest first; `screen = "bound"`);
+- a trial the budget (budget.py) has no room for is not run (`screen = "budget"`).
 Which EF setting goes first only decides how much is pruned: adaptive optimizers
 (AdamW) try EF off first, SGD tries it on first.
 """
@@ -76,12 +77,13 @@ def search_phase(
     tol: Tolerances,
     high_cosine: float,
     run: Callable[[str, str, bool], bool],
+    allow: Callable[[], bool] | None = None,
 ) -> int:
     """Run the trials one phase needs; `run(region, route, ef)` fills its cell and says if it passed.
 
     `trial_regions` are (name, numel), biggest first; `candidates(region)` lists the routes
-    that may get a trial there. Returns the number of trials run. Every cell of a trial
-    region gets its `screen` reason.
+    that may get a trial there; `allow()` says whether the budget still has room for one. Returns
+    the number of trials run. Every cell of a trial region gets its `screen` reason.
     """
     routes_of = {name: candidates(name) for name, _ in trial_regions}
     other_regions = {r for (r, _, _) in cells} - set(routes_of)
@@ -106,6 +108,8 @@ def search_phase(
                     cell["screen"] = "cheaper"  # a cheaper route already passes
                 elif best_cost is not None and total + bits * numel + rest >= best_cost:
                     cell["screen"] = "bound"  # this EF setting cannot beat the other one from here
+                elif allow is not None and not allow():
+                    cell["screen"] = "budget"  # the trial budget is spent: replay fidelity decides
                 else:
                     trials += 1
                     if run(region, route, ef):

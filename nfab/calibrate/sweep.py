@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 
 from nfab import __version__
+from nfab.calibrate.budget import BUDGET_RATIO, trial_allowance, validation_allowance
 from nfab.calibrate.config import CalibrationConfig
 from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes
 from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, replay_reducer, true_means
@@ -53,8 +54,6 @@ Progress = Callable[[str, int, int], None]
 
 STOP_FACTOR = 3.0
 """A trial stops early once its training loss runs this x the loss tolerance above the FP32 continuation's."""
-BUDGET_RATIO = 3.0
-"""Default cap on the whole calibration's time, in FP32-reference runs (it limits validation's rounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +71,15 @@ def _noop(stage: str, done: int, total: int) -> None:
 
 
 def run_sweep(cfg: CalibrationConfig, progress: Progress | None = None, command: str = "", *,
-              tol: Tolerances | None = None, clock: StageClock | None = None) -> SweepResult:
-    """Measure the (phase, region, route, EF) cells of the calibration table that the fit can use."""
+              tol: Tolerances | None = None, clock: StageClock | None = None,
+              budget_ratio: float = BUDGET_RATIO) -> SweepResult:
+    """Measure the (phase, region, route, EF) cells of the calibration table that the fit can use
+    (trials capped in steps by the budget: see budget.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
-        return _sweep(cfg, progress or _noop, command, tol or Tolerances(TOL_COSINE, TOL_LOSS), clock or StageClock())
+        return _sweep(cfg, progress or _noop, command, tol or Tolerances(TOL_COSINE, TOL_LOSS), clock or StageClock(),
+                      budget_ratio)
     finally:
         torch.set_num_threads(threads)
 
@@ -91,7 +93,8 @@ def _trial_routes(cfg: CalibrationConfig, cells: dict[tuple[str, str, bool], dic
             if (wanted is None or route in wanted) and trial_candidate(cells[(region, route, False)], fp32)]
 
 
-def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolerances, clock: StageClock) -> SweepResult:
+def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolerances, clock: StageClock,
+           budget_ratio: float) -> SweepResult:
     w = cfg.world_size
     done = 0
 
@@ -116,7 +119,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
     # the bars the fit will apply: under AdamW replay fidelity decides alone, so no trial can change the fit
     bar, high = fidelity_bars(cfg.optimizer.name, tol.cosine, HIGH_COSINE)
     search_tol = Tolerances(bar, tol.loss)
-    trials_run = 0
+    trials_run = trial_steps_run = 0
     rows: list[dict[str, Any]] = []
     for p_i, (step, kind) in enumerate(points):
         name = f"p{p_i}-{kind}"
@@ -129,19 +132,23 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
 
         def trial(region: str, route: str, ef: bool, *, _step: int = step, _ckpt: dict = ckpt,
                   _base: TrialResult = base, _cells: dict = cells, _done: int = p_i + 1) -> bool:
+            nonlocal trial_steps_run
             res = run_trial(task, _ckpt, _step, cfg.trial_steps, {region: route}, error_feedback=ef,
                             seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss)
             cell = _cells[(region, route, ef)]
             cell["loss_delta"] = _rel(res.eval_loss, _base.eval_loss)
             cell["train_loss_delta"] = train_delta(res.train_loss, _base.train_loss)
             cell["trial_steps"] = len(res.train_loss)
+            trial_steps_run += len(res.train_loss)
             cell["screen"] = "trial_stopped" if res.stopped_early else "trial"
             progress("trials", _done, len(points))
             return passes(cell, search_tol.cosine, search_tol.loss, high)
 
         with clock.stage("trials"):
             trials_run += search_phase(cells, trial_regions, candidates=lambda r, _c=cells: _trial_routes(cfg, _c, r),
-                                       order=order, tol=search_tol, high_cosine=high, run=trial)
+                                       order=order, tol=search_tol, high_cosine=high, run=trial,
+                                       allow=lambda _p=p_i: trial_steps_run + cfg.trial_steps <= trial_allowance(
+                                           cfg.steps, cfg.trial_steps, _p, len(points), budget_ratio))
         progress("trials", p_i + 1, len(points))
         rows.extend(cells.values())
 
@@ -170,6 +177,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
                       "eval_loss": {str(k): v for k, v in sorted(ref.eval_loss.items()) if math.isfinite(v)}},
         "tolerances": {"cosine": tol.cosine, "loss": tol.loss},
         "trials": trials_run,
+        "trial_steps_run": trial_steps_run,
         "seconds": round(clock.elapsed(), 2),
         "timing": clock.split(),
     }
@@ -241,18 +249,17 @@ def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | N
               tol_validate: float = TOL_VALIDATE, budget_ratio: float = BUDGET_RATIO) -> Calibration:
     """Sweep, fit, validate (tightening as needed), then write calibration.parquet and profile.json.
 
-    `budget_ratio` caps validation's tightening rounds: a round that would take the whole
-    calibration past this many times the FP32 reference's time is not run.
+    `budget_ratio` caps trials and validation's tightening rounds in simulated steps (budget.py):
+    the calibration costs about this many times its FP32 reference run, whatever the machine's load.
     """
     out = Path(out)
     clock = StageClock()
     tol = Tolerances(TOL_COSINE if tol_cosine is None else tol_cosine, TOL_LOSS if tol_loss is None else tol_loss)
-    result = run_sweep(cfg, progress, command, tol=tol, clock=clock)
+    result = run_sweep(cfg, progress, command, tol=tol, clock=clock, budget_ratio=budget_ratio)
     frame = table_frame(result.rows)
     profile = fit_profile(frame, tol.cosine, tol.loss, meta=result.meta)
     validation = None
     if validate:
-        budget = budget_ratio * clock.wall["reference"]
         done = 0
 
         def tick() -> None:
@@ -263,7 +270,7 @@ def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | N
         with clock.stage("validation"):
             profile, validation = validate_profile(
                 result.task, result.reference, profile, frame, tol=tol, tolerance=tol_validate, seed=cfg.seed,
-                seconds_left=lambda: budget - clock.elapsed(), tick=tick)
+                step_budget=validation_allowance(cfg.steps, result.meta["trial_steps_run"], budget_ratio), tick=tick)
     meta = {**result.meta, "timing": clock.split(), "seconds": round(clock.elapsed(), 2),
             "validation": None if validation is None else {"passed": validation.passed,
                                                            "gap": validation.to_evidence()["gap"],

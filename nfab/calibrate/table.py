@@ -55,8 +55,8 @@ SCHEMA = pa.schema([
 `trial_steps` is how many steps the cell's trial ran (0: none). `screen` says why a cell
 has or lacks a trial: `reference` (fp32), `trial`, `trial_stopped` (ended early, failing),
 `replay` (its replay fidelity already fails), `cheaper` (a cheaper route passed), `bound`
-(its EF setting could no longer beat the other's bytes), `no_trial` (not a trial route,
-or a region too small for trials).
+(its EF setting could no longer beat the other's bytes), `budget` (the trial budget was
+spent), `no_trial` (not a trial route, or a region too small for trials).
 """
 
 FIT_REQUIRED: tuple[str, ...] = (

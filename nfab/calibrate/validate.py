@@ -142,10 +142,14 @@ def validate_profile(
     tolerance: float = TOL_VALIDATE,
     seed: int = 0,
     max_rounds: int = MAX_ROUNDS,
-    seconds_left: Callable[[], float | None] | None = None,
+    step_budget: int | None = None,
     tick: Tick | None = None,
 ) -> tuple[Profile, Validation]:
-    """Validate `profile` over the reference window; tighten and re-validate while the gap is too large."""
+    """Validate `profile` over the reference window; tighten and re-validate while the gap is too large.
+
+    `step_budget` caps the simulated steps of all rounds (the first round always runs): a
+    tightening round that would not fit is not run, and its change is marked unvalidated.
+    """
     steps = task.cfg.steps
     evals = set(eval_points(steps))
     floor = loss_floor(ref.eval_loss)
@@ -154,7 +158,7 @@ def validate_profile(
     # before the first lossy step the profile *is* the reference: its evals and checkpoints
     val: dict[int, float] = {s: v for s, v in ref.eval_loss.items() if s <= start}
     saved: dict[int, tuple[dict, Residuals]] = {s: (c, Residuals()) for s, c in ref.checkpoints.items() if s <= start}
-    per_step = 0.0
+    used = 0
     while True:
         segments = segments_of(profile, steps)
         state, residuals = saved[start]
@@ -163,7 +167,7 @@ def validate_profile(
                            save_at={s.start for s in segments}, residuals=residuals,
                            abort=_abort(ref.eval_loss, floor, tolerance, steps), tick=tick)
         seconds = time.perf_counter() - t0
-        per_step = max(per_step, seconds / max(1, (run.stopped_at or steps) - start))
+        used += (run.stopped_at or steps) - start
         val = {s: v for s, v in val.items() if s <= start} | run.eval_loss
         saved = {s: v for s, v in saved.items() if s <= start} | {s: v for s, v in run.saved.items() if s > start}
         gap = final_gap(ref.eval_loss, val, steps, floor)
@@ -180,13 +184,13 @@ def validate_profile(
             result.stopped = "nothing to tighten"
             break
         profile, phase_start, text = change
-        left = seconds_left() if seconds_left is not None else None
-        if left is not None and per_step * (steps - phase_start) > left:
+        restart = max(s for s in saved if s <= phase_start)  # the last run may have stopped before the phase
+        if step_budget is not None and used + steps - restart > step_budget:
             result.stopped = "budget"
             result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=f"{text} (not validated: budget)")
             break
         result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=text)
-        start = max(s for s in saved if s <= phase_start)  # the last run may have stopped before the phase
+        start = restart
     result.reference_eval = [ref.eval_loss[s] for s in result.eval_steps]
     result.profile_eval = [val.get(s, math.nan) for s in result.eval_steps]
     evidence = {**profile.evidence, "validation": result.to_evidence()}

@@ -44,7 +44,8 @@ def test_calibrate_writes_table_and_profile(calibrated: Path) -> None:
     assert set(trials["route"]) <= {"q8", "sign"} and "sign" in set(trials["route"])  # --quick: sign and q8 only
     assert set(trials["screen"]) <= {"trial", "trial_stopped"} and trials["loss_delta"].notna().all()
     untried = frame[frame["trial_steps"].eq(0)]
-    assert untried["loss_delta"].isna().all() and set(untried["screen"]) <= {"replay", "cheaper", "bound", "no_trial"}
+    assert untried["loss_delta"].isna().all()
+    assert set(untried["screen"]) <= {"replay", "cheaper", "bound", "budget", "no_trial"}
     assert set(frame.loc[frame["route"] == "fp32", "screen"]) == {"reference"}
     timing = meta["timing"]
     assert timing["reference_s"] > 0 and timing["ratio"] > 1 and timing["cpu_ratio"] > 1

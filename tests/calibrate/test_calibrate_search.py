@@ -60,3 +60,17 @@ def test_second_ef_setting_is_bounded_by_the_first() -> None:
 
 def test_ef_order_follows_the_optimizer_family() -> None:
     assert ef_order("adamw") == (False, True) and ef_order("sgd") == (True, False)
+
+
+def test_a_trial_the_budget_has_no_room_for_is_not_run() -> None:
+    table = cells({"sign": 0.5, "q4": 0.5, "q8": 0.95})
+    calls: list[str] = []
+
+    def run(region: str, route: str, ef: bool) -> bool:
+        calls.append(route)
+        return False
+
+    n = search_phase(table, [("conv", 1000)], candidates=lambda r: ["q8", "q4", "sign"], order=(False, True),
+                     tol=TOL, high_cosine=0.99, run=run, allow=lambda: len(calls) < 1)
+    assert n == 1 and calls == ["sign"]
+    assert table[("conv", "q4", False)]["screen"] == "budget" and table[("conv", "q8", True)]["screen"] == "budget"

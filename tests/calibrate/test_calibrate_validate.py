@@ -80,6 +80,19 @@ def test_validation_starts_from_the_reference_where_the_profile_leaves_fp32() ->
     assert out.phases[1].routes == {"conv": "fp32"}
 
 
+def test_a_tightening_round_the_step_budget_has_no_room_for_is_not_run() -> None:
+    task = tiny()
+    ref = run_reference(task)
+    rows = [(p, "conv", r, b, c) for p in ("p0", "p1") for r, b, c in
+            (("fp32", 48.0, 1.0), ("q8", 12.0, 0.97), ("sign", 3.0, 0.4))]
+    prof = profile((0.0, {"conv": "sign"}, False), (0.5, {"conv": "sign"}, False))
+    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=-1.0, step_budget=12)
+    # round 1 ran 8 steps (or stopped early); a second full round would pass 12 steps
+    assert v.stopped == "budget" and len(v.rounds) == 1
+    assert v.rounds[0].change == "p0/conv: sign -> q8, p1/conv: sign -> q8 (not validated: budget)"
+    assert [p.routes["conv"] for p in out.phases] == ["q8", "q8"]  # the tightened, unvalidated profile
+
+
 def test_tighten_moves_the_riskiest_region_of_every_lossy_phase() -> None:
     rows = [(p, reg, r, b, c) for p in ("p0", "p1", "p2") for reg in ("conv", "norm") for r, b, c in
             (("fp32", 48.0, 1.0), ("q8", 12.0, 0.99), ("sign", 3.0, 0.5))]

@@ -1,0 +1,37 @@
+"""The calibration budget, counted in simulated steps (never the clock).
+
+A calibration may cost `BUDGET_RATIO` x its own FP32 reference run. The stages are capped in
+steps, not seconds, so the same inputs give the same profile on a quiet or a loaded machine:
+- the reference run is the unit (its `steps` steps);
+- replay and the FP32 continuations' captures cost about `REPLAY_SHARE` of it (not capped);
+- short trials get `TRIAL_SHARE` of it, spread over the phases (a phase may use what earlier
+  phases left; a trial that does not fit is not run: `screen = "budget"`);
+- validation gets the rest; one of its steps costs `VALIDATION_STEP_COST` reference steps (the
+  reducers' replay on top of the forward and backward pass). The first round always runs
+  whole; a tightening round runs only if it fits.
+Measured on 2 cores (2026-11-30): held-out GPT replay 0.14x, validation step 1.34x (bq3
+everywhere); resnet18 replay 0.35x, validation step 1.4x.
+"""
+
+from __future__ import annotations
+
+BUDGET_RATIO = 3.0
+"""Default cap on the whole calibration's cost, in FP32-reference runs."""
+TRIAL_SHARE = 0.3
+"""Short trials' share of the budget, in reference runs."""
+REPLAY_SHARE = 0.2
+"""What replay and the continuations' captures are assumed to cost, in reference runs."""
+VALIDATION_STEP_COST = 1.35
+"""One validation step in reference steps."""
+
+
+def trial_allowance(steps: int, trial_steps: int, phase: int, phases: int, ratio: float = BUDGET_RATIO) -> int:
+    """Trial steps phases 0..`phase` may have used in all: an even share each, at least one trial's worth."""
+    total = TRIAL_SHARE * ratio / BUDGET_RATIO * steps
+    return max(trial_steps, int(total * (phase + 1) / phases))
+
+
+def validation_allowance(steps: int, trial_steps_run: int, ratio: float = BUDGET_RATIO) -> int:
+    """Validation steps that fit in what the reference, replay and trials left of the budget."""
+    left = (ratio - 1.0 - REPLAY_SHARE) * steps - trial_steps_run
+    return max(0, int(left / VALIDATION_STEP_COST))
