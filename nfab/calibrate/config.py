@@ -26,13 +26,18 @@ from nfab.overrides import parse_kv
 from nfab.validation import StrictModel, describe
 from nfab.wire.codecs import BLOCK_ROUTES, ROUTES
 
-DEFAULT_BLOCK_ROUTES: tuple[str, ...] = ("bq3", "bq4", "bq3-256")
-"""Block-scaled qsum routes a sweep measures by default: 3 and 4 bits of levels per 64-element
-block, and 3 bits per 256 (so the fit can choose the block size); the others can be named."""
-DEFAULT_ROUTES: tuple[str, ...] = tuple(
-    r for r in ROUTES if r != "fp16" and (r not in BLOCK_ROUTES or r in DEFAULT_BLOCK_ROUTES))
-"""Routes a sweep measures unless told otherwise: every per-tensor route (fp16 is bf16's twin
-on the wire) and `DEFAULT_BLOCK_ROUTES`."""
+
+def _redundant(route: str) -> bool:
+    """A route a default sweep leaves out: fp16 (bf16's twin on the wire), 8-bit block routes (dearer
+    than q8, and q8 already passes where 8 bits are needed), and the coarser-block variants
+    (`-128`, `-256`) of a block route: they save ~2 % of its bits for a clearly lower fidelity, so the
+    fit (which takes the most faithful route within BITS_SLACK of the cheapest) would not choose them."""
+    return route == "fp16" or route.startswith("bq8") or (route in BLOCK_ROUTES and route.endswith(("-128", "-256")))
+
+
+DEFAULT_ROUTES: tuple[str, ...] = tuple(r for r in ROUTES if not _redundant(r))
+"""Routes a sweep measures unless told otherwise (`routes=` names others): every route of the registry
+but the redundant ones, so a newly registered reducer is a candidate at once."""
 
 QUICK_TRIAL_ROUTES: tuple[str, ...] = ("sign", "q8")
 """Routes `--quick` trials: the cheapest lossy route and the safest cheap one."""

@@ -15,14 +15,18 @@ large relative gap.
 Validation shares the reference's work: the steps before the profile's first lossy phase are
 the FP32 reference itself (bit for bit), so a run starts from the reference's checkpoint there.
 
-Where the gap exceeds the tolerance, every lossy phase is tightened at once: each phase's
-riskiest lossy region (largest (1 - cosine) x elements) moves to the next finer route that
-the replay still admits (and no trial rejected), else to FP32. One phase per round would need
-a round per phase, and the harm that shows late is often done earlier (sign on the held-out
-GPT's linear layers in its middle phases showed up as a gap in the last one). Validation then
-resumes from the earliest changed phase's start. A run that is clearly failing (gap above
-`ABORT_FACTOR` x tolerance at two evaluations in a row after `ABORT_AFTER` of the run) stops
-early, which leaves the budget for the next round.
+Tightening moves each lossy phase's riskiest lossy region (largest (1 - cosine) x elements)
+to the next finer route that the replay still admits (and no trial rejected), else to FP32 --
+in every lossy phase at once: one phase per round would need a round per phase, and harm that
+shows late is often done earlier (sign on the held-out GPT's linear layers in its middle phases
+showed up as a gap in the last one). It happens two ways:
+- *in flight*: once the gap averaged over the last two evaluations exceeds the tolerance (after
+  `TIGHTEN_AFTER` of the run), the run tightens from that step on and carries on -- the phase in
+  force is split there (`name@step`) -- so a round costs no re-run; what the run did before
+  stays, and the final gap is that of the profile as it now stands;
+- *after a failed round*: every lossy phase is tightened and validation restarts from the
+  earliest changed phase's start, if the step budget (budget.py) has room for it.
+A diverged run (non-finite loss) stops at once.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +42,7 @@ import pandas as pd
 from nfab.calibrate.search import Tolerances, replay_ok
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import Reference, Residuals, Segment, Tick, eval_points, run_schedule
-from nfab.profile.schema import Profile
+from nfab.profile.schema import Phase, PhaseStart, Profile
 
 TOL_VALIDATE = 0.01
 """Default: the validated profile's held-out loss at most 1 % above FP32's at the end of the run."""
@@ -47,12 +50,9 @@ LOSS_FLOOR = 0.25
 """The gap's denominator is at least this fraction of the held-out loss early in the run (see `loss_floor`)."""
 FINAL_WINDOW = 0.25
 """The gap is averaged over the eval points in this last fraction of the run."""
-ABORT_FACTOR = 2.0
-"""A validation run stops once its gap exceeds this x tolerance (at least ABORT_MIN) at two evaluations in a row ..."""
-ABORT_MIN = 0.01
-"""... and at least this relative gap (a zero or negative tolerance does not stop every run)."""
-ABORT_AFTER = 0.4
-"""... after this fraction of the run (early on, a compressed run's small lag is a large relative gap)."""
+TIGHTEN_AFTER = 0.4
+"""In-flight tightening only from this fraction of the run on (early on, a compressed run's small lag
+is a large relative gap that later closes)."""
 MAX_ROUNDS = 6
 """Tightening rounds at most (each re-runs the run from the tightened phase's start)."""
 
@@ -63,7 +63,9 @@ class Round:
 
     start_step: int
     stopped_at: int | None
+    """The step where the round stopped to tighten in flight (or diverged); None when it ran to the end."""
     gap: float
+    """The final gap; for a round stopped to tighten, the gap averaged over its last two evaluations."""
     passed: bool
     seconds: float
     change: str | None = None
@@ -158,22 +160,33 @@ def validate_profile(
     # before the first lossy step the profile *is* the reference: its evals and checkpoints
     val: dict[int, float] = {s: v for s, v in ref.eval_loss.items() if s <= start}
     saved: dict[int, tuple[dict, Residuals]] = {s: (c, Residuals()) for s, c in ref.checkpoints.items() if s <= start}
-    used = 0
+    used, inflight = 0, True
     while True:
         segments = segments_of(profile, steps)
         state, residuals = saved[start]
+        trigger = _Trigger(ref.eval_loss, floor, tolerance, steps, enabled=inflight)
         t0 = time.perf_counter()
         run = run_schedule(task, state, start, steps, segments, seed=seed, eval_at=evals,
-                           save_at={s.start for s in segments}, residuals=residuals,
-                           abort=_abort(ref.eval_loss, floor, tolerance, steps), tick=tick)
+                           save_at={s.start for s in segments} | evals, residuals=residuals,
+                           abort=trigger, tick=tick)
         seconds = time.perf_counter() - t0
         used += (run.stopped_at or steps) - start
         val = {s: v for s, v in val.items() if s <= start} | run.eval_loss
         saved = {s: v for s, v in saved.items() if s <= start} | {s: v for s, v in run.saved.items() if s > start}
+        stop = run.stopped_at
+        if stop is not None and math.isfinite(val[stop]):  # tighten from here on and carry on
+            change = tighten(profile, table, segments, steps, tol, from_step=stop)
+            result.rounds.append(Round(start_step=start, stopped_at=stop, gap=trigger.gap, passed=False,
+                                       seconds=seconds, change=None if change is None else f"{change[2]} from {stop}"))
+            if change is None:
+                inflight = False  # nothing left to tighten: run on to the end as it stands
+            else:
+                profile = change[0]
+            start = stop
+            continue
         gap = final_gap(ref.eval_loss, val, steps, floor)
         passed = gap <= tolerance
-        result.rounds.append(Round(start_step=start, stopped_at=run.stopped_at, gap=gap, passed=passed,
-                                   seconds=seconds))
+        result.rounds.append(Round(start_step=start, stopped_at=stop, gap=gap, passed=passed, seconds=seconds))
         if passed:
             break
         if len(result.rounds) >= max_rounds:
@@ -190,7 +203,7 @@ def validate_profile(
             result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=f"{text} (not validated: budget)")
             break
         result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=text)
-        start = restart
+        start, inflight = restart, True
     result.reference_eval = [ref.eval_loss[s] for s in result.eval_steps]
     result.profile_eval = [val.get(s, math.nan) for s in result.eval_steps]
     evidence = {**profile.evidence, "validation": result.to_evidence()}
@@ -205,41 +218,66 @@ def shared_start(segments: list[Segment], ref: Reference, steps: int) -> int:
     return max(s for s in ref.checkpoints if s <= first)
 
 
-def _abort(ref: dict[int, float], floor: float, tolerance: float, steps: int) -> Callable[[int, float], bool]:
-    over = 0
+@dataclass(slots=True)
+class _Trigger:
+    """Stops a run (returns True) when its loss is non-finite, or -- when `enabled` -- once the gap
+    averaged over its last two evaluations exceeds the tolerance after TIGHTEN_AFTER of the run."""
 
-    def abort(step: int, loss: float) -> bool:
-        nonlocal over
+    ref: dict[int, float]
+    floor: float
+    tolerance: float
+    steps: int
+    enabled: bool
+    gaps: list[float] = field(default_factory=list)
+    gap: float = math.nan
+    """The averaged gap that stopped the run."""
+
+    def __call__(self, step: int, loss: float) -> bool:
         if not math.isfinite(loss):
             return True
-        if step < ABORT_AFTER * steps or step not in ref:
+        if not self.enabled or step not in self.ref:
             return False
-        over = over + 1 if (loss - ref[step]) / max(ref[step], floor) > max(ABORT_FACTOR * tolerance, ABORT_MIN) else 0
-        return over >= 2
-
-    return abort
+        self.gaps.append((loss - self.ref[step]) / max(self.ref[step], self.floor))
+        if step < TIGHTEN_AFTER * self.steps or len(self.gaps) < 2:
+            return False
+        self.gap = (self.gaps[-1] + self.gaps[-2]) / 2
+        return self.gap > self.tolerance
 
 
 def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], steps: int,
-            tol: Tolerances) -> tuple[Profile, int, str] | None:
+            tol: Tolerances, *, from_step: int | None = None) -> tuple[Profile, int, str] | None:
     """Move the riskiest lossy region of every lossy phase to its next finer admitted route.
 
-    Returns (new profile, the earliest changed phase's start step, `phase/region: old -> new, ...`),
-    or None when every phase is all FP32 already.
+    With `from_step`, only from that step on: phases that ended before it stay, the one in force
+    there is split (`name@step` carries the tightened routes), later ones are tightened.
+    Returns (new profile, the earliest changed step, `phase/region: old -> new, ...`), or None
+    when there is nothing lossy left to tighten.
     """
     ordered = sorted(profile.phases, key=lambda p: p.start.resolve(steps))
-    routes_of: dict[str, dict[str, str]] = {}
     evidence = dict(profile.evidence)
+    phases: list[Phase] = []
     texts, starts = [], []
-    for phase, seg in zip(ordered, segments, strict=True):
-        if all(r == "fp32" for r in seg.routes.values()):
+    for i, (phase, seg) in enumerate(zip(ordered, segments, strict=True)):
+        end = segments[i + 1].start if i + 1 < len(segments) else steps
+        if all(r == "fp32" for r in seg.routes.values()) or (from_step is not None and end <= from_step):
+            phases.append(phase)
             continue
-        rows = table[(table["phase"] == phase.name)
-                     & (table["error_feedback"].astype(bool) == phase.error_feedback)]
+        source = phase.name.split("@")[0]  # a split phase reads its parent's table rows
+        rows = table[(table["phase"] == source) & (table["error_feedback"].astype(bool) == phase.error_feedback)]
         region, old = _riskiest(rows, seg)
         new = _finer(rows[rows["region"] == region], old, tol)
         routes = {**phase.routes, region: new["route"] if new is not None else "fp32"}
-        routes_of[phase.name] = routes
+        if from_step is not None and seg.start < from_step:
+            phases.append(phase)
+            name = f"{source}@{from_step}"
+            evidence[name] = dict(evidence.get(phase.name, {}))
+            phase = Phase(name=name, start=PhaseStart(fraction=round(from_step / steps, 6)), routes=routes,
+                          error_feedback=phase.error_feedback)
+            starts.append(from_step)
+        else:
+            phase = phase.model_copy(update={"routes": routes})
+            starts.append(seg.start)
+        phases.append(phase)
         ev = dict(evidence.get(phase.name, {}))
         ev[region] = {"route": routes[region], "tightened_from": old,
                       "bits_per_element": None if new is None else _f(new["bits_per_element"]),
@@ -247,12 +285,11 @@ def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], step
                       "loss_delta": None if new is None else _f(new["loss_delta"])}
         evidence[phase.name] = ev
         texts.append(f"{phase.name}/{region}: {old} -> {routes[region]}")
-        starts.append(seg.start)
     if not texts:
         return None
-    phases = tuple(p.model_copy(update={"routes": routes_of[p.name]}) if p.name in routes_of else p
-                   for p in profile.phases)
-    return profile.model_copy(update={"phases": phases, "evidence": evidence}), min(starts), ", ".join(texts)
+    merged = [p for i, p in enumerate(phases)  # a phase that now equals the one before it is not needed
+              if i == 0 or (p.routes, p.error_feedback) != (phases[i - 1].routes, phases[i - 1].error_feedback)]
+    return profile.model_copy(update={"phases": tuple(merged), "evidence": evidence}), min(starts), ", ".join(texts)
 
 
 def _f(v: Any) -> float | None:
