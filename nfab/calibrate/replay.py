@@ -92,6 +92,44 @@ def true_means(steps: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
     return [torch.stack(list(grads)).to(torch.float64).mean(0).to(torch.float32) for grads in steps]
 
 
+class _Window:
+    """Running fidelity sums over a replay window (one error-feedback setting)."""
+
+    def __init__(self) -> None:
+        self.cos: list[float] = []
+        self.rel: list[float] = []
+        self.agree: list[float] = []
+        self.secs: list[float] = []
+        self.sum_est: torch.Tensor | None = None
+        self.sum_true: torch.Tensor | None = None
+
+    def add(self, est: torch.Tensor, true: torch.Tensor, secs: float) -> None:
+        self.secs.append(secs)
+        self.cos.append(_cos(est, true))
+        nt = float(torch.linalg.vector_norm(true))
+        self.rel.append(float(torch.linalg.vector_norm(est - true)) / nt if nt > 0 else 0.0)
+        self.agree.append(float((torch.sign(est) == torch.sign(true)).to(torch.float32).mean()))
+        self.sum_est = est.clone() if self.sum_est is None else self.sum_est.add_(est)
+        self.sum_true = true.clone() if self.sum_true is None else self.sum_true.add_(true)
+
+    def fidelity(self) -> Fidelity:
+        n = len(self.cos)
+        assert self.sum_est is not None and self.sum_true is not None
+        return Fidelity(sum(self.cos) / n, sum(self.rel) / n, sum(self.agree) / n,
+                        _cos(self.sum_est, self.sum_true), sum(self.secs) / n)
+
+
+def _step(reducer: Reducer, xs: list[torch.Tensor], lengths: Sequence[int], gens: list[torch.Generator],
+          ) -> tuple[torch.Tensor, list[torch.Tensor | None], float]:
+    t0 = time.perf_counter()
+    est, locals_ = reduce_virtual(reducer, xs, lengths, gens)
+    return est, locals_, time.perf_counter() - t0
+
+
+def _carry(xs: list[torch.Tensor], locals_: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [x - loc if loc is not None else None for x, loc in zip(xs, locals_, strict=True)]
+
+
 def measure(
     reducer: Reducer,
     steps: Sequence[Sequence[torch.Tensor]],
@@ -108,23 +146,48 @@ def measure(
     `truths` (the true mean per step, see `true_means`) saves recomputing them per route.
     """
     truths = true_means(steps) if truths is None else truths
-    world_size = len(steps[0])
-    gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(world_size)]
-    residuals: list[torch.Tensor | None] = [None] * world_size
-    cos, rel, agree, secs = [], [], [], []
-    sum_est = sum_true = None
+    gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(len(steps[0]))]
+    residuals: list[torch.Tensor | None] = [None] * len(steps[0])
+    window = _Window()
     for grads, true in zip(steps, truths, strict=True):
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
-        t0 = time.perf_counter()
-        est, locals_ = reduce_virtual(reducer, xs, lengths, gens)
-        secs.append(time.perf_counter() - t0)
+        est, locals_, secs = _step(reducer, xs, lengths, gens)
         if error_feedback and reducer.lossy:
-            residuals = [x - loc if loc is not None else None for x, loc in zip(xs, locals_, strict=True)]
-        cos.append(_cos(est, true))
-        nt = float(torch.linalg.vector_norm(true))
-        rel.append(float(torch.linalg.vector_norm(est - true)) / nt if nt > 0 else 0.0)
-        agree.append(float((torch.sign(est) == torch.sign(true)).to(torch.float32).mean()))
-        sum_est = est.clone() if sum_est is None else sum_est.add_(est)
-        sum_true = true.clone() if sum_true is None else sum_true.add_(true)
-    n = len(steps)
-    return Fidelity(sum(cos) / n, sum(rel) / n, sum(agree) / n, _cos(sum_est, sum_true), sum(secs) / n)
+            residuals = _carry(xs, locals_)
+        window.add(est, true, secs)
+    return window.fidelity()
+
+
+def measure_both(
+    reducer: Reducer,
+    steps: Sequence[Sequence[torch.Tensor]],
+    lengths: Sequence[int],
+    *,
+    seed: int = 0,
+    truths: Sequence[torch.Tensor] | None = None,
+) -> tuple[Fidelity, Fidelity]:
+    """`measure` without and with error feedback, bit for bit, sharing their common first step
+    (no residual exists yet, and both draw the same stochastic rounding): W-1 of every 2W replays."""
+    truths = true_means(steps) if truths is None else truths
+    w = len(steps[0])
+    gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(w)]
+    off, on = _Window(), _Window()
+    xs = list(steps[0])
+    est, locals_, secs = _step(reducer, xs, lengths, gens)
+    off.add(est, truths[0], secs)
+    on.add(est.clone(), truths[0], secs)
+    residuals = _carry(xs, locals_) if reducer.lossy else [None] * w
+    gens_on = []
+    for g in gens:
+        twin = torch.Generator()
+        twin.set_state(g.get_state())
+        gens_on.append(twin)
+    for grads, true in zip(steps[1:], truths[1:], strict=True):
+        est, _, secs = _step(reducer, list(grads), lengths, gens)
+        off.add(est, true, secs)
+        xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
+        est, locals_, secs = _step(reducer, xs, lengths, gens_on)
+        if reducer.lossy:
+            residuals = _carry(xs, locals_)
+        on.add(est, true, secs)
+    return off.fidelity(), on.fidelity()

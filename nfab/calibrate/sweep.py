@@ -23,7 +23,7 @@ from nfab import __version__
 from nfab.calibrate.budget import BUDGET_RATIO, trial_allowance, validation_allowance
 from nfab.calibrate.config import CalibrationConfig
 from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes
-from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, replay_reducer, true_means
+from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, measure_both, replay_reducer, true_means
 from nfab.calibrate.search import Tolerances, ef_order, search_phase, trial_candidate
 from nfab.calibrate.table import SCHEMA, read_table, write_table
 from nfab.calibrate.task import Task
@@ -197,11 +197,15 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
         for route in cfg.all_routes:
             reducer = replay_reducer(route, w)
             wire = cheapest_wire(route, region.numel, w, len(region.lengths))
-            fid = NAN_FIDELITY
+            fids = {False: NAN_FIDELITY, True: NAN_FIDELITY}
+            if reducer is not None and reducer.lossy:
+                fids[False], fids[True] = measure_both(reducer, steps_x, region.lengths, seed=cfg.seed + step,
+                                                       truths=truths)
+            elif reducer is not None:  # a lossless route has no residual: EF on reads as EF off
+                fids[False] = fids[True] = measure(reducer, steps_x, region.lengths, error_feedback=False,
+                                                   seed=cfg.seed + step, truths=truths)
             for ef in (False, True):
-                if reducer is not None and (reducer.lossy or not ef):  # a lossless route has no residual
-                    fid = measure(reducer, steps_x, region.lengths, error_feedback=ef, seed=cfg.seed + step,
-                                  truths=truths)
+                fid = fids[ef]
                 cells[(region.name, route, ef)] = {
                     "model": cfg.model, "dataset": cfg.dataset, "optimizer": cfg.optimizer.name,
                     "world_size": w, "phase": name, "phase_kind": kind, "step": step,

@@ -67,3 +67,19 @@ def test_error_feedback_recovers_the_sum() -> None:
     exact = measure(REDUCERS["allreduce-fp32"], steps, LENGTHS, error_feedback=True)
     assert exact.cosine == pytest.approx(1.0, abs=1e-6) and exact.rel_error < 1e-6
     assert exact.sign_agreement == 1.0
+
+
+@pytest.mark.parametrize("route", ["sign", "q4", "q8", "bq3", "bf16"])
+def test_measure_both_is_measure_without_and_with_ef_bit_for_bit(route: str) -> None:
+    from nfab.calibrate.replay import measure_both
+
+    steps = [[rank_grad(r, seed=s) for r in range(4)] for s in range(3)]
+    reducer = replay_reducer(route, 4)
+    assert reducer is not None
+    off, on = measure_both(reducer, steps, LENGTHS, seed=5)
+    for ef, got in ((False, off), (True, on)):
+        want = measure(reducer, steps, LENGTHS, error_feedback=ef, seed=5)
+        assert (got.cosine, got.rel_error, got.sign_agreement, got.cum_cosine) == (
+            want.cosine, want.rel_error, want.sign_agreement, want.cum_cosine)
+    if reducer.lossy and route != "bf16":
+        assert off.cum_cosine != on.cum_cosine  # EF changed the later steps
