@@ -16,6 +16,7 @@ from nfab.runtime import coalesce, control, fidelity
 from nfab.runtime.controller import FP32, Group
 from nfab.runtime.handoff import Encoded, Probe, Sent
 from nfab.runtime.scales import AmaxHistory
+from nfab.wire import noise
 from nfab.wire.blockq import BlockQSum
 from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 
@@ -91,8 +92,8 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
             blocking.rounds += 1
             blocking.wire_bytes += allreduce_factor(w) * shared.numel() * shared.element_size()
         amax_cols = word.add(amax)
-    noise = _noise(ctx, group, x.device) if red.needs_shared_scale else None
-    enc = red.encode(x, group.lengths, w, shared, noise)
+    dither = _noise(ctx, group, x.device, isinstance(red, BlockQSum)) if red.needs_shared_scale else None
+    enc = red.encode(x, group.lengths, w, shared, dither)
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
         resid = x - enc.local
@@ -144,17 +145,21 @@ def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns
     return word.add(scales) if scales is not None else None
 
 
-def _noise(ctx: EncodeContext, group: Group, device: torch.device) -> list[torch.Generator]:
+def _noise(ctx: EncodeContext, group: Group, device: torch.device,
+           stratified: bool) -> list[torch.Generator] | noise.Stratum:
     """One rounding-noise generator per slice on the bucket's device, seeded by (seed, rank,
     step, parameter): every rank follows the same seed schedule and rounds independently,
     and a parameter's noise does not depend on which bucket it travels in (a resumed run's
-    first step, on DDP's initial buckets, rounds as the uninterrupted run did)."""
+    first step, on DDP's initial buckets, rounds as the uninterrupted run did). Stratified
+    rounding (block-scaled qsum) leaves the rank out of the seed — every rank draws the same
+    keys — and shifts by the rank instead (`noise.Stratum`)."""
     gens = []
     for s in group.slices:
         g = torch.Generator(device=device)
-        g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
+        who = -1 if stratified else ctx.rank
+        g.manual_seed(hash((ctx.seed, who, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
         gens.append(g)
-    return gens
+    return noise.Stratum(gens, ctx.rank, ctx.world_size) if stratified else gens
 
 
 def add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,
