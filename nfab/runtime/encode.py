@@ -6,7 +6,7 @@ a non-finite element shows in the bucket's |g|^2, which travels in the control w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,9 @@ class EncodeContext:
     scales: AmaxHistory
     ef_off: frozenset[str] = frozenset()
     """Regions whose error feedback the drift monitor switched off: no residual added or staged."""
+    quantization_scale: Callable[[str], torch.Tensor | None] | None = None
+    """Per parameter, the scale block-scaled qsum rounds in (`Preconditioner.quantization_scale`),
+    or None: no optimizer second moment, plain block scales."""
 
 
 @dataclass(slots=True)
@@ -78,8 +81,12 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(tuple(group.lengths), x.device)))
     if ctx.error_feedback:
         add_residuals(ctx.residuals, x, group, ctx.ef_off)
-    shared = amax_cols = None
+    shared = amax_cols = weights = None
+    raw = x
     if isinstance(red, BlockQSum):  # one uint8 scale code per block, agreed now (blocking uint8 MAX)
+        weights = _weights(ctx, group, x)
+        if weights is not None:  # round in the optimizer's preconditioned space
+            x = x / weights
         # a non-finite element already shows in the bucket's |g|^2 (control word): no column here
         shared = red.agree(red.local_scale(x, group.lengths), ctx.process_group)
         blocking.rounds += 1
@@ -96,10 +103,21 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
     enc = red.encode(x, group.lengths, w, shared, dither)
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
-        resid = x - enc.local
+        resid = raw - (enc.local if weights is None else enc.local * weights)
         residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True)
                           if s.region not in ctx.ef_off)  # the drift monitor switched it off
-    return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals)
+    return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals, weights)
+
+
+def _weights(ctx: EncodeContext, group: Group, x: torch.Tensor) -> torch.Tensor | None:
+    """The group's per-element preconditioning scale (1 for a slice without one), or None."""
+    if ctx.quantization_scale is None:
+        return None
+    parts = [ctx.quantization_scale(s.name) for s in group.slices]
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([torch.ones(s.numel, dtype=torch.float32, device=x.device) if p is None else p.to(x.device)
+                      for s, p in zip(group.slices, parts, strict=True)])
 
 
 def launch_each(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int,

@@ -158,8 +158,9 @@ def _noise(ctx: encode.EncodeContext, group: Group, device: torch.device, start:
     qsum rounds stratified across the cross group (the ranks holding this shard on every node):
     the seed names the shard instead of the rank, and the stratum is this rank's node."""
     g = torch.Generator(device=device)
+    first = ctx.param_index[group.slices[0].name]
     if isinstance(REDUCERS[group.key], BlockQSum):
-        g.manual_seed(hash((ctx.seed, -1, ctx.step, ctx.param_index[group.slices[0].name], 2, start)) & 0x7FFF_FFFF_FFFF)
+        g.manual_seed(hash((ctx.seed, -1, ctx.step, first, 2, start)) & 0x7FFF_FFFF_FFFF)
         return noise.Stratum(g, topo.node, topo.nodes)
-    g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, ctx.param_index[group.slices[0].name], 2)) & 0x7FFF_FFFF_FFFF)
+    g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, first, 2)) & 0x7FFF_FFFF_FFFF)
     return g

@@ -61,7 +61,8 @@ def radix_layout(radix: int) -> RadixLayout:
 @lru_cache(maxsize=64)
 def _powers(radix: int, digits: int, device: torch.device) -> torch.Tensor:
     """R^0 .. R^(k-1) as int64 on `device`: made on the host once and copied without waiting."""
-    return torch.tensor([radix**j for j in range(digits)], dtype=torch.int64, device="cpu").to(device, non_blocking=True)
+    powers = torch.tensor([radix**j for j in range(digits)], dtype=torch.int64, device="cpu")
+    return powers.to(device, non_blocking=True)
 
 
 def pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
