@@ -29,6 +29,7 @@ LABELS: dict[str, str] = {
     "sign": "nfab static sign (error feedback auto: off under AdamW)",
     "sign-ef": "nfab static sign + error feedback forced (health monitor on)",
     "bq3": "nfab static bq3 (block-scaled 3-bit qsum)",
+    "bq2": "nfab static bq2 (block-scaled 2-bit qsum)",
     "profile": "**nfab calibrated profile**",
 }
 

@@ -16,6 +16,8 @@ import torch
 
 from nfab.calibrate.replay import fp32_mean, reduce_virtual, replay_reducer
 from nfab.calibrate.task import Task
+from nfab.runtime.optim import Preconditioner
+from nfab.wire.blockq import BlockQSum
 
 Tick = Callable[[], None]
 
@@ -176,7 +178,13 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
         res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
         if res is not None and seg.error_feedback:
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
-        est, locals_ = reduce_virtual(reducer, xs, task.regions[region].lengths, gens)
+        weights = _quantization_weights(task, region) if isinstance(reducer, BlockQSum) else None
+        if weights is None:
+            est, locals_ = reduce_virtual(reducer, xs, task.regions[region].lengths, gens)
+        else:  # as the hook does: round in the optimizer's preconditioned space, scale back
+            est, locals_ = reduce_virtual(reducer, [x / weights for x in xs], task.regions[region].lengths, gens)
+            est = est * weights
+            locals_ = [None if loc is None else loc * weights for loc in locals_]
         if seg.error_feedback and reducer.lossy:
             residuals.by_region[region] = [x - loc if loc is not None else None
                                            for x, loc in zip(xs, locals_, strict=True)]
@@ -186,6 +194,17 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
             residuals.made_by.pop(region, None)
         mean.index_copy_(0, idx, est)
     return mean
+
+
+def _quantization_weights(task: Task, region: str) -> torch.Tensor | None:
+    """The region's per-element preconditioning scale, as `encode` builds it in the hook
+    (`Preconditioner.quantization_scale` per parameter, 1 where there is none), or None."""
+    pre = Preconditioner(task.optimizer, dict(zip(task.names, task.params, strict=True)))
+    parts = [pre.quantization_scale(task.names[i]) for i in task.regions[region].indices]
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([torch.ones(n) if p is None else p
+                      for p, n in zip(parts, task.regions[region].lengths, strict=True)])
 
 
 @dataclass(slots=True)

@@ -99,7 +99,10 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
         scale_mean = mean_of_ranks(enc.scale_cols.of(table)) if enc.scale_cols is not None else enc.shared
         decode = partial(red.decode, reduced, scale_mean, group.numel, group.lengths, w)
     probed = launch.probe is not None and group.lossy
-    if group.whole:  # decode straight into the bucket: no temporary, no copy
+    if enc.weights is not None:  # decoded in the preconditioned space: scale back, then write
+        out = decode(out=None).mul_(enc.weights)
+        write_into(buffer if group.whole else views(buffer, group), out)
+    elif group.whole:  # decode straight into the bucket: no temporary, no copy
         out = decode(out=buffer)
     elif not probed:  # decode, scale and write each slice at its offset, one pass
         decode(out=views(buffer, group))

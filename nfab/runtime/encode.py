@@ -6,7 +6,7 @@ a non-finite element shows in the bucket's |g|^2, which travels in the control w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,7 @@ from nfab.runtime import coalesce, control, fidelity
 from nfab.runtime.controller import FP32, Group
 from nfab.runtime.handoff import Encoded, Probe, Sent
 from nfab.runtime.scales import AmaxHistory
+from nfab.wire import noise
 from nfab.wire.blockq import BlockQSum
 from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 
@@ -38,6 +39,9 @@ class EncodeContext:
     scales: AmaxHistory
     ef_off: frozenset[str] = frozenset()
     """Regions whose error feedback the drift monitor switched off: no residual added or staged."""
+    quantization_scale: Callable[[str], torch.Tensor | None] | None = None
+    """Per parameter, the scale block-scaled qsum rounds in (`Preconditioner.quantization_scale`),
+    or None: no optimizer second moment, plain block scales."""
 
 
 @dataclass(slots=True)
@@ -77,8 +81,12 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(tuple(group.lengths), x.device)))
     if ctx.error_feedback:
         add_residuals(ctx.residuals, x, group, ctx.ef_off)
-    shared = amax_cols = None
+    shared = amax_cols = weights = None
+    raw = x
     if isinstance(red, BlockQSum):  # one uint8 scale code per block, agreed now (blocking uint8 MAX)
+        weights = _weights(ctx, group, x)
+        if weights is not None:  # round in the optimizer's preconditioned space
+            x = x / weights
         # a non-finite element already shows in the bucket's |g|^2 (control word): no column here
         shared = red.agree(red.local_scale(x, group.lengths), ctx.process_group)
         blocking.rounds += 1
@@ -91,14 +99,25 @@ def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: c
             blocking.rounds += 1
             blocking.wire_bytes += allreduce_factor(w) * shared.numel() * shared.element_size()
         amax_cols = word.add(amax)
-    noise = _noise(ctx, group, x.device) if red.needs_shared_scale else None
-    enc = red.encode(x, group.lengths, w, shared, noise)
+    dither = _noise(ctx, group, x.device, isinstance(red, BlockQSum)) if red.needs_shared_scale else None
+    enc = red.encode(x, group.lengths, w, shared, dither)
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
-        resid = x - enc.local
+        resid = raw - (enc.local if weights is None else enc.local * weights)
         residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True)
                           if s.region not in ctx.ef_off)  # the drift monitor switched it off
-    return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals)
+    return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals, weights)
+
+
+def _weights(ctx: EncodeContext, group: Group, x: torch.Tensor) -> torch.Tensor | None:
+    """The group's per-element preconditioning scale (1 for a slice without one), or None."""
+    if ctx.quantization_scale is None:
+        return None
+    parts = [ctx.quantization_scale(s.name) for s in group.slices]
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([torch.ones(s.numel, dtype=torch.float32, device=x.device) if p is None else p.to(x.device)
+                      for s, p in zip(group.slices, parts, strict=True)])
 
 
 def launch_each(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int,
@@ -144,17 +163,21 @@ def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns
     return word.add(scales) if scales is not None else None
 
 
-def _noise(ctx: EncodeContext, group: Group, device: torch.device) -> list[torch.Generator]:
+def _noise(ctx: EncodeContext, group: Group, device: torch.device,
+           stratified: bool) -> list[torch.Generator] | noise.Stratum:
     """One rounding-noise generator per slice on the bucket's device, seeded by (seed, rank,
     step, parameter): every rank follows the same seed schedule and rounds independently,
     and a parameter's noise does not depend on which bucket it travels in (a resumed run's
-    first step, on DDP's initial buckets, rounds as the uninterrupted run did)."""
+    first step, on DDP's initial buckets, rounds as the uninterrupted run did). Stratified
+    rounding (block-scaled qsum) leaves the rank out of the seed — every rank draws the same
+    keys — and shifts by the rank instead (`noise.Stratum`)."""
     gens = []
     for s in group.slices:
         g = torch.Generator(device=device)
-        g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
+        who = -1 if stratified else ctx.rank
+        g.manual_seed(hash((ctx.seed, who, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
         gens.append(g)
-    return gens
+    return noise.Stratum(gens, ctx.rank, ctx.world_size) if stratified else gens
 
 
 def add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,

@@ -38,6 +38,9 @@ class Encoded:
     """The scale qsum encoded with (agreed, delayed, or this rank's own when gathered)."""
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     """Error feedback staged per slice: committed at the fold unless the bucket was non-finite."""
+    weights: torch.Tensor | None = None
+    """Per element, what the group was divided by before encoding (block-scaled qsum in the
+    optimizer's preconditioned space): the decoded mean is multiplied by it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,13 @@ Two uses, both from `attach(..., optimizer=opt)`:
   optimizers. Under Adam-style optimizers the residuals it re-injects are divided by each
   coordinate's own RMS, so small coordinates receive amplified stale mass: on the held-out
   GPT, sign + error feedback under AdamW ended at +56% validation loss, without it +7.8%.
+- Block-scaled qsum quantizes where the optimizer acts: each gradient coordinate is divided
+  by sqrt(v_i) + eps before it is rounded against its block's scale, and the decoded mean is
+  multiplied back (`Preconditioner.quantization_scale`). A block's coordinates differ in RMS
+  by orders of magnitude; in the preconditioned space they are all O(1), so the block scale
+  fits every coordinate and the rounding noise lands on each in proportion to Adam's own
+  step denominator. On the held-out GPT (simulation, W=4) it took 4-level bq from +1.7%
+  to within FP32's run-to-run spread, at the same bytes.
 - The health monitor measures fidelity where the optimizer acts: Adam moves coordinate i
   by about g_i / (sqrt(v_i) + eps), so a probe's low-bit and FP32 results are compared
   after that division (`Preconditioner.inverse_rms`). A sign route whose error sits on the
@@ -25,6 +32,8 @@ import torch
 log = logging.getLogger(__name__)
 
 ERROR_FEEDBACK_CHOICES = ("auto", True, False)
+PRECONDITION_FLOOR = 0.01
+"""`Preconditioner.quantization_scale` never goes below this fraction of the parameter's mean."""
 
 _ADAPTIVE_TYPES: tuple[type, ...] = tuple(
     t for t in (getattr(torch.optim, n, None) for n in (
@@ -89,6 +98,21 @@ class Preconditioner:
 
     def inverse_rms(self, name: str) -> torch.Tensor | None:
         """Flat 1 / (sqrt(v) + eps) of parameter `name`, or None when there is no v."""
+        rms = self._rms(name)
+        return None if rms is None else rms.reciprocal_()
+
+    def quantization_scale(self, name: str) -> torch.Tensor | None:
+        """Flat per-coordinate scale block-scaled qsum quantizes `name`'s gradient in:
+        sqrt(v) + eps, floored at 1% of its mean (a coordinate whose v is still ~0, e.g. an
+        embedding row seen for the first time, would otherwise set its block's scale alone).
+        None when there is no v. The same on every rank (see the module docstring)."""
+        rms = self._rms(name)
+        if rms is None:
+            return None
+        return rms.clamp_min_(rms.mean() * PRECONDITION_FLOOR)
+
+    def _rms(self, name: str) -> torch.Tensor | None:
+        """Flat sqrt(v) + eps of parameter `name` (a new fp32 tensor), or None when there is no v."""
         p = self.params.get(name)
         if p is None:
             return None
@@ -99,4 +123,4 @@ class Preconditioner:
         if v is None or v.numel() != p.numel():
             return None
         eps = self._eps.get(id(p), 1e-8)
-        return (v.detach().reshape(-1).to(torch.float32).sqrt() + eps).reciprocal()
+        return v.detach().reshape(-1).to(torch.float32).sqrt().add_(eps)

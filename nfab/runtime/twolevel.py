@@ -42,6 +42,8 @@ from nfab.runtime import control, encode
 from nfab.runtime import hierarchy as hier
 from nfab.runtime.controller import Group
 from nfab.runtime.handoff import Encoded, Launch, LevelSent
+from nfab.wire import noise
+from nfab.wire.blockq import BlockQSum
 from nfab.wire.reducers import REDUCERS, Reducer, gather_scales
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,7 @@ class TwoLevel:
             encode.add_residuals(ctx.residuals, x, group, ctx.ef_off)
         node_mean, start, shard = hier.scatter(x, self.groups)
         lengths = hier.shard_lengths(group.lengths, start, start + shard)
-        gen = _noise(ctx, group, x.device) if red.needs_shared_scale else None
+        gen = _noise(ctx, group, x.device, start, topo) if red.needs_shared_scale else None
         mean, local, calls = cross(node_mean, red, lengths, self.groups.cross, topo.nodes, gen, ctx.error_feedback)
         residuals: tuple[tuple[str, torch.Tensor], ...] = ()
         if ctx.error_feedback and local is not None:
@@ -119,7 +121,8 @@ def with_levels(launch: Launch, levels: LevelSent | None) -> Launch:
 
 
 def cross(x: torch.Tensor, red: Reducer, lengths: Sequence[int], group: dist.ProcessGroup, nodes: int,
-          generator: torch.Generator | None, want_local: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+          generator: torch.Generator | noise.Stratum | None,
+          want_local: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Level 2, `Reducer.reduce`'s arithmetic at W = nodes, plus this rank's own decoded
     contribution (error feedback) and the collectives it took."""
     calls, shared = 1, None
@@ -148,9 +151,16 @@ def _owed(group: Group, shard_owed: torch.Tensor, start: int,
                  if s.region not in ef_off)
 
 
-def _noise(ctx: encode.EncodeContext, group: Group, device: torch.device) -> torch.Generator:
+def _noise(ctx: encode.EncodeContext, group: Group, device: torch.device, start: int,
+           topo: hier.Topology) -> torch.Generator | noise.Stratum:
     """One rounding-noise generator for this rank's shard, seeded by (seed, rank, step, the group's
-    first parameter): the same schedule on every rank, independent noise per rank."""
+    first parameter): the same schedule on every rank, independent noise per rank. Block-scaled
+    qsum rounds stratified across the cross group (the ranks holding this shard on every node):
+    the seed names the shard instead of the rank, and the stratum is this rank's node."""
     g = torch.Generator(device=device)
-    g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, ctx.param_index[group.slices[0].name], 2)) & 0x7FFF_FFFF_FFFF)
+    first = ctx.param_index[group.slices[0].name]
+    if isinstance(REDUCERS[group.key], BlockQSum):
+        g.manual_seed(hash((ctx.seed, -1, ctx.step, first, 2, start)) & 0x7FFF_FFFF_FFFF)
+        return noise.Stratum(g, topo.node, topo.nodes)
+    g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, first, 2)) & 0x7FFF_FFFF_FFFF)
     return g

@@ -17,9 +17,16 @@ parameter's encoding does not depend on its bucket neighbours):
    every rank's elements (nothing saturates below 2^23.75).
 2. *Levels*: x / scale in [-1, 1] is stochastically rounded to one of L = 2^bits levels
    (M = L - 1 steps), unbiased.
-3. *Lanes sized for W*: the W-rank sum of levels is at most W * M, so lanes of
-   ceil(log2(W * M + 1)) bits never carry; one integer SUM all-reduce adds them exactly
-   (bq3 at W=4: 5-bit lanes, 6 per int32 = 5.33 bits/element before the ring's factor).
+   The rounding is *stratified* across ranks (`noise.Stratum`): every rank draws the same
+   key per segment and rank r shifts its uniform by r/W, so each rank stays unbiased while
+   the W ranks' rounding errors of one element largely cancel in the sum. It costs no bytes;
+   on the held-out GPT it cut the Adam-preconditioned error of bq3's mean by 1.6-2x and made
+   4 levels (bq2) about as accurate as 8 independently rounded ones (simulation, W=4).
+3. *Lanes sized for W*: the W-rank sum of levels is at most W * M, so lanes that hold
+   W * M + 1 values never carry; one integer SUM all-reduce adds them exactly. The lanes are
+   bit lanes (`wire/lanes.py`) or base-(W*M+1) digits of an int64 (`wire/radix.py`),
+   whichever packs denser: bq3 at W=4 is 5-bit lanes, 6 per int32 = 5.33 bits/element; bq2
+   at W=4 is 17 base-13 digits per int64 = 3.76 bits/element (before the ring's factor).
 
 Decode: mean = (2 * sum / (M * W) - 1) * scale, per element. Replay does the same
 arithmetic for W virtual ranks and is bit-identical to the real reduction.
@@ -35,8 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nfab.wire import noise
+from nfab.wire import noise, radix
 from nfab.wire.lanes import LaneLayout, decode_table, layout_for, pack
+from nfab.wire.radix import RadixLayout
 from nfab.wire.reducer import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, write_into
 
 DEFAULT_BLOCK = 64
@@ -46,7 +54,7 @@ SCALES = torch.tensor(
     [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32
 )
 """The scale each uint8 code stands for (increasing; code 0 = all-zero block)."""
-LEVEL_BITS = (3, 4, 8)
+LEVEL_BITS = (2, 3, 4, 8)
 
 
 def route_name(bits: int, block: int = DEFAULT_BLOCK) -> str:
@@ -101,8 +109,9 @@ class BlockQSum(Reducer):
         """Bits that hold the W-rank sum of levels: ceil(log2(W * M + 1))."""
         return max(1, math.ceil(math.log2(world_size * self.steps + 1)))
 
-    def layout(self, world_size: int) -> LaneLayout:
-        return layout_for(self.lane_bits(world_size))
+    def layout(self, world_size: int) -> LaneLayout | RadixLayout:
+        """Bit lanes, or base-(W*M+1) digits of an int64 where those pack denser."""
+        return _packing(self.lane_bits(world_size), world_size * self.steps + 1)
 
     def capacity(self, world_size: int) -> Capacity:
         b = self.lane_bits(world_size)
@@ -150,17 +159,20 @@ class BlockQSum(Reducer):
     # ---- encode / launch / decode ---------------------------------------------------
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
         """Levels of `x` against the agreed block scales (`shared_scale`: uint8 codes, or the
-        MAX-agreed fp32 block max, which maps to the same codes)."""
+        MAX-agreed fp32 block max, which maps to the same codes). `generator` is this rank's
+        `noise.Stratum` (stratified rounding); plain generators round independently."""
         assert shared_scale is not None, "block-scaled qsum needs the agreed block scales"
         lengths = list(lengths)
+        stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
         m = self.steps
         scale = self._element_scales(shared_scale, lengths)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         t = torch.div(x.to(torch.float32), safe)
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
-        t.add_(noise.uniform(noise.draw_keys(generator, len(lengths), x.device), lengths))  # see nfab.wire.noise
+        t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
         levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
-        payload = pack(levels, self.layout(world_size))
+        layout = self.layout(world_size)
+        payload = radix.pack(levels, layout) if isinstance(layout, RadixLayout) else pack(levels, layout)
         unit = torch.arange(m + 1, dtype=torch.float32, device=x.device) * (2.0 / m) - 1.0
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
@@ -176,9 +188,37 @@ class BlockQSum(Reducer):
         layout = self.layout(world_size)
         total = self.steps * world_size
         values = torch.arange(layout.max_value + 1, dtype=torch.float32, device=reduced.device) * (2.0 / total) - 1.0
-        mean = decode_table(reduced, layout, numel, values)
+        if isinstance(layout, RadixLayout):
+            mean = values[radix.unpack(reduced, layout, numel)]
+        else:
+            mean = decode_table(reduced, layout, numel, values)
         mean.mul_(self._element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
+
+    # ---- stratified rounding on the whole paths -------------------------------------
+    def reduce(self, x, lengths=None, group=None, generator=None) -> torch.Tensor:
+        """`Reducer.reduce`, rounding stratified: `generator` is the key source, the same on every rank."""
+        if not isinstance(generator, noise.Stratum):
+            generator = noise.Stratum(generator, dist.get_rank(group), dist.get_world_size(group))
+        return super().reduce(x, lengths, group, generator)
+
+    def replay_with_locals(self, xs, lengths=None, generators=None):
+        """`Reducer.replay_with_locals`, rounding stratified like `reduce`: the W virtual ranks
+        share the keys of `generators[0]` (the key source `reduce` gets on every rank)."""
+        gens = list(generators) if generators is not None else [None]
+        if not isinstance(gens[0], noise.Stratum):
+            segments = len(lengths) if lengths is not None else 1
+            keys = noise.draw_keys(gens[0], segments, xs[0].device)
+            gens = noise.stratified(keys, len(xs))
+        return super().replay_with_locals(xs, lengths, gens)
+
+
+@lru_cache(maxsize=64)
+def _packing(lane_bits: int, values: int) -> LaneLayout | RadixLayout:
+    """The denser of bit lanes of `lane_bits` and int64 digits in base `values`."""
+    lanes = layout_for(lane_bits)
+    digits = radix.radix_layout(values)
+    return digits if digits.bits_per_element < lanes.bits_per_element else lanes
 
 
 def block_reducers() -> dict[str, BlockQSum]:

@@ -16,7 +16,7 @@ import torch
 from nfab.wire import fastpath
 
 BLOCK_ROUTES: tuple[str, ...] = tuple(
-    f"bq{bits}{'' if block == 64 else f'-{block}'}" for block in (64, 128, 256) for bits in (8, 4, 3))
+    f"bq{bits}{'' if block == 64 else f'-{block}'}" for block in (64, 128, 256) for bits in (8, 4, 3, 2))
 """Block-scaled qsum (wire/blockq.py): `bq3` = 8 levels per rank, one agreed scale per 64
 elements; `bq4-128` = 16 levels, 128-element blocks."""
 ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign", *BLOCK_ROUTES)

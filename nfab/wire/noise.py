@@ -19,11 +19,19 @@ parameter) in the hook, per (seed, step, rank) in replay): ranks draw different 
 round independently, and replay and the hook draw the same keys and round the same bits.
 A parameter's noise depends only on its own key and its own element index, never on its
 neighbours in a bucket.
+
+*Stratified* (correlated) rounding: the W ranks draw the SAME key and rank r shifts its u by
+r/W (mod 1, on the 24-bit grid: `shift = (r << 24) // W`). Each rank's u is still uniform, so
+each rank still rounds without bias, but for one element the W ranks' u are evenly spaced, so
+their rounding errors largely cancel in the sum: the mean's rounding noise shrinks by up to
+W in variance at no cost in bytes (the block-scaled routes use it; on the held-out GPT it
+cut the Adam-preconditioned error of bq3's mean by 1.6-2x in simulation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +39,7 @@ GOLDEN = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 _U24 = 2.0**-24
+_MASK24 = (1 << 24) - 1
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 """One generator for every segment, one per segment, or None (torch's default generator)."""
@@ -64,8 +73,34 @@ def draw_keys(generator: Generators, segments: int, device: torch.device) -> tor
                                     dtype=torch.int64) for g in gens])
 
 
-def uniform(keys: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-    """The reference: float32 u for every element of the concatenated segments (on keys' device)."""
+@dataclass(frozen=True, slots=True)
+class Stratum:
+    """One rank's place in stratified rounding: the key source every rank shares (generators,
+    or the int64 keys already drawn), this rank and the world size."""
+
+    source: Generators | torch.Tensor
+    rank: int
+    world_size: int
+
+    @property
+    def shift(self) -> int:
+        """This rank's offset on the 24-bit grid: floor(rank * 2^24 / W)."""
+        return ((self.rank % self.world_size) << 24) // self.world_size
+
+    def keys(self, segments: int, device: torch.device) -> torch.Tensor:
+        if isinstance(self.source, torch.Tensor):
+            return self.source.to(device)
+        return draw_keys(self.source, segments, device)
+
+
+def stratified(keys: torch.Tensor, world_size: int) -> list[Stratum]:
+    """The W ranks' strata over keys drawn once (replay): the same keys, shifts 0..W-1."""
+    return [Stratum(keys, r, world_size) for r in range(world_size)]
+
+
+def uniform(keys: torch.Tensor, lengths: Sequence[int], shift: int = 0) -> torch.Tensor:
+    """The reference: float32 u for every element of the concatenated segments (on keys' device),
+    shifted by `shift`/2^24 mod 1 (0: plain independent noise; see Stratum)."""
     lengths = list(lengths)
     n = sum(lengths)
     dev = keys.device
@@ -77,14 +112,17 @@ def uniform(keys: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     z = (z ^ _shr(z, 30)) * _signed(MIX1)
     z = (z ^ _shr(z, 27)) * _signed(MIX2)
     z = z ^ _shr(z, 31)
-    return _shr(z, 40).to(torch.float32) * _U24
+    u24 = _shr(z, 40)
+    if shift:
+        u24 = (u24 + shift) & _MASK24
+    return u24.to(torch.float32) * _U24
 
 
-def uniform_scalar(key: int, index: int) -> float:
+def uniform_scalar(key: int, index: int, shift: int = 0) -> float:
     """u for one element in plain Python integers: a third, independent statement of the semantics."""
     m = (1 << 64) - 1
     z = (key + (index + 1) * GOLDEN) & m
     z = ((z ^ (z >> 30)) * MIX1) & m
     z = ((z ^ (z >> 27)) * MIX2) & m
     z ^= z >> 31
-    return (z >> 40) * _U24
+    return (((z >> 40) + shift) & _MASK24) * _U24

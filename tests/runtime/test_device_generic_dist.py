@@ -31,7 +31,7 @@ from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
 from nfab.wire import cost as cost_mod  # noqa: E402
 
 ROUTES = {"conv": "sign", "linear": "q8", "embedding": "bq3", "head": "sign", "norm": "bf16", "bias": "q4",
-          "small": "fp32"}
+          "small": "bq2"}  # bq2 at W=2: base-7 digits
 
 
 

@@ -63,7 +63,8 @@ def test_route_names_lanes_and_bytes():
 def _independent(xs: list[torch.Tensor], bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean the reduction must produce, computed element by element from the definition:
     per block the scale 2^(c/4) covering every rank's max |x|, each rank's levels rounded with
-    its own noise stream, summed, decoded. Returns (mean, per-element scale)."""
+    its own stratum of the one shared noise stream (u shifted by r/W mod 1), summed, decoded.
+    Returns (mean, per-element scale)."""
     w, m = len(xs), (1 << bits) - 1
     n = xs[0].numel()
     scale = torch.empty(n)
@@ -75,11 +76,12 @@ def _independent(xs: list[torch.Tensor], bits: int, block: int) -> tuple[torch.T
             scale[sl] = 0.0 if a == 0 else float(SCALES[int(scale_codes(torch.tensor([a]))[0])])
         pos += length
     total = torch.zeros(n, dtype=torch.int64)
-    for x, g in zip(xs, _gens(w), strict=True):
-        # the counter-based noise, from its plain-integer statement (nfab.wire.noise): one
-        # 64-bit key per segment from the rank's generator, u = splitmix64(key, index)
-        keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(LENGTHS),), generator=g, dtype=torch.int64)
-        noise = torch.tensor([uniform_scalar(int(k) % (1 << 64), i)
+    # the counter-based noise, from its plain-integer statement (nfab.wire.noise): one 64-bit
+    # key per segment from the shared generator, u = splitmix64(key, index) + r/W (mod 1)
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(LENGTHS),), generator=_gens(w)[0], dtype=torch.int64)
+    for r, x in enumerate(xs):
+        shift = (r << 24) // w
+        noise = torch.tensor([uniform_scalar(int(k) % (1 << 64), i, shift)
                               for k, length in zip(keys.tolist(), LENGTHS, strict=True) for i in range(length)])
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         u = ((x / safe) + 1.0) * (0.5 * m) + noise
@@ -88,15 +90,16 @@ def _independent(xs: list[torch.Tensor], bits: int, block: int) -> tuple[torch.T
     return mean, scale
 
 
-KEYS_AT = {2: ("blockq-bq3",), 3: ("blockq-bq4-128", "blockq-bq3"), 4: ("blockq-bq3", "blockq-bq8")}
+KEYS_AT = {2: ("blockq-bq3", "blockq-bq2"), 3: ("blockq-bq4-128", "blockq-bq3", "blockq-bq2-256"),
+           4: ("blockq-bq3", "blockq-bq8", "blockq-bq2")}
 
 
 def _reduce(rank: int, world_size: int) -> dict:
     # gloo's MAX all-reduce of uint8 (how block codes are agreed)
     t = torch.tensor([rank, 255 - rank, 7], dtype=torch.uint8)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    # the noise comes from one generator per rank (reduce's single-generator path)
-    out = {key: REDUCERS[key].reduce(_x(rank), LENGTHS, generator=_gens(world_size)[rank])
+    # every rank passes the same key source (stratified rounding: reduce adds the rank's shift)
+    out = {key: REDUCERS[key].reduce(_x(rank), LENGTHS, generator=_gens(world_size)[0])
            for key in KEYS_AT[world_size]}
     return {"uint8_max": t.tolist(), **out}
 
@@ -138,3 +141,32 @@ def test_non_finite_input_is_flagged_by_the_block_maxima():
     x[500] = math.nan
     assert not bool(torch.isfinite(red.local_scale(x, LENGTHS)).all())
     assert bool(torch.isfinite(red.local_scale(_x(0), LENGTHS)).all())
+
+
+@pytest.mark.parametrize("key,world_size", [("blockq-bq3", 4), ("blockq-bq2", 4), ("blockq-bq2", 8), ("blockq-bq4", 3)])
+def test_stratified_rounding_cancels_across_ranks(key, world_size):
+    """Identical inputs on every rank: the W strata of one element sum to within ONE level of
+    the exact W * level (Hermite's identity), so the mean is within 1/W of a level; independent
+    rounding would stray by ~sqrt(W) levels somewhere among a thousand elements."""
+    red = REDUCERS[key]
+    x = _x(0)
+    xs = [x.clone() for _ in range(world_size)]
+    _, scale = _independent(xs, red.bits, red.block)
+    step = scale * (2.0 / red.steps)
+    for seed in range(3):
+        got = red.replay(xs, LENGTHS, [torch.Generator().manual_seed(seed)] + [None] * (world_size - 1))
+        assert bool(((got - x).abs() <= step / world_size * (1 + 1e-5) + 1e-12).all())
+    # the plain per-rank path (one generator each, no stratum) is what stratification beats
+    indep = [red.encode(xi, LENGTHS, world_size, red.local_scale(xi, LENGTHS),
+                        torch.Generator().manual_seed(90 + r)).local for r, xi in enumerate(xs)]
+    assert bool(((torch.stack(indep).mean(0) - x).abs() > step / world_size * 1.01).any())
+
+
+def test_bq2_packs_base_13_digits_at_w4_and_beats_8x():
+    red = REDUCERS["blockq-bq2"]
+    layout = red.layout(4)
+    assert (layout.radix, layout.digits) == (13, 17)  # 13^17 < 2^63 <= 13^18
+    n = 1 << 20
+    fp32 = REDUCERS["allreduce-fp32"].wire_bytes(n, 4)
+    assert fp32 / red.wire_bytes(n, 4) > 8.0
+    assert fp32 / REDUCERS["blockq-bq2-128"].wire_bytes(n, 4) > 8.2
