@@ -41,7 +41,7 @@ MAX_REL_ERROR = 2.0
 """A route whose error is more than twice the true gradient's norm is noise with a bias."""
 HIGH_COSINE = 0.99
 """A route with no trial passes only at or above this cosine (e.g. bf16 on a tiny region)."""
-ADAPTIVE_COSINE = 0.95
+ADAPTIVE_COSINE = 0.85
 """Under an adaptive optimizer a lossy route needs at least this replay cosine, and passes on it
 without a trial (the bar between per-tensor 4-bit/sign, ~0.5-0.75, and block-scaled 3-bit, ~0.96-0.98)."""
 BITS_SLACK = 0.05

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nfab.wire.reducers import REDUCERS, Reducer, candidates
+from nfab.wire.reducers import REDUCERS, BlockQSum, Reducer, candidates
 
 
 def replay_reducer(route: str, world_size: int) -> Reducer | None:
@@ -103,7 +103,9 @@ class _Window:
         self.sum_est: torch.Tensor | None = None
         self.sum_true: torch.Tensor | None = None
 
-    def add(self, est: torch.Tensor, true: torch.Tensor, secs: float) -> None:
+    def add(self, est: torch.Tensor, true: torch.Tensor, secs: float, scale: torch.Tensor | None = None) -> None:
+        if scale is not None:  # compare where the optimizer acts: both divided by sqrt(v) + eps
+            est, true = est / scale, true / scale
         self.secs.append(secs)
         self.cos.append(_cos(est, true))
         nt = float(torch.linalg.vector_norm(true))
@@ -120,10 +122,21 @@ class _Window:
 
 
 def _step(reducer: Reducer, xs: list[torch.Tensor], lengths: Sequence[int], gens: list[torch.Generator],
-          ) -> tuple[torch.Tensor, list[torch.Tensor | None], float]:
+          scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None], float]:
     t0 = time.perf_counter()
-    est, locals_ = reduce_virtual(reducer, xs, lengths, gens)
+    est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale)
     return est, locals_, time.perf_counter() - t0
+
+
+def reduce_scaled(reducer: Reducer, xs: Sequence[torch.Tensor], lengths: Sequence[int],
+                  gens: Sequence[torch.Generator | None] | None,
+                  scale: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """`reduce_virtual`, with block-scaled qsum rounding in the optimizer's preconditioned space
+    as the hook does (`scale`: per element sqrt(v) + eps, `Preconditioner.quantization_scale`)."""
+    if scale is None or not isinstance(reducer, BlockQSum):
+        return reduce_virtual(reducer, xs, lengths, gens)
+    est, locals_ = reduce_virtual(reducer, [x / scale for x in xs], lengths, gens)
+    return est * scale, [None if loc is None else loc * scale for loc in locals_]
 
 
 def _carry(xs: list[torch.Tensor], locals_: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -138,12 +151,15 @@ def measure(
     error_feedback: bool,
     seed: int = 0,
     truths: Sequence[torch.Tensor] | None = None,
+    scale: torch.Tensor | None = None,
 ) -> Fidelity:
     """Replay consecutive steps (`steps[t][rank]` flat gradients) through `reducer`.
 
     With error feedback each rank carries e <- x + e - local from step to step, so the
     later steps show what EF recovers (or, for a biased codec, what it accumulates).
     `truths` (the true mean per step, see `true_means`) saves recomputing them per route.
+    `scale` (an adaptive optimizer's per-element sqrt(v) + eps at the window's start): the
+    fidelity is measured after dividing by it, where Adam acts, and block-scaled qsum rounds there.
     """
     truths = true_means(steps) if truths is None else truths
     gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(len(steps[0]))]
@@ -151,10 +167,10 @@ def measure(
     window = _Window()
     for grads, true in zip(steps, truths, strict=True):
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
-        est, locals_, secs = _step(reducer, xs, lengths, gens)
+        est, locals_, secs = _step(reducer, xs, lengths, gens, scale)
         if error_feedback and reducer.lossy:
             residuals = _carry(xs, locals_)
-        window.add(est, true, secs)
+        window.add(est, true, secs, scale)
     return window.fidelity()
 
 
@@ -165,6 +181,7 @@ def measure_both(
     *,
     seed: int = 0,
     truths: Sequence[torch.Tensor] | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[Fidelity, Fidelity]:
     """`measure` without and with error feedback, bit for bit, sharing their common first step
     (no residual exists yet, and both draw the same stochastic rounding): W-1 of every 2W replays."""
@@ -173,9 +190,9 @@ def measure_both(
     gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(w)]
     off, on = _Window(), _Window()
     xs = list(steps[0])
-    est, locals_, secs = _step(reducer, xs, lengths, gens)
-    off.add(est, truths[0], secs)
-    on.add(est.clone(), truths[0], secs)
+    est, locals_, secs = _step(reducer, xs, lengths, gens, scale)
+    off.add(est, truths[0], secs, scale)
+    on.add(est.clone(), truths[0], secs, scale)
     residuals = _carry(xs, locals_) if reducer.lossy else [None] * w
     gens_on = []
     for g in gens:
@@ -183,11 +200,11 @@ def measure_both(
         twin.set_state(g.get_state())
         gens_on.append(twin)
     for grads, true in zip(steps[1:], truths[1:], strict=True):
-        est, _, secs = _step(reducer, list(grads), lengths, gens)
-        off.add(est, true, secs)
+        est, _, secs = _step(reducer, list(grads), lengths, gens, scale)
+        off.add(est, true, secs, scale)
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
-        est, locals_, secs = _step(reducer, xs, lengths, gens_on)
+        est, locals_, secs = _step(reducer, xs, lengths, gens_on, scale)
         if reducer.lossy:
             residuals = _carry(xs, locals_)
-        on.add(est, true, secs)
+        on.add(est, true, secs, scale)
     return off.fidelity(), on.fidelity()

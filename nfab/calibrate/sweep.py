@@ -33,6 +33,7 @@ from nfab.calibrate.trajectory import (
     TrialResult,
     checkpoint_grid,
     phase_points,
+    quantization_scale,
     reference_continuation,
     run_reference,
     run_trial,
@@ -127,6 +128,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
         with clock.stage("trials"):
             base = reference_continuation(task, ref, step, cfg.trial_steps, cfg.ef_steps)
         with clock.stage("replay"):
+            task.restore(ckpt)  # the phase's optimizer state: where Adam-style optimizers act
             cells = _replay_cells(cfg, task, base.captured, name, kind, step)
         progress("replay", p_i + 1, len(points))
 
@@ -193,6 +195,7 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
         idx = task.region_index(region.name)
         steps_x = [[g.index_select(0, idx) for g in grads] for grads in captured]
         truths = true_means(steps_x)
+        scale = quantization_scale(task, region.name)  # None without a second moment (SGD)
         fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))
         for route in cfg.all_routes:
             reducer = replay_reducer(route, w)
@@ -200,10 +203,10 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
             fids = {False: NAN_FIDELITY, True: NAN_FIDELITY}
             if reducer is not None and reducer.lossy:
                 fids[False], fids[True] = measure_both(reducer, steps_x, region.lengths, seed=cfg.seed + step,
-                                                       truths=truths)
+                                                       truths=truths, scale=scale)
             elif reducer is not None:  # a lossless route has no residual: EF on reads as EF off
                 fids[False] = fids[True] = measure(reducer, steps_x, region.lengths, error_feedback=False,
-                                                   seed=cfg.seed + step, truths=truths)
+                                                   seed=cfg.seed + step, truths=truths, scale=scale)
             for ef in (False, True):
                 fid = fids[ef]
                 cells[(region.name, route, ef)] = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nfab.calibrate.replay import fp32_mean, reduce_virtual, replay_reducer
+from nfab.calibrate.replay import fp32_mean, reduce_scaled, replay_reducer
 from nfab.calibrate.task import Task
 from nfab.runtime.optim import Preconditioner
 from nfab.wire.blockq import BlockQSum
@@ -178,13 +178,9 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
         res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
         if res is not None and seg.error_feedback:
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
-        weights = _quantization_weights(task, region) if isinstance(reducer, BlockQSum) else None
-        if weights is None:
-            est, locals_ = reduce_virtual(reducer, xs, task.regions[region].lengths, gens)
-        else:  # as the hook does: round in the optimizer's preconditioned space, scale back
-            est, locals_ = reduce_virtual(reducer, [x / weights for x in xs], task.regions[region].lengths, gens)
-            est = est * weights
-            locals_ = [None if loc is None else loc * weights for loc in locals_]
+        # block-scaled qsum rounds in the optimizer's preconditioned space, as the hook does
+        scale = quantization_scale(task, region) if isinstance(reducer, BlockQSum) else None
+        est, locals_ = reduce_scaled(reducer, xs, task.regions[region].lengths, gens, scale)
         if seg.error_feedback and reducer.lossy:
             residuals.by_region[region] = [x - loc if loc is not None else None
                                            for x, loc in zip(xs, locals_, strict=True)]
@@ -196,7 +192,7 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
     return mean
 
 
-def _quantization_weights(task: Task, region: str) -> torch.Tensor | None:
+def quantization_scale(task: Task, region: str) -> torch.Tensor | None:
     """The region's per-element preconditioning scale, as `encode` builds it in the hook
     (`Preconditioner.quantization_scale` per parameter, 1 where there is none), or None."""
     pre = Preconditioner(task.optimizer, dict(zip(task.names, task.params, strict=True)))
