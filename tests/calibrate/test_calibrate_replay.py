@@ -83,3 +83,28 @@ def test_measure_both_is_measure_without_and_with_ef_bit_for_bit(route: str) -> 
             want.cosine, want.rel_error, want.sign_agreement, want.cum_cosine)
     if reducer.lossy and route != "bf16":
         assert off.cum_cosine != on.cum_cosine  # EF changed the later steps
+
+
+def test_block_scaled_replay_rounds_in_the_preconditioned_space_and_sign_does_not():
+    """`reduce_scaled` divides blockq's inputs by the optimizer's scale and multiplies the
+    result back (what the hook does under Adam); any other reducer ignores the scale."""
+    from nfab.calibrate.replay import reduce_scaled
+
+    # coordinates whose RMS differs by three decades inside every block, as Adam's v does
+    g = torch.Generator().manual_seed(11)
+    scale = 10.0 ** (-3 * torch.rand(sum(LENGTHS), generator=g))
+    xs = [rank_grad(r) * scale for r in range(4)]
+    bq = REDUCERS["blockq-bq2"]
+    gens = [torch.Generator().manual_seed(3)] + [None] * 3
+    est, locals_ = reduce_scaled(bq, xs, LENGTHS, gens, scale)
+    gens = [torch.Generator().manual_seed(3)] + [None] * 3
+    plain, plain_locals = reduce_virtual(bq, [x / scale for x in xs], LENGTHS, gens)
+    assert torch.equal(est, plain * scale)
+    assert all(torch.equal(a, b * scale) for a, b in zip(locals_, plain_locals, strict=True))
+    # where Adam acts (divided by the scale) the error is far smaller than plain block scales give
+    unscaled, _ = reduce_virtual(bq, xs, LENGTHS, [torch.Generator().manual_seed(3)] + [None] * 3)
+    truth = torch.stack(xs).mean(0)
+    ours, theirs = float(((est - truth) / scale).norm()), float(((unscaled - truth) / scale).norm())
+    assert ours < 0.2 * theirs
+    sign = REDUCERS["signcount"]
+    assert torch.equal(reduce_scaled(sign, xs, LENGTHS, None, scale)[0], reduce_virtual(sign, xs, LENGTHS, None)[0])

@@ -49,3 +49,19 @@ def test_preconditioner_reads_adams_second_moment():
     assert torch.equal(pre.inverse_rms("p"), 1.0 / (v.sqrt() + 1e-3))
     assert pre.inverse_rms("missing") is None
     assert Preconditioner(torch.optim.SGD([p], lr=0.1), {"p": p}).inverse_rms("p") is None
+
+
+def test_quantization_scale_is_adams_denominator_floored_at_a_percent_of_its_mean():
+    p = torch.nn.Parameter(torch.ones(6))
+    opt = torch.optim.AdamW([p], eps=1e-8)
+    pre = Preconditioner(opt, {"p": p})
+    assert pre.quantization_scale("p") is None  # no step yet: block-scaled qsum rounds plain
+    p.grad = torch.tensor([1.0, 2.0, 0.0, -3.0, 1e-6, 5.0])
+    opt.step()
+    rms = opt.state[p]["exp_avg_sq"].sqrt() + 1e-8
+    got = pre.quantization_scale("p")
+    want = torch.maximum(rms, rms.mean() * 0.01)
+    assert torch.equal(got, want)
+    assert float(got[2]) == float(rms.mean() * 0.01) > float(rms[2])  # a still-zero v is floored
+    assert float(got[3]) == float(rms[3])
+    assert torch.equal(opt.state[p]["exp_avg_sq"].sqrt() + 1e-8, rms)  # the optimizer's state is untouched
