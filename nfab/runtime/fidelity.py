@@ -159,11 +159,13 @@ def read_params(meta: Sequence[tuple[str, str, bool, int]], flat: Sequence[float
 
 
 def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, RegionFidelity]]:
-    """The step's plain cosine over every probed parameter and each region's fidelity.
+    """The step's cosine over every probed parameter and each region's fidelity.
 
     Sums run over parameters in sorted name order in Python floats: the same numbers for the
     same parameters, whatever the buckets were. A region counts as preconditioned only when
-    every one of its parameters had a second moment.
+    every one of its parameters had a second moment; the step's cosine is preconditioned when
+    every probed parameter had one (block-scaled qsum rounds in that space, so its plain
+    cosine reads noise Adam divides away as harm), else plain.
     """
     if not params:
         return None, {}
@@ -171,10 +173,12 @@ def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, 
     pre: dict[str, bool] = {}
     samples: dict[str, int] = {}
     plain = [0.0, 0.0, 0.0]
+    whole = [0.0, 0.0, 0.0]
     for name in sorted(params):
         p = params[name]
         for i in range(3):
             plain[i] += p.stats[i]
+            whole[i] += p.stats[3 + i]
         a = acc.setdefault(p.region, [0.0] * len(STAT_FIELDS))
         for i, v in enumerate(p.stats):
             a[i] += v
@@ -190,7 +194,8 @@ def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, 
             dd = max(ee - 2 * dot + ff, 0.0)
         out[region] = RegionFidelity(_cosine(dot, ee, ff), math.sqrt(dd / ff) if ff > 0 else 0.0, pre[region],
                                      samples[region])
-    return _cosine(*plain), out
+    step = whole if all(p.preconditioned for p in params.values()) else plain
+    return _cosine(*step), out
 
 
 def _cosine(dot: float, ee: float, ff: float) -> float:

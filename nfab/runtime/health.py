@@ -166,7 +166,10 @@ def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
             state.healthy_streak[r] = 0
         for r in state.demoted():
             state.healthy_streak[r] = 0
-    if obs.probe_cosine is not None and obs.probe_cosine < cfg.min_fidelity_cosine:
+    # the floor waits out the warm-up: Adam's first second moments rest on a few squared
+    # gradients, and a probe read through them is noise (healthy bq2 read 0.25 at step 2)
+    if (obs.probe_cosine is not None and obs.probe_cosine < cfg.min_fidelity_cosine
+            and state.steps_seen >= cfg.warmup_steps):
         hit = tuple(sorted((obs.probe_regions & lossy_regions) - state.demoted()))
         if hit:
             events.append(HealthEvent(obs.step, "fallback", f"fidelity({obs.probe_cosine:.3f})", hit))

@@ -110,7 +110,7 @@ def _health_run(rank: int, world_size: int, threshold: float | None, perturb: bo
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
     prof = Profile.static(ROUTES)
     health = prof.health.model_copy(update={"probe_every": 4, "min_fidelity_cosine": threshold or 0.0,
-                                         "cooldown_steps": 2})
+                                         "cooldown_steps": 2, "warmup_steps": 0})
     prof = prof.model_copy(update={"health": health})
     rt = (PerturbedCosine if perturb else Runtime)(ddp, prof, explicit=True, cost_model=None)
     ddp.register_comm_hook(rt, nfab_hook)

@@ -176,3 +176,16 @@ def test_demotions_wait_for_the_preconditioner_but_error_feedback_goes_at_once()
     assert [(e.kind, e.regions) for e in ev] == [("fallback", ("embedding",))]
     ev = update(st, cfg, obs(10, fid(linear=0.1)), LOSSY)
     assert [(e.kind, e.regions) for e in ev] == [("fallback", ("linear",))]
+
+
+def test_step_cosine_is_preconditioned_only_when_every_probed_parameter_is():
+    slices = [("linear", "w", 6), ("norm", "n", 2)]
+    ref = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.01, 0.01, 2.0, 2.0])
+    est = torch.tensor([1.0, 1.0, 1.0, 1.0, -0.01, -0.01, 2.0, 2.0])
+    inv = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0, 100.0, 100.0]), "n": torch.tensor([1.0, 1.0])}
+    step, pre = _fidelity(est, ref, slices, inv.get)
+    e, f = est * torch.cat([inv["w"], inv["n"]]), ref * torch.cat([inv["w"], inv["n"]])
+    assert abs(step - float(e @ f / (e.norm() * f.norm()))) < 1e-6 and step < 0.9
+    # one parameter without a second moment: the step's cosine stays plain
+    step, _ = _fidelity(est, ref, slices, {"w": inv["w"]}.get)
+    assert abs(step - float(est @ ref / (est.norm() * ref.norm()))) < 1e-6 and step > 0.99

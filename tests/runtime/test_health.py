@@ -58,3 +58,13 @@ def test_state_round_trips_through_a_dict():
         update(st, CFG, obs(t, loss=1.0 + t), LOSSY)
     update(st, CFG, obs(4, loss=50.0), LOSSY)
     assert HealthState.from_dict(st.to_dict()) == st
+
+
+def test_fidelity_floor_waits_out_the_warmup():
+    """Adam's first second moments rest on a few squared gradients: a probe read through them
+    in the first `warmup_steps` steps does not demote; the same probe afterwards does."""
+    st = HealthState()
+    assert update(st, CFG, obs(0, cos=0.1, regions=frozenset({"conv"})), LOSSY) == []
+    assert update(st, CFG, obs(1, cos=0.1, regions=frozenset({"conv"})), LOSSY) == []
+    ev = update(st, CFG, obs(2, cos=0.1, regions=frozenset({"conv"})), LOSSY)
+    assert [e.regions for e in ev] == [("conv",)] and ev[0].reason.startswith("fidelity")
