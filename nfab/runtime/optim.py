@@ -97,9 +97,12 @@ class Preconditioner:
         self._eps = {id(p): float(g.get("eps", 1e-8)) for g in optimizer.param_groups for p in g["params"]}
 
     def inverse_rms(self, name: str) -> torch.Tensor | None:
-        """Flat 1 / (sqrt(v) + eps) of parameter `name`, or None when there is no v."""
-        rms = self._rms(name)
-        return None if rms is None else rms.reciprocal_()
+        """Flat 1 / `quantization_scale` of parameter `name` (Adam's 1 / (sqrt(v) + eps), capped at
+        100x its mean's), or None when there is no v. The cap keeps a coordinate whose v is still
+        ~0 (a byte seen for the first time) from outweighing the whole probe: uncapped, it
+        read a healthy bq2 step at cosine 0.007."""
+        scale = self.quantization_scale(name)
+        return None if scale is None else scale.reciprocal_()
 
     def quantization_scale(self, name: str) -> torch.Tensor | None:
         """Flat per-coordinate scale block-scaled qsum quantizes `name`'s gradient in:
