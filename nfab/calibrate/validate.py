@@ -21,9 +21,10 @@ in every lossy phase at once: one phase per round would need a round per phase, 
 shows late is often done earlier (sign on the held-out GPT's linear layers in its middle phases
 showed up as a gap in the last one). It happens two ways:
 - *in flight*: once the gap averaged over the last two evaluations exceeds the tolerance (after
-  `TIGHTEN_AFTER` of the run), the run tightens from that step on and carries on -- the phase in
-  force is split there (`name@step`) -- so a round costs no re-run; what the run did before
-  stays, and the final gap is that of the profile as it now stands;
+  `TIGHTEN_AFTER` of the run, with two evaluations still to come), the run tightens from that
+  step on and carries on -- the phase in force is split there (`name@step`) -- so a round costs
+  no re-run; what the run did before stays, and the final gap is that of the profile as it now
+  stands;
 - *after a failed round*: every lossy phase is tightened and validation restarts from the
   earliest changed phase's start, if the step budget (budget.py) has room for it.
 A diverged run (non-finite loss) stops at once.
@@ -221,7 +222,8 @@ def shared_start(segments: list[Segment], ref: Reference, steps: int) -> int:
 @dataclass(slots=True)
 class _Trigger:
     """Stops a run (returns True) when its loss is non-finite, or -- when `enabled` -- once the gap
-    averaged over its last two evaluations exceeds the tolerance after TIGHTEN_AFTER of the run."""
+    averaged over its last two evaluations exceeds the tolerance after TIGHTEN_AFTER of the run
+    and while at least two evaluations are left (a later change costs bytes and shows too little)."""
 
     ref: dict[int, float]
     floor: float
@@ -238,8 +240,8 @@ class _Trigger:
         if not self.enabled or step not in self.ref:
             return False
         self.gaps.append((loss - self.ref[step]) / max(self.ref[step], self.floor))
-        if step < TIGHTEN_AFTER * self.steps or len(self.gaps) < 2:
-            return False
+        if step < TIGHTEN_AFTER * self.steps or len(self.gaps) < 2 or sum(s > step for s in self.ref) < 2:
+            return False  # too early, or too late for a change to show in the final window
         self.gap = (self.gaps[-1] + self.gaps[-2]) / 2
         return self.gap > self.tolerance
 

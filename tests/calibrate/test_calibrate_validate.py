@@ -130,3 +130,16 @@ def test_the_floor_comes_from_early_training_not_the_untrained_loss() -> None:
     assert loss_floor(ref) == pytest.approx(0.25 * 4.27)
     assert final_gap(ref, val, 300, loss_floor(ref)) == pytest.approx(sum(val[s] for s in (225, 250, 275, 300))
                                                                       / sum(ref[s] for s in (225, 250, 275, 300)) - 1)
+
+
+def test_in_flight_tightening_waits_for_40_percent_and_needs_two_evaluations_to_come() -> None:
+    from nfab.calibrate.validate import _Trigger
+
+    ref = {s: 2.0 for s in range(0, 301, 25)}
+    fired = []
+    for late_from in (0, 275):
+        trig = _Trigger(ref, floor=0.5, tolerance=0.01, steps=300, enabled=True)
+        fired.append([s for s in range(25, 300, 25) if trig(s, 2.1 if s >= late_from else 2.0)])
+    assert fired[0][0] == 125  # 5 % above FP32 from the start: the first eval past 40 % of the run
+    assert fired[1] == []  # above tolerance only at 275: too late to show in the final window
+    assert _Trigger(ref, floor=0.5, tolerance=9.0, steps=300, enabled=False)(50, math.inf)  # divergence stops
