@@ -143,3 +143,13 @@ def test_in_flight_tightening_waits_for_40_percent_and_needs_two_evaluations_to_
     assert fired[0][0] == 125  # 5 % above FP32 from the start: the first eval past 40 % of the run
     assert fired[1] == []  # above tolerance only at 275: too late to show in the final window
     assert _Trigger(ref, floor=0.5, tolerance=9.0, steps=300, enabled=False)(50, math.inf)  # divergence stops
+
+
+def test_reference_noise_is_the_largest_late_rise_of_fp32s_own_held_out_loss() -> None:
+    from nfab.calibrate.validate import reference_noise
+
+    gpt = {0: 68.0, 150: 2.544, 175: 2.470, 200: 2.398, 225: 2.408, 250: 2.303, 275: 2.227, 300: 2.179}
+    assert reference_noise(gpt, 300, floor=1.07) == pytest.approx((2.408 - 2.398) / 2.398)
+    digits = {0: 2.5, 12: 0.32, 48: 0.16, 60: 0.066, 72: 0.09, 84: 0.085, 150: 0.059}  # from 40 %: 60 on
+    assert reference_noise(digits, 150, floor=0.08) == pytest.approx((0.09 - 0.066) / 0.08)
+    assert reference_noise({0: 3.0, 50: 2.0, 100: 1.0}, 100, floor=0.5) == 0.0
