@@ -130,3 +130,26 @@ def test_the_floor_comes_from_early_training_not_the_untrained_loss() -> None:
     assert loss_floor(ref) == pytest.approx(0.25 * 4.27)
     assert final_gap(ref, val, 300, loss_floor(ref)) == pytest.approx(sum(val[s] for s in (225, 250, 275, 300))
                                                                       / sum(ref[s] for s in (225, 250, 275, 300)) - 1)
+
+
+def test_in_flight_tightening_waits_for_40_percent_and_needs_two_evaluations_to_come() -> None:
+    from nfab.calibrate.validate import _Trigger
+
+    ref = {s: 2.0 for s in range(0, 301, 25)}
+    fired = []
+    for late_from in (0, 275):
+        trig = _Trigger(ref, floor=0.5, tolerance=0.01, steps=300, enabled=True)
+        fired.append([s for s in range(25, 300, 25) if trig(s, 2.1 if s >= late_from else 2.0)])
+    assert fired[0][0] == 125  # 5 % above FP32 from the start: the first eval past 40 % of the run
+    assert fired[1] == []  # above tolerance only at 275: too late to show in the final window
+    assert _Trigger(ref, floor=0.5, tolerance=9.0, steps=300, enabled=False)(50, math.inf)  # divergence stops
+
+
+def test_reference_noise_is_the_largest_late_rise_of_fp32s_own_held_out_loss() -> None:
+    from nfab.calibrate.validate import reference_noise
+
+    gpt = {0: 68.0, 150: 2.544, 175: 2.470, 200: 2.398, 225: 2.408, 250: 2.303, 275: 2.227, 300: 2.179}
+    assert reference_noise(gpt, 300, floor=1.07) == pytest.approx((2.408 - 2.398) / 2.398)
+    digits = {0: 2.5, 12: 0.32, 48: 0.16, 60: 0.066, 72: 0.09, 84: 0.085, 150: 0.059}  # from 40 %: 60 on
+    assert reference_noise(digits, 150, floor=0.08) == pytest.approx((0.09 - 0.066) / 0.08)
+    assert reference_noise({0: 3.0, 50: 2.0, 100: 1.0}, 100, floor=0.5) == 0.0
