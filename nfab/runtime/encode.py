@@ -116,7 +116,9 @@ def _weights(ctx: EncodeContext, group: Group, x: torch.Tensor) -> torch.Tensor 
     parts = [ctx.quantization_scale(s.name) for s in group.slices]
     if all(p is None for p in parts):
         return None
-    return torch.cat([torch.ones(s.numel, dtype=torch.float32, device=x.device) if p is None else p.to(x.device)
+    # the optimizer's state sits with its parameters (an offloaded one is copied without waiting)
+    return torch.cat([torch.ones(s.numel, dtype=torch.float32, device=x.device) if p is None
+                      else p if p.device == x.device else p.to(x.device, non_blocking=True)
                       for s, p in zip(group.slices, parts, strict=True)])
 
 

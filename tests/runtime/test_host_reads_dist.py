@@ -29,6 +29,7 @@ from hostguard import HostReads  # noqa: E402
 
 from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
+from nfab.runtime.optim import Preconditioner  # noqa: E402
 from nfab.wire import fastpath  # noqa: E402
 from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
@@ -46,7 +47,9 @@ CASES = {
     "signscatter-ef": (OTHER, True, "exact", 0.02, "signscatter"),
     "coalesced-ef": (MIXED, True, "exact", 100.0, None),  # signgather + gathered qsum in one all-gather
     "blockq-ef": (BLOCKQ, True, "exact", 0.02, None),  # block codes agreed by a uint8 MAX in the hook body
+    "blockq-adam": (BLOCKQ, False, "exact", 0.02, None),  # rounding in AdamW's preconditioned space
 }
+ADAM = {"blockq-adam"}
 NAN_STEP = 2
 STEPS = 4
 
@@ -76,7 +79,8 @@ def _forcing(key: str | None) -> CostModel | None:
 
 def _check_step(rank: int, w: int, routes: dict, ef: bool, rt: Runtime, model: torch.nn.Module,
                 x_local: dict[str, torch.Tensor], resid_before: dict[str, torch.Tensor], demoted: frozenset[str],
-                delayed: dict[str, float], bad: list[str], step: int) -> None:
+                delayed: dict[str, float], bad: list[str], step: int,
+                weights: dict[str, torch.Tensor] | None = None) -> None:
     """The decoded mean of every slice against an independent reference on its route (fp32
     where health demoted its region: after the non-finite step; its residual is flushed)."""
     for name, p in model.named_parameters():
@@ -113,11 +117,12 @@ def _check_step(rank: int, w: int, routes: dict, ef: bool, rt: Runtime, model: t
                 ok = bool(((resid - (x - clipped)).abs() <= step_size * (1 + 1e-5)).all())
         elif route.startswith("bq"):  # within one level step of the block scale (<= 2^(1/4) x the block max)
             bits, _, block = route[2:].partition("-")
-            blocks = torch.nn.functional.pad(x.reshape(-1), (0, -x.numel() % int(block or 64))).abs()
+            w_el = (weights or {}).get(name, torch.ones_like(x)).view_as(x)  # AdamW: blocks of x / scale
+            blocks = torch.nn.functional.pad((x / w_el).reshape(-1), (0, -x.numel() % int(block or 64))).abs()
             bmax = blocks.view(-1, int(block or 64)).amax(dim=1)
             dist.all_reduce(bmax, op=dist.ReduceOp.MAX)
             step_size = (2 * 2.0**0.25 * bmax / ((1 << int(bits)) - 1)).repeat_interleave(int(block or 64))
-            step_size = step_size[: x.numel()].view_as(x)
+            step_size = step_size[: x.numel()].view_as(x) * w_el
             ok = bool(((got - mean).abs() <= step_size * (1 + 1e-5) + 1e-30).all())
             if ef and ok:  # residual = x - this rank's own decoded levels: less than one step
                 ok = bool((resid.abs() <= step_size * (1 + 1e-5) + 1e-30).all())
@@ -140,7 +145,11 @@ def _run(rank: int, world_size: int, case: str, host: bool) -> dict:
                  qsum_scale=qsum_scale)
     rt.seen = []
     ddp.register_comm_hook(rt, nfab_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    if case in ADAM:
+        opt: torch.optim.Optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        rt.preconditioner = Preconditioner(opt, dict(model.named_parameters()))
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     out: dict = {"bad": [], "skipped": [], "mix": [], "zeroed": None}
     with fastpath.host_paths(host):
         for step in range(STEPS):
@@ -150,6 +159,7 @@ def _run(rank: int, world_size: int, case: str, host: bool) -> dict:
             demoted = rt.health.demoted()
             delayed = {k: max(a for _, a in h) for k, h in rt.scales.history.items()
                        if rt.qsum_scale == "delayed" and h and h[-1][0] == step - 1}
+            weights = _adam_scales(opt, model) if case in ADAM else None
             opt.zero_grad()
             loss = twins.loss_fn(ddp, x, y)
             if step == NAN_STEP and rank == 0:
@@ -163,7 +173,9 @@ def _run(rank: int, world_size: int, case: str, host: bool) -> dict:
                 out["zeroed"] = all(bool((p.grad == 0).all()) for p in model.parameters() if p.grad is not None)
             elif not host:
                 _check_step(rank, world_size, routes, ef, rt, model, local, resid_before, demoted, delayed,
-                            out["bad"], step)
+                            out["bad"], step, weights)
+                if weights:
+                    out["weighted"] = out.get("weighted", 0) + 1
             opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     out["replicas"] = twins.replicas_equal(model, world_size)
@@ -171,6 +183,17 @@ def _run(rank: int, world_size: int, case: str, host: bool) -> dict:
     out["keys"] = sorted({g.key for plan in rt.plans.values()
                           for g in rt.controller.routes(plan, rt.controller.phase(0), frozenset()).groups})
     out["params"] = flat
+    return out
+
+
+def _adam_scales(opt: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Per parameter, AdamW's sqrt(v) + eps floored at 1% of its mean, stated independently."""
+    out = {}
+    for name, p in model.named_parameters():
+        v = opt.state.get(p, {}).get("exp_avg_sq")
+        if v is not None:
+            rms = v.sqrt() + 1e-8
+            out[name] = torch.maximum(rms, rms.mean() * 0.01)
     return out
 
 
@@ -194,5 +217,7 @@ def test_device_paths_read_nothing_on_the_host_and_match_references():
             assert torch.allclose(dev["params"], host["params"], rtol=1e-3, atol=1e-4), case
             if force is not None:
                 assert force in dev["keys"], (case, dev["keys"])
+            if case in ADAM:
+                assert dev.get("weighted", 0) >= 1, case  # checked with AdamW's scales after its first step
             summed = "blockq" if case.startswith("blockq") else "qsum"  # a summed route with shared scales
             assert any(k.startswith(summed) for k in dev["keys"]), (case, dev["keys"])
