@@ -135,3 +135,15 @@ def test_the_most_faithful_of_nearly_equally_cheap_routes_is_chosen() -> None:
     assert fit_profile(pd.DataFrame(rows)).phases[0].routes["conv"] == "q8"
     rows[2]["bits_per_element"] = 12.0 * (1 - 2 * BITS_SLACK)  # 10 % fewer bits: the cheaper one wins
     assert fit_profile(pd.DataFrame(rows)).phases[0].routes["conv"] == "q4"
+
+
+def test_under_adamw_sign_is_never_chosen_even_above_the_bar() -> None:
+    # sign's replay cosine (0.9) clears the adaptive bar and it is the cheapest route, but under
+    # Adam it would replace every coordinate's magnitude in the second moment: q8 is chosen
+    t = table()
+    t["optimizer"] = "adamw"
+    t.loc[t["route"] == "sign", "cosine"] = 0.9
+    t.loc[t["route"] == "q8", "loss_delta"] = math.nan
+    p = fit_profile(t, tol_cosine=0.3, tol_loss=0.02)
+    assert all(ph.routes["conv"] == "q8" for ph in p.phases)
+    assert fit_profile(t.assign(optimizer="sgd"), tol_cosine=0.3, tol_loss=0.02).phases[0].routes["conv"] == "sign"
