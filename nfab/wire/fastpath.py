@@ -26,9 +26,9 @@ from nfab.wire import lanes
 from nfab.wire.lanes import LaneLayout
 
 try:
-    from nfab.wire import kernels
+    from nfab.wire import kernels, votekernels
 except ImportError:  # numba missing or unusable: the torch reference runs instead
-    kernels = None  # type: ignore[assignment]
+    kernels = votekernels = None  # type: ignore[assignment]
 
 AVAILABLE = kernels is not None and sys.byteorder == "little"
 _HALF = {torch.bfloat16: True, torch.float16: False}
@@ -138,6 +138,19 @@ def decode_bit_rows(rows: np.ndarray, start: int, numel: int, table: np.ndarray,
     """out[i] = table[how many of the W (<= 255) packed bit rows have bit start + i set]."""
     assert kernels is not None
     kernels.decode_bit_rows(rows, start, numel, table.astype(np.float32, copy=False), out, _expand())
+    return out
+
+
+def majority_bit_rows(rows: np.ndarray, start: int, numel: int, world_size: int, scale: float,
+                      out: np.ndarray) -> np.ndarray:
+    """`decode_bit_rows` with the majority table times `scale` (sign(2c - W) * s, a tie 0 * s),
+    by bit-sliced counting: out (fp32) gets the same bits."""
+    assert votekernels is not None
+    s = np.float32(scale)
+    with np.errstate(invalid="ignore"):  # a NaN or inf scale decodes as the table would
+        lo, mid, hi = (np.array([-1.0, 0.0, 1.0], dtype=np.float32) * s).astype(np.float32).view(np.uint32)
+    votekernels.majority_rows(rows, start, numel, world_size // 2, world_size % 2 == 0, lo, mid, hi,
+                              out.view(np.uint32))
     return out
 
 

@@ -296,6 +296,44 @@ def decode_bit_rows(rows, start, numel, table, out, expand):
 
 
 @njit(cache=True, nogil=True)
+def _pairs_u64(containers, shift, pairs, step, mask2, t2, out64):
+    """out64[j * pairs + p] = t2[lanes 2p, 2p+1 of container j >> shift] (the 2 values as one word)."""
+    if pairs == 4:
+        for j in range(containers.size):
+            c = np.uint64(containers[j]) >> shift
+            out64[4 * j] = t2[c & mask2]
+            out64[4 * j + 1] = t2[(c >> step) & mask2]
+            out64[4 * j + 2] = t2[(c >> (step + step)) & mask2]
+            out64[4 * j + 3] = t2[(c >> (step + step + step)) & mask2]
+    elif pairs == 3:
+        for j in range(containers.size):
+            c = np.uint64(containers[j]) >> shift
+            out64[3 * j] = t2[c & mask2]
+            out64[3 * j + 1] = t2[(c >> step) & mask2]
+            out64[3 * j + 2] = t2[(c >> (step + step)) & mask2]
+    else:
+        for j in range(containers.size):
+            c = np.uint64(containers[j]) >> shift
+            for p in range(pairs):
+                out64[np.uint64(j * pairs + p)] = t2[(c >> (step * np.uint64(p))) & mask2]
+
+
+@njit(cache=True, nogil=True)
+def _pairs_u32(containers, shift, g, lane_bits, mask2, mask, t2, table, ob):
+    """ob[j * g + l] = value of lane l of container j >> shift, two lanes per lookup (odd g: the
+    last one alone). Indices are unsigned: numba then skips its negative-index handling."""
+    for j in range(containers.size):
+        c = np.uint64(containers[j]) >> shift
+        o = j * g
+        for p in range(0, g - 1, 2):
+            key = (c >> np.uint64(p * lane_bits)) & np.uint64(mask2)
+            ob[np.uint64(o + p)] = t2[key, np.uint64(0)]
+            ob[np.uint64(o + p + 1)] = t2[key, np.uint64(1)]
+        if g & 1:
+            ob[np.uint64(o + g - 1)] = table[(c >> np.uint64((g - 1) * lane_bits)) & np.uint64(mask)]
+
+
+@njit(cache=True, nogil=True)
 def decode_lanes(containers, lane_bits, lanes, numel, table, out):
     """out[e] = table[lane value of element e] for e < numel (layout of `lanes.pack`)."""
     m = containers.size
@@ -312,31 +350,52 @@ def decode_lanes(containers, lane_bits, lanes, numel, table, out):
             for lane in range(lanes):
                 rows[c, lane] = table[(c >> (lane * lane_bits)) & mask]
         half = lanes // 2
-        rows64 = rows.reshape(-1).view(np.uint64).reshape(256, half)
-        grid = out[: whole * lanes].view(np.uint64).reshape(whole, half)
+        rows64 = rows.reshape(-1).view(np.uint64)
+        out64 = out[: whole * lanes].view(np.uint64)
         src = containers[:whole]
         if half == 1:
             for j in range(whole):
-                grid[j, 0] = rows64[src[j], 0]
+                out64[j] = rows64[src[j]]
+        elif half == 2:  # flat indices with a constant stride: no 2-D index arithmetic per word
+            for j in range(whole):
+                c = np.int64(src[j]) * 2
+                out64[2 * j] = rows64[c]
+                out64[2 * j + 1] = rows64[c + 1]
         else:
             for j in range(whole):
-                c = src[j]
+                c = np.int64(src[j]) * half
                 for q in range(half):
-                    grid[j, q] = rows64[c, q]
+                    out64[j * half + q] = rows64[c + q]
         for e in range(whole * lanes, numel):
             out[e] = table[(np.int64(containers[e // lanes]) >> ((e % lanes) * lane_bits)) & mask]
         return
+    pairs = 2 * lane_bits <= 12
+    if pairs:  # two lanes -> their two values in one lookup (at most 4096 rows of 8 bytes)
+        t2 = np.empty((1 << (2 * lane_bits), 2), dtype=table.dtype)
+        for v in range(1 << (2 * lane_bits)):
+            t2[v, 0] = table[v & mask]
+            t2[v, 1] = table[v >> lane_bits]
+    else:
+        t2 = np.empty((0, 2), dtype=table.dtype)
+    mask2 = (1 << (2 * lane_bits)) - 1
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
         base = m * l0
         if base >= numel:
             break
         whole = min(m, (numel - base) // g)  # containers whose g elements all lie below numel
-        grid = out[base : base + whole * g].reshape(whole, g)
-        for j in range(whole):
-            c = np.int64(containers[j])
-            for lane in range(g):
-                grid[j, lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
+        ob = out[base : base + whole * g]
+        if pairs:
+            if g % 2 == 0 and base % 2 == 0:  # whole pairs at even offsets: one uint64 per pair
+                _pairs_u64(containers[:whole], np.uint64(l0 * lane_bits), g // 2, np.uint64(2 * lane_bits),
+                           np.uint64(mask2), t2.reshape(-1).view(np.uint64), ob.view(np.uint64))
+            else:
+                _pairs_u32(containers[:whole], np.uint64(l0 * lane_bits), g, lane_bits, mask2, mask, t2, table, ob)
+        else:
+            for j in range(whole):
+                c = np.int64(containers[j])
+                for lane in range(g):
+                    ob[j * g + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
         a = base + whole * g
         if whole < m and a < numel:
             c = np.int64(containers[whole])
