@@ -184,33 +184,60 @@ def _spread_block(bits, first, n, g, m, spread, shift, out):
     """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes.
 
     `bits` carries two zero bytes past its end, so a 16-bit window never reads out of bounds.
+    Indices are unsigned (numba then skips its negative-index handling); a block of 8 lanes
+    that starts on a whole byte reads its votes as bytes.
     """
-    gmask = np.uint64((1 << g) - 1)
-    for j in range(m):
-        a = first + j * g
-        if a >= n:
-            break
-        k = np.uint64(a) >> np.uint64(3)  # unsigned: no negative-index handling
-        w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
-        v = (w >> np.uint64(a & 7)) & gmask
-        if n - a < g:
-            v &= np.uint64((1 << (n - a)) - 1)
-        out[j] |= spread[v] << shift
+    if first >= n:
+        return
+    whole = min(m, (n - first) // g)  # containers whose g votes all lie below n
+    if g == 8 and first & 7 == 0:
+        src = bits[first >> 3 : (first >> 3) + whole]
+        for j in range(whole):
+            out[j] |= spread[src[j]] << shift
+    else:
+        gmask = np.uint64((1 << g) - 1)
+        for j in range(whole):
+            a = np.uint64(first + j * g)
+            k = a >> np.uint64(3)
+            w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
+            out[j] |= spread[(w >> (a & np.uint64(7))) & gmask] << shift
+    a = first + whole * g
+    if whole < m and a < n:
+        v = (np.int64(bits[a >> 3]) | (np.int64(bits[(a >> 3) + 1]) << 8)) >> (a & 7)
+        out[whole] |= spread[v & ((1 << (n - a)) - 1)] << shift
 
 
 @njit(cache=True, nogil=True)
 def _spread_bytes(bits, n, lanes, spread, out):
-    """uint8 containers of `lanes` (1, 2 or 4) lanes: each vote byte fills 8 // lanes containers
-    through one table row (`spread` of the byte's lane groups), the tail one by one."""
+    """uint8 containers of `lanes` (1, 2, 4 or 8) lanes: each vote byte fills 8 // lanes containers,
+    written as one word from a 256-row table (`spread` of the byte's lane groups), the tail
+    one by one."""
     per = 8 // lanes
     lmask = (1 << lanes) - 1
     whole = n // 8  # vote bytes whose 8 votes all lie below n
-    grid = out[: whole * per].reshape(whole, per)
-    src = bits[:whole]
-    for k in range(whole):
-        b = np.int64(src[k])
+    rows = np.empty((256, per), dtype=np.uint8)
+    for b in range(256):
         for q in range(per):
-            grid[k, q] = spread[(b >> (q * lanes)) & lmask]
+            rows[b, q] = spread[(b >> (q * lanes)) & lmask]
+    src = bits[:whole]
+    if per == 2:
+        r16 = rows.reshape(-1).view(np.uint16)
+        o16 = out[: whole * 2].view(np.uint16)
+        for k in range(whole):
+            o16[k] = r16[src[k]]
+    elif per == 4:
+        r32 = rows.reshape(-1).view(np.uint32)
+        o32 = out[: whole * 4].view(np.uint32)
+        for k in range(whole):
+            o32[k] = r32[src[k]]
+    elif per == 1:
+        for k in range(whole):
+            out[k] = rows[src[k], 0]
+    else:
+        r64 = rows.reshape(-1).view(np.uint64)
+        o64 = out[: whole * 8].view(np.uint64)
+        for k in range(whole):
+            o64[k] = r64[src[k]]
     for j in range(whole * per, out.size):
         a = j * lanes
         if a >= n:
