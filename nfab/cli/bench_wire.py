@@ -23,9 +23,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Encode+decode GB/s beside a plain copy (one core), and bits per element at W=2,4,8,16."""
         from nfab.bench.wire import WORLD_SIZES, bench_wire, measure_cost, write_rows
-        from nfab.fsutil import atomic_write_json
-
         from nfab.errors import ConfigError
+        from nfab.fsutil import atomic_write_json
         from nfab.wire.reducers import REDUCERS
 
         keys = [k.strip() for k in reducers.split(",") if k.strip()] if reducers else None
