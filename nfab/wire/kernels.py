@@ -42,7 +42,6 @@ from numba import njit  # noqa: E402
 # drops its negative-index handling, and LLVM vectorizes the loop.
 
 _CHUNK = 4096  # elements per inner pass: the chunk's scratch stays in L1
-_GATHER = np.uint64(0x0102040810204080)  # (8 bytes of 0/1) * this >> 56 = their bits, byte i -> bit i
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
@@ -70,21 +69,32 @@ def _put_byte(bits, g0, vb):
 
 @njit(cache=True, nogil=True)
 def _sign_chunk(xc, v8, words, bits, g):
-    """Votes of fp32 chunk `xc` into `bits` at element g; returns the chunk's |x| sum."""
+    """Votes of fp32 chunk `xc` into `bits` at element g; returns the chunk's |x| sum.
+
+    64 votes at a time are ORed into one word (`words`, whose bytes are `v8`): a compare and
+    a shift per element, which the compiler vectorizes."""
     ln = xc.size
-    for i in range(ln):
-        v8[i] = xc[i] >= 0
-    pad = (ln + 7) & ~7
-    for i in range(ln, pad):
-        v8[i] = 0
-    nb = pad >> 3
+    full = ln >> 6
+    for k in range(full):
+        xs = xc[64 * k : 64 * k + 64]
+        w = np.uint64(0)
+        for j in range(64):
+            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
+        words[k] = w
+    if ln & 63:
+        xs = xc[64 * full : ln]
+        w = np.uint64(0)
+        for j in range(xs.size):
+            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
+        words[full] = w
+    nb = (ln + 7) >> 3
     if g & 7 == 0:  # whole bytes: no earlier segment shares them
         bc = bits[g >> 3 : (g >> 3) + nb]
         for k in range(nb):
-            bc[k] = np.uint8((words[k] * _GATHER) >> np.uint64(56))
+            bc[k] = v8[k]
     else:
         for k in range(nb):
-            _put_byte(bits, g + 8 * k, np.uint8((words[k] * _GATHER) >> np.uint64(56)))
+            _put_byte(bits, g + 8 * k, v8[k])
     return _abs_sum(xc)
 
 
