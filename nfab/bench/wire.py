@@ -8,13 +8,14 @@ is the figure to read on a shared machine. Bits per element come from each reduc
 first encode+decode at that W in this process: it includes compiling the CPU kernels
 (or loading them from numba's on-disk cache). Times are CPU seconds of this process
 (`time.process_time`, one thread): on a shared machine they leave out the time spent
-waiting for a core, which wall time would charge to whichever side it hit.
+waiting for a core, which wall time would charge to whichever side it hit. Copy and codec
+are timed alternately (best of 15 each), so both see the same moments of the machine.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,6 +66,22 @@ def _encode_decode_fn(red: Reducer, x: torch.Tensor, world_size: int):
     return run
 
 
+def _best_pair(copy: Callable[[], object], run: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Best CPU seconds of `copy` and of `run`, timed alternately `reps` times each: both sample
+    the same moments of a shared machine (memory bandwidth taken by other jobs shows in CPU
+    time too), so drift cancels in their ratio."""
+    copy()
+    best_copy = best_run = float("inf")
+    for _ in range(reps):
+        t0 = time.process_time()
+        copy()
+        t1 = time.process_time()
+        run()
+        t2 = time.process_time()
+        best_copy, best_run = min(best_copy, t1 - t0), min(best_run, t2 - t1)
+    return best_copy, best_run
+
+
 def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
     cap = red.capacity(world_size)
     if not cap.ok:
@@ -75,7 +92,7 @@ def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
     return True, ", ".join(parts)
 
 
-def bench_wire(numel: int = 1 << 22, reps: int = 7, seed: int = 0,
+def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
                reducers: Sequence[str] | None = None) -> list[WireRow]:
     """Time every reducer's (or the named reducers') encode+decode at W = 2, 4, 8, 16 beside a
     copy; bits per element."""
@@ -97,15 +114,17 @@ def bench_wire(numel: int = 1 << 22, reps: int = 7, seed: int = 0,
             red = REDUCERS[key]
             for w in WORLD_SIZES:
                 ok, text = _capacity_text(red, w)
-                # time the copy right beside each measurement: drift on a shared machine cancels in the ratio
-                copy_gbps = gb / best_time(lambda: dst.copy_(x), reps, time.process_time)
                 ed_gbps = first = None
                 if ok:
                     run = _encode_decode_fn(red, x, w)
                     t0 = time.process_time()
                     run()
                     first = time.process_time() - t0
-                    ed_gbps = gb / best_time(run, reps, time.process_time)
+                    copy_s, run_s = _best_pair(lambda: dst.copy_(x), run, reps)
+                    ed_gbps = gb / run_s
+                else:
+                    copy_s = best_time(lambda: dst.copy_(x), reps, time.process_time)
+                copy_gbps = gb / copy_s
                 rows.append(WireRow(
                     reducer=key,
                     world_size=w,
