@@ -173,6 +173,23 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
 QSUM_DTYPES = SIGN_DTYPES
 
 
+def decode_levels(levels: torch.Tensor, step: float, scales: torch.Tensor, lengths: Sequence[int],
+                  out: torch.Tensor | None) -> torch.Tensor | None:
+    """Summed one-lane (uint8) qsum levels -> (level * step - 1) * segment scale, fp32, on the
+    CPU into `out` (or a new tensor); None when the compiled path does not apply (the caller
+    then decodes by table: the same bits, `fl(fl(fl(l * step) - 1) * s)` either way)."""
+    if not (supports(levels) and levels.dtype == torch.uint8 and on_host(scales)
+            and (out is None or (supports(out) and out.dtype == torch.float32))):
+        return None
+    n = sum(lengths)
+    assert kernels is not None and levels.numel() >= n
+    res = torch.empty(n, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
+    starts, ends = _bounds(lengths)
+    kernels.decode_levels(levels.numpy(), starts, ends, np.float32(step), np.float32(1.0),
+                          scales.reshape(-1).to(torch.float32).numpy(), res.view(-1).numpy())
+    return res
+
+
 def qsum_supports(x: torch.Tensor) -> bool:
     """Whether `qsum_levels` runs on `x` (1-D, contiguous, fp32/bf16/fp16, on CPU)."""
     return supports(x) and x.dim() == 1 and x.dtype in QSUM_DTYPES

@@ -440,6 +440,21 @@ def decode_lanes(containers, lane_bits, lanes, numel, table, out):
                 out[a + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
 
 
+@njit(cache=True, nogil=True)
+def decode_levels(levels, seg_starts, seg_ends, step, one, scales, out):
+    """out[e] = fl(fl(fl(level_e * step) - one) * scale of e's segment), in float32 and in
+    this order: the bits of qsum's table decode (levels * step - 1, times the scale),
+    computed instead of looked up, so the loop vectorizes."""
+    for s in range(seg_starts.size):
+        a = seg_starts[s]
+        e = seg_ends[s]
+        lv = levels[a:e]
+        oc = out[a:e]
+        sc = scales[s]
+        for i in range(lv.size):
+            oc[i] = (np.float32(lv[i]) * step - one) * sc
+
+
 # ---- qsum levels ---------------------------------------------------------------------------------
 
 

@@ -156,6 +156,24 @@ def test_qsum_fast_equal_reference(bits, world_size, numel, lengths, per_segment
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 16, 255])
+@pytest.mark.parametrize("lengths", [[1], [4099], [3, 0, 500, 7]])
+def test_qsum_q8_computed_decode_is_the_table_decode_bit_for_bit(world_size, lengths):
+    """q8's decode computes (level * step - 1) * scale instead of looking it up: same bits,
+    into a fresh tensor and into `out`."""
+    red = REDUCERS["qsum-q8"]
+    g = torch.Generator().manual_seed(world_size)
+    n = sum(lengths)
+    summed = torch.randint(0, 256, (n,), generator=g).to(torch.uint8)
+    scales = torch.rand(len(lengths), generator=g) * 3
+    with _reference():
+        want = red.decode(summed, scales, n, lengths, world_size).view(torch.int32)
+    assert torch.equal(red.decode(summed, scales, n, lengths, world_size).view(torch.int32), want)
+    out = torch.full((n,), 7.0)
+    red.decode(summed, scales, n, lengths, world_size, out=out)
+    assert torch.equal(out.view(torch.int32), want)
+
+
 class _reference:
     """Run the torch reference on CPU (the compiled paths switched off) inside a `with`."""
 
