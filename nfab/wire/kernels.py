@@ -542,7 +542,8 @@ def segment_max_abs_bits(u, sign_mask, seg_starts, seg_ends, out):
         us = u[seg_starts[s] : seg_ends[s]]
         m = us.dtype.type(0)
         for i in range(us.size):
-            m = max(m, us[i] & sign_mask)
+            v = us.dtype.type(us[i] & sign_mask)  # kept at the input's width: twice the lanes of int64
+            m = v if v > m else m
         out[s] = m
 
 
