@@ -27,4 +27,5 @@ def test_compiled_segment_max_abs_matches_torch_for_every_input_dtype(dtype, len
     assert torch.equal(fastpath.segment_max_abs(x, lengths), want)
     if x.numel() > 10:
         x[9] = float("nan")
-        assert torch.isnan(fastpath.segment_max_abs(x, lengths)[0 if len(lengths) == 1 else 2])  # element 9 is in segment 2
+        seg = 0 if len(lengths) == 1 else 2  # element 9 lies in segment 2 of [3, 0, 100, 4097]
+        assert torch.isnan(fastpath.segment_max_abs(x, lengths)[seg])
