@@ -141,15 +141,15 @@ def decode_bit_rows(rows: np.ndarray, start: int, numel: int, table: np.ndarray,
     return out
 
 
+_UNITS = np.array([-1.0, 0.0, 1.0], dtype=np.float32)
+
+
 def majority_bit_rows(rows: np.ndarray, start: int, numel: int, world_size: int, scale: float,
                       out: np.ndarray) -> np.ndarray:
     """`decode_bit_rows` with the majority table times `scale` (sign(2c - W) * s, a tie 0 * s),
     by bit-sliced counting: out (fp32) gets the same bits."""
     assert votekernels is not None
-    s = np.float32(scale)
-    with np.errstate(invalid="ignore"):  # a NaN or inf scale decodes as the table would
-        lo, mid, hi = (np.array([-1.0, 0.0, 1.0], dtype=np.float32) * s).astype(np.float32).view(np.uint32)
-    votekernels.majority_rows(rows, start, numel, world_size // 2, world_size % 2 == 0, lo, mid, hi,
+    votekernels.majority_rows(rows, start, numel, world_size // 2, world_size % 2 == 0, _UNITS, np.float32(scale),
                               out.view(np.uint32))
     return out
 

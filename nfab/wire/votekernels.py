@@ -112,10 +112,44 @@ def _emit(gt, eq, sh, ln, ties, two, three, oc):
             oc[i] = o32[0]
 
 
+_SMALL = 1024  # below this many elements a segment is counted element by element (no tables to build)
+
+
 @njit(cache=True, nogil=True)
-def majority_rows(rows, start, numel, half, ties, lo, mid, hi, out):
-    """out[i] (fp32 as uint32 bits) = hi if count > half, mid if count == half and `ties`,
-    else lo; count = rows (W <= 255 packed little-endian bit rows) with bit start + i set."""
+def _majority_small(rows, start, numel, half, ties, lo, mid, hi, out):
+    """The same values one element at a time: for a bucket's many small segments (biases,
+    norms) the per-segment set-up of the table path would cost more than the work."""
+    w = rows.shape[0]
+    for i in range(numel):
+        g = start + i
+        k = g >> 3
+        sh = g & 7
+        c = 0
+        for r in range(w):
+            c += (rows[r, k] >> sh) & 1
+        if c > half:
+            out[i] = hi
+        elif ties and c == half:
+            out[i] = mid
+        else:
+            out[i] = lo
+
+
+@njit(cache=True, nogil=True)
+def majority_rows(rows, start, numel, half, ties, units, scale, out):
+    """out[i] (fp32 as uint32 bits) = fl(v * scale) for the majority v: +1 if count > half,
+    0 if count == half and `ties`, else -1; count = rows (W <= 255 packed little-endian bit
+    rows) with bit start + i set. `units` is the float32 array [-1, 0, 1], passed in rather
+    than written here: a constant -1 would let the compiler turn fl(-1 * s) into -s, which
+    differs from the table decode's product in a NaN's sign bit."""
+    sv = np.empty(3, dtype=np.float32)
+    for j in range(3):
+        sv[j] = units[j] * scale  # the values of the table decode: vote_table * scale in float32
+    bits = sv.view(np.uint32)
+    lo, mid, hi = bits[0], bits[1], bits[2]
+    if numel < _SMALL:
+        _majority_small(rows, start, numel, half, ties, lo, mid, hi, out)
+        return
     w = rows.shape[0]
     p = 1
     while (1 << p) <= w:
