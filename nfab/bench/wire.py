@@ -8,12 +8,14 @@ is the figure to read on a shared machine. Bits per element come from each reduc
 first encode+decode at that W in this process: it includes compiling the CPU kernels
 (or loading them from numba's on-disk cache). Times are CPU seconds of this process
 (`time.process_time`, one thread): on a shared machine they leave out the time spent
-waiting for a core, which wall time would charge to whichever side it hit.
+waiting for a core, which wall time would charge to whichever side it hit. Copy and codec
+are timed alternately (best of 15 each), so both see the same moments of the machine.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,19 +49,37 @@ class WireRow:
 
 
 def _encode_decode_fn(red: Reducer, x: torch.Tensor, world_size: int):
-    """A closure that runs one rank's encode and the decode of a reduced payload."""
+    """A closure that runs one rank's encode and the decode of a reduced payload into a
+    preallocated output, as the hook decodes into the bucket it was given (`out=`)."""
     lengths = [x.numel()]
     shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
     enc = red.encode(x, lengths, world_size, shared, torch.Generator().manual_seed(0))
     reduced = red.combine([enc.payload] * world_size)  # what the collective makes of W copies
     scale = enc.scales if enc.scales is not None else shared
+    out = torch.empty_like(x)
 
     def run() -> None:
         s = red.local_scale(x, lengths) if red.needs_shared_scale else None
         red.encode(x, lengths, world_size, s, None)
-        red.decode(reduced, scale, x.numel(), lengths, world_size)
+        red.decode(reduced, scale, x.numel(), lengths, world_size, out=out)
 
     return run
+
+
+def _best_pair(copy: Callable[[], object], run: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Best CPU seconds of `copy` and of `run`, timed alternately `reps` times each: both sample
+    the same moments of a shared machine (memory bandwidth taken by other jobs shows in CPU
+    time too), so drift cancels in their ratio."""
+    copy()
+    best_copy = best_run = float("inf")
+    for _ in range(reps):
+        t0 = time.process_time()
+        copy()
+        t1 = time.process_time()
+        run()
+        t2 = time.process_time()
+        best_copy, best_run = min(best_copy, t1 - t0), min(best_run, t2 - t1)
+    return best_copy, best_run
 
 
 def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
@@ -72,10 +92,16 @@ def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
     return True, ", ".join(parts)
 
 
-def bench_wire(numel: int = 1 << 22, reps: int = 7, seed: int = 0) -> list[WireRow]:
-    """Time every reducer's encode+decode at W = 2, 4, 8, 16 beside a copy; bits per element."""
+def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
+               reducers: Sequence[str] | None = None) -> list[WireRow]:
+    """Time every reducer's (or the named reducers') encode+decode at W = 2, 4, 8, 16 beside a
+    copy; bits per element."""
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
+    keys = list(REDUCERS) if reducers is None else list(reducers)
+    unknown = [k for k in keys if k not in REDUCERS]
+    if unknown:
+        raise ValueError(f"unknown reducer(s) {', '.join(unknown)}: choose from {', '.join(REDUCERS)}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core: the figure is per rank, comparable across machines
     try:
@@ -84,18 +110,21 @@ def bench_wire(numel: int = 1 << 22, reps: int = 7, seed: int = 0) -> list[WireR
         gb = numel * 4 / 1e9
         rows: list[WireRow] = []
         fp32 = REDUCERS["allreduce-fp32"]
-        for key, red in REDUCERS.items():
+        for key in keys:
+            red = REDUCERS[key]
             for w in WORLD_SIZES:
                 ok, text = _capacity_text(red, w)
-                # time the copy right beside each measurement: drift on a shared machine cancels in the ratio
-                copy_gbps = gb / best_time(lambda: dst.copy_(x), reps, time.process_time)
                 ed_gbps = first = None
                 if ok:
                     run = _encode_decode_fn(red, x, w)
                     t0 = time.process_time()
                     run()
                     first = time.process_time() - t0
-                    ed_gbps = gb / best_time(run, reps, time.process_time)
+                    copy_s, run_s = _best_pair(lambda: dst.copy_(x), run, reps)
+                    ed_gbps = gb / run_s
+                else:
+                    copy_s = best_time(lambda: dst.copy_(x), reps, time.process_time)
+                copy_gbps = gb / copy_s
                 rows.append(WireRow(
                     reducer=key,
                     world_size=w,

@@ -18,12 +18,20 @@ def register(app: typer.Typer) -> None:
         numel: Annotated[int, typer.Option("--numel", min=1, help="Gradient elements to encode.")] = 1 << 22,
         cost: Annotated[Path | None, typer.Option(
             "--cost", help="Also measure the cost model on 2 gloo ranks and save its JSON here.")] = None,
+        reducers: Annotated[str | None, typer.Option(
+            "--reducers", help="Comma-separated reducer keys to time (default: every reducer).")] = None,
     ) -> None:
         """Encode+decode GB/s beside a plain copy (one core), and bits per element at W=2,4,8,16."""
         from nfab.bench.wire import WORLD_SIZES, bench_wire, measure_cost, write_rows
+        from nfab.errors import ConfigError
         from nfab.fsutil import atomic_write_json
+        from nfab.wire.reducers import REDUCERS
 
-        rows = bench_wire(numel)
+        keys = [k.strip() for k in reducers.split(",") if k.strip()] if reducers else None
+        unknown = [k for k in keys or [] if k not in REDUCERS]
+        if unknown:
+            raise ConfigError(f"unknown reducer(s) {', '.join(unknown)}: choose from {', '.join(REDUCERS)}")
+        rows = bench_wire(numel, reducers=keys)
         table = Table(title=f"nfab bench wire  (numel={numel:,}, one core)")
         table.add_column("reducer")
         for w in WORLD_SIZES:

@@ -26,9 +26,9 @@ from nfab.wire import lanes
 from nfab.wire.lanes import LaneLayout
 
 try:
-    from nfab.wire import kernels
+    from nfab.wire import kernels, votekernels
 except ImportError:  # numba missing or unusable: the torch reference runs instead
-    kernels = None  # type: ignore[assignment]
+    kernels = votekernels = None  # type: ignore[assignment]
 
 AVAILABLE = kernels is not None and sys.byteorder == "little"
 _HALF = {torch.bfloat16: True, torch.float16: False}
@@ -141,6 +141,19 @@ def decode_bit_rows(rows: np.ndarray, start: int, numel: int, table: np.ndarray,
     return out
 
 
+_UNITS = np.array([-1.0, 0.0, 1.0], dtype=np.float32)
+
+
+def majority_bit_rows(rows: np.ndarray, start: int, numel: int, world_size: int, scale: float,
+                      out: np.ndarray) -> np.ndarray:
+    """`decode_bit_rows` with the majority table times `scale` (sign(2c - W) * s, a tie 0 * s),
+    by bit-sliced counting: out (fp32) gets the same bits."""
+    assert votekernels is not None
+    votekernels.majority_rows(rows, start, numel, world_size // 2, world_size % 2 == 0, _UNITS, np.float32(scale),
+                              out.view(np.uint32))
+    return out
+
+
 def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """`lanes.decode_table`: one compiled pass on CPU, the torch reference elsewhere (same values)."""
@@ -158,6 +171,23 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
 
 
 QSUM_DTYPES = SIGN_DTYPES
+
+
+def decode_levels(levels: torch.Tensor, step: float, scales: torch.Tensor, lengths: Sequence[int],
+                  out: torch.Tensor | None) -> torch.Tensor | None:
+    """Summed one-lane (uint8) qsum levels -> (level * step - 1) * segment scale, fp32, on the
+    CPU into `out` (or a new tensor); None when the compiled path does not apply (the caller
+    then decodes by table: the same bits, `fl(fl(fl(l * step) - 1) * s)` either way)."""
+    if not (supports(levels) and levels.dtype == torch.uint8 and on_host(scales)
+            and (out is None or (supports(out) and out.dtype == torch.float32))):
+        return None
+    n = sum(lengths)
+    assert kernels is not None and levels.numel() >= n
+    res = torch.empty(n, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
+    starts, ends = _bounds(lengths)
+    kernels.decode_levels(levels.numpy(), starts, ends, np.float32(step), np.float32(1.0),
+                          scales.reshape(-1).to(torch.float32).numpy(), res.view(-1).numpy())
+    return res
 
 
 def qsum_supports(x: torch.Tensor) -> bool:

@@ -42,7 +42,6 @@ from numba import njit  # noqa: E402
 # drops its negative-index handling, and LLVM vectorizes the loop.
 
 _CHUNK = 4096  # elements per inner pass: the chunk's scratch stays in L1
-_GATHER = np.uint64(0x0102040810204080)  # (8 bytes of 0/1) * this >> 56 = their bits, byte i -> bit i
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
@@ -70,21 +69,32 @@ def _put_byte(bits, g0, vb):
 
 @njit(cache=True, nogil=True)
 def _sign_chunk(xc, v8, words, bits, g):
-    """Votes of fp32 chunk `xc` into `bits` at element g; returns the chunk's |x| sum."""
+    """Votes of fp32 chunk `xc` into `bits` at element g; returns the chunk's |x| sum.
+
+    64 votes at a time are ORed into one word (`words`, whose bytes are `v8`): a compare and
+    a shift per element, which the compiler vectorizes."""
     ln = xc.size
-    for i in range(ln):
-        v8[i] = xc[i] >= 0
-    pad = (ln + 7) & ~7
-    for i in range(ln, pad):
-        v8[i] = 0
-    nb = pad >> 3
+    full = ln >> 6
+    for k in range(full):
+        xs = xc[64 * k : 64 * k + 64]
+        w = np.uint64(0)
+        for j in range(64):
+            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
+        words[k] = w
+    if ln & 63:
+        xs = xc[64 * full : ln]
+        w = np.uint64(0)
+        for j in range(xs.size):
+            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
+        words[full] = w
+    nb = (ln + 7) >> 3
     if g & 7 == 0:  # whole bytes: no earlier segment shares them
         bc = bits[g >> 3 : (g >> 3) + nb]
         for k in range(nb):
-            bc[k] = np.uint8((words[k] * _GATHER) >> np.uint64(56))
+            bc[k] = v8[k]
     else:
         for k in range(nb):
-            _put_byte(bits, g + 8 * k, np.uint8((words[k] * _GATHER) >> np.uint64(56)))
+            _put_byte(bits, g + 8 * k, v8[k])
     return _abs_sum(xc)
 
 
@@ -184,33 +194,60 @@ def _spread_block(bits, first, n, g, m, spread, shift, out):
     """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes.
 
     `bits` carries two zero bytes past its end, so a 16-bit window never reads out of bounds.
+    Indices are unsigned (numba then skips its negative-index handling); a block of 8 lanes
+    that starts on a whole byte reads its votes as bytes.
     """
-    gmask = np.uint64((1 << g) - 1)
-    for j in range(m):
-        a = first + j * g
-        if a >= n:
-            break
-        k = np.uint64(a) >> np.uint64(3)  # unsigned: no negative-index handling
-        w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
-        v = (w >> np.uint64(a & 7)) & gmask
-        if n - a < g:
-            v &= np.uint64((1 << (n - a)) - 1)
-        out[j] |= spread[v] << shift
+    if first >= n:
+        return
+    whole = min(m, (n - first) // g)  # containers whose g votes all lie below n
+    if g == 8 and first & 7 == 0:
+        src = bits[first >> 3 : (first >> 3) + whole]
+        for j in range(whole):
+            out[j] |= spread[src[j]] << shift
+    else:
+        gmask = np.uint64((1 << g) - 1)
+        for j in range(whole):
+            a = np.uint64(first + j * g)
+            k = a >> np.uint64(3)
+            w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
+            out[j] |= spread[(w >> (a & np.uint64(7))) & gmask] << shift
+    a = first + whole * g
+    if whole < m and a < n:
+        v = (np.int64(bits[a >> 3]) | (np.int64(bits[(a >> 3) + 1]) << 8)) >> (a & 7)
+        out[whole] |= spread[v & ((1 << (n - a)) - 1)] << shift
 
 
 @njit(cache=True, nogil=True)
 def _spread_bytes(bits, n, lanes, spread, out):
-    """uint8 containers of `lanes` (1, 2 or 4) lanes: each vote byte fills 8 // lanes containers
-    through one table row (`spread` of the byte's lane groups), the tail one by one."""
+    """uint8 containers of `lanes` (1, 2, 4 or 8) lanes: each vote byte fills 8 // lanes containers,
+    written as one word from a 256-row table (`spread` of the byte's lane groups), the tail
+    one by one."""
     per = 8 // lanes
     lmask = (1 << lanes) - 1
     whole = n // 8  # vote bytes whose 8 votes all lie below n
-    grid = out[: whole * per].reshape(whole, per)
-    src = bits[:whole]
-    for k in range(whole):
-        b = np.int64(src[k])
+    rows = np.empty((256, per), dtype=np.uint8)
+    for b in range(256):
         for q in range(per):
-            grid[k, q] = spread[(b >> (q * lanes)) & lmask]
+            rows[b, q] = spread[(b >> (q * lanes)) & lmask]
+    src = bits[:whole]
+    if per == 2:
+        r16 = rows.reshape(-1).view(np.uint16)
+        o16 = out[: whole * 2].view(np.uint16)
+        for k in range(whole):
+            o16[k] = r16[src[k]]
+    elif per == 4:
+        r32 = rows.reshape(-1).view(np.uint32)
+        o32 = out[: whole * 4].view(np.uint32)
+        for k in range(whole):
+            o32[k] = r32[src[k]]
+    elif per == 1:
+        for k in range(whole):
+            out[k] = rows[src[k], 0]
+    else:
+        r64 = rows.reshape(-1).view(np.uint64)
+        o64 = out[: whole * 8].view(np.uint64)
+        for k in range(whole):
+            o64[k] = r64[src[k]]
     for j in range(whole * per, out.size):
         a = j * lanes
         if a >= n:
@@ -296,6 +333,44 @@ def decode_bit_rows(rows, start, numel, table, out, expand):
 
 
 @njit(cache=True, nogil=True)
+def _pairs_u64(containers, shift, pairs, step, mask2, t2, out64):
+    """out64[j * pairs + p] = t2[lanes 2p, 2p+1 of container j >> shift] (the 2 values as one word)."""
+    if pairs == 4:
+        for j in range(containers.size):
+            c = np.uint64(containers[j]) >> shift
+            out64[4 * j] = t2[c & mask2]
+            out64[4 * j + 1] = t2[(c >> step) & mask2]
+            out64[4 * j + 2] = t2[(c >> (step + step)) & mask2]
+            out64[4 * j + 3] = t2[(c >> (step + step + step)) & mask2]
+    elif pairs == 3:
+        for j in range(containers.size):
+            c = np.uint64(containers[j]) >> shift
+            out64[3 * j] = t2[c & mask2]
+            out64[3 * j + 1] = t2[(c >> step) & mask2]
+            out64[3 * j + 2] = t2[(c >> (step + step)) & mask2]
+    else:
+        for j in range(containers.size):
+            c = np.uint64(containers[j]) >> shift
+            for p in range(pairs):
+                out64[np.uint64(j * pairs + p)] = t2[(c >> (step * np.uint64(p))) & mask2]
+
+
+@njit(cache=True, nogil=True)
+def _pairs_u32(containers, shift, g, lane_bits, mask2, mask, t2, table, ob):
+    """ob[j * g + l] = value of lane l of container j >> shift, two lanes per lookup (odd g: the
+    last one alone). Indices are unsigned: numba then skips its negative-index handling."""
+    for j in range(containers.size):
+        c = np.uint64(containers[j]) >> shift
+        o = j * g
+        for p in range(0, g - 1, 2):
+            key = (c >> np.uint64(p * lane_bits)) & np.uint64(mask2)
+            ob[np.uint64(o + p)] = t2[key, np.uint64(0)]
+            ob[np.uint64(o + p + 1)] = t2[key, np.uint64(1)]
+        if g & 1:
+            ob[np.uint64(o + g - 1)] = table[(c >> np.uint64((g - 1) * lane_bits)) & np.uint64(mask)]
+
+
+@njit(cache=True, nogil=True)
 def decode_lanes(containers, lane_bits, lanes, numel, table, out):
     """out[e] = table[lane value of element e] for e < numel (layout of `lanes.pack`)."""
     m = containers.size
@@ -312,36 +387,72 @@ def decode_lanes(containers, lane_bits, lanes, numel, table, out):
             for lane in range(lanes):
                 rows[c, lane] = table[(c >> (lane * lane_bits)) & mask]
         half = lanes // 2
-        rows64 = rows.reshape(-1).view(np.uint64).reshape(256, half)
-        grid = out[: whole * lanes].view(np.uint64).reshape(whole, half)
+        rows64 = rows.reshape(-1).view(np.uint64)
+        out64 = out[: whole * lanes].view(np.uint64)
         src = containers[:whole]
         if half == 1:
             for j in range(whole):
-                grid[j, 0] = rows64[src[j], 0]
+                out64[j] = rows64[src[j]]
+        elif half == 2:  # flat indices with a constant stride: no 2-D index arithmetic per word
+            for j in range(whole):
+                c = np.int64(src[j]) * 2
+                out64[2 * j] = rows64[c]
+                out64[2 * j + 1] = rows64[c + 1]
         else:
             for j in range(whole):
-                c = src[j]
+                c = np.int64(src[j]) * half
                 for q in range(half):
-                    grid[j, q] = rows64[c, q]
+                    out64[j * half + q] = rows64[c + q]
         for e in range(whole * lanes, numel):
             out[e] = table[(np.int64(containers[e // lanes]) >> ((e % lanes) * lane_bits)) & mask]
         return
+    pairs = 2 * lane_bits <= 12
+    if pairs:  # two lanes -> their two values in one lookup (at most 4096 rows of 8 bytes)
+        t2 = np.empty((1 << (2 * lane_bits), 2), dtype=table.dtype)
+        for v in range(1 << (2 * lane_bits)):
+            t2[v, 0] = table[v & mask]
+            t2[v, 1] = table[v >> lane_bits]
+    else:
+        t2 = np.empty((0, 2), dtype=table.dtype)
+    mask2 = (1 << (2 * lane_bits)) - 1
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
         base = m * l0
         if base >= numel:
             break
         whole = min(m, (numel - base) // g)  # containers whose g elements all lie below numel
-        grid = out[base : base + whole * g].reshape(whole, g)
-        for j in range(whole):
-            c = np.int64(containers[j])
-            for lane in range(g):
-                grid[j, lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
+        ob = out[base : base + whole * g]
+        if pairs:
+            if g % 2 == 0 and base % 2 == 0:  # whole pairs at even offsets: one uint64 per pair
+                _pairs_u64(containers[:whole], np.uint64(l0 * lane_bits), g // 2, np.uint64(2 * lane_bits),
+                           np.uint64(mask2), t2.reshape(-1).view(np.uint64), ob.view(np.uint64))
+            else:
+                _pairs_u32(containers[:whole], np.uint64(l0 * lane_bits), g, lane_bits, mask2, mask, t2, table, ob)
+        else:
+            for j in range(whole):
+                c = np.int64(containers[j])
+                for lane in range(g):
+                    ob[j * g + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
         a = base + whole * g
         if whole < m and a < numel:
             c = np.int64(containers[whole])
             for lane in range(numel - a):
                 out[a + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
+
+
+@njit(cache=True, nogil=True)
+def decode_levels(levels, seg_starts, seg_ends, step, one, scales, out):
+    """out[e] = fl(fl(fl(level_e * step) - one) * scale of e's segment), in float32 and in
+    this order: the bits of qsum's table decode (levels * step - 1, times the scale),
+    computed instead of looked up, so the loop vectorizes."""
+    for s in range(seg_starts.size):
+        a = seg_starts[s]
+        e = seg_ends[s]
+        lv = levels[a:e]
+        oc = out[a:e]
+        sc = scales[s]
+        for i in range(lv.size):
+            oc[i] = (np.float32(lv[i]) * step - one) * sc
 
 
 # ---- qsum levels ---------------------------------------------------------------------------------
@@ -431,7 +542,8 @@ def segment_max_abs_bits(u, sign_mask, seg_starts, seg_ends, out):
         us = u[seg_starts[s] : seg_ends[s]]
         m = us.dtype.type(0)
         for i in range(us.size):
-            m = max(m, us[i] & sign_mask)
+            v = us.dtype.type(us[i] & sign_mask)  # kept at the input's width: twice the lanes of int64
+            m = v if v > m else m
         out[s] = m
 
 

@@ -189,7 +189,10 @@ class SignGather(_SignReducer):
         start = 0
         for i, (n, s) in enumerate(zip(lengths, scale_mean.reshape(-1).tolist(), strict=True)):
             dst = targets[i] if targets is not None else res[start : start + n]  # type: ignore[index]
-            table = (vals * np.float32(s)).astype(np.float32)
-            fastpath.decode_bit_rows(rows, start, n, table, dst.view(-1).numpy())
+            if self.vote == "majority":
+                fastpath.majority_bit_rows(rows, start, n, world_size, s, dst.view(-1).numpy())
+            else:
+                table = (vals * np.float32(s)).astype(np.float32)
+                fastpath.decode_bit_rows(rows, start, n, table, dst.view(-1).numpy())
             start += n
         return dests if dests is not None else res

@@ -170,7 +170,7 @@ class SignScatter(Reducer):
                 if ternary:
                     fastpath.decode_trits(packed, start, n, table, dst.view(-1).numpy())
                 else:
-                    fastpath.decode_bit_rows(packed.reshape(1, -1), start, n, table, dst.view(-1).numpy())
+                    fastpath.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
                 start += n
             return dests if dests is not None else res
         if ternary:

@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 from nfab.bench.wire import WORLD_SIZES, bench_wire, write_rows
 from nfab.cli.app import app
+from nfab.errors import ConfigError
 from nfab.wire.reducers import REDUCERS
 
 KEYS = {"reducer", "world_size", "bits_per_element", "fp32_bits_per_element", "encode_decode_gbps",
@@ -37,3 +38,13 @@ def test_cli_prints_table_and_writes_json(tmp_path):
     assert result.exit_code == 0, result.output
     assert "nfab bench wire" in result.output
     assert len(json.loads(path.read_text())) == len(REDUCERS) * len(WORLD_SIZES)
+
+
+def test_cli_times_only_the_named_reducers_and_rejects_unknown_ones(tmp_path):
+    path = tmp_path / "out.json"
+    result = CliRunner().invoke(app, ["bench", "wire", "--numel", "2048", "--reducers", "signgather,qsum-q8",
+                                      "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert {d["reducer"] for d in json.loads(path.read_text())} == {"signgather", "qsum-q8"}
+    bad = CliRunner().invoke(app, ["bench", "wire", "--reducers", "nope"])
+    assert isinstance(bad.exception, ConfigError) and "nope" in str(bad.exception)  # `main` makes it exit 2

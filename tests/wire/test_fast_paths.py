@@ -21,8 +21,8 @@ def test_pack_fast_path_matches_torch_path(lane_bits, numel):
         assert torch.equal(pack(levels.to(torch.uint8), layout), pack(levels, layout))
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 16, 31, 100])
-@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 16, 31, 32, 63, 100])
+@pytest.mark.parametrize("numel", SIZES + [4099])
 def test_decode_table_matches_unpack_and_gather(world_size, numel):
     layout = layout_for(count_lane_bits(world_size))
     g = torch.Generator().manual_seed(world_size * 7 + numel)

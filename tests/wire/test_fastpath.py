@@ -79,6 +79,26 @@ def test_decode_bit_rows_counts_every_row(world_size, start, numel):
     assert np.array_equal(out, table[votes.long().sum(0).numpy()[start:]])
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 9, 16, 17, 32, 100, 255])
+@pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000), (7, 8199)])
+@pytest.mark.parametrize("scale", [0.37, 0.0, float("nan"), float("inf")])
+def test_majority_bit_rows_is_the_majority_table(world_size, start, numel, scale):
+    """The bit-sliced majority decode writes the bits of count -> sign(2c - W) * scale by table."""
+    g = torch.Generator().manual_seed(world_size * 31 + start)
+    votes = torch.randint(0, 2, (world_size, start + numel), generator=g, dtype=torch.uint8)
+    if world_size > 1:  # a stretch of exact ties (even W) and unanimous votes
+        votes[: world_size // 2, start : start + 64] = 1
+        votes[world_size // 2 :, start : start + 64] = 0
+        votes[:, start + 64 : start + 80] = 1
+    rows = np.stack([np.packbits(v.numpy(), bitorder="little") for v in votes])
+    with np.errstate(invalid="ignore"):
+        table = (codecs.vote_table(world_size, "majority").numpy() * np.float32(scale)).astype(np.float32)
+    expected = table[votes.long().sum(0).numpy()[start:]]
+    out = np.full(numel, 7.0, dtype=np.float32)
+    fastpath.majority_bit_rows(rows, start, numel, world_size, scale, out)
+    assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.integers(0, 300), min_size=1, max_size=6), world_size=st.integers(1, 20),
        seed=st.integers(0, 2**16))
@@ -134,6 +154,24 @@ def test_qsum_fast_equal_reference(bits, world_size, numel, lengths, per_segment
     with _reference():
         want = red.decode(fast.payload.clone(), shared, numel, lengths, world_size)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8, 16, 255])
+@pytest.mark.parametrize("lengths", [[1], [4099], [3, 0, 500, 7]])
+def test_qsum_q8_computed_decode_is_the_table_decode_bit_for_bit(world_size, lengths):
+    """q8's decode computes (level * step - 1) * scale instead of looking it up: same bits,
+    into a fresh tensor and into `out`."""
+    red = REDUCERS["qsum-q8"]
+    g = torch.Generator().manual_seed(world_size)
+    n = sum(lengths)
+    summed = torch.randint(0, 256, (n,), generator=g).to(torch.uint8)
+    scales = torch.rand(len(lengths), generator=g) * 3
+    with _reference():
+        want = red.decode(summed, scales, n, lengths, world_size).view(torch.int32)
+    assert torch.equal(red.decode(summed, scales, n, lengths, world_size).view(torch.int32), want)
+    out = torch.full((n,), 7.0)
+    red.decode(summed, scales, n, lengths, world_size, out=out)
+    assert torch.equal(out.view(torch.int32), want)
 
 
 class _reference:

@@ -1,0 +1,5 @@
+"""`python -m nfab`: the CLI."""
+
+from nfab.cli.app import main
+
+raise SystemExit(main())

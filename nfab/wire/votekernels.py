@@ -1,0 +1,171 @@
+"""Compiled CPU kernels for the majority vote: bit-sliced counting and 8-wide table writes.
+
+The majority decode only needs, per element, whether the count c of positive votes is above
+W/2, equal to it (a tie, even W only) or below. Counting W packed bit rows with a
+carry-save adder over bit planes (one byte of 8 elements per operation, vectorized) and
+comparing the planes with W // 2 gives two bit masks per 8 elements; one row of a
+256-entry table then writes those 8 fp32 values (hi = fl(1*s), lo = fl(-1*s), and the tie
+value mid = fl(0*s) blended in by mask). Same bits as the count-and-look-up reference
+(`kernels.decode_bit_rows` with the majority table). Pure numpy in, numpy out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from nfab.wire import kernels  # noqa: F401  (sets numba's cache directory before we compile)
+
+_CHUNK = 4096  # elements per pass: planes and masks stay in L1
+_CW = _CHUNK // 64 + 1  # uint64 words of one chunk's masks, plus the window's spill byte
+
+
+@njit(cache=True, nogil=True)
+def _count_planes(rows, k0, nb, planes, carry):
+    """planes[j] = bit j of the count, per element, of the W rows over bytes k0 .. k0+nb (bytes
+    past a row's end count as 0). Planes and carry are uint64 words (8 bytes of elements each):
+    row r's bytes are copied into `carry` (uint8 view) and added in words."""
+    w, size = rows.shape
+    nw = (nb + 7) >> 3
+    c8 = carry.view(np.uint8)
+    planes[:, :nw] = 0
+    have = max(0, min(nb, size - k0))
+    for r in range(w):
+        rk = rows[r, k0 : k0 + have]
+        for k in range(have):
+            c8[k] = rk[k]
+        for k in range(have, nw * 8):
+            c8[k] = 0
+        top = 1
+        while (1 << top) <= r + 1:  # after r + 1 rows the count needs bitlen(r + 1) planes
+            top += 1
+        for j in range(top):
+            for k in range(nw):
+                c = carry[k]
+                t = planes[j, k] & c
+                planes[j, k] ^= c
+                carry[k] = t
+
+
+@njit(cache=True, nogil=True)
+def _compare(planes, nb, half, gt, eq):
+    """gt: count > half; eq: count == half; bit by bit from the top plane down (uint64 words)."""
+    nw = (nb + 7) >> 3
+    for k in range(nw):
+        gt[k] = 0
+        eq[k] = ~np.uint64(0)
+    for j in range(planes.shape[0] - 1, -1, -1):
+        if (half >> j) & 1:
+            for k in range(nw):
+                eq[k] &= planes[j, k]
+        else:
+            for k in range(nw):
+                gt[k] |= eq[k] & planes[j, k]
+                eq[k] &= ~planes[j, k]
+
+
+@njit(cache=True, nogil=True)
+def _tables(lo, mid, hi):
+    """(two-valued, three-valued) rows of fp32 bits as uint64 pairs: row b of the first holds
+    8 values, hi where bit i of b is set, else lo; row (g | e << 4) of the second holds 4
+    values, hi where bit i of g is set, else mid where bit i of e is set, else lo."""
+    two = np.empty((256, 8), dtype=np.uint32)
+    three = np.empty((256, 4), dtype=np.uint32)
+    for b in range(256):
+        for i in range(8):
+            two[b, i] = hi if (b >> i) & 1 else lo
+        for i in range(4):
+            three[b, i] = hi if (b >> i) & 1 else mid if (b >> (i + 4)) & 1 else lo
+    return two.reshape(-1).view(np.uint64).reshape(256, 4), three.reshape(-1).view(np.uint64).reshape(256, 2)
+
+
+@njit(cache=True, nogil=True)
+def _emit(gt, eq, sh, ln, ties, two, three, oc):
+    """oc[i] (fp32 bits) for element i of the chunk, whose vote is bit sh + i of the masks
+    (uint8 views); each group of 8 moves as uint64 words from one or two table rows."""
+    groups = ln >> 3
+    o64 = oc[: groups * 8].view(np.uint64)
+    for q in range(groups):
+        g = ((np.int64(gt[q]) | (np.int64(gt[q + 1]) << 8)) >> sh) & 0xFF
+        o = q * 4
+        if ties:
+            e = ((np.int64(eq[q]) | (np.int64(eq[q + 1]) << 8)) >> sh) & 0xFF
+            a = (g & 0xF) | ((e & 0xF) << 4)
+            b = (g >> 4) | (e & 0xF0)
+            o64[o] = three[a, 0]
+            o64[o + 1] = three[a, 1]
+            o64[o + 2] = three[b, 0]
+            o64[o + 3] = three[b, 1]
+        else:
+            o64[o] = two[g, 0]
+            o64[o + 1] = two[g, 1]
+            o64[o + 2] = two[g, 2]
+            o64[o + 3] = two[g, 3]
+    o32 = three.reshape(-1).view(np.uint32)  # 4 values a row: row 0 starts lo, row 1 hi, row 16 mid
+    for i in range(groups * 8, ln):
+        b = sh + i
+        if (gt[b >> 3] >> (b & 7)) & 1:
+            oc[i] = o32[4]
+        elif ties and (eq[b >> 3] >> (b & 7)) & 1:
+            oc[i] = o32[16 * 4]
+        else:
+            oc[i] = o32[0]
+
+
+_SMALL = 1024  # below this many elements a segment is counted element by element (no tables to build)
+
+
+@njit(cache=True, nogil=True)
+def _majority_small(rows, start, numel, half, ties, lo, mid, hi, out):
+    """The same values one element at a time: for a bucket's many small segments (biases,
+    norms) the per-segment set-up of the table path would cost more than the work."""
+    w = rows.shape[0]
+    for i in range(numel):
+        g = start + i
+        k = g >> 3
+        sh = g & 7
+        c = 0
+        for r in range(w):
+            c += (rows[r, k] >> sh) & 1
+        if c > half:
+            out[i] = hi
+        elif ties and c == half:
+            out[i] = mid
+        else:
+            out[i] = lo
+
+
+@njit(cache=True, nogil=True)
+def majority_rows(rows, start, numel, half, ties, units, scale, out):
+    """out[i] (fp32 as uint32 bits) = fl(v * scale) for the majority v: +1 if count > half,
+    0 if count == half and `ties`, else -1; count = rows (W <= 255 packed little-endian bit
+    rows) with bit start + i set. `units` is the float32 array [-1, 0, 1], passed in rather
+    than written here: a constant -1 would let the compiler turn fl(-1 * s) into -s, which
+    differs from the table decode's product in a NaN's sign bit."""
+    sv = np.empty(3, dtype=np.float32)
+    for j in range(3):
+        sv[j] = units[j] * scale  # the values of the table decode: vote_table * scale in float32
+    bits = sv.view(np.uint32)
+    lo, mid, hi = bits[0], bits[1], bits[2]
+    if numel < _SMALL:
+        _majority_small(rows, start, numel, half, ties, lo, mid, hi, out)
+        return
+    w = rows.shape[0]
+    p = 1
+    while (1 << p) <= w:
+        p += 1
+    planes = np.empty((p, _CW), dtype=np.uint64)
+    carry = np.empty(_CW, dtype=np.uint64)
+    gt = np.empty(_CW, dtype=np.uint64)
+    eq = np.empty(_CW, dtype=np.uint64)
+    two, three = _tables(lo, mid, hi)
+    i = 0
+    while i < numel:
+        ln = min(_CHUNK, numel - i)
+        g = start + i
+        sh = g & 7
+        nb = ((sh + ln + 7) >> 3) + 1  # one more byte: the 16-bit window of the last group
+        _count_planes(rows, g >> 3, nb, planes, carry)
+        _compare(planes, nb, half, gt, eq)
+        _emit(gt.view(np.uint8), eq.view(np.uint8), sh, ln, ties, two, three, out[i : i + ln])
+        i += ln
