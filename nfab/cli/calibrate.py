@@ -91,7 +91,8 @@ def register(app: typer.Typer) -> None:
                            ] = None,
         world_size: Annotated[int, typer.Option("--world-size", "-w", help="Virtual ranks W.")] = 4,
         routes: Annotated[str | None, typer.Option(
-            help="Comma-separated routes to measure (default fp32,bf16,q8,q4,q2,sign,bq3,bq4,bq3-256).",
+            help="Comma-separated routes to measure (default: every registered route but fp16, bq8 and the "
+                 "-128/-256 block variants: fp32,bf16,q8,q4,q2,sign,bq4,bq3,bq2).",
             show_default=False)] = None,
         phases: Annotated[int | None, typer.Option(help="Phase points at most (default 4; --quick 2).",
                                                    show_default=False)] = None,

@@ -117,3 +117,11 @@ def test_calibrate_bad_input_is_one_line() -> None:
     assert "unknown model" in _one_line_error(["calibrate", "nosuchmodel", "--dataset", "digits"])
     assert "unknown route" in _one_line_error(["calibrate", "resnet18", "--routes", "fp32,q3"])
     assert "unknown option" in _one_line_error(["calibrate", "resnet18", "nosuchkey=1"])
+
+
+def test_routes_help_lists_the_default_routes() -> None:
+    from nfab.calibrate.config import DEFAULT_ROUTES
+
+    res = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "200"})
+    text = "".join(res.output.replace("│", "").split())
+    assert res.exit_code == 0 and ",".join(DEFAULT_ROUTES) in text
