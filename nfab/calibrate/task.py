@@ -21,6 +21,7 @@ from nfab.data.spec import SpecDataset
 from nfab.errors import ConfigError
 from nfab.models import ModelSpec, build_model
 from nfab.runtime.bindings import classify
+from nfab.runtime.optim import Preconditioner
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,8 @@ class Task:
             for name, idx in by_region.items()
         }
         self.optimizer = self.make_optimizer()
+        self.preconditioner = Preconditioner(self.optimizer, dict(zip(self.names, self.params, strict=True)))
+        """Reads `optimizer`'s state as it is (restore loads into the same optimizer)."""
         self.buffers = list(self.model.buffers())
         self._index: dict[str, torch.Tensor] = {}
 

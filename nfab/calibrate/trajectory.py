@@ -16,7 +16,6 @@ import torch
 
 from nfab.calibrate.replay import fp32_mean, reduce_scaled, replay_reducer
 from nfab.calibrate.task import Task
-from nfab.runtime.optim import Preconditioner
 from nfab.wire.blockq import BlockQSum
 
 Tick = Callable[[], None]
@@ -194,13 +193,9 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
 
 def quantization_scale(task: Task, region: str) -> torch.Tensor | None:
     """The region's per-element preconditioning scale, as `encode` builds it in the hook
-    (`Preconditioner.quantization_scale` per parameter, 1 where there is none), or None."""
-    pre = Preconditioner(task.optimizer, dict(zip(task.names, task.params, strict=True)))
-    parts = [pre.quantization_scale(task.names[i]) for i in task.regions[region].indices]
-    if all(p is None for p in parts):
-        return None
-    return torch.cat([torch.ones(n) if p is None else p
-                      for p, n in zip(parts, task.regions[region].lengths, strict=True)])
+    (`Preconditioner.flat_scale`), or None."""
+    r = task.regions[region]
+    return task.preconditioner.flat_scale([task.names[i] for i in r.indices], r.lengths, torch.device("cpu"))
 
 
 @dataclass(slots=True)

@@ -39,9 +39,9 @@ class EncodeContext:
     scales: AmaxHistory
     ef_off: frozenset[str] = frozenset()
     """Regions whose error feedback the drift monitor switched off: no residual added or staged."""
-    quantization_scale: Callable[[str], torch.Tensor | None] | None = None
-    """Per parameter, the scale block-scaled qsum rounds in (`Preconditioner.quantization_scale`),
-    or None: no optimizer second moment, plain block scales."""
+    quantization_scale: Callable[[Sequence[str], Sequence[int], torch.device], torch.Tensor | None] | None = None
+    """The scale block-scaled qsum rounds a group's slices in (`Preconditioner.flat_scale`), or
+    None: no optimizer second moment, plain block scales."""
 
 
 @dataclass(slots=True)
@@ -113,13 +113,7 @@ def _weights(ctx: EncodeContext, group: Group, x: torch.Tensor) -> torch.Tensor 
     """The group's per-element preconditioning scale (1 for a slice without one), or None."""
     if ctx.quantization_scale is None:
         return None
-    parts = [ctx.quantization_scale(s.name) for s in group.slices]
-    if all(p is None for p in parts):
-        return None
-    # the optimizer's state sits with its parameters (an offloaded one is copied without waiting)
-    return torch.cat([torch.ones(s.numel, dtype=torch.float32, device=x.device) if p is None
-                      else p if p.device == x.device else p.to(x.device, non_blocking=True)
-                      for s, p in zip(group.slices, parts, strict=True)])
+    return ctx.quantization_scale([s.name for s in group.slices], group.lengths, x.device)
 
 
 def launch_each(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int,

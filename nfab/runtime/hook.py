@@ -204,7 +204,7 @@ class Runtime:
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered,
                                    self.residuals, self.scales, frozenset(self.health.ef_off),
-                                   self.preconditioner.quantization_scale if self.preconditioner else None)
+                                   self.preconditioner.flat_scale if self.preconditioner else None)
         return plan, routes, ctx
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,

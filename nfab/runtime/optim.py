@@ -25,7 +25,7 @@ reduced gradients), so a decision computed from it is rank-consistent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -113,6 +113,18 @@ class Preconditioner:
         if rms is None:
             return None
         return rms.clamp_min_(rms.mean() * PRECONDITION_FLOOR)
+
+    def flat_scale(self, names: Sequence[str], lengths: Sequence[int],
+                   device: torch.device) -> torch.Tensor | None:
+        """`quantization_scale` of the parameters `names` (of `lengths` elements) concatenated on
+        `device`, 1 where a parameter has none; None when none has one (plain block scales).
+        The optimizer's state sits with its parameters; an offloaded one is copied without waiting."""
+        parts = [self.quantization_scale(n) for n in names]
+        if all(p is None for p in parts):
+            return None
+        return torch.cat([torch.ones(n, dtype=torch.float32, device=device) if p is None
+                          else p if p.device == device else p.to(device, non_blocking=True)
+                          for p, n in zip(parts, lengths, strict=True)])
 
     def _rms(self, name: str) -> torch.Tensor | None:
         """Flat sqrt(v) + eps of parameter `name` (a new fp32 tensor), or None when there is no v."""
