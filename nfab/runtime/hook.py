@@ -159,7 +159,7 @@ class Runtime:
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self._saw_last:
             self._finish_step()
-        marks = [time.perf_counter()]  # phase boundaries: plan, norm, encode, launch
+        marks = [time.thread_time()]  # phase boundaries: plan, norm, encode, launch
         first = not self._step_open
         if first:
             self._step_open, self._saw_last = True, False
@@ -167,9 +167,9 @@ class Runtime:
         self._saw_last |= last
         buffer = bucket.buffer()
         plan, routes, ctx = self._context(bucket, buffer)
-        marks.append(time.perf_counter())
+        marks.append(time.thread_time())
         bucket_sq = encode.local_sq(buffer)  # before any group is pre-scaled or encoded in place
-        marks.append(time.perf_counter())
+        marks.append(time.thread_time())
         word, probe_parts, blocking = control.Builder(), [], encode.Blocking()
         encoded, levels = twolevel.encode_bucket(self.two_level, ctx, buffer, routes.groups, word, probe_parts,
                                                  blocking)
@@ -182,7 +182,7 @@ class Runtime:
             self._carried_sq = None
         else:  # an FP32-only bucket's |g|^2 rides with the next control word
             self._carried_sq = bucket_sq if self._carried_sq is None else self._carried_sq + bucket_sq
-        marks.append(time.perf_counter())
+        marks.append(time.thread_time())
         launch, futs = self._launch(bucket.index(), plan, routes, buffer, ctx, encoded, ctrl, probe_parts, blocking,
                                     marks)
         if fid_cols is not None:
@@ -231,7 +231,7 @@ class Runtime:
         baseline = allreduce_factor(w) * buffer.numel() * buffer.element_size()
         launch = Launch(index, plan, routes, buffer, tuple(sent), recv, ctrl_part, rows, probe,
                         nbytes + blocking.wire_bytes, baseline, collectives + blocking.rounds, blocking.rounds,
-                        tuple(elements.items()), spans(marks + [time.perf_counter()]))
+                        tuple(elements.items()), spans(marks + [time.thread_time()]))
         return launch, futs
 
     def _callback(self, launch: Launch, done: torch.futures.Future) -> torch.Tensor:
@@ -271,7 +271,7 @@ class Runtime:
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         phase = self.controller.phase(self.step)
         probe_regions = self._cosine_next[1] if self._cosine_next is not None else frozenset()
         folded = fold_step(self.step, phase.name, self._launches, self._outcomes, self.world_size)
@@ -286,7 +286,7 @@ class Runtime:
         drop_ef_residuals(self.residuals, self.regions, events)
         folded.record(events)
         self.events.extend(events)
-        st.hook_phases["fold"] = time.perf_counter() - t0
+        st.hook_phases["fold"] = time.thread_time() - t0
         st.hook_time_s += st.hook_phases["fold"]
         self.history.append(st)
         self._cosine_next = folded.cosine

@@ -140,7 +140,7 @@ class BlockQSum(Reducer):
         out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
         out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 buckets too
         # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
-        out[:1] = torch.where(torch.isfinite(x).all(), out[:1], torch.full_like(out[:1], math.nan))
+        out[:1] = torch.where(torch.isfinite(x.sum(dtype=torch.float32)), out[:1], torch.full_like(out[:1], math.nan))
         return out
 
     def agree(self, block_max: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
