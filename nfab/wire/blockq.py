@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -46,6 +47,11 @@ from nfab.wire import fastpath, noise, radix
 from nfab.wire.lanes import LaneLayout, layout_for, pack
 from nfab.wire.radix import RadixLayout
 from nfab.wire.reducer import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, write_into
+
+try:
+    from nfab.wire import blockkernels
+except ImportError:  # numba missing or unusable: the torch reference runs instead
+    blockkernels = None  # type: ignore[assignment]
 
 DEFAULT_BLOCK = 64
 CODE_OFFSET = 160
@@ -85,6 +91,18 @@ def _block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> 
         start += nb
     index = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")
     return index.to(device, non_blocking=True), start
+
+
+def _compiled(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernels (`blockkernels`) may run on these 1-D tensors."""
+    return blockkernels is not None and fastpath.supports(*tensors) and all(t.dim() == 1 for t in tensors)
+
+
+@lru_cache(maxsize=256)
+def _segment_bounds(lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end offsets of the segments (int64, for the kernels)."""
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    return ends - np.asarray(lengths, dtype=np.int64), ends
 
 
 class BlockQSum(Reducer):
@@ -136,12 +154,31 @@ class BlockQSum(Reducer):
     # ---- scales -------------------------------------------------------------------
     def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """This rank's max |x| per block (fp32; non-finite when the block holds NaN/Inf)."""
+        if _compiled(x) and x.dtype in fastpath.QSUM_DTYPES:
+            return self._local_scale_compiled(x, tuple(lengths))
         bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
         out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
         out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 buckets too
         # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
         out[:1] = torch.where(torch.isfinite(x.sum(dtype=torch.float32)), out[:1], torch.full_like(out[:1], math.nan))
         return out
+
+    def _local_scale_compiled(self, x: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
+        """`local_scale` in one compiled pass; a non-finite element flags block 0 with NaN as the
+        reference does (read here from the block maxima: any inf or NaN makes one non-finite)."""
+        assert blockkernels is not None
+        starts, ends = _segment_bounds(lengths)
+        bits = np.empty(self.blocks_for_lengths(lengths), dtype=np.uint32)
+        x32 = x.detach().to(torch.float32)  # widening bf16/fp16 is exact (the reference widens too)
+        blockkernels.block_max_bits(x32.view(torch.int32).numpy().view(np.uint32), starts, ends, self.block, bits)
+        out = torch.from_numpy(bits.view(np.float32))
+        if bits.size and int(bits.max()) >= 0x7F800000:
+            out[0] = math.nan
+        return out
+
+    def blocks_for_lengths(self, lengths: Sequence[int]) -> int:
+        """Blocks of these segments exactly (a block restarts in every segment)."""
+        return sum(-(-n // self.block) for n in lengths)
 
     def agree(self, block_max: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The agreed codes: this rank's per-block codes, MAX all-reduced as uint8 (blocking):
@@ -165,6 +202,8 @@ class BlockQSum(Reducer):
         lengths = list(lengths)
         stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
         m = self.steps
+        if _compiled(x, shared_scale) and x.dtype in fastpath.QSUM_DTYPES:
+            return self._encode_compiled(x, lengths, world_size, shared_scale, stratum)
         scale = self._element_scales(shared_scale, lengths)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         t = torch.div(x.to(torch.float32), safe)
@@ -180,6 +219,37 @@ class BlockQSum(Reducer):
 
         return Encoded(payload, None, make_local=local)
 
+    def _encode_compiled(self, x: torch.Tensor, lengths: list[int], world_size: int, shared: torch.Tensor,
+                         stratum: noise.Stratum) -> Encoded:
+        """`encode` on the CPU: levels in one compiled pass (noise computed there, never stored),
+        then radix digits (compiled) or bit lanes (the reference `pack`). Same bits."""
+        assert blockkernels is not None
+        m = self.steps
+        block_scale = self._block_scales(shared)
+        starts, ends = _segment_bounds(tuple(lengths))
+        levels = np.empty(x.numel(), dtype=np.uint8)
+        keys = stratum.keys(len(lengths), x.device).contiguous()
+        blockkernels.block_levels(x.detach().to(torch.float32).numpy(), keys.numpy(), stratum.shift, starts, ends,
+                                  self.block, block_scale.numpy(), np.float32(1.0), np.float32(0.5 * m), m, levels)
+        lv = torch.from_numpy(levels)
+        layout = self.layout(world_size)
+        if isinstance(layout, RadixLayout):
+            payload = torch.empty(layout.containers_for(lv.numel()), dtype=torch.int64, device="cpu")
+            blockkernels.radix_pack(levels, layout.radix, layout.digits, payload.numpy())
+        else:
+            payload = pack(lv, layout)
+        unit = torch.arange(m + 1, dtype=torch.float32, device="cpu") * (2.0 / m) - 1.0
+
+        def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
+            return unit[lv.long()] * self._element_scales(shared, lengths)
+
+        return Encoded(payload, None, make_local=local)
+
+    def _block_scales(self, shared: torch.Tensor) -> torch.Tensor:
+        """The agreed scale of each block (fp32; 0 for an all-zero block)."""
+        codes = shared if shared.dtype == torch.uint8 else scale_codes(torch.nan_to_num(shared, nan=0.0))
+        return _scales_on(codes.device)[codes.long()].contiguous()
+
     def launch(self, payload, world_size, group):
         return allreduce_future(payload, group)
 
@@ -188,12 +258,34 @@ class BlockQSum(Reducer):
         layout = self.layout(world_size)
         total = self.steps * world_size
         values = torch.arange(layout.max_value + 1, dtype=torch.float32, device=reduced.device) * (2.0 / total) - 1.0
+        single = out is None or isinstance(out, torch.Tensor)
+        if single and _compiled(reduced, scale_mean, *([] if out is None else [out])) and (
+                out is None or out.dtype == torch.float32):
+            return self._decode_compiled(reduced, scale_mean, numel, tuple(lengths), layout, values, out)
         if isinstance(layout, RadixLayout):
             mean = values[radix.unpack(reduced, layout, numel)]
         else:
             mean = fastpath.decode_table(reduced, layout, numel, values)  # compiled on CPU, same values
         mean.mul_(self._element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
+
+    def _decode_compiled(self, reduced: torch.Tensor, scale_mean: torch.Tensor, numel: int,
+                         lengths: tuple[int, ...], layout: LaneLayout | RadixLayout, values: torch.Tensor,
+                         out: torch.Tensor | None) -> torch.Tensor:
+        """`decode` on the CPU: digits, value table and block scales in one compiled pass (bit
+        lanes: the compiled table decode, then the block scales in place). Same bits."""
+        assert blockkernels is not None
+        res = torch.empty(numel, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
+        starts, ends = _segment_bounds(lengths)
+        block_scale = self._block_scales(scale_mean).numpy()
+        if isinstance(layout, RadixLayout):
+            digits = np.empty(numel, dtype=np.uint8 if layout.radix <= 256 else np.uint16)
+            blockkernels.radix_digits(reduced.numpy(), layout.radix, layout.digits, numel, digits)
+            blockkernels.table_blocks(digits, values.numpy(), starts, ends, self.block, block_scale, res.numpy())
+        else:
+            fastpath.decode_table(reduced, layout, numel, values, out=res)
+            blockkernels.scale_blocks(res.numpy(), starts, ends, self.block, block_scale)
+        return res
 
     # ---- stratified rounding on the whole paths -------------------------------------
     def reduce(self, x, lengths=None, group=None, generator=None) -> torch.Tensor:

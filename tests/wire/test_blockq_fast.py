@@ -1,0 +1,141 @@
+"""Block-scaled qsum's compiled CPU path (`blockkernels`) against its torch reference, bit for bit.
+
+The reference runs under `fastpath.host_paths(False)` (the path every non-CPU device takes);
+both paths must give the same block maxima, levels, payload, local values and decoded mean,
+for every packing (bit lanes and radix digits), block size, W and input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nfab.wire import blockq, fastpath, noise
+from nfab.wire.blockq import BlockQSum, scale_codes
+from nfab.wire.radix import RadixLayout
+
+pytestmark = pytest.mark.skipif(blockq.blockkernels is None or not fastpath.AVAILABLE,
+                                reason="numba not installed: only the torch reference runs")
+
+LENGTHS = [100, 64, 1, 0, 835, 7, 4096 + 13]
+"""Segments that do not divide into blocks (blocks restart per segment), one empty."""
+
+
+def _x(rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(77 + rank)
+    n = sum(LENGTHS)
+    x = torch.randn(n, generator=g) * torch.logspace(-6, 2, n)
+    x[100:164] = 0.0  # an all-zero block: code 0, scale 0
+    x[3000] = -0.0
+    return x.to(dtype)
+
+
+def _both(fn):
+    """(compiled, reference) results of `fn()`."""
+    fast = fn()
+    with fastpath.host_paths(False):
+        ref = fn()
+    return fast, ref
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.is_floating_point():  # same bits, -0.0 and NaN included
+        a, b = a.view(torch.int32 if a.element_size() == 4 else torch.int16), b.view(
+            torch.int32 if b.element_size() == 4 else torch.int16)
+    assert torch.equal(a, b)
+
+
+ROUTES = [(2, 64), (3, 64), (4, 64), (8, 64), (2, 128), (3, 256)]
+
+
+@pytest.mark.parametrize("bits,block", ROUTES)
+@pytest.mark.parametrize("world_size", [2, 4, 8, 16])
+def test_compiled_encode_and_decode_are_the_reference_bits(bits: int, block: int, world_size: int) -> None:
+    red = BlockQSum(bits, block)
+    if not red.capacity(world_size).ok:
+        pytest.skip("over capacity")
+    xs = [_x(r) for r in range(world_size)]
+    maxima = [_both(lambda x=x: red.local_scale(x, LENGTHS)) for x in xs]
+    for fast, ref in maxima:
+        _same(fast, ref)
+    codes = torch.stack([scale_codes(m) for m, _ in maxima]).amax(0)  # what the MAX all-reduce agrees
+    keys = noise.draw_keys(torch.Generator().manual_seed(5), len(LENGTHS), torch.device("cpu"))
+    payloads = []
+    for r, x in enumerate(xs):
+        stratum = noise.Stratum(keys, r, world_size)
+        fast, ref = _both(lambda x=x, s=stratum: red.encode(x, LENGTHS, world_size, codes, s))
+        _same(fast.payload, ref.payload)
+        _same(fast.local, ref.local)
+        payloads.append(fast.payload)
+    summed = red.combine(payloads)
+    n = sum(LENGTHS)
+    fast, ref = _both(lambda: red.decode(summed, codes, n, LENGTHS, world_size))
+    _same(fast, ref)
+    out = torch.full((n,), 7.0)
+    red.decode(summed, codes, n, LENGTHS, world_size, out=out)  # into the bucket: same values
+    _same(out, ref)
+
+
+def test_radix_layouts_are_covered() -> None:
+    # the digits path is what bq2 uses at every W here; bq3 at W=4 is bit lanes
+    assert all(isinstance(BlockQSum(2).layout(w), RadixLayout) for w in (2, 4, 8, 16))
+    assert not isinstance(BlockQSum(3).layout(4), RadixLayout)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_take_the_same_bits(dtype: torch.dtype) -> None:
+    red, w = BlockQSum(2), 4
+    x = _x(0, dtype)
+    fast, ref = _both(lambda: red.local_scale(x, LENGTHS))
+    _same(fast, ref)
+    codes = scale_codes(fast)
+    stratum = noise.Stratum(noise.draw_keys(None, len(LENGTHS), torch.device("cpu")), 1, w)
+    fast, ref = _both(lambda: red.encode(x, LENGTHS, w, codes, stratum))
+    _same(fast.payload, ref.payload)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_element_flags_block_zero_on_both_paths(bad: float) -> None:
+    red = BlockQSum(3)
+    x = _x(0)
+    x[2000] = bad
+    fast, ref = _both(lambda: red.local_scale(x, LENGTHS))
+    assert math.isnan(fast[0]) and math.isnan(ref[0])
+    assert torch.equal(torch.isnan(fast), torch.isnan(ref))
+    finite = ~torch.isnan(ref)
+    assert torch.equal(fast[finite], ref[finite])
+
+
+def test_radix_digits_of_extreme_containers() -> None:
+    # containers whose every digit is R-1 (the largest W-rank sums) and zero: the float64
+    # quotient is corrected to the exact integer split
+    for w in (2, 4, 8, 16):
+        layout = BlockQSum(2).layout(w)
+        assert isinstance(layout, RadixLayout)
+        k, r = layout.digits, layout.radix
+        top = sum((r - 1) * r**j for j in range(k))
+        containers = torch.tensor([top, 0, top - 1, r**k - r ** (k - 1)], dtype=torch.int64)
+        n = containers.numel() * k
+        codes = torch.full((-(-n // 64),), 160, dtype=torch.uint8)
+        fast, ref = _both(lambda c=containers, n=n, codes=codes, w=w: BlockQSum(2).decode(c, codes, n, [n], w))
+        _same(fast, ref)
+
+
+def test_the_cpu_path_is_the_compiled_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the comparisons above would pass vacuously if both sides ran the reference
+    called: list[str] = []
+    for name in ("block_max_bits", "block_levels", "radix_pack", "radix_digits", "table_blocks"):
+        fn = getattr(blockq.blockkernels, name)
+        monkeypatch.setattr(blockq.blockkernels, name, lambda *a, _f=fn, _n=name: (called.append(_n), _f(*a))[1])
+    red, w, x = BlockQSum(2), 4, _x(0)
+    codes = scale_codes(red.local_scale(x, LENGTHS))
+    enc = red.encode(x, LENGTHS, w, codes, noise.Stratum(None, 0, w))
+    red.decode(enc.payload, codes, x.numel(), LENGTHS, w)
+    assert called == ["block_max_bits", "block_levels", "radix_pack", "radix_digits", "table_blocks"]
+    called.clear()
+    with fastpath.host_paths(False):
+        red.local_scale(x, LENGTHS)
+    assert called == []
