@@ -204,7 +204,8 @@ class Runtime:
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered,
                                    self.residuals, self.scales, frozenset(self.health.ef_off),
-                                   self.preconditioner.flat_scale if self.preconditioner else None)
+                                   partial(self.preconditioner.flat_scale, step=self.step) if self.preconditioner
+                                   else None)
         return plan, routes, ctx
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
@@ -242,7 +243,8 @@ class Runtime:
     def _finish(self, launch: Launch) -> Outcome:
         """The callback's work: decode into the bucket; the callback's one hand-back value."""
         # the optimizer state as of the previous step: no rank has stepped yet (still in backward)
-        inverse_rms = self.preconditioner.inverse_rms if self.preconditioner is not None else None
+        pre = self.preconditioner
+        inverse_rms = partial(pre.inverse_rms, step=self.step) if pre is not None else None
         return finish_bucket(launch, self.world_size, inverse_rms)
 
     def _step_values(self, first: bool, device: torch.device) -> control.StepValues:

@@ -25,7 +25,7 @@ reduced gradients), so a decision computed from it is rank-consistent.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
 
@@ -95,36 +95,60 @@ class Preconditioner:
         self.optimizer = optimizer
         self.params = dict(params)
         self._eps = {id(p): float(g.get("eps", 1e-8)) for g in optimizer.param_groups for p in g["params"]}
+        # values of one training step: the optimizer's state cannot change while its gradients
+        # are being reduced (backward), so the hook's encode, decode and probe share them
+        self._step: int | None = None
+        self._memo: dict[Hashable, torch.Tensor | None] = {}
 
-    def inverse_rms(self, name: str) -> torch.Tensor | None:
+    def inverse_rms(self, name: str, step: int | None = None) -> torch.Tensor | None:
         """Flat 1 / `quantization_scale` of parameter `name` (Adam's 1 / (sqrt(v) + eps), capped at
         100x its mean's), or None when there is no v. The cap keeps a coordinate whose v is still
         ~0 (a byte seen for the first time) from outweighing the whole probe: uncapped, it
-        read a healthy bq2 step at cosine 0.007."""
-        scale = self.quantization_scale(name)
-        return None if scale is None else scale.reciprocal_()
+        read a healthy bq2 step at cosine 0.007. `step`: see `quantization_scale`."""
+        def make() -> torch.Tensor | None:
+            scale = self.quantization_scale(name, step)
+            return None if scale is None else scale.reciprocal()
+        return self._memoized(step, ("inverse", name), make)
 
-    def quantization_scale(self, name: str) -> torch.Tensor | None:
+    def quantization_scale(self, name: str, step: int | None = None) -> torch.Tensor | None:
         """Flat per-coordinate scale block-scaled qsum quantizes `name`'s gradient in:
         sqrt(v) + eps, floored at 1% of its mean (a coordinate whose v is still ~0, e.g. an
         embedding row seen for the first time, would otherwise set its block's scale alone).
-        None when there is no v. The same on every rank (see the module docstring)."""
-        rms = self._rms(name)
-        if rms is None:
-            return None
-        return rms.clamp_min_(rms.mean() * PRECONDITION_FLOOR)
+        None when there is no v. The same on every rank (see the module docstring).
+
+        With `step` (the hook's training step) the value is computed once per step and shared:
+        the caller must not modify it. Without, it is computed afresh (calibration's replay
+        steps the optimizer between calls)."""
+        def make() -> torch.Tensor | None:
+            rms = self._rms(name)
+            return None if rms is None else rms.clamp_min_(rms.mean() * PRECONDITION_FLOOR)
+        return self._memoized(step, ("scale", name), make)
 
     def flat_scale(self, names: Sequence[str], lengths: Sequence[int],
-                   device: torch.device) -> torch.Tensor | None:
+                   device: torch.device, step: int | None = None) -> torch.Tensor | None:
         """`quantization_scale` of the parameters `names` (of `lengths` elements) concatenated on
         `device`, 1 where a parameter has none; None when none has one (plain block scales).
-        The optimizer's state sits with its parameters; an offloaded one is copied without waiting."""
-        parts = [self.quantization_scale(n) for n in names]
-        if all(p is None for p in parts):
-            return None
-        return torch.cat([torch.ones(n, dtype=torch.float32, device=device) if p is None
-                          else p if p.device == device else p.to(device, non_blocking=True)
-                          for p, n in zip(parts, lengths, strict=True)])
+        The optimizer's state sits with its parameters; an offloaded one is copied without waiting.
+        `step`: see `quantization_scale`."""
+        def make() -> torch.Tensor | None:
+            parts = [self.quantization_scale(n, step) for n in names]
+            if all(p is None for p in parts):
+                return None
+            return torch.cat([torch.ones(n, dtype=torch.float32, device=device) if p is None
+                              else p if p.device == device else p.to(device, non_blocking=True)
+                              for p, n in zip(parts, lengths, strict=True)])
+        return self._memoized(step, ("flat", tuple(names), tuple(lengths), device), make)
+
+    def _memoized(self, step: int | None, key: Hashable,
+                  make: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """`make()`, computed once per `step` and key (always afresh without a step)."""
+        if step is None:
+            return make()
+        if step != self._step:  # a new step: the optimizer has stepped since
+            self._step, self._memo = step, {}
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def _rms(self, name: str) -> torch.Tensor | None:
         """Flat sqrt(v) + eps of parameter `name` (a new fp32 tensor), or None when there is no v."""

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from nfab.wire import fastpath, noise, radix
 from nfab.wire.lanes import LaneLayout, layout_for, pack
 from nfab.wire.radix import RadixLayout
-from nfab.wire.reducer import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, write_into
+from nfab.wire.reducer import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 
 try:
     from nfab.wire import blockkernels
@@ -258,10 +258,11 @@ class BlockQSum(Reducer):
         layout = self.layout(world_size)
         total = self.steps * world_size
         values = torch.arange(layout.max_value + 1, dtype=torch.float32, device=reduced.device) * (2.0 / total) - 1.0
-        single = out is None or isinstance(out, torch.Tensor)
-        if single and _compiled(reduced, scale_mean, *([] if out is None else [out])) and (
-                out is None or out.dtype == torch.float32):
-            return self._decode_compiled(reduced, scale_mean, numel, tuple(lengths), layout, values, out)
+        if _compiled(reduced, scale_mean):
+            one, _ = split_out(out)  # a bucket slice is decoded into directly; slices or bf16 by a copy
+            direct = one if one is not None and _compiled(one) and one.dtype == torch.float32 else None
+            mean = self._decode_compiled(reduced, scale_mean, numel, tuple(lengths), layout, values, direct)
+            return mean if direct is not None else write_into(out, mean)
         if isinstance(layout, RadixLayout):
             mean = values[radix.unpack(reduced, layout, numel)]
         else:

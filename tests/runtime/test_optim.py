@@ -66,3 +66,23 @@ def test_quantization_scale_is_adams_denominator_floored_at_a_percent_of_its_mea
     assert float(got[2]) == float(rms.mean() * 0.01) > float(rms[2])  # a still-zero v is floored
     assert float(got[3]) == float(rms[3])
     assert torch.equal(opt.state[p]["exp_avg_sq"].sqrt() + 1e-8, rms)  # the optimizer's state is untouched
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_steps_scales_are_computed_once_and_renewed_with_the_next_step(fused: bool) -> None:
+    # fused Adam updates v without bumping its version counter: the memo is keyed by the
+    # hook's step, not by the tensor's version
+    p = torch.nn.Parameter(torch.ones(5))
+    opt = torch.optim.AdamW([p], fused=fused)
+    pre = Preconditioner(opt, {"p": p})
+    p.grad = torch.tensor([1.0, 2.0, 0.5, -3.0, 4.0])
+    opt.step()
+    first = pre.flat_scale(["p"], [5], torch.device("cpu"), step=1)
+    assert pre.flat_scale(["p"], [5], torch.device("cpu"), step=1) is first  # shared within the step
+    assert torch.equal(pre.inverse_rms("p", step=1), first.reciprocal())
+    p.grad = torch.tensor([9.0, -9.0, 9.0, 9.0, 9.0])
+    opt.step()
+    fresh = pre.quantization_scale("p")  # no step: always afresh
+    assert not torch.equal(fresh, first)
+    assert torch.equal(pre.flat_scale(["p"], [5], torch.device("cpu"), step=2), fresh)
+    assert torch.equal(pre.inverse_rms("p", step=2), fresh.reciprocal())

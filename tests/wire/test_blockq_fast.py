@@ -77,6 +77,9 @@ def test_compiled_encode_and_decode_are_the_reference_bits(bits: int, block: int
     out = torch.full((n,), 7.0)
     red.decode(summed, codes, n, LENGTHS, world_size, out=out)  # into the bucket: same values
     _same(out, ref)
+    dests = list(torch.full((n,), 7.0).split(LENGTHS))  # per-slice destinations (a mixed bucket's views)
+    red.decode(summed, codes, n, LENGTHS, world_size, out=dests)
+    _same(torch.cat(dests), ref)
 
 
 def test_radix_layouts_are_covered() -> None:
