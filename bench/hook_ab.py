@@ -16,7 +16,7 @@ stepped alternately (order rotating) on the same batches. Prints, for rank 0, ea
 variant's median per step of
 - `cpu_ms`: CPU seconds of the threads running the hook bodies and the callbacks
   (`time.thread_time`, so a busy shared machine does not count its other processes);
-- `hook_ms`: the Runtime's own wall-clock `hook_time_s`;
+- `hook_ms`: the Runtime's own `hook_time_s` (thread CPU of its timed phases);
 - `step_ms`: the step's wall-clock time;
 and, paired, the median of the per-step ratios new/old of each.
 """

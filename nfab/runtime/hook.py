@@ -196,7 +196,7 @@ class Runtime:
         plan = self._plan(bucket, buffer)
         phase = self.controller.phase(self.step)
         routes = self.controller.routes(plan, phase, self.health.demoted())
-        w = self.world_size
+        w, pre = self.world_size, self.preconditioner
         # every lossy bucket on a probe step: each region's drift trend needs its own samples
         probing = routes.has_lossy and self._probe_step()
         gathered = not self.two_level and coalesce.should_coalesce(routes.groups, w, self.coalesce,
@@ -204,8 +204,7 @@ class Runtime:
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered,
                                    self.residuals, self.scales, frozenset(self.health.ef_off),
-                                   partial(self.preconditioner.flat_scale, step=self.step) if self.preconditioner
-                                   else None)
+                                   partial(pre.flat_scale, step=self.step) if pre else None)
         return plan, routes, ctx
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
@@ -244,8 +243,7 @@ class Runtime:
         """The callback's work: decode into the bucket; the callback's one hand-back value."""
         # the optimizer state as of the previous step: no rank has stepped yet (still in backward)
         pre = self.preconditioner
-        inverse_rms = partial(pre.inverse_rms, step=self.step) if pre is not None else None
-        return finish_bucket(launch, self.world_size, inverse_rms)
+        return finish_bucket(launch, self.world_size, partial(pre.inverse_rms, step=self.step) if pre else None)
 
     def _step_values(self, first: bool, device: torch.device) -> control.StepValues:
         """The step's first word carries this rank's loss and the previous probe's cosine."""
