@@ -63,12 +63,13 @@ def block_levels(x, keys, shift, seg_starts, seg_ends, block, scale_of_block, on
             b1 = min(b0 + block, e)
             sc = scale_of_block[b]
             sc = sc if sc > zero else one
+            z = key + np.uint64(b0 - a) * _GOLDEN
             for i in range(b0, b1):
-                z = key + np.uint64(i - a + 1) * _GOLDEN
-                z = (z ^ (z >> np.uint64(30))) * _MIX1
-                z = (z ^ (z >> np.uint64(27))) * _MIX2
-                z = z ^ (z >> np.uint64(31))
-                u = np.float32(np.int64(((z >> np.uint64(40)) + sh) & _MASK24)) * _U24
+                z += _GOLDEN  # key + (index + 1) * golden, stepped
+                y = (z ^ (z >> np.uint64(30))) * _MIX1
+                y = (y ^ (y >> np.uint64(27))) * _MIX2
+                # splitmix64's last step, y ^ (y >> 31), changes no bit above 32: u keeps bits 40-63
+                u = np.float32(np.int64(((y >> np.uint64(40)) + sh) & _MASK24)) * _U24
                 t = np.floor((x[i] / sc + one) * half_m + u)
                 levels[i] = np.uint8(min(max(t, zero), top))
             b += 1
