@@ -44,6 +44,12 @@ SETTINGS: dict[str, Setting] = {
         steps=300, profile="bench/calibrations/heldout/profile.json",
         note="user-style GPT nfab was not tuned on (nn.MultiheadAttention, tied head), AdamW wd 0.1"),
 }
+# the held-out profile (calibrated at W=4 over 300 steps) where it was not calibrated: twice the
+# ranks, twice the steps
+SETTINGS["heldout-w8"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-w8", world_size=8,
+                                             note="the held-out GPT at W=8, its profile calibrated at W=4")
+SETTINGS["heldout-600"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-600", steps=600,
+                                              note="the held-out GPT over 600 steps, its profile calibrated over 300")
 MIN_RATIO = 8.0
 """Target: nfab's profile sends at least this many times fewer gradient bytes than FP32."""
 MAX_LOSS_RISE = 0.01

@@ -193,10 +193,10 @@ def report_html(doc: dict[str, Any]) -> str:
 
 
 def regen_docs(root: Path) -> list[Path]:
-    """Rewrite bench/STUDY.md and the README study block from bench/study.json under `root`."""
+    """Rewrite bench/STUDY.md, the README study block and the Pareto PNGs from bench/study.json under `root`."""
     import json
 
-    from nfab.fsutil import atomic_write_text
+    from nfab.fsutil import atomic_write_bytes, atomic_write_text
 
     path = root / STUDY_JSON
     if not path.is_file():
@@ -205,4 +205,6 @@ def regen_docs(root: Path) -> list[Path]:
     readme = root / README
     written = [atomic_write_text(root / STUDY_MD, study_markdown(doc, images=True)),
                atomic_write_text(readme, replace_block(readme.read_text(), readme_block(doc)))]
+    for name in doc["settings"]:
+        written.append(atomic_write_bytes(path.parent / f"pareto_{name}.png", pareto_png(doc, name)))
     return written
