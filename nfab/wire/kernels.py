@@ -465,12 +465,13 @@ _U24 = np.float32(2.0**-24)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _noise_u(key, i):
-    """`nfab.wire.noise` for element i (uint64) of the segment with uint64 `key`: float32 in [0, 1)."""
-    z = key + (i + np.uint64(1)) * _GOLDEN
+def _noise_u(z):
+    """`nfab.wire.noise` from its first word z = key + (i + 1) * golden (the caller steps z by
+    `_GOLDEN` per element: an add, not a multiply): float32 in [0, 1). The last xor-shift of
+    splitmix64 (z ^= z >> 31) is left out: it changes no bit above bit 32, and u keeps bits
+    40..63 only."""
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
-    z = z ^ (z >> np.uint64(31))
     return np.float32(np.int64(z >> np.uint64(40))) * _U24
 
 
@@ -486,15 +487,17 @@ def _round_run(xs, key, i0, sc, one, half_m, top, ls, ps):
     """Levels of fp32 run `xs` (elements i0.. of its segment) into `ls`, and into `ps` too unless
     it is empty (the payload of one-lane containers); the noise is computed here, never stored.
     Two loops, not one with a branch: stores to possibly aliased arrays would not vectorize."""
-    base = np.uint64(i0)
+    z = key + (np.uint64(i0) + np.uint64(1)) * _GOLDEN  # the noise's first word, stepped per element
     if ps.size == 0:
         for i in range(xs.size):
-            ls[i] = _level(xs[i], _noise_u(key, base + np.uint64(i)), sc, one, half_m, top)
+            ls[i] = _level(xs[i], _noise_u(z), sc, one, half_m, top)
+            z += _GOLDEN
         return
     for i in range(xs.size):
-        v = _level(xs[i], _noise_u(key, base + np.uint64(i)), sc, one, half_m, top)
+        v = _level(xs[i], _noise_u(z), sc, one, half_m, top)
         ls[i] = v
         ps[i] = v
+        z += _GOLDEN
 
 
 @njit(cache=True, nogil=True)
