@@ -134,6 +134,24 @@ def votes_to_lanes(bits: np.ndarray, numel: int, layout: LaneLayout) -> torch.Te
     return torch.from_numpy(out)
 
 
+def votes_to_shard_lanes(bits: np.ndarray, numel: int, shard: int, world_size: int,
+                         layout: LaneLayout) -> torch.Tensor:
+    """Packed votes of `numel` elements, zero-padded to W shards of `shard` elements (a multiple
+    of 8), each lane-packed on its own and laid end to end: the tensor of
+    `torch.cat([votes_to_lanes(shard r's votes, shard, layout) for r in range(W)])`, written in
+    place (one buffer, no per-shard copies or concatenation)."""
+    assert kernels is not None and shard % 8 == 0
+    step, m = shard // 8, layout.containers_for(shard)
+    padded = np.zeros(world_size * step + 2, dtype=np.uint8)  # two zero bytes: the kernel reads 16-bit windows
+    padded[: bits.size] = bits
+    out = np.zeros(world_size * m, dtype=_NP[layout.container])
+    spread = _spread(layout.lane_bits)
+    for r in range(world_size):  # a shard's window may read 2 bytes of the next: masked off by `shard`
+        kernels.bits_to_lanes(padded[r * step : (r + 1) * step + 2], shard, layout.lane_bits, layout.lanes,
+                              out[r * m : (r + 1) * m], spread)
+    return torch.from_numpy(out)
+
+
 def decode_bit_rows(rows: np.ndarray, start: int, numel: int, table: np.ndarray, out: np.ndarray) -> np.ndarray:
     """out[i] = table[how many of the W (<= 255) packed bit rows have bit start + i set]."""
     assert kernels is not None
@@ -249,7 +267,11 @@ def _trit_digits() -> np.ndarray:
 
 
 def decode_trits(packed: np.ndarray, start: int, numel: int, table: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out[i] = table[base-3 digit start + i of `packed` (5 digits per byte, digit j times 3**j)]."""
+    """out[i] = table[base-3 digit start + i of `packed` (5 digits per byte, digit j times 3**j)].
+
+    The byte's 5 values come from one row of a 256 x 5 value table (`table` looked up by the
+    digits once per call), so each byte costs 5 loads and 5 stores."""
     assert kernels is not None
-    kernels.decode_trits(packed, start, numel, table.astype(np.float32, copy=False), out, _trit_digits())
+    rows = table.astype(np.float32, copy=False)[_trit_digits()]
+    kernels.decode_trits(packed, start, numel, rows, out)
     return out

@@ -573,23 +573,29 @@ def pack_bytes(values, lane_bits, out):
 
 
 @njit(cache=True, nogil=True)
-def decode_trits(packed, start, numel, table, out, digits):
-    """out[i] = table[base-3 digit start+i]; 5 digits per byte (`digits`: byte -> its 5 digits)."""
+def decode_trits(packed, start, numel, rows, out):
+    """out[i] = the value of base-3 digit start+i; 5 digits per byte, `rows` (256 x 5 values)
+    holds each byte's 5 values, so a whole byte is one row copied."""
     i = 0
     while i < numel and (start + i) % 5:
         g = start + i
-        out[i] = table[digits[packed[g // 5], g % 5]]
+        out[i] = rows[packed[g // 5], g % 5]
         i += 1
     k0 = (start + i) // 5
     whole = (numel - i) // 5
     src = packed[k0 : k0 + whole]
-    grid = out[i : i + whole * 5].reshape(whole, 5)
+    flat = rows.reshape(-1)
+    oc = out[i : i + whole * 5]
     for k in range(whole):
-        d = digits[src[k]]
-        for j in range(5):
-            grid[k, j] = table[d[j]]
+        r = np.int64(src[k]) * 5
+        o = k * 5
+        oc[o] = flat[r]
+        oc[o + 1] = flat[r + 1]
+        oc[o + 2] = flat[r + 2]
+        oc[o + 3] = flat[r + 3]
+        oc[o + 4] = flat[r + 4]
     i += whole * 5
     while i < numel:
         g = start + i
-        out[i] = table[digits[packed[g // 5], g % 5]]
+        out[i] = rows[packed[g // 5], g % 5]
         i += 1
