@@ -125,7 +125,8 @@ _NP = {torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
 
 
 def _bits_to_lanes(padded: np.ndarray, numel: int, layout: LaneLayout, out: np.ndarray) -> None:
-    """The compiled spread of `numel` votes into ZEROED containers: the uint8 kernel or the wide one."""
+    """The compiled spread of `numel` votes into `out` (every container written, so it may come
+    from np.empty): the uint8 kernel or the wide one."""
     assert lanekernels is not None
     spread = _spread(layout.lane_bits)
     if out.itemsize == 1:
@@ -137,7 +138,7 @@ def _bits_to_lanes(padded: np.ndarray, numel: int, layout: LaneLayout, out: np.n
 def votes_to_lanes(bits: np.ndarray, numel: int, layout: LaneLayout) -> torch.Tensor:
     """Packed votes -> count lane containers: the same tensor as `lanes.pack(x >= 0, layout)`."""
     assert kernels is not None
-    out = np.zeros(layout.containers_for(numel), dtype=_NP[layout.container])
+    out = np.empty(layout.containers_for(numel), dtype=_NP[layout.container])
     padded = np.zeros(bits.size + 2, dtype=np.uint8)  # two zero bytes: the kernel reads 16-bit windows
     padded[: bits.size] = bits
     _bits_to_lanes(padded, numel, layout, out)
@@ -154,7 +155,7 @@ def votes_to_shard_lanes(bits: np.ndarray, numel: int, shard: int, world_size: i
     step, m = shard // 8, layout.containers_for(shard)
     padded = np.zeros(world_size * step + 2, dtype=np.uint8)  # two zero bytes: the kernel reads 16-bit windows
     padded[: bits.size] = bits
-    out = np.zeros(world_size * m, dtype=_NP[layout.container])
+    out = np.empty(world_size * m, dtype=_NP[layout.container])
     for r in range(world_size):  # a shard's window may read 2 bytes of the next: masked off by `shard`
         _bits_to_lanes(padded[r * step : (r + 1) * step + 2], shard, layout, out[r * m : (r + 1) * m])
     return torch.from_numpy(out)

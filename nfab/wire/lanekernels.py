@@ -30,38 +30,57 @@ def spread_table(lane_bits):
 
 
 @njit(cache=True, nogil=True)
-def _spread_block(bits, first, n, g, m, spread, shift, out):
-    """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes.
+def _spread_block(bits, first, n, g, m, spread, shift, out, assign):
+    """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes:
+    written (`assign`, the first block: `out` need not be zeroed) or ORed in (later blocks).
+    Returns how many containers, from 0, it reached (those holding at least one element).
 
     `bits` carries two zero bytes past its end, so a 16-bit window never reads out of bounds.
     Indices are unsigned (numba then skips its negative-index handling); a block of 8 lanes
     that starts on a whole byte reads its votes as bytes.
     """
     if first >= n:
-        return
+        return 0
     whole = min(m, (n - first) // g)  # containers whose g votes all lie below n
     if g == 8 and first & 7 == 0:
         src = bits[first >> 3 : (first >> 3) + whole]
-        for j in range(whole):
-            out[j] |= spread[src[j]] << shift
+        if assign:
+            for j in range(whole):
+                out[j] = spread[src[j]] << shift
+        else:
+            for j in range(whole):
+                out[j] |= spread[src[j]] << shift
     else:
         gmask = np.uint64((1 << g) - 1)
-        for j in range(whole):
-            a = np.uint64(first + j * g)
-            k = a >> np.uint64(3)
-            w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
-            out[j] |= spread[(w >> (a & np.uint64(7))) & gmask] << shift
+        if assign:
+            for j in range(whole):
+                a = np.uint64(first + j * g)
+                k = a >> np.uint64(3)
+                w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
+                out[j] = spread[(w >> (a & np.uint64(7))) & gmask] << shift
+        else:
+            for j in range(whole):
+                a = np.uint64(first + j * g)
+                k = a >> np.uint64(3)
+                w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
+                out[j] |= spread[(w >> (a & np.uint64(7))) & gmask] << shift
     a = first + whole * g
     if whole < m and a < n:
         v = (np.int64(bits[a >> 3]) | (np.int64(bits[(a >> 3) + 1]) << 8)) >> (a & 7)
-        out[whole] |= spread[v & ((1 << (n - a)) - 1)] << shift
+        t = spread[v & ((1 << (n - a)) - 1)] << shift
+        if assign:
+            out[whole] = t
+        else:
+            out[whole] |= t
+        return whole + 1
+    return whole
 
 
 @njit(cache=True, nogil=True)
 def _spread_bytes(bits, n, lanes, spread, out):
     """uint8 containers of `lanes` (1, 2, 4 or 8) lanes: each vote byte fills 8 // lanes containers,
     written as one word from a 256-row table (`spread` of the byte's lane groups), the tail
-    one by one."""
+    one by one; every container is written."""
     per = 8 // lanes
     lmask = (1 << lanes) - 1
     whole = n // 8  # vote bytes whose 8 votes all lie below n
@@ -90,8 +109,9 @@ def _spread_bytes(bits, n, lanes, spread, out):
             o64[k] = r64[src[k]]
     for j in range(whole * per, out.size):
         a = j * lanes
-        if a >= n:
-            break
+        if a >= n:  # containers past the last element: written 0 (`out` need not be zeroed)
+            out[j] = 0
+            continue
         v = (np.int64(bits[a >> 3]) >> (a & 7)) & lmask
         if n - a < lanes:
             v &= (1 << (n - a)) - 1
@@ -100,22 +120,27 @@ def _spread_bytes(bits, n, lanes, spread, out):
 
 @njit(cache=True, nogil=True)
 def bits_to_byte_lanes(bits, n, lanes, out, spread):
-    """Votes (1 bit per element) -> uint8 count lane containers in ZEROED `out` (consecutive
-    elements, the layout of `lanes.pack`). `spread` is `spread_table(lane_bits)`."""
+    """Votes (1 bit per element) -> uint8 count lane containers in `out` (consecutive
+    elements, the layout of `lanes.pack`), every container written: `out` may come from
+    np.empty (a zeroed buffer costs a pass of its own). `spread` is `spread_table(lane_bits)`."""
     if 8 % lanes == 0:
         _spread_bytes(bits, n, lanes, spread, out)
     else:
-        _spread_block(bits, 0, n, lanes, out.size, spread, np.uint64(0), out)
+        done = _spread_block(bits, 0, n, lanes, out.size, spread, np.uint64(0), out, True)
+        out[done:] = 0
 
 
 @njit(cache=True, nogil=True)
 def bits_to_wide_lanes(bits, n, lane_bits, lanes, out, spread):
-    """Votes -> int32 / int64 count lane containers in ZEROED `out`: blocks of at most 8
-    lanes, element m*l0 + j*g + (l - l0) in lane l of container j (see lanes.py)."""
+    """Votes -> int32 / int64 count lane containers in `out` (any contents: the first block
+    writes, the others OR in): blocks of at most 8 lanes, element m*l0 + j*g + (l - l0) in
+    lane l of container j (see lanes.py)."""
     m = out.size
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
-        _spread_block(bits, m * l0, n, g, m, spread, np.uint64(l0 * lane_bits), out)
+        done = _spread_block(bits, m * l0, n, g, m, spread, np.uint64(l0 * lane_bits), out, l0 == 0)
+        if l0 == 0:
+            out[done:] = 0  # containers the first block did not reach hold no element
 
 
 # ---- lane containers -> values --------------------------------------------------------------------
