@@ -17,7 +17,7 @@ from numba import njit
 
 from nfab.wire import kernels  # noqa: F401  (sets numba's cache directory before we compile)
 
-_CHUNK = 4096  # elements per pass: planes and masks stay in L1
+_CHUNK = 16384  # elements per pass: 16 rows of it (32 KiB), planes and masks stay in L1
 _CW = _CHUNK // 64 + 1  # uint64 words of one chunk's masks, plus the window's spill byte
 
 

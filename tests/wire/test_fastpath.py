@@ -101,7 +101,7 @@ def test_decode_bit_rows_counts_every_row(world_size, start, numel):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 100, 255])
-@pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000), (7, 8199)])
+@pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000), (7, 8199), (3, 40000)])
 @pytest.mark.parametrize("scale", [0.37, 0.0, float("nan"), float("inf")])
 def test_majority_bit_rows_is_the_majority_table(world_size, start, numel, scale):
     """The bit-sliced majority decode writes the bits of count -> sign(2c - W) * scale by table."""
