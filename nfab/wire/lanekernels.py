@@ -170,6 +170,24 @@ def _pairs_u64(containers, shift, pairs, step, mask2, t2, out64):
 
 
 @njit(cache=True, nogil=True)
+def _five_lanes_u64(containers, shift, lane_bits, mask, mask2, t2, out64):
+    """`_pairs_u64` for blocks of 5 lanes (W=4's 21 three-bit lanes end in one; so do W=32..63's
+    5 six-bit lanes): containers 2i and 2i+1 give 10 values at an even offset, 5 uint64 pairs,
+    the middle one from the first's lane 4 and the second's lane 0 (3x faster than 5 uint32
+    stores per container)."""
+    two = lane_bits + lane_bits
+    for i in range(containers.size // 2):
+        a = np.uint64(containers[2 * i]) >> shift
+        b = np.uint64(containers[2 * i + 1]) >> shift
+        o = out64[5 * i : 5 * i + 5]
+        o[0] = t2[a & mask2]
+        o[1] = t2[(a >> two) & mask2]
+        o[2] = t2[((a >> (two + two)) & mask) | ((b & mask) << lane_bits)]
+        o[3] = t2[(b >> lane_bits) & mask2]
+        o[4] = t2[(b >> (two + lane_bits)) & mask2]
+
+
+@njit(cache=True, nogil=True)
 def _pairs_u32(containers, shift, g, lane_bits, mask2, mask, t2, table, ob):
     """ob[j * g + l] = value of lane l of container j >> shift, two lanes per lookup (odd g: the
     last one alone). Indices are unsigned: numba then skips its negative-index handling."""
@@ -247,6 +265,12 @@ def decode_wide_lanes(containers, lane_bits, lanes, numel, table, out):
             if g % 2 == 0 and base % 2 == 0:  # whole pairs at even offsets: one uint64 per pair
                 _pairs_u64(containers[:whole], np.uint64(l0 * lane_bits), g // 2, np.uint64(2 * lane_bits),
                            np.uint64(mask2), t2.reshape(-1).view(np.uint64), ob.view(np.uint64))
+            elif g == 5 and base % 2 == 0:  # two containers: 10 values, 5 uint64 pairs (one across the two)
+                two = whole & ~1
+                _five_lanes_u64(containers[:two], np.uint64(l0 * lane_bits), np.uint64(lane_bits), np.uint64(mask),
+                                np.uint64(mask2), t2.reshape(-1).view(np.uint64), ob[: two * 5].view(np.uint64))
+                _pairs_u32(containers[two:whole], np.uint64(l0 * lane_bits), g, lane_bits, mask2, mask, t2, table,
+                           ob[two * 5 :])
             else:
                 _pairs_u32(containers[:whole], np.uint64(l0 * lane_bits), g, lane_bits, mask2, mask, t2, table, ob)
         else:
