@@ -26,9 +26,9 @@ from nfab.wire import lanes
 from nfab.wire.lanes import LaneLayout
 
 try:
-    from nfab.wire import kernels, votekernels
+    from nfab.wire import kernels, lanekernels, votekernels
 except ImportError:  # numba missing or unusable: the torch reference runs instead
-    kernels = votekernels = None  # type: ignore[assignment]
+    kernels = lanekernels = votekernels = None  # type: ignore[assignment]
 
 AVAILABLE = kernels is not None and sys.byteorder == "little"
 _HALF = {torch.bfloat16: True, torch.float16: False}
@@ -111,8 +111,8 @@ def _sign_kernel(x: torch.Tensor, starts, ends, base: int, bits, sums) -> None:
 
 @lru_cache(maxsize=64)
 def _spread(lane_bits: int) -> np.ndarray:
-    assert kernels is not None
-    return kernels.spread_table(lane_bits)
+    assert lanekernels is not None
+    return lanekernels.spread_table(lane_bits)
 
 
 @lru_cache(maxsize=1)
@@ -124,13 +124,40 @@ def _expand() -> np.ndarray:
 _NP = {torch.uint8: np.uint8, torch.int32: np.int32, torch.int64: np.int64}
 
 
+def _bits_to_lanes(padded: np.ndarray, numel: int, layout: LaneLayout, out: np.ndarray) -> None:
+    """The compiled spread of `numel` votes into `out` (every container written, so it may come
+    from np.empty): the uint8 kernel or the wide one."""
+    assert lanekernels is not None
+    spread = _spread(layout.lane_bits)
+    if out.itemsize == 1:
+        lanekernels.bits_to_byte_lanes(padded, numel, layout.lanes, out, spread)
+    else:
+        lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread)
+
+
 def votes_to_lanes(bits: np.ndarray, numel: int, layout: LaneLayout) -> torch.Tensor:
     """Packed votes -> count lane containers: the same tensor as `lanes.pack(x >= 0, layout)`."""
     assert kernels is not None
-    out = np.zeros(layout.containers_for(numel), dtype=_NP[layout.container])
+    out = np.empty(layout.containers_for(numel), dtype=_NP[layout.container])
     padded = np.zeros(bits.size + 2, dtype=np.uint8)  # two zero bytes: the kernel reads 16-bit windows
     padded[: bits.size] = bits
-    kernels.bits_to_lanes(padded, numel, layout.lane_bits, layout.lanes, out, _spread(layout.lane_bits))
+    _bits_to_lanes(padded, numel, layout, out)
+    return torch.from_numpy(out)
+
+
+def votes_to_shard_lanes(bits: np.ndarray, numel: int, shard: int, world_size: int,
+                         layout: LaneLayout) -> torch.Tensor:
+    """Packed votes of `numel` elements, zero-padded to W shards of `shard` elements (a multiple
+    of 8), each lane-packed on its own and laid end to end: the tensor of
+    `torch.cat([votes_to_lanes(shard r's votes, shard, layout) for r in range(W)])`, written in
+    place (one buffer, no per-shard copies or concatenation)."""
+    assert kernels is not None and shard % 8 == 0
+    step, m = shard // 8, layout.containers_for(shard)
+    padded = np.zeros(world_size * step + 2, dtype=np.uint8)  # two zero bytes: the kernel reads 16-bit windows
+    padded[: bits.size] = bits
+    out = np.empty(world_size * m, dtype=_NP[layout.container])
+    for r in range(world_size):  # a shard's window may read 2 bytes of the next: masked off by `shard`
+        _bits_to_lanes(padded[r * step : (r + 1) * step + 2], shard, layout, out[r * m : (r + 1) * m])
     return torch.from_numpy(out)
 
 
@@ -166,7 +193,9 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
     if numel == 0:
         return res
     table = values.detach().to(torch.float32).contiguous().numpy()
-    kernels.decode_lanes(containers.numpy(), layout.lane_bits, layout.lanes, numel, table, res.view(-1).numpy())
+    assert lanekernels is not None
+    decode = lanekernels.decode_byte_lanes if containers.element_size() == 1 else lanekernels.decode_wide_lanes
+    decode(containers.numpy(), layout.lane_bits, layout.lanes, numel, table, res.view(-1).numpy())
     return res
 
 
@@ -220,7 +249,8 @@ def qsum_levels(x: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, lengt
     if layout.lanes == 1:
         return torch.from_numpy(levels), torch.from_numpy(payload)
     containers = np.empty(layout.containers_for(n), dtype=np.uint8)
-    kernels.pack_bytes(levels, layout.lane_bits, containers)
+    assert lanekernels is not None
+    lanekernels.pack_bytes(levels, layout.lane_bits, containers)
     return torch.from_numpy(levels), torch.from_numpy(containers)
 
 
@@ -249,7 +279,11 @@ def _trit_digits() -> np.ndarray:
 
 
 def decode_trits(packed: np.ndarray, start: int, numel: int, table: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out[i] = table[base-3 digit start + i of `packed` (5 digits per byte, digit j times 3**j)]."""
+    """out[i] = table[base-3 digit start + i of `packed` (5 digits per byte, digit j times 3**j)].
+
+    The byte's 5 values come from one row of a 256 x 5 value table (`table` looked up by the
+    digits once per call), so each byte costs 5 loads and 5 stores."""
     assert kernels is not None
-    kernels.decode_trits(packed, start, numel, table.astype(np.float32, copy=False), out, _trit_digits())
+    rows = table.astype(np.float32, copy=False)[_trit_digits()]
+    kernels.decode_trits(packed, start, numel, rows, out)
     return out

@@ -2,7 +2,8 @@
 
 Pure functions over numpy arrays (no torch). `nfab.wire.fastpath` decides when they
 apply and adapts tensors; `nfab.wire.lanes` holds the torch reference that runs on any
-device and defines what these kernels must produce, bit for bit.
+device and defines what these kernels must produce, bit for bit. The lane-container kernels
+are in `lanekernels.py`, the majority vote's in `votekernels.py`.
 
 Numba compiles each kernel on its first call and caches the machine code on disk
 (`cache=True`), so a machine pays the compile once. The cache lives beside this file;
@@ -165,119 +166,6 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, base, bits, sums):
         sums[s] = tot
 
 
-@njit(cache=True, nogil=True)
-def spread_table(lane_bits):
-    """256 entries: 8 votes -> the votes placed at lanes 0..7 of width `lane_bits` (uint64)."""
-    t = np.zeros(256, dtype=np.uint64)
-    for v in range(256):
-        w = np.uint64(0)
-        for j in range(8):
-            if (v >> j) & 1:
-                w |= np.uint64(1) << np.uint64(j * lane_bits)
-        t[v] = w
-    return t
-
-
-@njit(cache=True, nogil=True)
-def _get_bits(bits, start, count):
-    """`count` (<= 8) consecutive bits from element `start` of a little-endian bit array."""
-    k = start >> 3
-    sh = start & 7
-    w = np.int64(bits[k]) if k < bits.size else 0
-    if k + 1 < bits.size:
-        w |= np.int64(bits[k + 1]) << 8
-    return (w >> sh) & ((1 << count) - 1)
-
-
-@njit(cache=True, nogil=True)
-def _spread_block(bits, first, n, g, m, spread, shift, out):
-    """Containers j < m get the votes of elements first + j*g .. (g each) spread into lanes.
-
-    `bits` carries two zero bytes past its end, so a 16-bit window never reads out of bounds.
-    Indices are unsigned (numba then skips its negative-index handling); a block of 8 lanes
-    that starts on a whole byte reads its votes as bytes.
-    """
-    if first >= n:
-        return
-    whole = min(m, (n - first) // g)  # containers whose g votes all lie below n
-    if g == 8 and first & 7 == 0:
-        src = bits[first >> 3 : (first >> 3) + whole]
-        for j in range(whole):
-            out[j] |= spread[src[j]] << shift
-    else:
-        gmask = np.uint64((1 << g) - 1)
-        for j in range(whole):
-            a = np.uint64(first + j * g)
-            k = a >> np.uint64(3)
-            w = np.uint64(bits[k]) | (np.uint64(bits[k + np.uint64(1)]) << np.uint64(8))
-            out[j] |= spread[(w >> (a & np.uint64(7))) & gmask] << shift
-    a = first + whole * g
-    if whole < m and a < n:
-        v = (np.int64(bits[a >> 3]) | (np.int64(bits[(a >> 3) + 1]) << 8)) >> (a & 7)
-        out[whole] |= spread[v & ((1 << (n - a)) - 1)] << shift
-
-
-@njit(cache=True, nogil=True)
-def _spread_bytes(bits, n, lanes, spread, out):
-    """uint8 containers of `lanes` (1, 2, 4 or 8) lanes: each vote byte fills 8 // lanes containers,
-    written as one word from a 256-row table (`spread` of the byte's lane groups), the tail
-    one by one."""
-    per = 8 // lanes
-    lmask = (1 << lanes) - 1
-    whole = n // 8  # vote bytes whose 8 votes all lie below n
-    rows = np.empty((256, per), dtype=np.uint8)
-    for b in range(256):
-        for q in range(per):
-            rows[b, q] = spread[(b >> (q * lanes)) & lmask]
-    src = bits[:whole]
-    if per == 2:
-        r16 = rows.reshape(-1).view(np.uint16)
-        o16 = out[: whole * 2].view(np.uint16)
-        for k in range(whole):
-            o16[k] = r16[src[k]]
-    elif per == 4:
-        r32 = rows.reshape(-1).view(np.uint32)
-        o32 = out[: whole * 4].view(np.uint32)
-        for k in range(whole):
-            o32[k] = r32[src[k]]
-    elif per == 1:
-        for k in range(whole):
-            out[k] = rows[src[k], 0]
-    else:
-        r64 = rows.reshape(-1).view(np.uint64)
-        o64 = out[: whole * 8].view(np.uint64)
-        for k in range(whole):
-            o64[k] = r64[src[k]]
-    for j in range(whole * per, out.size):
-        a = j * lanes
-        if a >= n:
-            break
-        v = (np.int64(bits[a >> 3]) >> (a & 7)) & lmask
-        if n - a < lanes:
-            v &= (1 << (n - a)) - 1
-        out[j] = spread[v]
-
-
-@njit(cache=True, nogil=True)
-def bits_to_lanes(bits, n, lane_bits, lanes, out, spread):
-    """Votes (1 bit per element) -> count lanes in ZEROED `out` (the layout of `lanes.pack`).
-
-    uint8 containers hold consecutive elements; wider containers hold blocks of at most 8
-    lanes, element m*l0 + j*g + (l - l0) in lane l of container j (see lanes.py).
-    `spread` is `spread_table(lane_bits)`.
-    """
-    m = out.size
-    if out.itemsize == 1 and 8 % lanes == 0:
-        _spread_bytes(bits, n, lanes, spread, out)
-        return
-    if out.itemsize == 1:
-        _spread_block(bits, 0, n, lanes, m, spread, np.uint64(0), out)
-        return
-    for l0 in range(0, lanes, 8):
-        g = min(l0 + 8, lanes) - l0
-        _spread_block(bits, m * l0, n, g, m, spread, np.uint64(l0 * lane_bits), out)
-
-
 # ---- counting gathered 1-bit rows ---------------------------------------------------------------
 
 
@@ -329,117 +217,6 @@ def decode_bit_rows(rows, start, numel, table, out, expand):
         i += ln
 
 
-# ---- lane containers -> values --------------------------------------------------------------------
-
-
-@njit(cache=True, nogil=True)
-def _pairs_u64(containers, shift, pairs, step, mask2, t2, out64):
-    """out64[j * pairs + p] = t2[lanes 2p, 2p+1 of container j >> shift] (the 2 values as one word)."""
-    if pairs == 4:
-        for j in range(containers.size):
-            c = np.uint64(containers[j]) >> shift
-            out64[4 * j] = t2[c & mask2]
-            out64[4 * j + 1] = t2[(c >> step) & mask2]
-            out64[4 * j + 2] = t2[(c >> (step + step)) & mask2]
-            out64[4 * j + 3] = t2[(c >> (step + step + step)) & mask2]
-    elif pairs == 3:
-        for j in range(containers.size):
-            c = np.uint64(containers[j]) >> shift
-            out64[3 * j] = t2[c & mask2]
-            out64[3 * j + 1] = t2[(c >> step) & mask2]
-            out64[3 * j + 2] = t2[(c >> (step + step)) & mask2]
-    else:
-        for j in range(containers.size):
-            c = np.uint64(containers[j]) >> shift
-            for p in range(pairs):
-                out64[np.uint64(j * pairs + p)] = t2[(c >> (step * np.uint64(p))) & mask2]
-
-
-@njit(cache=True, nogil=True)
-def _pairs_u32(containers, shift, g, lane_bits, mask2, mask, t2, table, ob):
-    """ob[j * g + l] = value of lane l of container j >> shift, two lanes per lookup (odd g: the
-    last one alone). Indices are unsigned: numba then skips its negative-index handling."""
-    for j in range(containers.size):
-        c = np.uint64(containers[j]) >> shift
-        o = j * g
-        for p in range(0, g - 1, 2):
-            key = (c >> np.uint64(p * lane_bits)) & np.uint64(mask2)
-            ob[np.uint64(o + p)] = t2[key, np.uint64(0)]
-            ob[np.uint64(o + p + 1)] = t2[key, np.uint64(1)]
-        if g & 1:
-            ob[np.uint64(o + g - 1)] = table[(c >> np.uint64((g - 1) * lane_bits)) & np.uint64(mask)]
-
-
-@njit(cache=True, nogil=True)
-def decode_lanes(containers, lane_bits, lanes, numel, table, out):
-    """out[e] = table[lane value of element e] for e < numel (layout of `lanes.pack`)."""
-    m = containers.size
-    mask = (1 << lane_bits) - 1
-    if containers.itemsize == 1:
-        if lanes == 1:
-            for j in range(numel):
-                out[j] = table[containers[j]]
-            return
-        whole = min(m, numel // lanes)
-        # container byte -> its lanes' fp32 values, moved as lanes/2 uint64 words per container
-        rows = np.empty((256, lanes), dtype=np.float32)
-        for c in range(256):
-            for lane in range(lanes):
-                rows[c, lane] = table[(c >> (lane * lane_bits)) & mask]
-        half = lanes // 2
-        rows64 = rows.reshape(-1).view(np.uint64)
-        out64 = out[: whole * lanes].view(np.uint64)
-        src = containers[:whole]
-        if half == 1:
-            for j in range(whole):
-                out64[j] = rows64[src[j]]
-        elif half == 2:  # flat indices with a constant stride: no 2-D index arithmetic per word
-            for j in range(whole):
-                c = np.int64(src[j]) * 2
-                out64[2 * j] = rows64[c]
-                out64[2 * j + 1] = rows64[c + 1]
-        else:
-            for j in range(whole):
-                c = np.int64(src[j]) * half
-                for q in range(half):
-                    out64[j * half + q] = rows64[c + q]
-        for e in range(whole * lanes, numel):
-            out[e] = table[(np.int64(containers[e // lanes]) >> ((e % lanes) * lane_bits)) & mask]
-        return
-    pairs = 2 * lane_bits <= 12
-    if pairs:  # two lanes -> their two values in one lookup (at most 4096 rows of 8 bytes)
-        t2 = np.empty((1 << (2 * lane_bits), 2), dtype=table.dtype)
-        for v in range(1 << (2 * lane_bits)):
-            t2[v, 0] = table[v & mask]
-            t2[v, 1] = table[v >> lane_bits]
-    else:
-        t2 = np.empty((0, 2), dtype=table.dtype)
-    mask2 = (1 << (2 * lane_bits)) - 1
-    for l0 in range(0, lanes, 8):
-        g = min(l0 + 8, lanes) - l0
-        base = m * l0
-        if base >= numel:
-            break
-        whole = min(m, (numel - base) // g)  # containers whose g elements all lie below numel
-        ob = out[base : base + whole * g]
-        if pairs:
-            if g % 2 == 0 and base % 2 == 0:  # whole pairs at even offsets: one uint64 per pair
-                _pairs_u64(containers[:whole], np.uint64(l0 * lane_bits), g // 2, np.uint64(2 * lane_bits),
-                           np.uint64(mask2), t2.reshape(-1).view(np.uint64), ob.view(np.uint64))
-            else:
-                _pairs_u32(containers[:whole], np.uint64(l0 * lane_bits), g, lane_bits, mask2, mask, t2, table, ob)
-        else:
-            for j in range(whole):
-                c = np.int64(containers[j])
-                for lane in range(g):
-                    ob[j * g + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
-        a = base + whole * g
-        if whole < m and a < numel:
-            c = np.int64(containers[whole])
-            for lane in range(numel - a):
-                out[a + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
-
-
 @njit(cache=True, nogil=True)
 def decode_levels(levels, seg_starts, seg_ends, step, one, scales, out):
     """out[e] = fl(fl(fl(level_e * step) - one) * scale of e's segment), in float32 and in
@@ -465,12 +242,13 @@ _U24 = np.float32(2.0**-24)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _noise_u(key, i):
-    """`nfab.wire.noise` for element i (uint64) of the segment with uint64 `key`: float32 in [0, 1)."""
-    z = key + (i + np.uint64(1)) * _GOLDEN
+def _noise_u(z):
+    """`nfab.wire.noise` from its first word z = key + (i + 1) * golden (the caller steps z by
+    `_GOLDEN` per element: an add, not a multiply): float32 in [0, 1). The last xor-shift of
+    splitmix64 (z ^= z >> 31) is left out: it changes no bit above bit 32, and u keeps bits
+    40..63 only."""
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
-    z = z ^ (z >> np.uint64(31))
     return np.float32(np.int64(z >> np.uint64(40))) * _U24
 
 
@@ -486,15 +264,17 @@ def _round_run(xs, key, i0, sc, one, half_m, top, ls, ps):
     """Levels of fp32 run `xs` (elements i0.. of its segment) into `ls`, and into `ps` too unless
     it is empty (the payload of one-lane containers); the noise is computed here, never stored.
     Two loops, not one with a branch: stores to possibly aliased arrays would not vectorize."""
-    base = np.uint64(i0)
+    z = key + (np.uint64(i0) + np.uint64(1)) * _GOLDEN  # the noise's first word, stepped per element
     if ps.size == 0:
         for i in range(xs.size):
-            ls[i] = _level(xs[i], _noise_u(key, base + np.uint64(i)), sc, one, half_m, top)
+            ls[i] = _level(xs[i], _noise_u(z), sc, one, half_m, top)
+            z += _GOLDEN
         return
     for i in range(xs.size):
-        v = _level(xs[i], _noise_u(key, base + np.uint64(i)), sc, one, half_m, top)
+        v = _level(xs[i], _noise_u(z), sc, one, half_m, top)
         ls[i] = v
         ps[i] = v
+        z += _GOLDEN
 
 
 @njit(cache=True, nogil=True)
@@ -547,46 +327,33 @@ def segment_max_abs_bits(u, sign_mask, seg_starts, seg_ends, out):
         out[s] = m
 
 
-@njit(cache=True, nogil=True)
-def pack_bytes(values, lane_bits, out):
-    """Lane-pack uint8 values (each < 2**lane_bits) into uint8 containers of 8 // lane_bits lanes."""
-    lanes = 8 // lane_bits
-    n = values.size
-    whole = n // lanes
-    grid = values[: whole * lanes].reshape(whole, lanes)
-    for j in range(whole):
-        c = 0
-        for lane in range(lanes):
-            c |= np.int64(grid[j, lane]) << (lane * lane_bits)
-        out[j] = c
-    if whole * lanes < n:
-        c = 0
-        for e in range(whole * lanes, n):
-            c |= np.int64(values[e]) << ((e - whole * lanes) * lane_bits)
-        out[whole] = c
-
-
 # ---- base-3 digits (signscatter's majority at even W) -------------------------------------------
 
 
 @njit(cache=True, nogil=True)
-def decode_trits(packed, start, numel, table, out, digits):
-    """out[i] = table[base-3 digit start+i]; 5 digits per byte (`digits`: byte -> its 5 digits)."""
+def decode_trits(packed, start, numel, rows, out):
+    """out[i] = the value of base-3 digit start+i; 5 digits per byte, `rows` (256 x 5 values)
+    holds each byte's 5 values, so a whole byte is one row copied."""
     i = 0
     while i < numel and (start + i) % 5:
         g = start + i
-        out[i] = table[digits[packed[g // 5], g % 5]]
+        out[i] = rows[packed[g // 5], g % 5]
         i += 1
     k0 = (start + i) // 5
     whole = (numel - i) // 5
     src = packed[k0 : k0 + whole]
-    grid = out[i : i + whole * 5].reshape(whole, 5)
+    flat = rows.reshape(-1)
+    oc = out[i : i + whole * 5]
     for k in range(whole):
-        d = digits[src[k]]
-        for j in range(5):
-            grid[k, j] = table[d[j]]
+        r = np.int64(src[k]) * 5
+        o = k * 5
+        oc[o] = flat[r]
+        oc[o + 1] = flat[r + 1]
+        oc[o + 2] = flat[r + 2]
+        oc[o + 3] = flat[r + 3]
+        oc[o + 4] = flat[r + 4]
     i += whole * 5
     while i < numel:
         g = start + i
-        out[i] = table[digits[packed[g // 5], g % 5]]
+        out[i] = rows[packed[g // 5], g % 5]
         i += 1

@@ -106,11 +106,7 @@ class SignScatter(Reducer):
         shard = self.shard_numel(n, world_size)
         if n and fastpath.sign_supports(x):
             bits, sums = fastpath.sign_votes(x, lengths)
-            padded = np.zeros(world_size * shard // 8, dtype=np.uint8)
-            padded[: bits.size] = bits
-            step = shard // 8
-            payload = torch.cat([fastpath.votes_to_lanes(padded[r * step : (r + 1) * step], shard, lay)
-                                 for r in range(world_size)])
+            payload = fastpath.votes_to_shard_lanes(bits, n, shard, world_size, lay)
             scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1))
                                       .astype(np.float32))
             kept = bits.copy()

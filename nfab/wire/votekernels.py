@@ -1,13 +1,14 @@
 """Compiled CPU kernels for the majority vote: bit-sliced counting and 8-wide table writes.
 
 The majority decode only needs, per element, whether the count c of positive votes is above
-W/2, equal to it (a tie, even W only) or below. Counting W packed bit rows with a
-carry-save adder over bit planes (one byte of 8 elements per operation, vectorized) and
-comparing the planes with W // 2 gives two bit masks per 8 elements; one row of a
-256-entry table then writes those 8 fp32 values (hi = fl(1*s), lo = fl(-1*s), and the tie
-value mid = fl(0*s) blended in by mask). Same bits as the count-and-look-up reference
-(`kernels.decode_bit_rows` with the majority table). Pure numpy in, numpy out.
-"""
+W/2, equal to it (a tie, even W only) or below. Counting W packed bit rows bit-sliced (one
+uint64 word of 64 elements per operation, vectorized) and comparing the count's bit planes
+with W // 2 gives two bit masks; one row of a 256-entry table then writes 8 fp32 values
+(hi = fl(1*s), lo = fl(-1*s), and the tie value mid = fl(0*s) blended in by mask). For
+W <= 16 the count is a fixed carry-save tree over 16 rows (rows past W zero) whose planes
+never leave registers; wider W ripple-add row by row into planes in L1. Same bits as the
+count-and-look-up reference (`kernels.decode_bit_rows` with the majority table). Pure
+numpy in, numpy out."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from numba import njit
 
 from nfab.wire import kernels  # noqa: F401  (sets numba's cache directory before we compile)
 
-_CHUNK = 4096  # elements per pass: planes and masks stay in L1
+_CHUNK = 16384  # elements per pass: 16 rows of it (32 KiB), planes and masks stay in L1
 _CW = _CHUNK // 64 + 1  # uint64 words of one chunk's masks, plus the window's spill byte
 
 
@@ -62,6 +63,77 @@ def _compare(planes, nb, half, gt, eq):
             for k in range(nw):
                 gt[k] |= eq[k] & planes[j, k]
                 eq[k] &= ~planes[j, k]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _full_add(a, b, c):
+    """(sum, carry) bit planes of three bit planes."""
+    t = a ^ b
+    return t ^ c, (a & b) | (c & t)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _count8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """The 4 bit planes (1, 2, 4, 8) of how many of 8 bit planes are set: a carry-save tree."""
+    s1, c1 = _full_add(x0, x1, x2)
+    s2, c2 = _full_add(x3, x4, x5)
+    s3, c3 = x6 ^ x7, x6 & x7
+    b0, c4 = _full_add(s1, s2, s3)
+    t, c5 = _full_add(c1, c2, c3)
+    return b0, t ^ c4, c5 ^ (t & c4), c5 & t & c4
+
+
+_ROWS16 = 16  # the register counter's rows: W <= 16 counts in one pass, rows past W are zero
+
+
+@njit(cache=True, nogil=True)
+def _load_rows(rows, k0, nb, buf):
+    """buf[r] (uint64 words) = row r's bytes k0 .. k0 + nb (0 past the row's end), r < W; the
+    rows past W stay zero."""
+    w, size = rows.shape
+    have = max(0, min(nb, size - k0))
+    nw = (nb + 7) >> 3
+    b8 = buf.view(np.uint8)
+    for r in range(w):
+        src = rows[r, k0 : k0 + have]
+        dst = b8[r]
+        for k in range(have):
+            dst[k] = src[k]
+        for k in range(have, nw * 8):
+            dst[k] = 0
+
+
+@njit(cache=True, nogil=True)
+def _count_compare16(buf, nw, half, masks):
+    """masks[0] = count > half, masks[1] = count == half, over words k < nw, the count taken
+    over the 16 rows of `buf`: two 8-row carry-save trees and a 4-bit add give its 5 planes
+    in registers (no plane is stored), compared with `half` from the top plane down. Fixed
+    work per word (no loop over rows), so the compiler vectorizes the loop over words."""
+    z, f = np.uint64(0), ~np.uint64(0)
+    h0, h1, h2, h3, h4 = (f if half & 1 else z, f if half & 2 else z, f if half & 4 else z,
+                          f if half & 8 else z, f if half & 16 else z)
+    for k in range(nw):
+        p0, p1, p2, p3 = _count8(buf[0, k], buf[1, k], buf[2, k], buf[3, k],
+                                 buf[4, k], buf[5, k], buf[6, k], buf[7, k])
+        q0, q1, q2, q3 = _count8(buf[8, k], buf[9, k], buf[10, k], buf[11, k],
+                                 buf[12, k], buf[13, k], buf[14, k], buf[15, k])
+        s0, c = p0 ^ q0, p0 & q0
+        s1, c = _full_add(p1, q1, c)
+        s2, c = _full_add(p2, q2, c)
+        s3, s4 = _full_add(p3, q3, c)
+        gt, eq = z, f
+        gt |= eq & s4 & ~h4
+        eq &= ~(s4 ^ h4)
+        gt |= eq & s3 & ~h3
+        eq &= ~(s3 ^ h3)
+        gt |= eq & s2 & ~h2
+        eq &= ~(s2 ^ h2)
+        gt |= eq & s1 & ~h1
+        eq &= ~(s1 ^ h1)
+        gt |= eq & s0 & ~h0
+        eq &= ~(s0 ^ h0)
+        masks[0, k] = gt
+        masks[1, k] = eq
 
 
 @njit(cache=True, nogil=True)
@@ -156,8 +228,9 @@ def majority_rows(rows, start, numel, half, ties, units, scale, out):
         p += 1
     planes = np.empty((p, _CW), dtype=np.uint64)
     carry = np.empty(_CW, dtype=np.uint64)
-    gt = np.empty(_CW, dtype=np.uint64)
-    eq = np.empty(_CW, dtype=np.uint64)
+    masks = np.empty((2, _CW), dtype=np.uint64)
+    gt, eq = masks[0], masks[1]
+    buf = np.zeros((_ROWS16, _CW), dtype=np.uint64) if w <= _ROWS16 else np.empty((0, _CW), dtype=np.uint64)
     two, three = _tables(lo, mid, hi)
     i = 0
     while i < numel:
@@ -165,7 +238,11 @@ def majority_rows(rows, start, numel, half, ties, units, scale, out):
         g = start + i
         sh = g & 7
         nb = ((sh + ln + 7) >> 3) + 1  # one more byte: the 16-bit window of the last group
-        _count_planes(rows, g >> 3, nb, planes, carry)
-        _compare(planes, nb, half, gt, eq)
+        if w <= _ROWS16:
+            _load_rows(rows, g >> 3, nb, buf)
+            _count_compare16(buf, (nb + 7) >> 3, half, masks)
+        else:
+            _count_planes(rows, g >> 3, nb, planes, carry)
+            _compare(planes, nb, half, gt, eq)
         _emit(gt.view(np.uint8), eq.view(np.uint8), sh, ln, ties, two, three, out[i : i + ln])
         i += ln

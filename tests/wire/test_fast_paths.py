@@ -22,7 +22,7 @@ def test_pack_fast_path_matches_torch_path(lane_bits, numel):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 16, 31, 32, 63, 100])
-@pytest.mark.parametrize("numel", SIZES + [4099])
+@pytest.mark.parametrize("numel", SIZES + [4099, 100003])
 def test_decode_table_matches_unpack_and_gather(world_size, numel):
     layout = layout_for(count_lane_bits(world_size))
     g = torch.Generator().manual_seed(world_size * 7 + numel)

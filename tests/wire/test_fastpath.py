@@ -67,6 +67,27 @@ def test_votes_to_lanes_match_pack(world_size, numel):
     assert torch.equal(fastpath.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout))
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16, 31, 100])
+@pytest.mark.parametrize("numel", [1, 9, 1001, 8195])
+def test_vote_spread_writes_every_container(world_size, numel):
+    """The spread kernels take np.empty buffers: containers past the last element come out 0,
+    whatever the buffer held."""
+    from nfab.wire import lanekernels
+
+    layout = layout_for(count_lane_bits(world_size))
+    x = _x(numel, world_size)
+    bits, _ = fastpath.sign_votes(x, [numel])
+    padded = np.concatenate([bits, np.zeros(2, dtype=np.uint8)])
+    want = lanes.pack(x >= 0, layout).numpy()
+    out = np.full(want.size + 0, -1).astype(want.dtype)  # all bits set
+    spread = lanekernels.spread_table(layout.lane_bits)
+    if out.itemsize == 1:
+        lanekernels.bits_to_byte_lanes(padded, numel, layout.lanes, out, spread)
+    else:
+        lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread)
+    assert np.array_equal(out, want)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8, 9, 16, 17, 100, 255])
 @pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000)])
 def test_decode_bit_rows_counts_every_row(world_size, start, numel):
@@ -79,8 +100,8 @@ def test_decode_bit_rows_counts_every_row(world_size, start, numel):
     assert np.array_equal(out, table[votes.long().sum(0).numpy()[start:]])
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 9, 16, 17, 32, 100, 255])
-@pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000), (7, 8199)])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 32, 100, 255])
+@pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000), (7, 8199), (3, 40000)])
 @pytest.mark.parametrize("scale", [0.37, 0.0, float("nan"), float("inf")])
 def test_majority_bit_rows_is_the_majority_table(world_size, start, numel, scale):
     """The bit-sliced majority decode writes the bits of count -> sign(2c - W) * scale by table."""

@@ -49,7 +49,7 @@ def test_replay_is_the_majority_vote(world_size):
         assert ties.any() and (got[ties] == 0).all()
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 7, 8])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 7, 8, 16])
 @pytest.mark.parametrize("numel,lengths", [(1, [1]), (41, [40, 1]), (1001, [400, 601]), (9000, [4097, 4903])])
 def test_compiled_equals_reference(world_size, numel, lengths):
     if not fastpath.AVAILABLE:
