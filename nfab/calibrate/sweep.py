@@ -23,7 +23,15 @@ from nfab import __version__
 from nfab.calibrate.budget import BUDGET_RATIO, trial_allowance, validation_allowance
 from nfab.calibrate.config import CalibrationConfig
 from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes
-from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, measure_both, replay_reducer, true_means
+from nfab.calibrate.replay import (
+    NAN_FIDELITY,
+    cheapest_wire,
+    measure,
+    measure_both,
+    replay_reducer,
+    true_means,
+    truth_window,
+)
 from nfab.calibrate.search import Tolerances, ef_order, search_phase, trial_candidate
 from nfab.calibrate.table import SCHEMA, read_table, write_table
 from nfab.calibrate.task import Task
@@ -194,8 +202,8 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
     for region in task.regions.values():
         idx = task.region_index(region.name)
         steps_x = [[g.index_select(0, idx) for g in grads] for grads in captured]
-        truths = true_means(steps_x)
         scale = quantization_scale(task, region.name)  # None without a second moment (SGD)
+        truths = truth_window(true_means(steps_x), scale)  # what every route is compared with
         fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))
         for route in cfg.all_routes:
             reducer = replay_reducer(route, w)

@@ -239,8 +239,10 @@ def run_trial(
     tick: Tick | None = None,
     base: TrialResult | None = None,
     stop_above: float | None = None,
+    evaluate: bool = True,
 ) -> TrialResult:
     """K steps from `ckpt` with `routes` (region -> route; others FP32); restores nothing after.
+    Without `evaluate` the held-out loss is not measured (nan): a capture needs only the gradients.
 
     Early stop: with `base` (the FP32 continuation) and `stop_above`, a trial whose training
     loss over its last quarter of steps is already more than `stop_above` above the base's
@@ -270,6 +272,8 @@ def run_trial(
             theirs = sum(base.train_loss[done - window : done]) / window
             if theirs > 0 and (ours - theirs) / theirs > stop_above:
                 return TrialResult(task.eval_loss(), losses, captured, stopped_early=True)
+    if not evaluate:
+        return TrialResult(math.nan, losses, captured)
     ev = task.eval_loss()
     return TrialResult(ev if math.isfinite(ev) else math.inf, losses, captured)
 
@@ -283,7 +287,7 @@ def reference_continuation(task: Task, ref: Reference, start: int, steps: int, c
         return run_trial(task, ref.checkpoints[start], start, steps, {}, error_feedback=False, seed=0,
                          capture=capture)
     captured = run_trial(task, ref.checkpoints[start], start, capture, {}, error_feedback=False, seed=0,
-                         capture=capture).captured if capture else []
+                         capture=capture, evaluate=False).captured if capture else []
     task.restore(ref.checkpoints[end])
     return TrialResult(task.eval_loss(), list(ref.loss[start:end]), captured)
 
