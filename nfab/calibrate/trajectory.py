@@ -179,8 +179,9 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
         # block-scaled qsum rounds in the optimizer's preconditioned space, as the hook does
         scale = quantization_scale(task, region) if isinstance(reducer, BlockQSum) else None
-        est, locals_ = reduce_scaled(reducer, xs, task.regions[region].lengths, gens, scale)
-        if seg.error_feedback and reducer.lossy:
+        carry = seg.error_feedback and reducer.lossy  # else no rank's own decode is needed
+        est, locals_ = reduce_scaled(reducer, xs, task.regions[region].lengths, gens, scale, with_locals=carry)
+        if carry:
             residuals.by_region[region] = [x - loc if loc is not None else None
                                            for x, loc in zip(xs, locals_, strict=True)]
             residuals.made_by[region] = route

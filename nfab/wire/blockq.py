@@ -205,15 +205,27 @@ class BlockQSum(Reducer):
     def replay_with_locals(self, xs, lengths=None, generators=None):
         """`Reducer.replay_with_locals`, rounding stratified like `reduce`: the W virtual ranks
         share the keys of `generators[0]` (the key source `reduce` gets on every rank)."""
+        gens = self._strata(xs, lengths, generators)
+        summed = self._replay_summed(xs, lengths, gens)
+        return summed if summed is not None else super().replay_with_locals(xs, lengths, gens)
+
+    def replay_mean(self, xs, lengths=None, generators=None) -> torch.Tensor:
+        """`replay_with_locals(...)[0]`, bit for bit, without decoding each rank's own levels
+        (a replay without error feedback never reads them)."""
+        gens = self._strata(xs, lengths, generators)
+        summed = self._replay_summed(xs, lengths, gens, with_locals=False)
+        return summed[0] if summed is not None else super().replay_with_locals(xs, lengths, gens)[0]
+
+    def _strata(self, xs, lengths, generators) -> list:
         gens = list(generators) if generators is not None else [None]
         if not isinstance(gens[0], noise.Stratum):
             segments = len(lengths) if lengths is not None else 1
             keys = noise.draw_keys(gens[0], segments, xs[0].device)
             gens = noise.stratified(keys, len(xs))
-        summed = self._replay_summed(xs, lengths, gens)
-        return summed if summed is not None else super().replay_with_locals(xs, lengths, gens)
+        return gens
 
-    def _replay_summed(self, xs, lengths, gens) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
+    def _replay_summed(self, xs, lengths, gens, with_locals: bool = True
+                       ) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
         """`replay_with_locals`'s values, bit for bit, in far fewer passes (calibration replays every
         step of its validation run through here): the W ranks' block maxima, scales and noise hash are
         computed once (the strata share one key per segment and differ only in the shift), the
@@ -245,6 +257,8 @@ class BlockQSum(Reducer):
         levels = t.add_(u).floor_().clamp_(0, m)  # W x n, whole numbers in [0, m] as float32
         total = levels.sum(0)  # exact: small whole numbers
         mean = total.mul_(2.0 / (m * w)).sub_(1.0).mul_(scale)  # values[sum] of `decode`, times the scales
+        if not with_locals:
+            return mean, [None] * w
         locals_ = levels.mul_(2.0 / m).sub_(1.0).mul_(scale)  # unit[levels] * scale of `encode`'s local
         return mean, list(locals_.unbind(0))
 
