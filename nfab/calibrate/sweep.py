@@ -200,8 +200,7 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
     w = cfg.world_size
     cells: dict[tuple[str, str, bool], dict[str, Any]] = {}
     for region in task.regions.values():
-        idx = task.region_index(region.name)
-        steps_x = [[g.index_select(0, idx) for g in grads] for grads in captured]
+        steps_x = [[task.gather(g, region.name) for g in grads] for grads in captured]
         scale = quantization_scale(task, region.name)  # None without a second moment (SGD)
         truths = truth_window(true_means(steps_x), scale)  # what every route is compared with
         fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))

@@ -167,13 +167,12 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
                 residuals: Residuals) -> torch.Tensor:
     """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's."""
     w = task.cfg.world_size
-    mean = fp32_mean(grads)
-    for region, route in seg.routes.items():
-        reducer = replay_reducer(route, w)
-        if route == "fp32" or reducer is None or region not in task.regions:
-            continue
-        idx = task.region_index(region)
-        xs = [g.index_select(0, idx) for g in grads]
+    routed = {region: (route, reducer) for region, route in seg.routes.items()
+              if route != "fp32" and region in task.regions and (reducer := replay_reducer(route, w)) is not None}
+    # every element is overwritten when every region is routed: no FP32 mean to compute first
+    mean = torch.empty_like(grads[0]) if routed.keys() == task.regions.keys() else fp32_mean(grads)
+    for region, (route, reducer) in routed.items():
+        xs = [task.gather(g, region) for g in grads]
         res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
         if res is not None and seg.error_feedback:
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
@@ -188,7 +187,7 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
         else:
             residuals.by_region.pop(region, None)
             residuals.made_by.pop(region, None)
-        mean.index_copy_(0, idx, est)
+        task.scatter(mean, region, est)
     return mean
 
 
