@@ -40,6 +40,7 @@ from nfab.calibrate.trajectory import (
     Reference,
     TrialResult,
     checkpoint_grid,
+    fp32_capture,
     phase_points,
     quantization_scale,
     reference_continuation,
@@ -134,15 +135,19 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
         name = f"p{p_i}-{kind}"
         ckpt = ref.checkpoints[step]
         with clock.stage("trials"):
-            base = reference_continuation(task, ref, step, cfg.trial_steps, cfg.ef_steps)
+            captured = fp32_capture(task, ref, step, cfg.ef_steps)
         with clock.stage("replay"):
             task.restore(ckpt)  # the phase's optimizer state: where Adam-style optimizers act
-            cells = _replay_cells(cfg, task, base.captured, name, kind, step)
+            cells = _replay_cells(cfg, task, captured, name, kind, step)
         progress("replay", p_i + 1, len(points))
+        bases: dict[int, TrialResult] = {}  # the FP32 continuation, made for the phase's first trial
 
         def trial(region: str, route: str, ef: bool, *, _step: int = step, _ckpt: dict = ckpt,
-                  _base: TrialResult = base, _cells: dict = cells, _done: int = p_i + 1) -> bool:
+                  _bases: dict = bases, _cells: dict = cells, _done: int = p_i + 1) -> bool:
             nonlocal trial_steps_run
+            if not _bases:  # a phase near the end has no reference state K steps on: then it is a run
+                _bases[_step] = reference_continuation(task, ref, _step, cfg.trial_steps)
+            _base = _bases[_step]
             res = run_trial(task, _ckpt, _step, cfg.trial_steps, {region: route}, error_feedback=ef,
                             seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss)
             cell = _cells[(region, route, ef)]

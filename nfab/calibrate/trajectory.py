@@ -278,18 +278,27 @@ def run_trial(
     return TrialResult(ev if math.isfinite(ev) else math.inf, losses, captured)
 
 
-def reference_continuation(task: Task, ref: Reference, start: int, steps: int, capture: int) -> TrialResult:
+def reference_continuation(task: Task, ref: Reference, start: int, steps: int, capture: int = 0) -> TrialResult:
     """The FP32 trial from `start`, read off the reference run: its losses, its state after `steps`
     steps (evaluated), and the first `capture` steps' per-rank gradients (re-run: a few steps only).
-    Falls back to running it when the reference kept no state there."""
+    Falls back to running it when the reference kept no state there (a start within `steps` of the
+    run's end: the sweep asks for it only when a trial there needs it)."""
     end = start + steps
     if end not in ref.checkpoints or end > len(ref.loss):
         return run_trial(task, ref.checkpoints[start], start, steps, {}, error_feedback=False, seed=0,
                          capture=capture)
-    captured = run_trial(task, ref.checkpoints[start], start, capture, {}, error_feedback=False, seed=0,
-                         capture=capture, evaluate=False).captured if capture else []
+    captured = fp32_capture(task, ref, start, capture)
     task.restore(ref.checkpoints[end])
     return TrialResult(task.eval_loss(), list(ref.loss[start:end]), captured)
+
+
+def fp32_capture(task: Task, ref: Reference, start: int, capture: int) -> list[list[torch.Tensor]]:
+    """Per-rank gradients of the `capture` FP32 steps from `start` (what replay measures routes on),
+    re-run from the reference's checkpoint there: the same bits the reference computed."""
+    if not capture:
+        return []
+    return run_trial(task, ref.checkpoints[start], start, capture, {}, error_feedback=False, seed=0,
+                     capture=capture, evaluate=False).captured
 
 
 @dataclass(slots=True)
