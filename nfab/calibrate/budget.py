@@ -10,7 +10,10 @@ steps, not seconds, so the same inputs give the same profile on a quiet or a loa
   reducers' replay on top of the forward and backward pass). The first round always runs
   whole; a tightening round runs only if it fits.
 Measured on 2 cores (2026-11-30): held-out GPT replay 0.14x, validation step 1.34x (bq3
-everywhere); resnet18 replay 0.35x, validation step 1.4x.
+everywhere); resnet18 replay 0.35x, validation step 1.4x. Since 2026-12-01 (blockq replay sums
+levels, replays without EF decode no locals; CPU, loaded machine): held-out GPT replay 0.05x,
+validation step 1.18x (bq2 everywhere); resnet18 replay 0.3-0.45x, validation step 0.95-1.2x. The
+constants stay where they were: a tightening round is admitted only when it fits at 1.35.
 """
 
 from __future__ import annotations

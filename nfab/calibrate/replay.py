@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nfab.wire.reducers import REDUCERS, BlockQSum, Reducer, candidates
+from nfab.wire.reducer import mean_of_ranks
+from nfab.wire.reducers import REDUCERS, AllReduce, BlockQSum, Reducer, candidates
 
 
 def replay_reducer(route: str, world_size: int) -> Reducer | None:
@@ -48,9 +49,54 @@ def reduce_virtual(
     xs: Sequence[torch.Tensor],
     lengths: Sequence[int],
     generators: Sequence[torch.Generator | None] | None = None,
+    *,
+    with_locals: bool = True,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """(mean estimate, each rank's local decode) for flat fp32 `xs` of W virtual ranks."""
-    return reducer.replay_with_locals(xs, lengths, generators)
+    """(mean estimate, each rank's local decode) for flat fp32 `xs` of W virtual ranks.
+    Without `with_locals` the locals are None and never decoded (see `replay_mean`)."""
+    if with_locals:
+        return reducer.replay_with_locals(xs, lengths, generators)
+    return replay_mean(reducer, xs, lengths, generators), [None] * len(xs)
+
+
+def replay_mean(reducer: Reducer, xs: Sequence[torch.Tensor], lengths: Sequence[int] | None = None,
+                generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
+    """`reducer.replay_with_locals(...)[0]`, bit for bit, without each rank's local decode.
+
+    A replay without error feedback (validation, trials, half of every fidelity window) never
+    reads the locals, and decoding them costs about as much as the decode itself (q8 on resnet18's
+    697k conv elements: 31 of the 54 ms a simulated step spent reducing). Reducers that hand their
+    locals lazily (`Encoded.make_local`) then never make them. This is `Reducer.replay_with_locals`'
+    arithmetic step by step; a reducer with its own replay keeps it (`BlockQSum.replay_mean`).
+    """
+    if isinstance(reducer, BlockQSum):
+        return reducer.replay_mean(xs, lengths, generators)
+    if isinstance(reducer, AllReduce) and type(reducer).encode is AllReduce.encode:
+        # its encode decodes the local eagerly (bf16 -> fp32 is 60% of a bf16 replay): the payloads alone
+        w, flat = len(xs), [x.reshape(-1).to(torch.float32) for x in xs]
+        payloads = [(x * (1.0 / w)).to(reducer.dtype) for x in flat]  # AllReduce.encode's payload
+        return reducer.decode(reducer.combine(payloads), None, flat[0].numel(), lengths or [flat[0].numel()], w)
+    if type(reducer).replay_with_locals is not Reducer.replay_with_locals:
+        return reducer.replay_with_locals(xs, lengths, generators)[0]
+    w = len(xs)
+    reducer.check(w)
+    flat = [x.reshape(-1).to(torch.float32) for x in xs]
+    numel = flat[0].numel()
+    lengths = [numel] if lengths is None else list(lengths)
+    if numel == 0:
+        return flat[0].clone()
+    gens = list(generators) if generators is not None else [None] * w
+    shared = None
+    if reducer.needs_shared_scale:
+        shared = torch.stack([reducer.local_scale(x, lengths) for x in flat]).amax(0)
+    encs = [reducer.encode(x, lengths, w, shared, g) for x, g in zip(flat, gens, strict=True)]
+    reduced = reducer.combine([e.payload for e in encs])
+    scale_mean = None
+    if encs[0].scales is not None:
+        scale_mean = mean_of_ranks(torch.stack([e.scales for e in encs]))  # type: ignore[misc]
+    if shared is not None:
+        scale_mean = shared
+    return reducer.decode(reduced, scale_mean, numel, lengths, w)
 
 
 def fp32_mean(xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -78,8 +124,38 @@ class Fidelity:
 NAN_FIDELITY = Fidelity(math.nan, math.nan, math.nan, math.nan, math.nan)
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    na, nb = float(torch.linalg.vector_norm(a)), float(torch.linalg.vector_norm(b))
+def true_means(steps: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """The exact mean gradient of each step (accumulated in fp64)."""
+    return [torch.stack(list(grads)).to(torch.float64).mean(0).to(torch.float32) for grads in steps]
+
+
+@dataclass(frozen=True, slots=True)
+class Truths:
+    """A window's true means where fidelity is measured (divided by the optimizer's scale when there is
+    one), with the norms, signs and window sum every route's comparison reads: made once per region and
+    phase (`truth_window`), not once per route and EF setting."""
+
+    values: list[torch.Tensor]
+    norms: list[float]
+    signs: list[torch.Tensor]
+    total: torch.Tensor
+    """The sum of `values` over the window, added in step order."""
+    total_norm: float
+
+
+def truth_window(truths: Sequence[torch.Tensor], scale: torch.Tensor | None = None) -> Truths:
+    """`Truths` of the true means `truths` (see `true_means`), divided by `scale` if given."""
+    values = [t / scale for t in truths] if scale is not None else list(truths)
+    total = values[0].clone()
+    for v in values[1:]:
+        total.add_(v)
+    return Truths(values, [float(torch.linalg.vector_norm(v)) for v in values], [torch.sign(v) for v in values],
+                  total, float(torch.linalg.vector_norm(total)))
+
+
+def _cos_to(a: torch.Tensor, b: torch.Tensor, nb: float) -> float:
+    """Cosine of a and b, b's norm given (both zero: 1; one zero: 0)."""
+    na = float(torch.linalg.vector_norm(a))
     if na == 0.0 and nb == 0.0:
         return 1.0
     if na == 0.0 or nb == 0.0:
@@ -87,55 +163,52 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b)) / (na * nb)
 
 
-def true_means(steps: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-    """The exact mean gradient of each step (accumulated in fp64)."""
-    return [torch.stack(list(grads)).to(torch.float64).mean(0).to(torch.float32) for grads in steps]
-
-
 class _Window:
     """Running fidelity sums over a replay window (one error-feedback setting)."""
 
-    def __init__(self) -> None:
+    def __init__(self, truths: Truths) -> None:
+        self.truths = truths
         self.cos: list[float] = []
         self.rel: list[float] = []
         self.agree: list[float] = []
         self.secs: list[float] = []
         self.sum_est: torch.Tensor | None = None
-        self.sum_true: torch.Tensor | None = None
 
-    def add(self, est: torch.Tensor, true: torch.Tensor, secs: float, scale: torch.Tensor | None = None) -> None:
+    def add(self, est: torch.Tensor, secs: float, scale: torch.Tensor | None = None) -> None:
+        """The next step's estimate (in gradient units: divided by `scale` here, as the truths were)."""
+        i = len(self.cos)
+        true, nt = self.truths.values[i], self.truths.norms[i]
         if scale is not None:  # compare where the optimizer acts: both divided by sqrt(v) + eps
-            est, true = est / scale, true / scale
+            est = est / scale
         self.secs.append(secs)
-        self.cos.append(_cos(est, true))
-        nt = float(torch.linalg.vector_norm(true))
+        self.cos.append(_cos_to(est, true, nt))
         self.rel.append(float(torch.linalg.vector_norm(est - true)) / nt if nt > 0 else 0.0)
-        self.agree.append(float((torch.sign(est) == torch.sign(true)).to(torch.float32).mean()))
+        self.agree.append(float((torch.sign(est) == self.truths.signs[i]).to(torch.float32).mean()))
         self.sum_est = est.clone() if self.sum_est is None else self.sum_est.add_(est)
-        self.sum_true = true.clone() if self.sum_true is None else self.sum_true.add_(true)
 
     def fidelity(self) -> Fidelity:
         n = len(self.cos)
-        assert self.sum_est is not None and self.sum_true is not None
+        assert self.sum_est is not None and n == len(self.truths.values)
         return Fidelity(sum(self.cos) / n, sum(self.rel) / n, sum(self.agree) / n,
-                        _cos(self.sum_est, self.sum_true), sum(self.secs) / n)
+                        _cos_to(self.sum_est, self.truths.total, self.truths.total_norm), sum(self.secs) / n)
 
 
 def _step(reducer: Reducer, xs: list[torch.Tensor], lengths: Sequence[int], gens: list[torch.Generator],
-          scale: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor | None], float]:
+          scale: torch.Tensor | None = None, *, with_locals: bool = True
+          ) -> tuple[torch.Tensor, list[torch.Tensor | None], float]:
     t0 = time.perf_counter()
-    est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale)
+    est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=with_locals)
     return est, locals_, time.perf_counter() - t0
 
 
 def reduce_scaled(reducer: Reducer, xs: Sequence[torch.Tensor], lengths: Sequence[int],
-                  gens: Sequence[torch.Generator | None] | None,
-                  scale: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+                  gens: Sequence[torch.Generator | None] | None, scale: torch.Tensor | None, *,
+                  with_locals: bool = True) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """`reduce_virtual`, with block-scaled qsum rounding in the optimizer's preconditioned space
     as the hook does (`scale`: per element sqrt(v) + eps, `Preconditioner.quantization_scale`)."""
     if scale is None or not isinstance(reducer, BlockQSum):
-        return reduce_virtual(reducer, xs, lengths, gens)
-    est, locals_ = reduce_virtual(reducer, [x / scale for x in xs], lengths, gens)
+        return reduce_virtual(reducer, xs, lengths, gens, with_locals=with_locals)
+    est, locals_ = reduce_virtual(reducer, [x / scale for x in xs], lengths, gens, with_locals=with_locals)
     return est * scale, [None if loc is None else loc * scale for loc in locals_]
 
 
@@ -150,28 +223,37 @@ def measure(
     *,
     error_feedback: bool,
     seed: int = 0,
-    truths: Sequence[torch.Tensor] | None = None,
+    truths: Sequence[torch.Tensor] | Truths | None = None,
     scale: torch.Tensor | None = None,
 ) -> Fidelity:
     """Replay consecutive steps (`steps[t][rank]` flat gradients) through `reducer`.
 
     With error feedback each rank carries e <- x + e - local from step to step, so the
     later steps show what EF recovers (or, for a biased codec, what it accumulates).
-    `truths` (the true mean per step, see `true_means`) saves recomputing them per route.
+    `truths` (the true mean per step, see `true_means`, or their `truth_window` for this `scale`) saves
+    recomputing them per route.
     `scale` (an adaptive optimizer's per-element sqrt(v) + eps at the window's start): the
     fidelity is measured after dividing by it, where Adam acts, and block-scaled qsum rounds there.
     """
-    truths = true_means(steps) if truths is None else truths
+    truths = _truths(steps, truths, scale)
     gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(len(steps[0]))]
     residuals: list[torch.Tensor | None] = [None] * len(steps[0])
-    window = _Window()
-    for grads, true in zip(steps, truths, strict=True):
+    window = _Window(truths)
+    for i, grads in enumerate(steps, 1):
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
-        est, locals_, secs = _step(reducer, xs, lengths, gens, scale)
-        if error_feedback and reducer.lossy:
+        carry = error_feedback and reducer.lossy and i < len(steps)  # the last residual is never used
+        est, locals_, secs = _step(reducer, xs, lengths, gens, scale, with_locals=carry)
+        if carry:
             residuals = _carry(xs, locals_)
-        window.add(est, true, secs, scale)
+        window.add(est, secs, scale)
     return window.fidelity()
+
+
+def _truths(steps: Sequence[Sequence[torch.Tensor]], truths: Sequence[torch.Tensor] | Truths | None,
+            scale: torch.Tensor | None) -> Truths:
+    if isinstance(truths, Truths):
+        return truths
+    return truth_window(true_means(steps) if truths is None else truths, scale)
 
 
 def measure_both(
@@ -180,31 +262,32 @@ def measure_both(
     lengths: Sequence[int],
     *,
     seed: int = 0,
-    truths: Sequence[torch.Tensor] | None = None,
+    truths: Sequence[torch.Tensor] | Truths | None = None,
     scale: torch.Tensor | None = None,
 ) -> tuple[Fidelity, Fidelity]:
     """`measure` without and with error feedback, bit for bit, sharing their common first step
     (no residual exists yet, and both draw the same stochastic rounding): W-1 of every 2W replays."""
-    truths = true_means(steps) if truths is None else truths
+    truths = _truths(steps, truths, scale)
     w = len(steps[0])
     gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(w)]
-    off, on = _Window(), _Window()
+    off, on = _Window(truths), _Window(truths)
     xs = list(steps[0])
-    est, locals_, secs = _step(reducer, xs, lengths, gens, scale)
-    off.add(est, truths[0], secs, scale)
-    on.add(est.clone(), truths[0], secs, scale)
+    est, locals_, secs = _step(reducer, xs, lengths, gens, scale, with_locals=reducer.lossy)
+    off.add(est, secs, scale)
+    on.add(est, secs, scale)  # each window keeps its own sum (a copy of the first estimate)
     residuals = _carry(xs, locals_) if reducer.lossy else [None] * w
     gens_on = []
     for g in gens:
         twin = torch.Generator()
         twin.set_state(g.get_state())
         gens_on.append(twin)
-    for grads, true in zip(steps[1:], truths[1:], strict=True):
-        est, _, secs = _step(reducer, list(grads), lengths, gens, scale)
-        off.add(est, true, secs, scale)
+    for i, grads in enumerate(steps[1:], 2):
+        est, _, secs = _step(reducer, list(grads), lengths, gens, scale, with_locals=False)
+        off.add(est, secs, scale)
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
-        est, locals_, secs = _step(reducer, xs, lengths, gens_on, scale)
-        if reducer.lossy:
+        carry = reducer.lossy and i < len(steps)  # the window's last residual is never used
+        est, locals_, secs = _step(reducer, xs, lengths, gens_on, scale, with_locals=carry)
+        if carry:
             residuals = _carry(xs, locals_)
-        on.add(est, true, secs, scale)
+        on.add(est, secs, scale)
     return off.fidelity(), on.fidelity()

@@ -23,7 +23,15 @@ from nfab import __version__
 from nfab.calibrate.budget import BUDGET_RATIO, trial_allowance, validation_allowance
 from nfab.calibrate.config import CalibrationConfig
 from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes
-from nfab.calibrate.replay import NAN_FIDELITY, cheapest_wire, measure, measure_both, replay_reducer, true_means
+from nfab.calibrate.replay import (
+    NAN_FIDELITY,
+    cheapest_wire,
+    measure,
+    measure_both,
+    replay_reducer,
+    true_means,
+    truth_window,
+)
 from nfab.calibrate.search import Tolerances, ef_order, search_phase, trial_candidate
 from nfab.calibrate.table import SCHEMA, read_table, write_table
 from nfab.calibrate.task import Task
@@ -32,6 +40,7 @@ from nfab.calibrate.trajectory import (
     Reference,
     TrialResult,
     checkpoint_grid,
+    fp32_capture,
     phase_points,
     quantization_scale,
     reference_continuation,
@@ -126,15 +135,19 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
         name = f"p{p_i}-{kind}"
         ckpt = ref.checkpoints[step]
         with clock.stage("trials"):
-            base = reference_continuation(task, ref, step, cfg.trial_steps, cfg.ef_steps)
+            captured = fp32_capture(task, ref, step, cfg.ef_steps)
         with clock.stage("replay"):
             task.restore(ckpt)  # the phase's optimizer state: where Adam-style optimizers act
-            cells = _replay_cells(cfg, task, base.captured, name, kind, step)
+            cells = _replay_cells(cfg, task, captured, name, kind, step)
         progress("replay", p_i + 1, len(points))
+        bases: dict[int, TrialResult] = {}  # the FP32 continuation, made for the phase's first trial
 
         def trial(region: str, route: str, ef: bool, *, _step: int = step, _ckpt: dict = ckpt,
-                  _base: TrialResult = base, _cells: dict = cells, _done: int = p_i + 1) -> bool:
+                  _bases: dict = bases, _cells: dict = cells, _done: int = p_i + 1) -> bool:
             nonlocal trial_steps_run
+            if not _bases:  # a phase near the end has no reference state K steps on: then it is a run
+                _bases[_step] = reference_continuation(task, ref, _step, cfg.trial_steps)
+            _base = _bases[_step]
             res = run_trial(task, _ckpt, _step, cfg.trial_steps, {region: route}, error_feedback=ef,
                             seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss)
             cell = _cells[(region, route, ef)]
@@ -192,10 +205,9 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
     w = cfg.world_size
     cells: dict[tuple[str, str, bool], dict[str, Any]] = {}
     for region in task.regions.values():
-        idx = task.region_index(region.name)
-        steps_x = [[g.index_select(0, idx) for g in grads] for grads in captured]
-        truths = true_means(steps_x)
+        steps_x = [[task.gather(g, region.name) for g in grads] for grads in captured]
         scale = quantization_scale(task, region.name)  # None without a second moment (SGD)
+        truths = truth_window(true_means(steps_x), scale)  # what every route is compared with
         fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))
         for route in cfg.all_routes:
             reducer = replay_reducer(route, w)

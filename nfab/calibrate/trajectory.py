@@ -167,27 +167,27 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
                 residuals: Residuals) -> torch.Tensor:
     """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's."""
     w = task.cfg.world_size
-    mean = fp32_mean(grads)
-    for region, route in seg.routes.items():
-        reducer = replay_reducer(route, w)
-        if route == "fp32" or reducer is None or region not in task.regions:
-            continue
-        idx = task.region_index(region)
-        xs = [g.index_select(0, idx) for g in grads]
+    routed = {region: (route, reducer) for region, route in seg.routes.items()
+              if route != "fp32" and region in task.regions and (reducer := replay_reducer(route, w)) is not None}
+    # every element is overwritten when every region is routed: no FP32 mean to compute first
+    mean = torch.empty_like(grads[0]) if routed.keys() == task.regions.keys() else fp32_mean(grads)
+    for region, (route, reducer) in routed.items():
+        xs = [task.gather(g, region) for g in grads]
         res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
         if res is not None and seg.error_feedback:
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
         # block-scaled qsum rounds in the optimizer's preconditioned space, as the hook does
         scale = quantization_scale(task, region) if isinstance(reducer, BlockQSum) else None
-        est, locals_ = reduce_scaled(reducer, xs, task.regions[region].lengths, gens, scale)
-        if seg.error_feedback and reducer.lossy:
+        carry = seg.error_feedback and reducer.lossy  # else no rank's own decode is needed
+        est, locals_ = reduce_scaled(reducer, xs, task.regions[region].lengths, gens, scale, with_locals=carry)
+        if carry:
             residuals.by_region[region] = [x - loc if loc is not None else None
                                            for x, loc in zip(xs, locals_, strict=True)]
             residuals.made_by[region] = route
         else:
             residuals.by_region.pop(region, None)
             residuals.made_by.pop(region, None)
-        mean.index_copy_(0, idx, est)
+        task.scatter(mean, region, est)
     return mean
 
 
@@ -239,8 +239,10 @@ def run_trial(
     tick: Tick | None = None,
     base: TrialResult | None = None,
     stop_above: float | None = None,
+    evaluate: bool = True,
 ) -> TrialResult:
     """K steps from `ckpt` with `routes` (region -> route; others FP32); restores nothing after.
+    Without `evaluate` the held-out loss is not measured (nan): a capture needs only the gradients.
 
     Early stop: with `base` (the FP32 continuation) and `stop_above`, a trial whose training
     loss over its last quarter of steps is already more than `stop_above` above the base's
@@ -270,22 +272,33 @@ def run_trial(
             theirs = sum(base.train_loss[done - window : done]) / window
             if theirs > 0 and (ours - theirs) / theirs > stop_above:
                 return TrialResult(task.eval_loss(), losses, captured, stopped_early=True)
+    if not evaluate:
+        return TrialResult(math.nan, losses, captured)
     ev = task.eval_loss()
     return TrialResult(ev if math.isfinite(ev) else math.inf, losses, captured)
 
 
-def reference_continuation(task: Task, ref: Reference, start: int, steps: int, capture: int) -> TrialResult:
+def reference_continuation(task: Task, ref: Reference, start: int, steps: int, capture: int = 0) -> TrialResult:
     """The FP32 trial from `start`, read off the reference run: its losses, its state after `steps`
     steps (evaluated), and the first `capture` steps' per-rank gradients (re-run: a few steps only).
-    Falls back to running it when the reference kept no state there."""
+    Falls back to running it when the reference kept no state there (a start within `steps` of the
+    run's end: the sweep asks for it only when a trial there needs it)."""
     end = start + steps
     if end not in ref.checkpoints or end > len(ref.loss):
         return run_trial(task, ref.checkpoints[start], start, steps, {}, error_feedback=False, seed=0,
                          capture=capture)
-    captured = run_trial(task, ref.checkpoints[start], start, capture, {}, error_feedback=False, seed=0,
-                         capture=capture).captured if capture else []
+    captured = fp32_capture(task, ref, start, capture)
     task.restore(ref.checkpoints[end])
     return TrialResult(task.eval_loss(), list(ref.loss[start:end]), captured)
+
+
+def fp32_capture(task: Task, ref: Reference, start: int, capture: int) -> list[list[torch.Tensor]]:
+    """Per-rank gradients of the `capture` FP32 steps from `start` (what replay measures routes on),
+    re-run from the reference's checkpoint there: the same bits the reference computed."""
+    if not capture:
+        return []
+    return run_trial(task, ref.checkpoints[start], start, capture, {}, error_feedback=False, seed=0,
+                     capture=capture, evaluate=False).captured
 
 
 @dataclass(slots=True)

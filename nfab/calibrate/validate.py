@@ -20,14 +20,22 @@ to the next finer route that the replay still admits (and no trial rejected), el
 in every lossy phase at once: one phase per round would need a round per phase, and harm that
 shows late is often done earlier (sign on the held-out GPT's linear layers in its middle phases
 showed up as a gap in the last one). It happens two ways:
-- *in flight*: once the gap averaged over the last two evaluations exceeds the tolerance and the
-  reference's own noise (`reference_noise`), after `TIGHTEN_AFTER` of the run and with two
+- *in flight*: once the gap averaged over the last two evaluations exceeds the judged tolerance
+  (the tolerance, or the reference's own noise: see below), after `TIGHTEN_AFTER` of the run and with two
   evaluations still to come, the run tightens from that step on and carries on -- the phase in
   force is split there (`name@step`) -- so a round costs no re-run; what the run did before
   stays, and the final gap is that of the profile as it now stands;
 - *after a failed round*: every lossy phase is tightened and validation restarts from the
   earliest changed phase's start, if the step budget (budget.py) has room for it.
 A diverged run (non-finite loss) stops at once.
+
+*A noisy reference*: where FP32's own held-out loss moves more between evaluations than the
+tolerance (`reference_noise`), a gap of the tolerance is not measurable: the verdict and the
+in-flight trigger judge against NOISE_FACTOR x that noise instead (`judged_tolerance`), and the
+evidence says so (`judged_by: "noise"`). On resnet18 / digits FP32's held-out loss rises 31%
+between two late evaluations, and bf16 on every region -- all but FP32 -- ends +70% above it
+(q8 +23%, bq4 -8%): a 1% tolerance there only made validation tighten in flight on noise until
+its budget ran out. A quiet reference (the held-out GPT: 0.4%) keeps the tolerance as given.
 """
 
 from __future__ import annotations
@@ -56,6 +64,16 @@ TIGHTEN_AFTER = 0.4
 is a large relative gap that later closes)."""
 MAX_ROUNDS = 6
 """Tightening rounds at most (each re-runs the run from the tightened phase's start)."""
+NOISE_FACTOR = 3.0
+"""A reference noisier than the tolerance is judged at this x its noise: two runs that differ only
+by rounding end up to ~2.3x the late rise apart (resnet18 / digits: bf16 everywhere +70% at noise 31%)."""
+
+
+def judged_tolerance(tolerance: float, noise: float) -> float:
+    """The gap a verdict allows: `tolerance`, or NOISE_FACTOR x `noise` when the reference's own
+    noise exceeds the tolerance (a smaller gap could not be told from noise)."""
+    noisy = math.isfinite(noise) and noise > max(tolerance, 0.0)  # a loss that never rises late has none
+    return max(tolerance, NOISE_FACTOR * noise) if noisy else tolerance
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +102,15 @@ class Validation:
     reference_eval: list[float] = field(default_factory=list)
     profile_eval: list[float] = field(default_factory=list)
     noise: float = 0.0
-    """How much the reference's own held-out loss rises between evaluations (late in the run, relative):
-    in-flight tightening does not chase a gap under it (see `reference_noise`)."""
+    """How much the reference's own held-out loss rises between evaluations (late in the run, relative;
+    see `reference_noise`)."""
+    judged: float = math.nan
+    """The gap the verdict and the in-flight trigger allow (`judged_tolerance`; nan: not set yet)."""
+
+    @property
+    def judged_by(self) -> str:
+        """`tolerance`, or `noise` when the reference was noisier than the tolerance (see `judged_tolerance`)."""
+        return "noise" if self.judged > self.tolerance else "tolerance"
     stopped: str = ""
     """Why tightening ended without passing (`rounds`, `budget`, `nothing to tighten`), empty when it passed."""
 
@@ -102,6 +127,7 @@ class Validation:
         return {
             "passed": self.passed, "gap": _json_num(self.gap), "tolerance": self.tolerance, "steps": self.steps,
             "stopped": self.stopped or None, "noise": _json_num(self.noise),
+            "judged_tolerance": _json_num(self.judged), "judged_by": self.judged_by,
             "rounds": [{**dataclasses.asdict(r), "gap": _json_num(r.gap), "seconds": round(r.seconds, 2)}
                        for r in self.rounds],
             "eval_steps": self.eval_steps,
@@ -168,8 +194,9 @@ def validate_profile(
     steps = task.cfg.steps
     evals = set(eval_points(steps))
     floor = loss_floor(ref.eval_loss)
-    result = Validation(tolerance=tolerance, steps=steps, eval_steps=sorted(evals),
-                        noise=reference_noise(ref.eval_loss, steps, floor))
+    noise = reference_noise(ref.eval_loss, steps, floor)
+    result = Validation(tolerance=tolerance, steps=steps, eval_steps=sorted(evals), noise=noise,
+                        judged=judged_tolerance(tolerance, noise))
     start = shared_start(segments_of(profile, steps), ref, steps)
     # before the first lossy step the profile *is* the reference: its evals and checkpoints
     val: dict[int, float] = {s: v for s, v in ref.eval_loss.items() if s <= start}
@@ -178,7 +205,7 @@ def validate_profile(
     while True:
         segments = segments_of(profile, steps)
         state, residuals = saved[start]
-        trigger = _Trigger(ref.eval_loss, floor, max(tolerance, result.noise), steps, enabled=inflight)
+        trigger = _Trigger(ref.eval_loss, floor, result.judged, steps, enabled=inflight)
         t0 = time.perf_counter()
         run = run_schedule(task, state, start, steps, segments, seed=seed, eval_at=evals,
                            save_at={s.start for s in segments} | evals, residuals=residuals,
@@ -199,7 +226,7 @@ def validate_profile(
             start = stop
             continue
         gap = final_gap(ref.eval_loss, val, steps, floor)
-        passed = gap <= tolerance
+        passed = gap <= result.judged
         result.rounds.append(Round(start_step=start, stopped_at=stop, gap=gap, passed=passed, seconds=seconds))
         if passed:
             break

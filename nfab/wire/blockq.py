@@ -298,12 +298,88 @@ class BlockQSum(Reducer):
     def replay_with_locals(self, xs, lengths=None, generators=None):
         """`Reducer.replay_with_locals`, rounding stratified like `reduce`: the W virtual ranks
         share the keys of `generators[0]` (the key source `reduce` gets on every rank)."""
+        gens = self._strata(xs, lengths, generators)
+        summed = self._replay_summed(xs, lengths, gens)
+        return summed if summed is not None else super().replay_with_locals(xs, lengths, gens)
+
+    def replay_mean(self, xs, lengths=None, generators=None) -> torch.Tensor:
+        """`replay_with_locals(...)[0]`, bit for bit, without decoding each rank's own levels
+        (a replay without error feedback never reads them)."""
+        gens = self._strata(xs, lengths, generators)
+        summed = self._replay_summed(xs, lengths, gens, with_locals=False)
+        return summed[0] if summed is not None else super().replay_with_locals(xs, lengths, gens)[0]
+
+    def _strata(self, xs, lengths, generators) -> list:
         gens = list(generators) if generators is not None else [None]
         if not isinstance(gens[0], noise.Stratum):
             segments = len(lengths) if lengths is not None else 1
             keys = noise.draw_keys(gens[0], segments, xs[0].device)
             gens = noise.stratified(keys, len(xs))
-        return super().replay_with_locals(xs, lengths, gens)
+        return gens
+
+    def _replay_summed(self, xs, lengths, gens, with_locals: bool = True
+                       ) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
+        """`replay_with_locals`'s values, bit for bit, in far fewer passes (calibration replays every
+        step of its validation run through here): the W ranks' block maxima, scales and noise hash are
+        computed once (the strata share one key per segment and differ only in the shift), the
+        ranks' levels are rounded as one W x n tensor, and their integer sum is decoded directly --
+        what the lanes' SUM yields exactly, since no lane carries (capacity). None when the inputs
+        fall outside that case (other key sources, non-finite values): the generic path runs."""
+        w = len(xs)
+        self.check(w)
+        keys = gens[0].source if gens and isinstance(gens[0], noise.Stratum) else None
+        if (not isinstance(keys, torch.Tensor) or len(gens) != w
+                or any(not isinstance(g, noise.Stratum) or g.source is not keys or g.rank != r or g.world_size != w
+                       for r, g in enumerate(gens))):
+            return None
+        flat = torch.stack([x.reshape(-1).to(torch.float32) for x in xs])  # W x n
+        n = flat.shape[1]
+        lengths = [n] if lengths is None else list(lengths)
+        absmax = flat.abs().amax(0)
+        if n == 0 or not math.isfinite(float(absmax.max())):  # NaN and inf propagate: one check for every rank
+            return None
+        bid, nblocks = _block_index(tuple(lengths), self.block, flat.device)
+        block_max = torch.zeros(nblocks, dtype=torch.float32, device=flat.device)
+        block_max.scatter_reduce_(0, bid, absmax, "amax", include_self=True)  # = MAX over ranks of their maxima
+        scale = self._element_scales(block_max, lengths)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        m = self.steps
+        t = torch.div(flat, safe)
+        t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m], as `encode`
+        u = _strata_noise(keys.to(flat.device), tuple(lengths), tuple(g.shift for g in gens))
+        levels = t.add_(u).floor_().clamp_(0, m)  # W x n, whole numbers in [0, m] as float32
+        total = levels.sum(0)  # exact: small whole numbers
+        mean = total.mul_(2.0 / (m * w)).sub_(1.0).mul_(scale)  # values[sum] of `decode`, times the scales
+        if not with_locals:
+            return mean, [None] * w
+        locals_ = levels.mul_(2.0 / m).sub_(1.0).mul_(scale)  # unit[levels] * scale of `encode`'s local
+        return mean, list(locals_.unbind(0))
+
+
+_NOISE_CACHE: dict[tuple, torch.Tensor] = {}
+_NOISE_CACHE_SIZE = 4
+
+
+def _strata_noise(keys: torch.Tensor, lengths: tuple[int, ...], shifts: tuple[int, ...]) -> torch.Tensor:
+    """The W strata's uniforms (W x n float32): the shared u shifted by each rank's offset on the
+    24-bit grid, mod 1 -- `noise.uniform(keys, lengths, shift)` for every shift, hashed once.
+
+    On the host the last four are kept: replay draws the same keys again for the EF-off and EF-on
+    windows of a step and for every block route of a region (same seed, `ef_steps` steps), so the
+    hash runs once per step and region."""
+    host = keys.device.type == "cpu"
+    tag = (tuple(keys.tolist()), lengths, shifts) if host else None
+    hit = _NOISE_CACHE.get(tag) if tag is not None else None
+    if hit is not None:
+        return hit
+    u24 = noise.uniform(keys, lengths).mul_(1 << 24).to(torch.int32)  # exact: u is a multiple of 2^-24
+    shift = torch.tensor(shifts, dtype=torch.int32, device=keys.device).unsqueeze(1)
+    u = ((u24 + shift) & ((1 << 24) - 1)).to(torch.float32).mul_(2.0**-24)
+    if tag is not None:
+        if len(_NOISE_CACHE) >= _NOISE_CACHE_SIZE:
+            _NOISE_CACHE.pop(next(iter(_NOISE_CACHE)))
+        _NOISE_CACHE[tag] = u
+    return u
 
 
 @lru_cache(maxsize=64)

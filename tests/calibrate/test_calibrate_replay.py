@@ -108,3 +108,29 @@ def test_block_scaled_replay_rounds_in_the_preconditioned_space_and_sign_does_no
     assert ours < 0.2 * theirs
     sign = REDUCERS["signcount"]
     assert torch.equal(reduce_scaled(sign, xs, LENGTHS, None, scale)[0], reduce_virtual(sign, xs, LENGTHS, None)[0])
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_replay_mean_equals_the_replay_with_locals_bit_for_bit(world_size: int) -> None:
+    """Replays without error feedback skip the ranks' local decodes: every registered reducer
+    must give the very mean its full replay gives (same generators, same bits)."""
+    from nfab.calibrate.replay import replay_mean
+    from nfab.wire.reducers import REDUCERS
+
+    lengths = [700, 64, 3, 1233]
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(sum(lengths), generator=g) * torch.logspace(-3, 1, sum(lengths)) for _ in range(world_size)]
+    checked = 0
+    for name, red in REDUCERS.items():
+        if not red.capacity(world_size).ok:
+            continue
+
+        def gens() -> list[torch.Generator]:
+            return [torch.Generator().manual_seed(40 + r) for r in range(world_size)]
+
+        full, locals_ = red.replay_with_locals(xs, lengths, gens())
+        assert torch.equal(replay_mean(red, xs, lengths, gens()), full), name
+        est, none = reduce_virtual(red, xs, lengths, gens(), with_locals=False)
+        assert torch.equal(est, full) and none == [None] * world_size, name
+        checked += 1
+    assert checked >= 10

@@ -34,3 +34,23 @@ def test_validation_line_names_changes_and_why_it_stopped() -> None:
     assert line == ("validation over 300 steps: FAILED, gap +3.40% (tolerance 1.00%) after 2 round(s); "
                     "tightened p1/linear: sign -> q8; stopped: budget")
     assert describe_validation({"passed": None, "stopped": "refit"}) == "validation: none (refit)"
+
+
+def test_split_has_wall_and_cpu_seconds_for_every_shown_stage() -> None:
+    from nfab.calibrate.summary import SHOWN
+
+    clock = StageClock()
+    with clock.stage("reference"):
+        sum(i * i for i in range(200_000))  # CPU work: the CPU ratio needs a reference CPU time
+    split = clock.split()
+    want = {f"{k}_s" for k in SHOWN} | {f"{k}_cpu_s" for k in SHOWN[:-1]} | {"total_s", "cpu_s", "ratio", "cpu_ratio"}
+    assert set(split) == want
+    assert split["cpu_ratio"] == pytest.approx(split["cpu_s"] / split["reference_cpu_s"], rel=0.1)
+
+
+def test_validation_line_says_when_it_was_judged_against_the_references_noise() -> None:
+    ev = {"passed": True, "gap": 0.4, "tolerance": 0.01, "steps": 150, "noise": 0.305, "judged_tolerance": 0.915,
+          "judged_by": "noise", "rounds": [{"change": None}]}
+    assert describe_validation(ev) == (
+        "validation over 150 steps: passed, gap +40.00% (tolerance 1.00%; FP32's own held-out loss moves 30.5% "
+        "between evaluations, so judged at 91.5%) after 1 round(s)")

@@ -153,3 +153,49 @@ def test_reference_noise_is_the_largest_late_rise_of_fp32s_own_held_out_loss() -
     digits = {0: 2.5, 12: 0.32, 48: 0.16, 60: 0.066, 72: 0.09, 84: 0.085, 150: 0.059}  # from 40 %: 60 on
     assert reference_noise(digits, 150, floor=0.08) == pytest.approx((0.09 - 0.066) / 0.08)
     assert reference_noise({0: 3.0, 50: 2.0, 100: 1.0}, 100, floor=0.5) == 0.0
+
+
+def test_a_reference_noisier_than_the_tolerance_is_judged_against_its_noise() -> None:
+    from nfab.calibrate.validate import NOISE_FACTOR, judged_tolerance
+
+    assert judged_tolerance(0.01, 0.004) == 0.01  # the held-out GPT: quiet, the tolerance as given
+    assert judged_tolerance(0.01, 0.305) == pytest.approx(NOISE_FACTOR * 0.305)  # resnet18 / digits
+    assert judged_tolerance(0.01, math.nan) == 0.01 and judged_tolerance(-1.0, 0.0) == -1.0
+
+
+def _noisy(ref_eval: dict[int, float], val: list[float], steps: list[int], gap: float, rise: float) -> dict[int, float]:
+    """A synthetic FP32 held-out curve: `val` lowered by `gap` (so the profile sits about `gap` above
+    it), with one late rise of `rise` between steps 4 and 5 of 8 (noise, not training); without a
+    rise, never rising at all."""
+    out = {s: (v / (1 + gap) if s > 0 else ref_eval[s]) for s, v in zip(steps, val, strict=True)}
+    if rise:
+        out[5] = out[4] * (1 + rise)
+    else:
+        for a, b in zip(steps, steps[1:], strict=False):
+            out[b] = min(out[b], out[a])
+    return out
+
+
+def test_validation_on_a_noisy_reference_passes_in_one_round_and_says_why() -> None:
+    from nfab.calibrate.summary import describe_validation
+
+    task = tiny()
+    ref = run_reference(task)
+    rows = [(p, "conv", r, b, c) for p in ("p0", "p1") for r, b, c in
+            (("fp32", 48.0, 1.0), ("q8", 12.0, 0.97), ("q4", 6.0, 0.6), ("sign", 3.0, 0.4))]
+    prof = profile((0.0, {"conv": "sign"}, False), (0.5, {"conv": "sign"}, False))
+    _, plain = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=10.0)  # the profile's own curve
+    # the same profile 10 % above FP32, where FP32's own loss jumps 50 % late: a 1 % tolerance is noise
+    ref.eval_loss = _noisy(ref.eval_loss, plain.profile_eval, plain.eval_steps, gap=0.10, rise=0.5)
+    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=0.01)
+    assert v.noise >= 0.5 and v.judged_by == "noise" and v.judged == pytest.approx(3 * v.noise)
+    assert v.passed and len(v.rounds) == 1 and v.rounds[0].stopped_at is None  # no tightening on noise
+    assert v.gap == pytest.approx(0.10, rel=1e-4) and out.phases == prof.phases
+    ev = out.evidence["validation"]
+    assert ev["judged_by"] == "noise" and ev["judged_tolerance"] == pytest.approx(v.judged, abs=1e-6)
+    assert "so judged at" in describe_validation(ev)
+    # a quiet reference with the same 10 % gap: judged at the tolerance, so it fails and tightens
+    ref.eval_loss = _noisy(ref.eval_loss, plain.profile_eval, plain.eval_steps, gap=0.10, rise=0.0)
+    _, quiet = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=0.01, max_rounds=2)
+    assert quiet.noise == 0.0 and quiet.judged_by == "tolerance" and quiet.judged == 0.01
+    assert not quiet.rounds[0].passed and quiet.rounds[0].change is not None

@@ -170,3 +170,39 @@ def test_bq2_packs_base_13_digits_at_w4_and_beats_8x():
     fp32 = REDUCERS["allreduce-fp32"].wire_bytes(n, 4)
     assert fp32 / red.wire_bytes(n, 4) > 8.0
     assert fp32 / REDUCERS["blockq-bq2-128"].wire_bytes(n, 4) > 8.2
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("world_size", [1, 3, 4, 8])
+def test_summed_replay_equals_the_packed_lanes_bit_for_bit(bits, world_size):
+    """Replay sums the ranks' levels directly (`_replay_summed`); the generic path packs them in
+    lanes (bit or radix), adds the containers and unpacks: same means and locals, bit for bit."""
+    from nfab.wire import noise
+    from nfab.wire.reducer import Reducer
+
+    for block in (64, 256):
+        red = BlockQSum(bits, block)
+        xs = [_x(r % 5) * (1 + r) for r in range(world_size)]
+        keys = noise.draw_keys(torch.Generator().manual_seed(bits), len(LENGTHS), torch.device("cpu"))
+        gens = noise.stratified(keys, world_size)
+        summed = red._replay_summed(xs, LENGTHS, gens)
+        assert summed is not None
+        mean, locals_ = Reducer.replay_with_locals(red, xs, LENGTHS, gens)
+        assert torch.equal(summed[0], mean)
+        assert all(torch.equal(a, b) for a, b in zip(summed[1], locals_, strict=True))
+
+
+def test_summed_replay_leaves_non_finite_inputs_and_foreign_keys_to_the_generic_path():
+    from nfab.wire import noise
+
+    red = REDUCERS["blockq-bq3"]
+    xs = [_x(r) for r in range(4)]
+    keys = noise.draw_keys(torch.Generator().manual_seed(0), len(LENGTHS), torch.device("cpu"))
+    assert red._replay_summed(xs, LENGTHS, noise.stratified(keys, 4)) is not None
+    bad = [x.clone() for x in xs]
+    bad[2][7] = math.inf
+    assert red._replay_summed(bad, LENGTHS, noise.stratified(keys, 4)) is None
+    per_rank = [noise.Stratum(torch.Generator().manual_seed(r), r, 4) for r in range(4)]
+    assert red._replay_summed(xs, LENGTHS, per_rank) is None  # keys drawn per rank: not one shared stream
+    mean, _ = red.replay_with_locals(bad, LENGTHS, noise.stratified(keys, 4))  # the generic path still runs
+    assert mean.shape == xs[0].shape
