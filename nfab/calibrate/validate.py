@@ -106,13 +106,13 @@ class Validation:
     see `reference_noise`)."""
     judged: float = math.nan
     """The gap the verdict and the in-flight trigger allow (`judged_tolerance`; nan: not set yet)."""
+    stopped: str = ""
+    """Why tightening ended without passing (`rounds`, `budget`, `nothing to tighten`), empty when it passed."""
 
     @property
     def judged_by(self) -> str:
         """`tolerance`, or `noise` when the reference was noisier than the tolerance (see `judged_tolerance`)."""
         return "noise" if self.judged > self.tolerance else "tolerance"
-    stopped: str = ""
-    """Why tightening ended without passing (`rounds`, `budget`, `nothing to tighten`), empty when it passed."""
 
     @property
     def passed(self) -> bool:
