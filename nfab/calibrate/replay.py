@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nfab.wire.reducer import mean_of_ranks
-from nfab.wire.reducers import REDUCERS, AllReduce, BlockQSum, Reducer, candidates
+from nfab.wire.reducers import REDUCERS, BlockQSum, Reducer, candidates
 
 
 def replay_reducer(route: str, world_size: int) -> Reducer | None:
@@ -53,50 +52,13 @@ def reduce_virtual(
     with_locals: bool = True,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """(mean estimate, each rank's local decode) for flat fp32 `xs` of W virtual ranks.
-    Without `with_locals` the locals are None and never decoded (see `replay_mean`)."""
+    Without `with_locals` the locals are None and never decoded (`Reducer.replay_mean`): a replay
+    without error feedback (validation, trials, half of every fidelity window) never reads them,
+    and decoding them costs about as much as the decode itself (q8 on resnet18's 697k conv
+    elements: 31 of the 54 ms a simulated step spent reducing)."""
     if with_locals:
         return reducer.replay_with_locals(xs, lengths, generators)
-    return replay_mean(reducer, xs, lengths, generators), [None] * len(xs)
-
-
-def replay_mean(reducer: Reducer, xs: Sequence[torch.Tensor], lengths: Sequence[int] | None = None,
-                generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
-    """`reducer.replay_with_locals(...)[0]`, bit for bit, without each rank's local decode.
-
-    A replay without error feedback (validation, trials, half of every fidelity window) never
-    reads the locals, and decoding them costs about as much as the decode itself (q8 on resnet18's
-    697k conv elements: 31 of the 54 ms a simulated step spent reducing). Reducers that hand their
-    locals lazily (`Encoded.make_local`) then never make them. This is `Reducer.replay_with_locals`'
-    arithmetic step by step; a reducer with its own replay keeps it (`BlockQSum.replay_mean`).
-    """
-    if isinstance(reducer, BlockQSum):
-        return reducer.replay_mean(xs, lengths, generators)
-    if isinstance(reducer, AllReduce) and type(reducer).encode is AllReduce.encode:
-        # its encode decodes the local eagerly (bf16 -> fp32 is 60% of a bf16 replay): the payloads alone
-        w, flat = len(xs), [x.reshape(-1).to(torch.float32) for x in xs]
-        payloads = [(x * (1.0 / w)).to(reducer.dtype) for x in flat]  # AllReduce.encode's payload
-        return reducer.decode(reducer.combine(payloads), None, flat[0].numel(), lengths or [flat[0].numel()], w)
-    if type(reducer).replay_with_locals is not Reducer.replay_with_locals:
-        return reducer.replay_with_locals(xs, lengths, generators)[0]
-    w = len(xs)
-    reducer.check(w)
-    flat = [x.reshape(-1).to(torch.float32) for x in xs]
-    numel = flat[0].numel()
-    lengths = [numel] if lengths is None else list(lengths)
-    if numel == 0:
-        return flat[0].clone()
-    gens = list(generators) if generators is not None else [None] * w
-    shared = None
-    if reducer.needs_shared_scale:
-        shared = torch.stack([reducer.local_scale(x, lengths) for x in flat]).amax(0)
-    encs = [reducer.encode(x, lengths, w, shared, g) for x, g in zip(flat, gens, strict=True)]
-    reduced = reducer.combine([e.payload for e in encs])
-    scale_mean = None
-    if encs[0].scales is not None:
-        scale_mean = mean_of_ranks(torch.stack([e.scales for e in encs]))  # type: ignore[misc]
-    if shared is not None:
-        scale_mean = shared
-    return reducer.decode(reduced, scale_mean, numel, lengths, w)
+    return reducer.replay_mean(xs, lengths, generators), [None] * len(xs)
 
 
 def fp32_mean(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -243,7 +243,17 @@ class Reducer(ABC):
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> torch.Tensor:
         """The same arithmetic as `reduce` for W virtual ranks in one process."""
-        return self.replay_with_locals(xs, lengths, generators)[0]
+        return self.replay_mean(xs, lengths, generators)
+
+    def replay_mean(
+        self,
+        xs: Sequence[torch.Tensor],
+        lengths: Sequence[int] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """`replay_with_locals(...)[0]`, bit for bit, without decoding any rank's own contribution
+        (a replay without error feedback never reads it; `Encoded.make_local` stays unmade)."""
+        return self._replay(xs, lengths, generators)[0]
 
     def replay_with_locals(
         self,
@@ -252,13 +262,23 @@ class Reducer(ABC):
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """`replay`, plus each virtual rank's own decoded contribution (error feedback keeps x - local)."""
+        mean, encs = self._replay(xs, lengths, generators)
+        return mean, [e.local for e in encs] if encs else [None] * len(xs)
+
+    def _replay(
+        self,
+        xs: Sequence[torch.Tensor],
+        lengths: Sequence[int] | None,
+        generators: Sequence[torch.Generator | None] | None,
+    ) -> tuple[torch.Tensor, list[Encoded]]:
+        """The W virtual ranks' mean and their encodings (none for an empty input)."""
         world_size = len(xs)
         self.check(world_size)
         flat = [x.reshape(-1).to(torch.float32) for x in xs]
         numel = flat[0].numel()
         lengths = [numel] if lengths is None else list(lengths)
         if numel == 0:
-            return flat[0].clone(), [None] * world_size
+            return flat[0].clone(), []
         gens = list(generators) if generators is not None else [None] * world_size
         shared = None
         if self.needs_shared_scale:
@@ -270,7 +290,7 @@ class Reducer(ABC):
             scale_mean = mean_of_ranks(torch.stack([e.scales for e in encs]))  # type: ignore[misc]
         if shared is not None:
             scale_mean = shared
-        return self.decode(reduced, scale_mean, numel, lengths, world_size), [e.local for e in encs]
+        return self.decode(reduced, scale_mean, numel, lengths, world_size), encs
 
 
 def allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:

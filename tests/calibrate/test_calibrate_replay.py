@@ -114,7 +114,6 @@ def test_block_scaled_replay_rounds_in_the_preconditioned_space_and_sign_does_no
 def test_replay_mean_equals_the_replay_with_locals_bit_for_bit(world_size: int) -> None:
     """Replays without error feedback skip the ranks' local decodes: every registered reducer
     must give the very mean its full replay gives (same generators, same bits)."""
-    from nfab.calibrate.replay import replay_mean
     from nfab.wire.reducers import REDUCERS
 
     lengths = [700, 64, 3, 1233]
@@ -129,7 +128,7 @@ def test_replay_mean_equals_the_replay_with_locals_bit_for_bit(world_size: int) 
             return [torch.Generator().manual_seed(40 + r) for r in range(world_size)]
 
         full, locals_ = red.replay_with_locals(xs, lengths, gens())
-        assert torch.equal(replay_mean(red, xs, lengths, gens()), full), name
+        assert torch.equal(red.replay_mean(xs, lengths, gens()), full), name
         est, none = reduce_virtual(red, xs, lengths, gens(), with_locals=False)
         assert torch.equal(est, full) and none == [None] * world_size, name
         checked += 1
