@@ -90,12 +90,17 @@ def _rank_main(
         result = fn(rank, world_size, *args)
         blob = io.BytesIO()
         torch.save(result, blob)  # by value: shared-memory tensors die with this process
-        queue.put((rank, True, blob.getvalue()))
+        message = (rank, True, blob.getvalue())
     except BaseException:  # noqa: BLE001 - report anything to the parent, then exit
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        message = (rank, False, traceback.format_exc())
+    # the whole message is in the pipe before teardown: a rank that dies in it (gloo's threads
+    # have aborted the process there under load: "Resource deadlock avoided") would otherwise
+    # leave the parent blocked on a half-written result
+    queue.put(message)
+    queue.close()
+    queue.join_thread()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_ranks(
