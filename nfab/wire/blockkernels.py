@@ -11,7 +11,8 @@ Each kernel follows its torch reference's float32 operations in the same order (
 multiply-add: numba compiles without fastmath), so the levels, containers and decoded
 values are the same bits; tests/wire/test_blockq_fast.py holds them to it. Inputs are
 numpy views of contiguous CPU tensors (`blockq.py` dispatches); blocks restart in every
-segment and are numbered consecutively across segments, as `blockq._block_index` numbers them.
+segment and are numbered consecutively across segments, as `blockq._block_index` numbers them
+(`blockq._block_bounds` gives the kernels that need no segment their offsets).
 """
 
 from __future__ import annotations
@@ -27,23 +28,17 @@ _U24 = np.float32(2.0**-24)
 
 
 @njit(cache=True, nogil=True)
-def block_max_bits(u, seg_starts, seg_ends, block, out):
+def block_max_bits(u, block_starts, block_ends, out):
     """out[b] = max |x| of block b as float32 bits (`u`: x's uint32 bits): the integer order of
     |x|'s bits is the order of |x|, NaN above inf, so a NaN block gives a NaN (as the reference's
-    scatter amax does). A block restarts at each segment start."""
+    scatter amax does)."""
     mask = np.uint32(0x7FFFFFFF)
-    b = 0
-    for s in range(seg_starts.size):
-        a = seg_starts[s]
-        e = seg_ends[s]
-        for b0 in range(a, e, block):
-            b1 = min(b0 + block, e)
-            m = np.uint32(0)
-            for i in range(b0, b1):
-                v = u[i] & mask
-                m = v if v > m else m
-            out[b] = m
-            b += 1
+    for b in range(block_starts.size):
+        m = np.uint32(0)
+        for i in range(block_starts[b], block_ends[b]):
+            v = u[i] & mask
+            m = v if v > m else m
+        out[b] = m
 
 
 @njit(cache=True, nogil=True)
@@ -136,31 +131,19 @@ def radix_digits(containers, radix, digits, numel, out):
 
 
 @njit(cache=True, nogil=True)
-def table_blocks(index, values, seg_starts, seg_ends, block, scale_of_block, out):
+def table_blocks(index, values, block_starts, block_ends, scale_of_block, out):
     """out[i] = values[index[i]] * (its block's scale): `BlockQSum.decode`'s value table and
     block scales in one pass."""
-    b = 0
-    for s in range(seg_starts.size):
-        a = seg_starts[s]
-        e = seg_ends[s]
-        for b0 in range(a, e, block):
-            b1 = min(b0 + block, e)
-            sc = scale_of_block[b]
-            for i in range(b0, b1):
-                out[i] = values[index[i]] * sc
-            b += 1
+    for b in range(block_starts.size):
+        sc = scale_of_block[b]
+        for i in range(block_starts[b], block_ends[b]):
+            out[i] = values[index[i]] * sc
 
 
 @njit(cache=True, nogil=True)
-def scale_blocks(out, seg_starts, seg_ends, block, scale_of_block):
+def scale_blocks(out, block_starts, block_ends, scale_of_block):
     """out[i] *= its block's scale, in place (after a bit-lane table decode)."""
-    b = 0
-    for s in range(seg_starts.size):
-        a = seg_starts[s]
-        e = seg_ends[s]
-        for b0 in range(a, e, block):
-            b1 = min(b0 + block, e)
-            sc = scale_of_block[b]
-            for i in range(b0, b1):
-                out[i] = out[i] * sc
-            b += 1
+    for b in range(block_starts.size):
+        sc = scale_of_block[b]
+        for i in range(block_starts[b], block_ends[b]):
+            out[i] = out[i] * sc

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.wire import fastpath, noise, radix
+from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.lanes import LaneLayout, layout_for, pack
 from nfab.wire.radix import RadixLayout
 from nfab.wire.reducer import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
@@ -99,10 +100,14 @@ def _compiled(*tensors: torch.Tensor) -> bool:
 
 
 @lru_cache(maxsize=256)
-def _segment_bounds(lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end offsets of the segments (int64, for the kernels)."""
-    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
-    return ends - np.asarray(lengths, dtype=np.int64), ends
+def _block_bounds(lengths: tuple[int, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end offsets (int64, read-only) of every block, in `_block_index`'s numbering."""
+    seg_starts, seg_ends = fastpath.segment_bounds(lengths)
+    per_segment = [np.arange(a, e, block, dtype=np.int64) for a, e in zip(seg_starts, seg_ends, strict=True)]
+    first = np.concatenate(per_segment) if per_segment else np.empty(0, dtype=np.int64)
+    last = np.minimum(first + block, np.repeat(seg_ends, [len(p) for p in per_segment]))
+    first.flags.writeable = last.flags.writeable = False
+    return first, last
 
 
 class BlockQSum(Reducer):
@@ -160,25 +165,21 @@ class BlockQSum(Reducer):
         out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
         out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 buckets too
         # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
-        out[:1] = torch.where(torch.isfinite(x.sum(dtype=torch.float32)), out[:1], torch.full_like(out[:1], math.nan))
+        out[:1] = torch.where(nonfinite_sum(x), torch.full_like(out[:1], math.nan), out[:1])
         return out
 
     def _local_scale_compiled(self, x: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
         """`local_scale` in one compiled pass; a non-finite element flags block 0 with NaN as the
         reference does (read here from the block maxima: any inf or NaN makes one non-finite)."""
         assert blockkernels is not None
-        starts, ends = _segment_bounds(lengths)
-        bits = np.empty(self.blocks_for_lengths(lengths), dtype=np.uint32)
+        starts, ends = _block_bounds(lengths, self.block)
+        bits = np.empty(starts.size, dtype=np.uint32)
         x32 = x.detach().to(torch.float32)  # widening bf16/fp16 is exact (the reference widens too)
-        blockkernels.block_max_bits(x32.view(torch.int32).numpy().view(np.uint32), starts, ends, self.block, bits)
+        blockkernels.block_max_bits(x32.view(torch.int32).numpy().view(np.uint32), starts, ends, bits)
         out = torch.from_numpy(bits.view(np.float32))
         if bits.size and int(bits.max()) >= 0x7F800000:
             out[0] = math.nan
         return out
-
-    def blocks_for_lengths(self, lengths: Sequence[int]) -> int:
-        """Blocks of these segments exactly (a block restarts in every segment)."""
-        return sum(-(-n // self.block) for n in lengths)
 
     def agree(self, block_max: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The agreed codes: this rank's per-block codes, MAX all-reduced as uint8 (blocking):
@@ -188,10 +189,15 @@ class BlockQSum(Reducer):
         return codes
 
     def _element_scales(self, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """The agreed scale of every element (its block's)."""
+        bid, nblocks = _block_index(tuple(lengths), self.block, shared.device)
+        assert shared.numel() == nblocks, f"{shared.numel()} scale codes for {nblocks} blocks"
+        return self._block_scales(shared)[bid]
+
+    def _block_scales(self, shared: torch.Tensor) -> torch.Tensor:
+        """The agreed scale of each block (fp32; 0 for an all-zero block)."""
         codes = shared if shared.dtype == torch.uint8 else scale_codes(torch.nan_to_num(shared, nan=0.0))
-        bid, nblocks = _block_index(tuple(lengths), self.block, codes.device)
-        assert codes.numel() == nblocks, f"{codes.numel()} scale codes for {nblocks} blocks"
-        return _scales_on(codes.device)[codes.long()][bid]
+        return _scales_on(codes.device)[codes.long()].contiguous()
 
     # ---- encode / launch / decode ---------------------------------------------------
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
@@ -201,54 +207,48 @@ class BlockQSum(Reducer):
         assert shared_scale is not None, "block-scaled qsum needs the agreed block scales"
         lengths = list(lengths)
         stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
+        compiled = _compiled(x, shared_scale) and x.dtype in fastpath.QSUM_DTYPES
+        levels = (self._levels_compiled if compiled else self._levels)(x, lengths, shared_scale, stratum)
+        layout = self.layout(world_size)
+        if not isinstance(layout, RadixLayout):
+            payload = pack(levels, layout)
+        elif compiled:
+            assert blockkernels is not None
+            payload = torch.empty(layout.containers_for(levels.numel()), dtype=torch.int64, device="cpu")
+            blockkernels.radix_pack(levels.numpy(), layout.radix, layout.digits, payload.numpy())
+        else:
+            payload = radix.pack(levels, layout)
         m = self.steps
-        if _compiled(x, shared_scale) and x.dtype in fastpath.QSUM_DTYPES:
-            return self._encode_compiled(x, lengths, world_size, shared_scale, stratum)
-        scale = self._element_scales(shared_scale, lengths)
+        unit = torch.arange(m + 1, dtype=torch.float32, device=x.device) * (2.0 / m) - 1.0
+
+        def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
+            return unit[levels.long()] * self._element_scales(shared_scale, lengths)
+
+        return Encoded(payload, None, make_local=local)
+
+    def _levels(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
+                stratum: noise.Stratum) -> torch.Tensor:
+        """The reference (torch ops, any device): stochastically rounded levels, uint8."""
+        m = self.steps
+        scale = self._element_scales(shared, lengths)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         t = torch.div(x.to(torch.float32), safe)
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
         t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
-        levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
-        layout = self.layout(world_size)
-        payload = radix.pack(levels, layout) if isinstance(layout, RadixLayout) else pack(levels, layout)
-        unit = torch.arange(m + 1, dtype=torch.float32, device=x.device) * (2.0 / m) - 1.0
+        return t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
 
-        def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
-            return unit[levels.long()] * scale
-
-        return Encoded(payload, None, make_local=local)
-
-    def _encode_compiled(self, x: torch.Tensor, lengths: list[int], world_size: int, shared: torch.Tensor,
-                         stratum: noise.Stratum) -> Encoded:
-        """`encode` on the CPU: levels in one compiled pass (noise computed there, never stored),
-        then radix digits (compiled) or bit lanes (the reference `pack`). Same bits."""
+    def _levels_compiled(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
+                         stratum: noise.Stratum) -> torch.Tensor:
+        """`_levels` in one compiled pass on the CPU (the noise computed there, never stored). Same bits."""
         assert blockkernels is not None
         m = self.steps
-        block_scale = self._block_scales(shared)
-        starts, ends = _segment_bounds(tuple(lengths))
-        levels = np.empty(x.numel(), dtype=np.uint8)
+        starts, ends = fastpath.segment_bounds(lengths)
+        levels = torch.empty(x.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
         keys = stratum.keys(len(lengths), x.device).contiguous()
         blockkernels.block_levels(x.detach().to(torch.float32).numpy(), keys.numpy(), stratum.shift, starts, ends,
-                                  self.block, block_scale.numpy(), np.float32(1.0), np.float32(0.5 * m), m, levels)
-        lv = torch.from_numpy(levels)
-        layout = self.layout(world_size)
-        if isinstance(layout, RadixLayout):
-            payload = torch.empty(layout.containers_for(lv.numel()), dtype=torch.int64, device="cpu")
-            blockkernels.radix_pack(levels, layout.radix, layout.digits, payload.numpy())
-        else:
-            payload = pack(lv, layout)
-        unit = torch.arange(m + 1, dtype=torch.float32, device="cpu") * (2.0 / m) - 1.0
-
-        def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
-            return unit[lv.long()] * self._element_scales(shared, lengths)
-
-        return Encoded(payload, None, make_local=local)
-
-    def _block_scales(self, shared: torch.Tensor) -> torch.Tensor:
-        """The agreed scale of each block (fp32; 0 for an all-zero block)."""
-        codes = shared if shared.dtype == torch.uint8 else scale_codes(torch.nan_to_num(shared, nan=0.0))
-        return _scales_on(codes.device)[codes.long()].contiguous()
+                                  self.block, self._block_scales(shared).numpy(), np.float32(1.0),
+                                  np.float32(0.5 * m), m, levels.numpy())
+        return levels
 
     def launch(self, payload, world_size, group):
         return allreduce_future(payload, group)
@@ -277,15 +277,15 @@ class BlockQSum(Reducer):
         lanes: the compiled table decode, then the block scales in place). Same bits."""
         assert blockkernels is not None
         res = torch.empty(numel, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
-        starts, ends = _segment_bounds(lengths)
+        starts, ends = _block_bounds(lengths, self.block)
         block_scale = self._block_scales(scale_mean).numpy()
         if isinstance(layout, RadixLayout):
             digits = np.empty(numel, dtype=np.uint8 if layout.radix <= 256 else np.uint16)
             blockkernels.radix_digits(reduced.numpy(), layout.radix, layout.digits, numel, digits)
-            blockkernels.table_blocks(digits, values.numpy(), starts, ends, self.block, block_scale, res.numpy())
+            blockkernels.table_blocks(digits, values.numpy(), starts, ends, block_scale, res.numpy())
         else:
             fastpath.decode_table(reduced, layout, numel, values, out=res)
-            blockkernels.scale_blocks(res.numpy(), starts, ends, self.block, block_scale)
+            blockkernels.scale_blocks(res.numpy(), starts, ends, block_scale)
         return res
 
     # ---- stratified rounding on the whole paths -------------------------------------

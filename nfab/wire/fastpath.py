@@ -66,9 +66,18 @@ def sign_supports(x: torch.Tensor) -> bool:
     return supports(x) and x.dim() == 1 and x.dtype in SIGN_DTYPES
 
 
-def _bounds(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    ends = np.cumsum(np.asarray(list(lengths), dtype=np.int64))
-    return ends - np.asarray(list(lengths), dtype=np.int64), ends
+def segment_bounds(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end offsets (int64) of the concatenated segments, for the kernels (read-only:
+    made once per layout)."""
+    return _segment_bounds(tuple(lengths))
+
+
+@lru_cache(maxsize=256)
+def _segment_bounds(lengths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    starts = ends - np.asarray(lengths, dtype=np.int64)
+    starts.flags.writeable = ends.flags.writeable = False  # shared by every caller of this layout
+    return starts, ends
 
 
 def sign_votes(x: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -88,7 +97,7 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int],
     bits = np.zeros(-(-n // 8), dtype=np.uint8)
     sums = np.zeros(len(lengths), dtype=np.float64)
     if split:
-        starts, ends = _bounds(lengths)
+        starts, ends = segment_bounds(lengths)
         _sign_kernel(views[0], starts, ends, 0, bits, sums)
         return bits, sums
     pos = 0
@@ -213,7 +222,7 @@ def decode_levels(levels: torch.Tensor, step: float, scales: torch.Tensor, lengt
     n = sum(lengths)
     assert kernels is not None and levels.numel() >= n
     res = torch.empty(n, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
-    starts, ends = _bounds(lengths)
+    starts, ends = segment_bounds(lengths)
     kernels.decode_levels(levels.numpy(), starts, ends, np.float32(step), np.float32(1.0),
                           scales.reshape(-1).to(torch.float32).numpy(), res.view(-1).numpy())
     return res
@@ -234,7 +243,7 @@ def qsum_levels(x: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, lengt
     """
     assert kernels is not None
     n = x.numel()
-    starts, ends = _bounds(lengths)
+    starts, ends = segment_bounds(lengths)
     levels = np.empty(n, dtype=np.uint8)
     # one-lane containers are the levels: the kernel writes both (the payload may be reduced in place)
     payload = np.empty(n if layout.lanes == 1 else 0, dtype=np.uint8)
@@ -261,7 +270,7 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     largest bits, so compare NaNs by isnan, not by bits.
     """
     assert kernels is not None
-    starts, ends = _bounds(lengths)
+    starts, ends = segment_bounds(lengths)
     if x.dtype == torch.float32:
         out = np.empty(len(starts), dtype=np.uint32)
         kernels.segment_max_abs_bits(x.view(torch.int32).numpy().view(np.uint32), np.uint32(0x7FFFFFFF),

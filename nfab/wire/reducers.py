@@ -61,9 +61,12 @@ class AllReduce(Reducer):
         return allreduce_factor(world_size) * self.payload_bytes(numel, world_size)
 
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
-        payload = (x * (1.0 / world_size)).to(self.dtype)  # DDP's own pre-scale
+        payload = self._payload(x, world_size)
         local = payload.to(torch.float32) * world_size if self.lossy else None
         return Encoded(payload, None, local)
+
+    def _payload(self, x: torch.Tensor, world_size: int) -> torch.Tensor:
+        return (x * (1.0 / world_size)).to(self.dtype)  # DDP's own pre-scale
 
     def replay_mean(self, xs, lengths=None, generators=None) -> torch.Tensor:
         """`Reducer.replay_mean` from the payloads alone: `encode` decodes each rank's local eagerly
@@ -72,7 +75,7 @@ class AllReduce(Reducer):
         self.check(w)
         flat = [x.reshape(-1).to(torch.float32) for x in xs]
         numel = flat[0].numel()
-        payloads = [(x * (1.0 / w)).to(self.dtype) for x in flat]  # `encode`'s payload
+        payloads = [self._payload(x, w) for x in flat]
         return self.decode(self.combine(payloads), None, numel, [numel] if lengths is None else lengths, w)
 
     def launch(self, payload, world_size, group):

@@ -1,4 +1,4 @@
-"""The FP32-only bucket's non-finite check (`decode.nonfinite_sum`) against an element-wise reference."""
+"""The non-finite check of FP32-only buckets and blockq's reference (`codecs.nonfinite_sum`), element-wise checked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nfab.runtime.decode import nonfinite_sum
+from nfab.wire.codecs import nonfinite_sum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
