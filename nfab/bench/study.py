@@ -44,6 +44,12 @@ SETTINGS: dict[str, Setting] = {
         steps=300, profile="bench/calibrations/heldout/profile.json",
         note="user-style GPT nfab was not tuned on (nn.MultiheadAttention, tied head), AdamW wd 0.1"),
 }
+# a second user model, written after the control work had been measured on the first: nothing was chosen on it
+SETTINGS["heldout2"] = Setting(
+    name="heldout2", model="nfab.bench.heldout2:user_lm", dataset="stdlib-text", metric="loss",
+    data_options={"max_bytes": 2_000_000}, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=16,
+    steps=300, profile="bench/calibrations/heldout2/profile.json",
+    note="a second user model (torch's nn.TransformerEncoder, untied head), AdamW lr 1e-3 wd 0.05")
 # the held-out profile (calibrated at W=4 over 300 steps) where it was not calibrated: twice the
 # ranks, twice the steps
 SETTINGS["heldout-w8"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-w8", world_size=8,
