@@ -147,3 +147,43 @@ def scale_blocks(out, block_starts, block_ends, scale_of_block):
         sc = scale_of_block[b]
         for i in range(block_starts[b], block_ends[b]):
             out[i] = out[i] * sc
+
+
+# ---- blockqscatter (`blockqscatter.py`): shards of bit lanes, the owner's exact sums --------------
+@njit(cache=True, nogil=True)
+def pack_lane_shards(values, numel, shard, lane_bits, lanes, out):
+    """out[r] = `lanes.pack(values[r*shard : (r+1)*shard], layout)` for every row r of `out`
+    (W x m containers, m * lanes == shard), elements at or past `numel` packed as 0: the lane
+    order of `lanes.pack` (blocks of at most 8 lanes, container-major within a block)."""
+    w, m = out.shape
+    for r in range(w):
+        first = r * shard
+        for j in range(m):
+            c = np.int64(0)
+            for l0 in range(0, lanes, 8):
+                g = min(l0 + 8, lanes) - l0
+                for k in range(g):
+                    i = first + m * l0 + j * g + k
+                    if i < numel:
+                        c |= np.int64(values[i]) << np.int64((l0 + k) * lane_bits)
+            out[r, j] = c
+
+
+@njit(cache=True, nogil=True)
+def sum_lane_rows(rows, lane_bits, lanes, out):
+    """out[e] = sum over rows r of lane value e of row r (`lanes.unpack` of each row's m
+    containers, added exactly as integers), for e < out.size."""
+    w, m = rows.shape
+    n = out.size
+    mask = np.int64((1 << lane_bits) - 1)
+    out[:] = 0
+    for r in range(w):
+        for l0 in range(0, lanes, 8):
+            g = min(l0 + 8, lanes) - l0
+            base = m * l0
+            for j in range(m):
+                c = np.int64(rows[r, j])
+                for k in range(g):
+                    e = base + j * g + k
+                    if e < n:
+                        out[e] += (c >> np.int64((l0 + k) * lane_bits)) & mask
