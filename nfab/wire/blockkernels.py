@@ -158,6 +158,9 @@ def pack_lane_shards(values, numel, shard, lane_bits, lanes, out):
     w, m = out.shape
     for r in range(w):
         first = r * shard
+        if first + shard <= numel:  # a whole shard: no bound check per element
+            _pack_row(values, first, m, lane_bits, lanes, out[r])
+            continue
         for j in range(m):
             c = np.int64(0)
             for l0 in range(0, lanes, 8):
@@ -169,12 +172,25 @@ def pack_lane_shards(values, numel, shard, lane_bits, lanes, out):
             out[r, j] = c
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _pack_row(values, first, m, lane_bits, lanes, out):
+    """`pack_lane_shards` of one whole shard starting at `first`."""
+    for l0 in range(0, lanes, 8):
+        g = min(l0 + 8, lanes) - l0
+        base = first + m * l0
+        for j in range(m):
+            c = np.int64(0) if l0 == 0 else np.int64(out[j])
+            at = base + j * g
+            for k in range(g):
+                c |= np.int64(values[at + k]) << np.int64((l0 + k) * lane_bits)
+            out[j] = c
+
+
 @njit(cache=True, nogil=True)
 def sum_lane_rows(rows, lane_bits, lanes, out):
     """out[e] = sum over rows r of lane value e of row r (`lanes.unpack` of each row's m
-    containers, added exactly as integers), for e < out.size."""
+    containers, added exactly as integers); out.size == m * lanes (a whole shard)."""
     w, m = rows.shape
-    n = out.size
     mask = np.int64((1 << lane_bits) - 1)
     out[:] = 0
     for r in range(w):
@@ -182,8 +198,8 @@ def sum_lane_rows(rows, lane_bits, lanes, out):
             g = min(l0 + 8, lanes) - l0
             base = m * l0
             for j in range(m):
-                c = np.int64(rows[r, j])
+                c = np.int64(rows[r, j]) >> np.int64(l0 * lane_bits)
+                at = base + j * g
                 for k in range(g):
-                    e = base + j * g + k
-                    if e < n:
-                        out[e] += (c >> np.int64((l0 + k) * lane_bits)) & mask
+                    out[at + k] += c & mask
+                    c >>= np.int64(lane_bits)
