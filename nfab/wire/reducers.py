@@ -37,8 +37,8 @@ from nfab.wire.sign import SignCount, SignGather
 from nfab.wire.signscatter import SignScatter
 
 __all__ = [
-    "REDUCERS", "AllReduce", "BlockQScatter", "BlockQSum", "Capacity", "Encoded", "QSum", "Reducer", "SignCount", "SignGather",
-    "SignScatter",
+    "REDUCERS", "AllReduce", "BlockQScatter", "BlockQSum", "Capacity", "Encoded", "QSum", "Reducer", "SignCount",
+    "SignGather", "SignScatter",
     "all_gather_flat", "allgather_factor", "allreduce_factor", "candidates", "gather_scales", "mean_of_ranks",
 ]
 

@@ -174,7 +174,8 @@ def test_bq2_at_w8_and_the_cost_model():
     plain, scatter = pair("bq2")
     n = 1 << 20
     assert plain.bits_per_element(8, n) == pytest.approx(8.83, abs=0.01)
-    assert scatter.bits_per_element(8, n) == pytest.approx(0.875 * (2 + 64 / 13) + 1.75 * 8 / 64, abs=0.01)  # codes: 1 byte / 64
+    # own levels 2 bits + sums in 13 base-25 digits per int64, (W-1)/W each; codes 1 byte per 64 on a ring
+    assert scatter.bits_per_element(8, n) == pytest.approx(0.875 * (2 + 64 / 13) + 1.75 * 8 / 64, abs=0.01)
     cm = default_cost_model(8)
     assert cm.time("blockqscatter-bq2", n) < cm.time("blockq-bq2", n)
     # the codes' round: one all-reduce latency (blocking_rounds), its bytes at the all-reduce bandwidth
