@@ -25,9 +25,11 @@ FP32 = "allreduce-fp32"
 
 
 def route_label(key: str) -> str:
-    """The route name statistics use for a reducer key (sign split by reducer)."""
-    if key.startswith("blockq-"):
-        return key.removeprefix("blockq-")
+    """The route name statistics use for a reducer key (sign split by reducer; a block route's two
+    reducers give the same values, so both are the route: `bq3`)."""
+    for prefix in ("blockq-", "blockqscatter-"):
+        if key.startswith(prefix):
+            return key.removeprefix(prefix)
     return {"allreduce-fp32": "fp32", "allreduce-bf16": "bf16", "allreduce-fp16": "fp16",
             "qsum-q8": "q8", "qsum-q4": "q4", "qsum-q2": "q2"}.get(key, key)
 

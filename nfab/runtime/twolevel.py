@@ -15,9 +15,12 @@ before the bucket's other groups and its control word are launched as on the fla
   orders on different ranks). FP32 groups and control words still overlap backward.
 
 Routes are decided at W = nodes (capacity, lane widths, the cheapest sign reducer and the
-cost gate all see the cross level, where the lossy bytes go). qsum's shared scale is agreed
-exactly across nodes every step (`qsum_scale` applies to the flat path only), and the
-fidelity probe samples only groups the flat path sends.
+cost gate all see the cross level, where the lossy bytes go). A block route may pick
+blockqscatter there: `cross` runs any reducer's agree / encode / launch / decode, so its
+all-to-all and all-gather both go out on the cross group from the hook body, and it is a
+`BlockQSum` for the stratified noise (tests/runtime/test_hierarchy_dist.py: blockq's bits).
+qsum's shared scale is agreed exactly across nodes every step (`qsum_scale` applies to the
+flat path only), and the fidelity probe samples only groups the flat path sends.
 
 Error feedback per shard: the lossy step is the cross level's encoding of this rank's shard
 of its node mean, so what it drops, r = shard - decoded own contribution, lives on the one

@@ -147,3 +147,59 @@ def scale_blocks(out, block_starts, block_ends, scale_of_block):
         sc = scale_of_block[b]
         for i in range(block_starts[b], block_ends[b]):
             out[i] = out[i] * sc
+
+
+# ---- blockqscatter (`blockqscatter.py`): shards of bit lanes, the owner's exact sums --------------
+@njit(cache=True, nogil=True)
+def pack_lane_shards(values, numel, shard, lane_bits, lanes, out):
+    """out[r] = `lanes.pack(values[r*shard : (r+1)*shard], layout)` for every row r of `out`
+    (W x m containers, m * lanes == shard), elements at or past `numel` packed as 0: the lane
+    order of `lanes.pack` (blocks of at most 8 lanes, container-major within a block)."""
+    w, m = out.shape
+    for r in range(w):
+        first = r * shard
+        if first + shard <= numel:  # a whole shard: no bound check per element
+            _pack_row(values, first, m, lane_bits, lanes, out[r])
+            continue
+        for j in range(m):
+            c = np.int64(0)
+            for l0 in range(0, lanes, 8):
+                g = min(l0 + 8, lanes) - l0
+                for k in range(g):
+                    i = first + m * l0 + j * g + k
+                    if i < numel:
+                        c |= np.int64(values[i]) << np.int64((l0 + k) * lane_bits)
+            out[r, j] = c
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _pack_row(values, first, m, lane_bits, lanes, out):
+    """`pack_lane_shards` of one whole shard starting at `first`."""
+    for l0 in range(0, lanes, 8):
+        g = min(l0 + 8, lanes) - l0
+        base = first + m * l0
+        for j in range(m):
+            c = np.int64(0) if l0 == 0 else np.int64(out[j])
+            at = base + j * g
+            for k in range(g):
+                c |= np.int64(values[at + k]) << np.int64((l0 + k) * lane_bits)
+            out[j] = c
+
+
+@njit(cache=True, nogil=True)
+def sum_lane_rows(rows, lane_bits, lanes, out):
+    """out[e] = sum over rows r of lane value e of row r (`lanes.unpack` of each row's m
+    containers, added exactly as integers); out.size == m * lanes (a whole shard)."""
+    w, m = rows.shape
+    mask = np.int64((1 << lane_bits) - 1)
+    out[:] = 0
+    for r in range(w):
+        for l0 in range(0, lanes, 8):
+            g = min(l0 + 8, lanes) - l0
+            base = m * l0
+            for j in range(m):
+                c = np.int64(rows[r, j]) >> np.int64(l0 * lane_bits)
+                at = base + j * g
+                for k in range(g):
+                    out[at + k] += c & mask
+                    c >>= np.int64(lane_bits)

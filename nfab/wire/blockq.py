@@ -209,15 +209,7 @@ class BlockQSum(Reducer):
         stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
         compiled = _compiled(x, shared_scale) and x.dtype in fastpath.QSUM_DTYPES
         levels = (self._levels_compiled if compiled else self._levels)(x, lengths, shared_scale, stratum)
-        layout = self.layout(world_size)
-        if not isinstance(layout, RadixLayout):
-            payload = pack(levels, layout)
-        elif compiled:
-            assert blockkernels is not None
-            payload = torch.empty(layout.containers_for(levels.numel()), dtype=torch.int64, device="cpu")
-            blockkernels.radix_pack(levels.numpy(), layout.radix, layout.digits, payload.numpy())
-        else:
-            payload = radix.pack(levels, layout)
+        payload = self.pack_levels(levels, world_size, compiled)
         m = self.steps
         unit = torch.arange(m + 1, dtype=torch.float32, device=x.device) * (2.0 / m) - 1.0
 
@@ -225,6 +217,10 @@ class BlockQSum(Reducer):
             return unit[levels.long()] * self._element_scales(shared_scale, lengths)
 
         return Encoded(payload, None, make_local=local)
+
+    def pack_levels(self, levels: torch.Tensor, world_size: int, compiled: bool) -> torch.Tensor:
+        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`)."""
+        return pack_any(levels, self.layout(world_size), compiled)
 
     def _levels(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
                 stratum: noise.Stratum) -> torch.Tensor:
@@ -256,8 +252,7 @@ class BlockQSum(Reducer):
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:
         assert scale_mean is not None, "block-scaled qsum decodes with the agreed block scales"
         layout = self.layout(world_size)
-        total = self.steps * world_size
-        values = torch.arange(layout.max_value + 1, dtype=torch.float32, device=reduced.device) * (2.0 / total) - 1.0
+        values = self.sum_values(layout, world_size, reduced.device)
         if _compiled(reduced, scale_mean):
             one, _ = split_out(out)  # a bucket slice is decoded into directly; slices or bf16 by a copy
             direct = one if one is not None and _compiled(one) and one.dtype == torch.float32 else None
@@ -269,6 +264,11 @@ class BlockQSum(Reducer):
             mean = fastpath.decode_table(reduced, layout, numel, values)  # compiled on CPU, same values
         mean.mul_(self._element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
+
+    def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
+        """Unit mean of every W-rank sum of levels S: 2 * S / (M * W) - 1 (fp32 table)."""
+        total = self.steps * world_size
+        return torch.arange(layout.max_value + 1, dtype=torch.float32, device=device) * (2.0 / total) - 1.0
 
     def _decode_compiled(self, reduced: torch.Tensor, scale_mean: torch.Tensor, numel: int,
                          lengths: tuple[int, ...], layout: LaneLayout | RadixLayout, values: torch.Tensor,
@@ -380,6 +380,19 @@ def _strata_noise(keys: torch.Tensor, lengths: tuple[int, ...], shifts: tuple[in
             _NOISE_CACHE.pop(next(iter(_NOISE_CACHE)))
         _NOISE_CACHE[tag] = u
     return u
+
+
+def pack_any(values: torch.Tensor, layout: LaneLayout | RadixLayout, compiled: bool) -> torch.Tensor:
+    """`values` (non-negative integers) packed in bit lanes or radix digits; `compiled`: the
+    radix digits by the CPU kernel (same containers)."""
+    if not isinstance(layout, RadixLayout):
+        return pack(values, layout)
+    if compiled:
+        assert blockkernels is not None
+        payload = torch.empty(layout.containers_for(values.numel()), dtype=torch.int64, device="cpu")
+        blockkernels.radix_pack(values.numpy(), layout.radix, layout.digits, payload.numpy())
+        return payload
+    return radix.pack(values, layout)
 
 
 @lru_cache(maxsize=64)

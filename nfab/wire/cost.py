@@ -55,8 +55,9 @@ class CostModel:
         # one latency per collective, each kind at its own measured bandwidth. qsum's scale agreement is
         # not priced as a round: the runtime's delayed scales ride the control word.
         links = {"allreduce": self.allreduce, "allgather": self.allgather,
-                 "reducescatter": self.reducescatter or self.allreduce}
-        t = sum(links[kind].latency_s + b / links[kind].bandwidth_bps
+                 "reducescatter": self.reducescatter or self.allreduce, "blocking": self.allreduce}
+        # "blocking": the bytes of the blocking rounds (all-reduces), whose latency is counted below
+        t = sum((0.0 if kind == "blocking" else links[kind].latency_s) + b / links[kind].bandwidth_bps
                 for kind, b in red.link_bytes(numel, w, segments).items())
         t += red.blocking_rounds * self.allreduce.latency_s  # e.g. blockq's uint8 MAX of block codes
         return t + self.codec_s_per_element.get(key, 0.0) * numel

@@ -141,7 +141,9 @@ class Reducer(ABC):
     def link_bytes(self, numel: int, world_size: int, segments: int = 1) -> dict[str, float]:
         """`wire_bytes` split by the kind of collective that sends them ("allreduce",
         "allgather", "reducescatter"): the cost model prices each kind with its own measured
-        latency and bandwidth, one latency per collective."""
+        latency and bandwidth, one latency per collective. "blocking" holds the bytes of the
+        `blocking_rounds` when listed apart (all-reduce bandwidth; their latency is counted once,
+        per round)."""
         return {"allreduce": self.wire_bytes(numel, world_size, segments)}
 
     def bits_per_element(self, world_size: int, numel: int = 1 << 20) -> float:

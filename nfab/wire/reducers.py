@@ -19,6 +19,7 @@ import torch
 
 from nfab.wire import codecs
 from nfab.wire.blockq import BlockQSum, block_reducers
+from nfab.wire.blockqscatter import BlockQScatter, scatter_reducers
 from nfab.wire.qsum import QSum
 from nfab.wire.reducer import (  # re-exported: the reducer contract lives in reducer.py
     Capacity,
@@ -36,8 +37,8 @@ from nfab.wire.sign import SignCount, SignGather
 from nfab.wire.signscatter import SignScatter
 
 __all__ = [
-    "REDUCERS", "AllReduce", "BlockQSum", "Capacity", "Encoded", "QSum", "Reducer", "SignCount", "SignGather",
-    "SignScatter",
+    "REDUCERS", "AllReduce", "BlockQScatter", "BlockQSum", "Capacity", "Encoded", "QSum", "Reducer", "SignCount",
+    "SignGather", "SignScatter",
     "all_gather_flat", "allgather_factor", "allreduce_factor", "candidates", "gather_scales", "mean_of_ranks",
 ]
 
@@ -96,11 +97,12 @@ REDUCERS: dict[str, Reducer] = {
     "qsum-q4": QSum(4),
     "qsum-q2": QSum(2),
     **block_reducers(),  # blockq-bq3, blockq-bq4-128, ...
+    **scatter_reducers(block_reducers()),  # blockqscatter-bq3, ...: the same bits, fewer bytes
 }
 
 
 def candidates(route: str) -> list[Reducer]:
-    """Reducers that can carry a route; `sign` has three (chosen by cost and capacity)."""
+    """Reducers that can carry a route; `sign` has three, block routes two (chosen by cost and capacity)."""
     if route == "fp32":
         return [REDUCERS["allreduce-fp32"]]
     if route in ("bf16", "fp16"):
@@ -108,7 +110,8 @@ def candidates(route: str) -> list[Reducer]:
     if route in ("q8", "q4", "q2"):
         return [REDUCERS[f"qsum-{route}"]]
     if route in codecs.BLOCK_ROUTES:
-        return [REDUCERS[f"blockq-{route}"]]
+        # the same bits either way; blockq first: replay takes the first with capacity (its fast replay)
+        return [REDUCERS[f"blockq-{route}"], REDUCERS[f"blockqscatter-{route}"]]
     if route == "sign":
         return [REDUCERS["signgather"], REDUCERS["signcount"], REDUCERS["signscatter"]]
     raise ValueError(f"unknown route {route!r}; routes are {', '.join(codecs.ROUTES)}")

@@ -50,6 +50,26 @@ def test_two_nodes_of_two_match_the_replay_bit_for_bit_and_fp32_matches_all_redu
     assert not torch.equal(res[0]["signcount"], res[0]["flat-signcount"])
 
 
+def _two_level_block(rank: int, world: int, nodes: int) -> dict:
+    os.environ["LOCAL_WORLD_SIZE"] = str(world // nodes)
+    groups = hier.make_groups(hier.Topology.from_env())
+    # block routes round stratified across the cross group: the same key source on every rank
+    return {k: hier.reduce(grads(rank), REDUCERS[k], groups, LENGTHS, generator=gen(0))
+            for k in ("blockq-bq2", "blockqscatter-bq2", "blockq-bq3", "blockqscatter-bq3")}
+
+
+@pytest.mark.world_size(4)
+def test_cross_level_blockqscatter_is_blockq_bit_for_bit():
+    """The two-level path runs blockqscatter across nodes (its all-to-all and all-gather on the
+    cross group, W = nodes) to blockq's bits: the controller may pick either there."""
+    res = run_ranks(_two_level_block, 4, 2, timeout_s=180)
+    for r in range(4):
+        for bits in ("bq2", "bq3"):
+            got = res[r][f"blockqscatter-{bits}"]
+            assert torch.equal(got.view(torch.int32), res[r][f"blockq-{bits}"].view(torch.int32)), (bits, r)
+            assert torch.equal(got, res[0][f"blockqscatter-{bits}"])
+
+
 @pytest.mark.world_size(4)
 def test_vote_is_the_majority_of_node_sums_against_an_independent_reference():
     res = run_ranks(_two_level, 4, 2, timeout_s=180)

@@ -45,7 +45,8 @@ def test_scale_codes_are_the_smallest_covering_quarter_octave():
 
 def test_route_names_lanes_and_bytes():
     assert route_name(3) == "bq3" and route_name(4, 128) == "bq4-128"
-    assert [r.route for r in candidates("bq3")] == ["bq3"]
+    # blockq, then blockqscatter (the same bits, fewer bytes: tests/wire/test_blockqscatter.py)
+    assert [(r.name, r.route) for r in candidates("bq3")] == [("blockq", "bq3"), ("blockqscatter", "bq3")]
     assert candidates("bq4-128")[0].block == 128
     bq3 = REDUCERS["blockq-bq3"]
     assert isinstance(bq3, BlockQSum)

@@ -1,0 +1,84 @@
+"""The DDP hook runs blockqscatter (all-to-all + all-gather launched from the hook body) on real gloo ranks.
+
+Without a cost model the controller picks a block route's reducer by fewest wire bytes:
+blockqscatter. The same training, with a cost model that prices blockqscatter's codec out
+(so the controller picks blockq), must give the same gradients bit for bit at every step,
+with identical replicas and fewer bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).parent))
+import twins  # noqa: E402
+
+import nfab  # noqa: E402
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.wire.blockqscatter import BlockQScatter  # noqa: E402
+from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
+
+ROUTE = {"norm": "fp32", "bias": "fp32", "small": "bq2", "conv": "bq2", "linear": "bq2",
+         "embedding": "bq3", "head": "bq2", "other": "bq2"}
+
+
+def _train(rank: int, world_size: int, priced_out: bool, steps: int) -> dict:
+    """Train the twin model `steps` steps; each step's gradients, bytes and scatter launches."""
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    cm = None
+    if priced_out:  # blockqscatter's codec priced out: the controller picks blockq
+        link = LinkCost(1e-4, 1e9)
+        cm = CostModel("gloo", world_size, link, link, {"blockqscatter-bq2": 1.0, "blockqscatter-bq3": 1.0},
+                       source="test")
+    rt = nfab.attach(ddp, route=ROUTE, cost_model=cm, optimizer=opt)
+    launches = [0]
+    launch = BlockQScatter.launch
+
+    def counted(self, *args, **kwargs):  # instrumentation only: the real collectives run
+        launches[0] += 1
+        return launch(self, *args, **kwargs)
+
+    BlockQScatter.launch = counted  # type: ignore[method-assign]
+    out: dict = {"grads": [], "bytes": [], "replicas": [], "mix": []}
+    try:
+        for step in range(steps):
+            x, y = twins.batch(rank, step)
+            opt.zero_grad()
+            twins.loss_fn(ddp, x, y).backward()
+            st = rt.step_stats()
+            out["bytes"].append(st.wire_bytes)
+            out["mix"].append(st.route_elements)
+            out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            out["replicas"].append(twins.replicas_equal(model, world_size))
+    finally:
+        BlockQScatter.launch = launch  # type: ignore[method-assign]
+    out["launches"] = launches[0]
+    return out
+
+
+def _both(rank: int, world_size: int, steps: int) -> tuple[dict, dict]:
+    return _train(rank, world_size, False, steps), _train(rank, world_size, True, steps)
+
+
+@pytest.mark.world_size(3)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hook_picks_blockqscatter_and_matches_blockq_bit_for_bit(world_size):
+    steps = 4
+    for scatter, plain in run_ranks(_both, world_size, steps, timeout_s=240):
+        assert scatter["launches"] > 0 and plain["launches"] == 0
+        assert all(scatter["replicas"]) and all(plain["replicas"])
+        for a, b in zip(scatter["grads"], plain["grads"], strict=True):
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
+        assert all(s < p for s, p in zip(scatter["bytes"], plain["bytes"], strict=True))
+        assert scatter["mix"] == plain["mix"] and "bq2" in scatter["mix"][0]  # both reducers are the route bq2
