@@ -92,7 +92,7 @@ def register(app: typer.Typer) -> None:
         world_size: Annotated[int, typer.Option("--world-size", "-w", help="Virtual ranks W.")] = 4,
         routes: Annotated[str | None, typer.Option(
             help="Comma-separated routes to measure (default: every registered route but fp16, bq8 and the "
-                 "-128/-256 block variants: fp32,bf16,q8,q4,q2,sign,bq4,bq3,bq2).",
+                 "-128/-256 block variants: fp32,bf16,q8,q4,q2,sign,bq4,bq3,bl6,bl5,bq2).",
             show_default=False)] = None,
         phases: Annotated[int | None, typer.Option(help="Phase points at most (default 4; --quick 2).",
                                                    show_default=False)] = None,

@@ -15,8 +15,12 @@ parameter's encoding does not depend on its bucket neighbours):
    monotone in max |x|, so a MAX all-reduce of the uint8 codes gives every rank the code
    of the largest block max over ranks: one byte per block, and the agreed scale covers
    every rank's elements (nothing saturates below 2^23.75).
-2. *Levels*: x / scale in [-1, 1] is stochastically rounded to one of L = 2^bits levels
-   (M = L - 1 steps), unbiased.
+2. *Levels*: x / scale in [-1, 1] is stochastically rounded to one of L levels (M = L - 1
+   steps), unbiased. `bq<bits>` routes have L = 2^bits (bq2 = 4 levels, bq3 = 8, bq4 = 16,
+   bq8 = 256); `bl5` and `bl6` have 5 and 6 levels (64-element blocks only): the rounding
+   noise's variance goes as 1/M^2, so they sit between bq2 and bq3 in both bytes and error,
+   where the 1%-at-8x target lies. Nothing here needs L to be a power of two: the packings
+   below take W * M + 1 values for any M.
    The rounding is *stratified* across ranks (`noise.Stratum`): every rank draws the same
    key per segment and rank r shifts its uniform by r/W, so each rank stays unbiased while
    the W ranks' rounding errors of one element largely cancel in the sum. It costs no bytes;
@@ -62,11 +66,25 @@ SCALES = torch.tensor(
 )
 """The scale each uint8 code stands for (increasing; code 0 = all-zero block)."""
 LEVEL_BITS = (2, 3, 4, 8)
+"""Bits of levels of the `bq<bits>` routes (2^bits levels), registered at every block size."""
+EXTRA_LEVELS = (5, 6)
+"""Level counts that are no power of two (`bl5`, `bl6`), registered at 64-element blocks only."""
+BLOCKS = (DEFAULT_BLOCK, 128, 256)
 
 
 def route_name(bits: int, block: int = DEFAULT_BLOCK) -> str:
     """`bq3` for 64-element blocks, `bq4-128` for other block sizes."""
     return f"bq{bits}" if block == DEFAULT_BLOCK else f"bq{bits}-{block}"
+
+
+def levels_route_name(levels: int, block: int = DEFAULT_BLOCK) -> str:
+    """The route of `levels` levels per rank: `bq<bits>` for 2^bits levels with bits in LEVEL_BITS,
+    else `bl<levels>` ("block-scaled, <levels> levels": `bl5`, `bl6-128`). Its own prefix, since
+    `bq<n>` reads as n bits everywhere (README, profiles, users' configs)."""
+    bits = levels.bit_length() - 1
+    if levels == 1 << bits and bits in LEVEL_BITS:
+        return route_name(bits, block)
+    return f"bl{levels}" if block == DEFAULT_BLOCK else f"bl{levels}-{block}"
 
 
 def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
@@ -117,15 +135,23 @@ class BlockQSum(Reducer):
     needs_shared_scale = True
     blocking_rounds = 1  # the uint8 MAX all-reduce of the block codes, before encoding
 
-    def __init__(self, bits: int, block: int = DEFAULT_BLOCK) -> None:
-        if bits not in LEVEL_BITS:
+    def __init__(self, bits: int | None = None, block: int = DEFAULT_BLOCK, *, levels: int | None = None) -> None:
+        """`bits` (in LEVEL_BITS: 2^bits levels) or `levels` (2..256: uint8 levels), not both."""
+        if (bits is None) == (levels is None):
+            raise ValueError("block-scaled qsum takes bits or levels, one of them")
+        if bits is not None and bits not in LEVEL_BITS:
             raise ValueError(f"block-scaled qsum supports {LEVEL_BITS} bits of levels, got {bits}")
+        levels = 1 << bits if bits is not None else levels
+        assert levels is not None
+        if not 2 <= levels <= 256:
+            raise ValueError(f"block-scaled qsum takes 2..256 levels (uint8), got {levels}")
         if block < 8:
             raise ValueError(f"block size must be >= 8 elements, got {block}")
-        self.bits = bits
+        self.levels = levels
+        self.steps = levels - 1
+        self.bits = bits if bits is not None else _exact_bits(levels)  # None for bl5, bl6: no whole log2
         self.block = block
-        self.steps = (1 << bits) - 1
-        self.route = route_name(bits, block)
+        self.route = levels_route_name(levels, block)
 
     # ---- capacity and bytes -------------------------------------------------------
     def lane_bits(self, world_size: int) -> int:
@@ -403,11 +429,14 @@ def _packing(lane_bits: int, values: int) -> LaneLayout | RadixLayout:
     return digits if digits.bits_per_element < lanes.bits_per_element else lanes
 
 
+def _exact_bits(levels: int) -> int | None:
+    """log2(levels) when it is a whole number."""
+    bits = levels.bit_length() - 1
+    return bits if levels == 1 << bits else None
+
+
 def block_reducers() -> dict[str, BlockQSum]:
-    """The registered block-scaled routes, keyed by reducer key (`blockq-bq3`, ...)."""
-    out = {}
-    for bits in LEVEL_BITS:
-        for block in (DEFAULT_BLOCK, 128, 256):
-            red = BlockQSum(bits, block)
-            out[f"blockq-{red.route}"] = red
-    return out
+    """The registered block-scaled routes, keyed by reducer key (`blockq-bq3`, `blockq-bl5`, ...)."""
+    reds = [BlockQSum(bits, block) for bits in LEVEL_BITS for block in BLOCKS]
+    reds += [BlockQSum(levels=levels) for levels in EXTRA_LEVELS]
+    return {f"blockq-{red.route}": red for red in reds}

@@ -7,8 +7,9 @@ first half at the width of ONE rank's levels instead:
 
 1. the same scale codes (blocking uint8 MAX all-reduce) and the same stratified levels as
    `BlockQSum.encode` (inherited: the same bits);
-2. each rank packs its own levels densely (the W = 1 packing: M + 1 = 2**bits values, so bit
-   lanes, 2 bits per element for bq2) in W shards of `shard_numel` elements, the tail padded
+2. each rank packs its own levels densely (the W = 1 packing of M + 1 values: bit lanes for
+   2**bits levels, 2 bits per element for bq2; base-5 or base-6 digits of an int64 for bl5 and
+   bl6, 2.37 and 2.67 bits) in W shards of `shard_numel` elements, the tail padded
    with level 0 (never decoded), and `all_to_all_single` hands rank r every rank's levels
    of shard r;
 3. rank r (the shard's owner) adds the W ranks' levels exactly (integers) and packs the
@@ -41,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import fastpath
+from nfab.wire import fastpath, radix
 from nfab.wire.blockq import BlockQSum, _block_bounds, _compiled, blockkernels, pack_any
 from nfab.wire.lanes import LaneLayout, pack, unpack
 from nfab.wire.radix import RadixLayout
@@ -65,12 +66,11 @@ class BlockQScatter(BlockQSum):
     name = "blockqscatter"
 
     # ---- geometry ------------------------------------------------------------------------
-    def own_layout(self) -> LaneLayout:
-        """One rank's levels: the W = 1 packing (bit lanes: M + 1 = 2**bits is a power of two,
-        so radix digits never pack denser)."""
-        layout = self.layout(1)
-        assert isinstance(layout, LaneLayout), layout
-        return layout
+    def own_layout(self) -> LaneLayout | RadixLayout:
+        """One rank's levels: the W = 1 packing, the denser of bit lanes and base-L digits (L = M + 1
+        levels): bit lanes for 2**bits levels (they fill them exactly), int64 digits for bl5 (27
+        base-5 digits: 2.37 bits per element against 3-bit lanes) and bl6 (24 base-6: 2.67)."""
+        return self.layout(1)
 
     def shard_numel(self, numel: int, world_size: int) -> int:
         """Elements per shard: numel / W rounded up to whole containers of both packings, so an
@@ -82,7 +82,7 @@ class BlockQScatter(BlockQSum):
     def payload_bytes(self, numel: int, world_size: int) -> int:
         """This rank's all-to-all payload: its own levels for all W shards."""
         lay = self.own_layout()
-        return world_size * (self.shard_numel(numel, world_size) // lay.lanes) * lay.storage_bits // 8
+        return world_size * (self.shard_numel(numel, world_size) // per_container(lay)) * lay.storage_bits // 8
 
     def sums_bytes(self, numel: int, world_size: int) -> int:
         """One owner's packed sums (the all-gather's per-rank part)."""
@@ -111,6 +111,8 @@ class BlockQScatter(BlockQSum):
         """Own levels in W shards of `shard_numel`, each packed in `own_layout` (the tail is level 0)."""
         lay, n = self.own_layout(), levels.numel()
         shard = self.shard_numel(n, world_size)
+        if isinstance(lay, RadixLayout):
+            return _pack_digit_shards(levels, lay, world_size * shard, compiled)
         if compiled:
             assert blockkernels is not None
             out = torch.empty(world_size, shard // lay.lanes, dtype=lay.container, device="cpu")
@@ -126,11 +128,14 @@ class BlockQScatter(BlockQSum):
         packed in `layout(W)`."""
         own, lay = self.own_layout(), self.layout(world_size)
         rows = received.view(world_size, received.numel() // world_size)
-        shard = rows.shape[1] * own.lanes
+        shard = rows.shape[1] * per_container(own)
         if _compiled(received):
             assert blockkernels is not None
             sums = np.empty(shard, dtype=np.int32)
-            blockkernels.sum_lane_rows(rows.numpy(), own.lane_bits, own.lanes, sums)
+            if isinstance(own, RadixLayout):
+                _sum_digit_rows(rows.numpy(), own, sums)
+            else:
+                blockkernels.sum_lane_rows(rows.numpy(), own.lane_bits, own.lanes, sums)
             if isinstance(lay, RadixLayout):
                 return pack_any(torch.from_numpy(sums), lay, True)
             out = torch.empty(1, shard // lay.lanes, dtype=lay.container, device="cpu")
@@ -138,7 +143,8 @@ class BlockQScatter(BlockQSum):
             return out.view(-1)
         sums = torch.zeros(shard, dtype=torch.int64, device=received.device)
         for row in rows:
-            sums += unpack(row, own, shard).to(torch.int64)
+            sums += (radix.unpack(row, own, shard) if isinstance(own, RadixLayout) else unpack(row, own, shard)
+                     ).to(torch.int64)
         return pack_any(sums, lay, False)
 
     def launch(self, payload, world_size, group):
@@ -185,6 +191,29 @@ def scatter_reducers(block_reducers: dict[str, BlockQSum]) -> dict[str, BlockQSc
     """A `blockqscatter-<route>` for every registered `blockq-<route>`, same bits and block."""
     out = {}
     for red in block_reducers.values():
-        scatter = BlockQScatter(red.bits, red.block)
+        scatter = BlockQScatter(levels=red.levels, block=red.block)
         out[f"blockqscatter-{scatter.route}"] = scatter
     return out
+
+
+def _pack_digit_shards(levels: torch.Tensor, layout: RadixLayout, padded: int, compiled: bool) -> torch.Tensor:
+    """Levels padded with 0 to `padded` elements (W whole shards), packed as base-L digits: digits
+    are consecutive and a shard is whole containers, so this is the shards' packings, concatenated."""
+    if compiled:  # the kernel packs the missing digits as 0
+        assert blockkernels is not None
+        out = torch.empty(padded // layout.digits, dtype=torch.int64, device="cpu")
+        blockkernels.radix_pack(levels.numpy(), layout.radix, layout.digits, out.numpy())
+        return out
+    full = torch.zeros(padded, dtype=torch.uint8, device=levels.device)
+    full[: levels.numel()] = levels
+    return radix.pack(full, layout)
+
+
+def _sum_digit_rows(rows: np.ndarray, layout: RadixLayout, out: np.ndarray) -> None:
+    """out[e] = sum over rows of digit e of the row's containers (exact integers): the owner's
+    sum of W ranks' own levels packed as base-L digits."""
+    digits = np.empty(out.size, dtype=np.uint8)
+    out[:] = 0
+    for row in rows:
+        blockkernels.radix_digits(row, layout.radix, layout.digits, out.size, digits)
+        out += digits

@@ -2,7 +2,7 @@
 
 Pure functions over torch tensors (any device). The reducers in `reducers.py` compose
 these with lane packing and collectives. Route names are the user's vocabulary:
-`fp32`, `bf16`, `fp16`, `q8`, `q4`, `q2` and `sign`.
+`fp32`, `bf16`, `fp16`, `q8`, `q4`, `q2`, `sign` and the block-scaled `BLOCK_ROUTES`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import torch
 
 from nfab.wire import fastpath
 
-BLOCK_ROUTES: tuple[str, ...] = tuple(
-    f"bq{bits}{'' if block == 64 else f'-{block}'}" for block in (64, 128, 256) for bits in (8, 4, 3, 2))
-"""Block-scaled qsum (wire/blockq.py): `bq3` = 8 levels per rank, one agreed scale per 64
-elements; `bq4-128` = 16 levels, 128-element blocks."""
+BLOCK_ROUTES: tuple[str, ...] = ("bq8", "bq4", "bq3", "bl6", "bl5", "bq2", *(
+    f"bq{bits}-{block}" for block in (128, 256) for bits in (8, 4, 3, 2)))
+"""Block-scaled qsum (wire/blockq.py), dearest first: `bq<bits>` = 2^bits levels per rank (`bq2` = 4
+levels, `bq3` = 8), one agreed scale per 64 elements; `bl5`, `bl6` = 5 and 6 levels ("block-scaled,
+5/6 levels", 64-element blocks only); `bq4-128` = 16 levels, 128-element blocks."""
 ROUTES: tuple[str, ...] = ("fp32", "bf16", "fp16", "q8", "q4", "q2", "sign", *BLOCK_ROUTES)
 """Every route a profile or a user may name, cheapest-last is NOT implied."""
 

@@ -25,9 +25,12 @@ from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
 ROUTE = {"norm": "fp32", "bias": "fp32", "small": "bq2", "conv": "bq2", "linear": "bq2",
          "embedding": "bq3", "head": "bq2", "other": "bq2"}
+LEVELS = {**ROUTE, "linear": "bl5", "conv": "bl6"}
+"""5 and 6 levels (no power of two: own levels in base-5/base-6 digits) beside bq2 and bq3."""
+ROUTES = {"bq": ROUTE, "levels": LEVELS}
 
 
-def _train(rank: int, world_size: int, priced_out: bool, steps: int) -> dict:
+def _train(rank: int, world_size: int, priced_out: bool, steps: int, routes: str = "bq") -> dict:
     """Train the twin model `steps` steps; each step's gradients, bytes and scatter launches."""
     torch.manual_seed(0)
     model = twins.Awkward()
@@ -36,9 +39,9 @@ def _train(rank: int, world_size: int, priced_out: bool, steps: int) -> dict:
     cm = None
     if priced_out:  # blockqscatter's codec priced out: the controller picks blockq
         link = LinkCost(1e-4, 1e9)
-        cm = CostModel("gloo", world_size, link, link, {"blockqscatter-bq2": 1.0, "blockqscatter-bq3": 1.0},
-                       source="test")
-    rt = nfab.attach(ddp, route=ROUTE, cost_model=cm, optimizer=opt)
+        priced = {f"blockqscatter-{r}": 1.0 for r in ("bq2", "bq3", "bl5", "bl6")}
+        cm = CostModel("gloo", world_size, link, link, priced, source="test")
+    rt = nfab.attach(ddp, route=ROUTES[routes], cost_model=cm, optimizer=opt)
     launches = [0]
     launch = BlockQScatter.launch
 
@@ -65,15 +68,15 @@ def _train(rank: int, world_size: int, priced_out: bool, steps: int) -> dict:
     return out
 
 
-def _both(rank: int, world_size: int, steps: int) -> tuple[dict, dict]:
-    return _train(rank, world_size, False, steps), _train(rank, world_size, True, steps)
+def _both(rank: int, world_size: int, steps: int, routes: str = "bq") -> tuple[dict, dict]:
+    return _train(rank, world_size, False, steps, routes), _train(rank, world_size, True, steps, routes)
 
 
 @pytest.mark.world_size(3)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_hook_picks_blockqscatter_and_matches_blockq_bit_for_bit(world_size):
+@pytest.mark.parametrize("world_size,routes", [(2, "bq"), (3, "bq"), (2, "levels")])
+def test_hook_picks_blockqscatter_and_matches_blockq_bit_for_bit(world_size, routes):
     steps = 4
-    for scatter, plain in run_ranks(_both, world_size, steps, timeout_s=240):
+    for scatter, plain in run_ranks(_both, world_size, steps, routes, timeout_s=240):
         assert scatter["launches"] > 0 and plain["launches"] == 0
         assert all(scatter["replicas"]) and all(plain["replicas"])
         for a, b in zip(scatter["grads"], plain["grads"], strict=True):
@@ -81,4 +84,6 @@ def test_hook_picks_blockqscatter_and_matches_blockq_bit_for_bit(world_size):
             for name in a:
                 assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
         assert all(s < p for s, p in zip(scatter["bytes"], plain["bytes"], strict=True))
-        assert scatter["mix"] == plain["mix"] and "bq2" in scatter["mix"][0]  # both reducers are the route bq2
+        # both reducers carry the same routes: bq2 (linear, conv), or bl5 and bl6 there
+        want = {"bq2"} if routes == "bq" else {"bl5", "bl6"}
+        assert scatter["mix"] == plain["mix"] and want <= set(scatter["mix"][0])

@@ -61,12 +61,12 @@ def test_route_names_lanes_and_bytes():
     assert 5.5 < fp32 / bq3.wire_bytes(n, 4) < 6.5  # ~6x fewer bytes than FP32 at W=4
 
 
-def _independent(xs: list[torch.Tensor], bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _independent(xs: list[torch.Tensor], steps: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean the reduction must produce, computed element by element from the definition:
     per block the scale 2^(c/4) covering every rank's max |x|, each rank's levels rounded with
     its own stratum of the one shared noise stream (u shifted by r/W mod 1), summed, decoded.
     Returns (mean, per-element scale)."""
-    w, m = len(xs), (1 << bits) - 1
+    w, m = len(xs), steps
     n = xs[0].numel()
     scale = torch.empty(n)
     pos = 0
@@ -91,8 +91,9 @@ def _independent(xs: list[torch.Tensor], bits: int, block: int) -> tuple[torch.T
     return mean, scale
 
 
-KEYS_AT = {2: ("blockq-bq3", "blockq-bq2"), 3: ("blockq-bq4-128", "blockq-bq3", "blockq-bq2-256"),
-           4: ("blockq-bq3", "blockq-bq8", "blockq-bq2")}
+KEYS_AT = {2: ("blockq-bq3", "blockq-bq2", "blockq-bl5", "blockq-bl6"),
+           3: ("blockq-bq4-128", "blockq-bq3", "blockq-bq2-256", "blockq-bl5", "blockq-bl6"),
+           4: ("blockq-bq3", "blockq-bq8", "blockq-bq2", "blockq-bl5", "blockq-bl6")}
 
 
 def _reduce(rank: int, world_size: int) -> dict:
@@ -116,7 +117,7 @@ def test_gloo_reduction_equals_replay_and_an_independent_computation(world_size)
         replay = red.replay(xs, LENGTHS, _gens(world_size))
         for r in res:
             assert torch.equal(r[key], replay)  # one-process replay is bit-identical to the wire
-        want, scale = _independent(xs, red.bits, red.block)
+        want, scale = _independent(xs, red.steps, red.block)
         assert torch.allclose(replay, want, rtol=0, atol=1e-6 * float(scale.max()))
         # and it estimates the mean: at most one level of one rank away, per element
         err = (replay - torch.stack(xs).mean(0)).abs()
@@ -131,7 +132,7 @@ def test_stochastic_rounding_is_unbiased():
             for s in range(200)]
     mean = torch.stack(runs).mean(0)
     truth = torch.stack(xs).mean(0)
-    _, scale = _independent(xs, 3, 64)
+    _, scale = _independent(xs, 7, 64)
     # 200 draws: the error of the average shrinks by ~14x against one level
     assert bool(((mean - truth).abs() <= scale * (2.0 / 7) / 4 + 1e-12).all())
 
@@ -144,7 +145,8 @@ def test_non_finite_input_is_flagged_by_the_block_maxima():
     assert bool(torch.isfinite(red.local_scale(_x(0), LENGTHS)).all())
 
 
-@pytest.mark.parametrize("key,world_size", [("blockq-bq3", 4), ("blockq-bq2", 4), ("blockq-bq2", 8), ("blockq-bq4", 3)])
+@pytest.mark.parametrize("key,world_size", [("blockq-bq3", 4), ("blockq-bq2", 4), ("blockq-bq2", 8), ("blockq-bq4", 3),
+                                            ("blockq-bl5", 4), ("blockq-bl6", 3)])
 def test_stratified_rounding_cancels_across_ranks(key, world_size):
     """Identical inputs on every rank: the W strata of one element sum to within ONE level of
     the exact W * level (Hermite's identity), so the mean is within 1/W of a level; independent
@@ -152,7 +154,7 @@ def test_stratified_rounding_cancels_across_ranks(key, world_size):
     red = REDUCERS[key]
     x = _x(0)
     xs = [x.clone() for _ in range(world_size)]
-    _, scale = _independent(xs, red.bits, red.block)
+    _, scale = _independent(xs, red.steps, red.block)
     step = scale * (2.0 / red.steps)
     for seed in range(3):
         got = red.replay(xs, LENGTHS, [torch.Generator().manual_seed(seed)] + [None] * (world_size - 1))
@@ -173,18 +175,18 @@ def test_bq2_packs_base_13_digits_at_w4_and_beats_8x():
     assert fp32 / REDUCERS["blockq-bq2-128"].wire_bytes(n, 4) > 8.2
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("levels", [4, 8, 16, 256, 5, 6])
 @pytest.mark.parametrize("world_size", [1, 3, 4, 8])
-def test_summed_replay_equals_the_packed_lanes_bit_for_bit(bits, world_size):
+def test_summed_replay_equals_the_packed_lanes_bit_for_bit(levels, world_size):
     """Replay sums the ranks' levels directly (`_replay_summed`); the generic path packs them in
     lanes (bit or radix), adds the containers and unpacks: same means and locals, bit for bit."""
     from nfab.wire import noise
     from nfab.wire.reducer import Reducer
 
     for block in (64, 256):
-        red = BlockQSum(bits, block)
+        red = BlockQSum(levels=levels, block=block)
         xs = [_x(r % 5) * (1 + r) for r in range(world_size)]
-        keys = noise.draw_keys(torch.Generator().manual_seed(bits), len(LENGTHS), torch.device("cpu"))
+        keys = noise.draw_keys(torch.Generator().manual_seed(levels), len(LENGTHS), torch.device("cpu"))
         gens = noise.stratified(keys, world_size)
         summed = red._replay_summed(xs, LENGTHS, gens)
         assert summed is not None

@@ -48,13 +48,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert torch.equal(a, b)
 
 
-ROUTES = [(2, 64), (3, 64), (4, 64), (8, 64), (2, 128), (3, 256)]
+ROUTES = [(4, 64), (8, 64), (16, 64), (256, 64), (4, 128), (8, 256), (5, 64), (6, 64)]
+"""(levels, block): bq2, bq3, bq4, bq8, bq2-128, bq3-256, bl5, bl6."""
 
 
-@pytest.mark.parametrize("bits,block", ROUTES)
+@pytest.mark.parametrize("levels,block", ROUTES)
 @pytest.mark.parametrize("world_size", [2, 4, 8, 16])
-def test_compiled_encode_and_decode_are_the_reference_bits(bits: int, block: int, world_size: int) -> None:
-    red = BlockQSum(bits, block)
+def test_compiled_encode_and_decode_are_the_reference_bits(levels: int, block: int, world_size: int) -> None:
+    red = BlockQSum(levels=levels, block=block)
     if not red.capacity(world_size).ok:
         pytest.skip("over capacity")
     xs = [_x(r) for r in range(world_size)]
@@ -86,6 +87,10 @@ def test_radix_layouts_are_covered() -> None:
     # the digits path is what bq2 uses at every W here; bq3 at W=4 is bit lanes
     assert all(isinstance(BlockQSum(2).layout(w), RadixLayout) for w in (2, 4, 8, 16))
     assert not isinstance(BlockQSum(3).layout(4), RadixLayout)
+    # 5 and 6 levels: digits for one rank (27 base-5, 24 base-6 per int64) and for the sum at W=4
+    assert [(BlockQSum(levels=v).layout(1).radix, BlockQSum(levels=v).layout(1).digits) for v in (5, 6)] == [
+        (5, 27), (6, 24)]
+    assert all(isinstance(BlockQSum(levels=v).layout(w), RadixLayout) for v in (5, 6) for w in (2, 4, 8))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
