@@ -29,6 +29,8 @@ LABELS: dict[str, str] = {
     "sign": "nfab static sign (error feedback auto: off under AdamW)",
     "sign-ef": "nfab static sign + error feedback forced (health monitor on)",
     "bq3": "nfab static bq3 (block-scaled 3-bit qsum)",
+    "bl6": "nfab static bl6 (block-scaled qsum, 6 levels)",
+    "bl5": "nfab static bl5 (block-scaled qsum, 5 levels)",
     "bq2": "nfab static bq2 (block-scaled 2-bit qsum)",
     "profile": "**nfab calibrated profile**",
 }

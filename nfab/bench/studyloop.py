@@ -12,6 +12,7 @@ spawned here. The variant decides only what the loop registers on DDP:
 | `sign` | `nfab.attach(route="sign", optimizer=opt)`: error feedback "auto" (off under Adam-style optimizers) |
 | `sign-ef` | the same with `error_feedback=True` forced: what the health monitor must catch |
 | `bq3` | `nfab.attach(route="bq3", optimizer=opt)`: block-scaled 3-bit qsum everywhere |
+| `bl6`, `bl5` | the same with 6 and 5 levels (between bq3 and bq2 in bytes and in rounding error) |
 | `bq2` | the same with 4 levels (base-13 digits at W=4: past 8x fewer bytes) |
 | `profile` | `nfab.attach(profile, optimizer=opt)` (a calibrated profile) |
 
@@ -52,7 +53,8 @@ from nfab.data.loader import make_eval_loader
 from nfab.models import build_model
 from nfab.wire.reducers import allreduce_factor
 
-VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bq2", "profile")
+VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5", "bq2",
+                             "profile")
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
 COLLECTIVE_TIMEOUT_S = 300
@@ -215,7 +217,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant.split("-r")[1]),
                                    start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    elif variant in ("sign", "sign-ef", "bq3", "bq2"):
+    elif variant in ("sign", "sign-ef", "bq3", "bl6", "bl5", "bq2"):
         runtime = nfab.attach(ddp, route=variant.removesuffix("-ef"), optimizer=opt,
                               error_feedback=True if variant == "sign-ef" else "auto", cost_model=None, seed=seed,
                               total_steps=setting.steps, head_modules=spec.head_modules)
