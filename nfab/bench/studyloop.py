@@ -53,8 +53,8 @@ from nfab.data.loader import make_eval_loader
 from nfab.models import build_model
 from nfab.wire.reducers import allreduce_factor
 
-VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5", "bq2",
-                             "profile")
+VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5",
+                             "bq2", "profile")
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
 COLLECTIVE_TIMEOUT_S = 300

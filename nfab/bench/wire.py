@@ -1,8 +1,8 @@
 """Wire benchmark: codec speed beside a plain copy, and bits on the wire beside fp32.
 
-Throughput is GB/s of fp32 gradient (numel * 4 bytes / seconds) on one core, for
-encode + decode of one rank's contribution at each world size (lane widths, and so the
-kernels, change with W), timed right beside a plain copy of the same tensor: the ratio
+Throughput is GB/s of fp32 gradient (numel * 4 bytes / seconds) on one core, for one rank's
+codec work at each world size (`cost.codec_work`: encode, the shard owner's step of the
+two-phase reducers on its one shard, decode; lane widths, and so the kernels, change with W), timed right beside a plain copy of the same tensor: the ratio
 is the figure to read on a shared machine. Bits per element come from each reducer's
 `wire_bytes` (what a rank actually sends) at W = 2, 4, 8, 16. `first_call_s` is the
 first encode+decode at that W in this process: it includes compiling the CPU kernels
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from nfab.fsutil import atomic_write_json
-from nfab.wire.cost import best_time
+from nfab.wire.cost import best_time, codec_work
 from nfab.wire.reducers import REDUCERS, Reducer
 
 WORLD_SIZES: tuple[int, ...] = (2, 4, 8, 16)
@@ -46,24 +46,6 @@ class WireRow:
     ratio_to_copy: float | None
     first_call_s: float | None
     numel: int
-
-
-def _encode_decode_fn(red: Reducer, x: torch.Tensor, world_size: int):
-    """A closure that runs one rank's encode and the decode of a reduced payload into a
-    preallocated output, as the hook decodes into the bucket it was given (`out=`)."""
-    lengths = [x.numel()]
-    shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
-    enc = red.encode(x, lengths, world_size, shared, torch.Generator().manual_seed(0))
-    reduced = red.combine([enc.payload] * world_size)  # what the collective makes of W copies
-    scale = enc.scales if enc.scales is not None else shared
-    out = torch.empty_like(x)
-
-    def run() -> None:
-        s = red.local_scale(x, lengths) if red.needs_shared_scale else None
-        red.encode(x, lengths, world_size, s, None)
-        red.decode(reduced, scale, x.numel(), lengths, world_size, out=out)
-
-    return run
 
 
 def _best_pair(copy: Callable[[], object], run: Callable[[], object], reps: int) -> tuple[float, float]:
@@ -116,7 +98,7 @@ def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
                 ok, text = _capacity_text(red, w)
                 ed_gbps = first = None
                 if ok:
-                    run = _encode_decode_fn(red, x, w)
+                    run = codec_work(red, x, w)
                     t0 = time.process_time()
                     run()
                     first = time.process_time() - t0

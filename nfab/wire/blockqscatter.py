@@ -156,11 +156,18 @@ class BlockQScatter(BlockQSum):
         work = all_gather_flat(out, mine, group=group, async_op=True)
         return work.get_future().then(lambda _: out)
 
+    def owner_share(self, payloads, rank):
+        """Every rank's containers of shard `rank`, in rank order: what the all-to-all hands its owner."""
+        w = len(payloads)
+        return torch.cat([p.reshape(w, p.numel() // w)[rank] for p in payloads])
+
+    def owner_step(self, received, world_size):
+        return self.owner_sums(received, world_size)
+
     def combine(self, payloads):
         """What all-to-all + owner sums + all-gather compute, for W virtual ranks (rank order)."""
         w = len(payloads)
-        rows = torch.stack([p.reshape(w, p.numel() // w) for p in payloads])  # source x shard x containers
-        return torch.cat([self.owner_sums(rows[:, r].reshape(-1), w) for r in range(w)])
+        return torch.cat([self.owner_step(self.owner_share(payloads, r), w) for r in range(w)])
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:

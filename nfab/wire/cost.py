@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def measure_codecs(world_size: int, numel: int = 1 << 18, reps: int = 3,
     for key, red in REDUCERS.items():
         if key == "allreduce-fp32" or not red.capacity(world_size).ok:
             continue
-        out[key] = best_time(lambda r=red: done(_encode_decode(r, x, world_size)), reps) / numel
+        run = codec_work(red, x, world_size)
+        out[key] = best_time(lambda r=run: done(r()), reps) / numel
     return out
 
 
@@ -133,14 +135,28 @@ def _synchronizer(device: torch.device | str):
     return lambda result=None: result
 
 
-def _encode_decode(red: Reducer, x: torch.Tensor, world_size: int) -> torch.Tensor:
+def codec_work(red: Reducer, x: torch.Tensor, world_size: int) -> Callable[[], torch.Tensor]:
+    """One rank's codec work per step as a closure: its scale, its encode, its owner step (two-phase
+    reducers: on its one shard) and the decode of a reduced payload into a preallocated output, as the
+    hook decodes into its bucket. What the network computes (the payloads' sum, for W copies of this
+    rank's payload) is made once, outside: no rank does it."""
     lengths = [x.numel()]
     shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
-    enc = red.encode(x, lengths, world_size, shared)
-    # decode a result of the reduced shape: what the collective makes of W copies of this payload
-    reduced = red.combine([enc.payload] * world_size)
+    enc = red.encode(x, lengths, world_size, shared, torch.Generator(device=x.device).manual_seed(0))
+    payloads = [enc.payload] * world_size
+    reduced = red.combine(payloads)
+    share = red.owner_share(payloads, 0)
     scale = enc.scales if enc.scales is not None else shared
-    return red.decode(reduced, scale, x.numel(), lengths, world_size)
+    out = torch.empty_like(x)
+
+    def run() -> torch.Tensor:
+        s = red.local_scale(x, lengths) if red.needs_shared_scale else None
+        red.encode(x, lengths, world_size, s, None)
+        if share is not None:
+            red.owner_step(share, world_size)
+        return red.decode(reduced, scale, x.numel(), lengths, world_size, out=out)
+
+    return run
 
 
 MIN_BANDWIDTH_BPS = 1e6  # 8 Mbit/s: anything slower is a measurement accident

@@ -302,3 +302,28 @@ def pack_bytes(values, lane_bits, out):
         for e in range(whole * lanes, n):
             c |= np.int64(values[e]) << ((e - whole * lanes) * lane_bits)
         out[whole] = c
+
+
+# ---- count lanes -> small digits (signscatter's owner step) ---------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def byte_lane_digits(containers, lane_bits, lanes, numel, digit, out):
+    """out[e] = digit[lane value of element e] (uint8) for e < numel, uint8 containers (consecutive
+    lanes): `decode_byte_lanes` with a uint8 table, for a shard's counts -> majority digits."""
+    mask = (1 << lane_bits) - 1
+    whole = min(containers.size, numel // lanes)
+    for j in range(whole):
+        c = np.int64(containers[j])
+        for lane in range(lanes):
+            out[j * lanes + lane] = digit[(c >> (lane * lane_bits)) & mask]
+    for e in range(whole * lanes, numel):
+        out[e] = digit[(np.int64(containers[e // lanes]) >> ((e % lanes) * lane_bits)) & mask]
+
+
+@njit(cache=True, nogil=True)
+def pack_trits(digits, out):
+    """Digits in {0, 1, 2} (a multiple of 5) -> bytes of 5 base-3 digits, digit i times 3**i."""
+    for o in range(out.size):
+        i = 5 * o
+        out[o] = digits[i] + 3 * digits[i + 1] + 9 * digits[i + 2] + 27 * digits[i + 3] + 81 * digits[i + 4]

@@ -170,6 +170,17 @@ class Reducer(ABC):
     def launch(self, payload: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.futures.Future:
         """Start the one payload collective asynchronously; the future's value is the result."""
 
+    # ---- two-phase reducers: a reduce-scatter or all-to-all, the shard owner's step, an all-gather ----
+    def owner_share(self, payloads: Sequence[torch.Tensor], rank: int) -> torch.Tensor | None:
+        """What rank `rank` holds after the first of two collectives, made from W ranks' payloads in
+        one process; None for a reducer with one collective (no owner step). Benchmarks and the cost
+        model time `owner_step` on it: it is codec work each rank does on its shard."""
+        return None
+
+    def owner_step(self, received: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The shard owner's work between the two collectives (what it all-gathers)."""
+        raise NotImplementedError(f"{self.name} sends one collective: it has no owner step")
+
     def combine(self, payloads: Sequence[torch.Tensor]) -> torch.Tensor:
         """What the collective computes, for W virtual ranks in one process (replay).
 

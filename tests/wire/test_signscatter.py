@@ -13,6 +13,7 @@ import torch
 from nfab.distributed import run_ranks
 from nfab.wire import fastpath
 from nfab.wire.cost import default_cost_model
+from nfab.wire.lanes import layout_for, pack, unpack
 from nfab.wire.reducers import REDUCERS, SignScatter
 from nfab.wire.signscatter import pack_trits, unpack_trits
 
@@ -71,6 +72,28 @@ def test_compiled_equals_reference(world_size, numel, lengths):
     out = torch.full((numel + 2,), 3.0)
     red.decode(reduced, scales, numel, lengths, world_size, out=out[1:-1])
     assert torch.equal(out[1:-1], want) and out[0] == 3.0 and out[-1] == 3.0
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 7, 8, 9, 16])
+def test_owner_step_compiled_equals_reference(world_size):
+    """The owner's majority (bits at odd W, trits at even W) from summed count lanes: the host path
+    and the torch reference give the same bytes for every count 0..W, ties included."""
+    if not fastpath.AVAILABLE:
+        pytest.skip("numba not installed")
+    red = REDUCERS["signscatter"]
+    lay = red.layout(world_size)
+    shard = red.shard_numel(4003, world_size)
+    counts = torch.arange(shard, dtype=torch.int64) % (world_size + 1)
+    counts = counts[torch.randperm(shard, generator=torch.Generator().manual_seed(world_size))]
+    containers = pack(counts.to(lay.container), lay)
+    fast = red.owner_step(containers, world_size)
+    with fastpath.host_paths(False):
+        ref = red.owner_step(containers, world_size)
+    assert torch.equal(fast, ref)
+    majority = counts > world_size // 2
+    got = unpack_trits(fast, shard) if world_size % 2 == 0 else unpack(fast, layout_for(1), shard)
+    want = majority.to(torch.int64) + (counts >= world_size / 2).to(torch.int64) if world_size % 2 == 0 else majority
+    assert torch.equal(got.to(torch.int64), want.to(torch.int64))
 
 
 def test_trits_round_trip():
