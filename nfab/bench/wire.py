@@ -3,8 +3,9 @@
 Throughput is GB/s of fp32 gradient (numel * 4 bytes / seconds) on one core, for one rank's
 codec work at each world size (`cost.codec_work`: encode, the shard owner's step of the
 two-phase reducers on its one shard, decode; lane widths, and so the kernels, change with W),
-timed right beside a plain copy of the same tensor: the ratio is the figure to read on a shared machine. Bits per element come from each reducer's
-`wire_bytes` (what a rank actually sends) at W = 2, 4, 8, 16. `first_call_s` is the
+timed right beside a plain copy of the same tensor: the ratio is the figure to read on a shared
+machine. Bits per element come from each reducer's `wire_bytes` (what a rank actually sends) at
+W = 2, 4, 8, 16. `first_call_s` is the
 first encode+decode at that W in this process: it includes compiling the CPU kernels
 (or loading them from numba's on-disk cache). Times are CPU seconds of this process
 (`time.process_time`, one thread): on a shared machine they leave out the time spent
