@@ -117,6 +117,20 @@ def test_tighten_moves_the_riskiest_region_of_every_lossy_phase() -> None:
     assert tighten(only_late, frame.replace({"p2": "p1"}), segments_of(only_late, 100), 100, TOL)[1] == 50
 
 
+def test_tighten_moves_the_regions_that_hold_most_of_the_risk() -> None:
+    """conv alone holds 62% of the phase's risk (< RISK_SHARE): norm moves too; bias (1%) stays."""
+    rows = [("p0", reg, r, b, c) for reg in ("conv", "norm", "bias") for r, b, c in
+            (("fp32", 48.0, 1.0), ("q8", 12.0, 0.99), ("sign", 3.0, 0.5))]
+    frame = table(rows)
+    frame.loc[frame["region"] == "norm", "numel"] = 600
+    frame.loc[frame["region"] == "bias", "numel"] = 16
+    prof = profile((0.0, {"conv": "sign", "norm": "sign", "bias": "sign"}, False))
+    new, start, text = tighten(prof, frame, segments_of(prof, 100), 100, TOL)
+    assert text == "p0/conv: sign -> q8, p0/norm: sign -> q8" and start == 0
+    assert new.phases[0].routes == {"conv": "q8", "norm": "q8", "bias": "sign"}
+    assert new.evidence["p0"]["norm"]["tightened_from"] == "sign" and "bias" not in new.evidence.get("p0", {})
+
+
 def test_final_gap_averages_the_last_quarter_and_floors_the_denominator() -> None:
     ref = {0: 2.0, 50: 1.0, 75: 0.2, 100: 0.1}
     assert final_gap(ref, {0: 2.0, 50: 1.0, 75: 0.3, 100: 0.2}, 100, floor=0.5) == pytest.approx(0.1 / 0.5)
