@@ -54,6 +54,9 @@ SETTINGS["heldout2"] = Setting(
 # ranks, twice the steps
 SETTINGS["heldout-w8"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-w8", world_size=8,
                                              note="the held-out GPT at W=8, its profile calibrated at W=4")
+SETTINGS["heldout-w8c"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-w8c", world_size=8,
+                                              profile="bench/calibrations/heldout-w8/profile.json",
+                                              note="the held-out GPT at W=8, its profile calibrated at W=8")
 SETTINGS["heldout-600"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-600", steps=600,
                                               note="the held-out GPT over 600 steps, its profile calibrated over 300")
 MIN_RATIO = 8.0
