@@ -117,22 +117,25 @@ def _weights(ctx: EncodeContext, group: Group, x: torch.Tensor) -> torch.Tensor 
 
 
 def launch_each(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int,
-                pg: dist.ProcessGroup | None) -> tuple[list[Sent], torch.Tensor | None, list, float]:
+                pg: dist.ProcessGroup | None) -> tuple[list[Sent], torch.Tensor | None, list, float, int]:
     """One collective per group, as its reducer sends it, plus the control word's all-gather.
-    Returns the sent groups, the control words' receive buffer, the futures and the bytes."""
-    sent, futs, nbytes = [], [], 0.0
+    Returns the sent groups, the control words' receive buffer, the futures, the bytes and the
+    collectives (a two-phase reducer's one future stands for its two)."""
+    sent, futs, nbytes, collectives = [], [], 0.0, 0
     for enc in encoded:
         red = REDUCERS[enc.group.key]
         nbytes += red.collective_factor(w) * enc.payload.numel() * enc.payload.element_size()
         fut = red.launch(enc.payload, w, pg)
         sent.append(Sent(enc, fut, None))
         futs.append(fut)
+        collectives += red.payload_collectives
     recv = None
     if ctrl is not None:
         recv = torch.empty(w * ctrl.numel(), dtype=ctrl.dtype, device=ctrl.device)
         futs.append(all_gather_flat(recv, ctrl, group=pg, async_op=True).get_future())
         nbytes += allgather_factor(w) * ctrl.numel() * 4
-    return sent, recv, futs, nbytes
+        collectives += 1
+    return sent, recv, futs, nbytes, collectives
 
 
 def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int, pg: dist.ProcessGroup | None,

@@ -218,8 +218,8 @@ class Runtime:
             sent, ctrl_part, rows, futs, nbytes = encode.launch_coalesced(encoded, ctrl, w, pg, buffer.device)
             recv, collectives = None, 1
         else:
-            sent, recv, futs, nbytes = encode.launch_each(encoded, ctrl, w, pg)
-            ctrl_part, rows, collectives = None, None, len(futs)
+            sent, recv, futs, nbytes, collectives = encode.launch_each(encoded, ctrl, w, pg)
+            ctrl_part, rows = None, None
         probe = encode.launch_probe(probe_parts, w, pg)
         if probe is not None:
             futs.append(probe.future)

@@ -128,7 +128,7 @@ def cross(x: torch.Tensor, red: Reducer, lengths: Sequence[int], group: dist.Pro
           want_local: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Level 2, `Reducer.reduce`'s arithmetic at W = nodes, plus this rank's own decoded
     contribution (error feedback) and the collectives it took."""
-    calls, shared = 1, None
+    calls, shared = red.payload_collectives, None
     if red.needs_shared_scale:  # blockq agrees uint8 codes, as its cross-level bytes count them
         shared = red.agree(red.local_scale(x, lengths), group)
         calls += 1

@@ -64,6 +64,7 @@ class BlockQScatter(BlockQSum):
     """`BlockQSum`'s result bit for bit: own levels all-to-all'd densely, the owners' exact sums all-gathered."""
 
     name = "blockqscatter"
+    payload_collectives = 2  # all-to-all, then the owners' all-gather
 
     # ---- geometry ------------------------------------------------------------------------
     def own_layout(self) -> LaneLayout | RadixLayout:

@@ -61,6 +61,7 @@ class SignScatter(Reducer):
 
     name = "signscatter"
     route = "sign"
+    payload_collectives = 2  # reduce-scatter, then the owners' all-gather
 
     # ---- geometry ------------------------------------------------------------------------
     def layout(self, world_size: int) -> LaneLayout:

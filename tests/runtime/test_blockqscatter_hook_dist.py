@@ -42,7 +42,7 @@ def _train(rank: int, world_size: int, priced_out: bool, steps: int, routes: str
         priced = {f"blockqscatter-{r}": 1.0 for r in ("bq2", "bq3", "bl5", "bl6")}
         cm = CostModel("gloo", world_size, link, link, priced, source="test")
     rt = nfab.attach(ddp, route=ROUTES[routes], cost_model=cm, optimizer=opt)
-    launches = [0]
+    launches = [0]  # over all steps
     launch = BlockQScatter.launch
 
     def counted(self, *args, **kwargs):  # instrumentation only: the real collectives run
@@ -50,7 +50,7 @@ def _train(rank: int, world_size: int, priced_out: bool, steps: int, routes: str
         return launch(self, *args, **kwargs)
 
     BlockQScatter.launch = counted  # type: ignore[method-assign]
-    out: dict = {"grads": [], "bytes": [], "replicas": [], "mix": []}
+    out: dict = {"grads": [], "bytes": [], "replicas": [], "mix": [], "collectives": []}
     try:
         for step in range(steps):
             x, y = twins.batch(rank, step)
@@ -58,6 +58,7 @@ def _train(rank: int, world_size: int, priced_out: bool, steps: int, routes: str
             twins.loss_fn(ddp, x, y).backward()
             st = rt.step_stats()
             out["bytes"].append(st.wire_bytes)
+            out["collectives"].append(st.collectives)
             out["mix"].append(st.route_elements)
             out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
             opt.step()
@@ -87,3 +88,5 @@ def test_hook_picks_blockqscatter_and_matches_blockq_bit_for_bit(world_size, rou
         # both reducers carry the same routes: bq2 (linear, conv), or bl5 and bl6 there
         want = {"bq2"} if routes == "bq" else {"bl5", "bl6"}
         assert scatter["mix"] == plain["mix"] and want <= set(scatter["mix"][0])
+        # each blockqscatter launch is two collectives (all-to-all, all-gather) where blockq's is one
+        assert sum(scatter["collectives"]) == sum(plain["collectives"]) + scatter["launches"]
