@@ -46,7 +46,7 @@ from nfab.wire import fastpath, radix
 from nfab.wire.blockq import BlockQSum, _block_bounds, _compiled, blockkernels, pack_any
 from nfab.wire.lanes import LaneLayout, pack, unpack
 from nfab.wire.radix import RadixLayout
-from nfab.wire.reducer import all_gather_flat, allgather_factor, allreduce_factor, write_into
+from nfab.wire.reducer import TwoPhaseReducer, allgather_factor, allreduce_factor, write_into
 
 
 def per_container(layout: LaneLayout | RadixLayout) -> int:
@@ -60,11 +60,10 @@ def consecutive(layout: LaneLayout | RadixLayout) -> bool:
     return isinstance(layout, RadixLayout) or len(layout.blocks) == 1
 
 
-class BlockQScatter(BlockQSum):
+class BlockQScatter(TwoPhaseReducer, BlockQSum):
     """`BlockQSum`'s result bit for bit: own levels all-to-all'd densely, the owners' exact sums all-gathered."""
 
     name = "blockqscatter"
-    payload_collectives = 2  # all-to-all, then the owners' all-gather
 
     # ---- geometry ------------------------------------------------------------------------
     def own_layout(self) -> LaneLayout | RadixLayout:
@@ -148,14 +147,11 @@ class BlockQScatter(BlockQSum):
                      ).to(torch.int64)
         return pack_any(sums, lay, False)
 
-    def launch(self, payload, world_size, group):
+    def scatter(self, payload, world_size, group):
+        """The all-to-all: every rank's own levels of this rank's shard."""
         received = torch.empty_like(payload)
-        # phase 1 runs to completion here, so phase 2 is launched by the caller too (never from a callback)
         dist.all_to_all_single(received, payload, group=group)
-        mine = self.owner_sums(received, world_size)
-        out = torch.empty(world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
-        work = all_gather_flat(out, mine, group=group, async_op=True)
-        return work.get_future().then(lambda _: out)
+        return received
 
     def owner_share(self, payloads, rank):
         """Every rank's containers of shard `rank`, in rank order: what the all-to-all hands its owner."""
@@ -164,11 +160,6 @@ class BlockQScatter(BlockQSum):
 
     def owner_step(self, received, world_size):
         return self.owner_sums(received, world_size)
-
-    def combine(self, payloads):
-        """What all-to-all + owner sums + all-gather compute, for W virtual ranks (rank order)."""
-        w = len(payloads)
-        return torch.cat([self.owner_step(self.owner_share(payloads, r), w) for r in range(w)])
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:

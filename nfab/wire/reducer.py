@@ -309,6 +309,37 @@ class Reducer(ABC):
         return self.decode(reduced, scale_mean, numel, lengths, world_size), encs
 
 
+class TwoPhaseReducer(Reducer):
+    """A payload sent as a ring all-reduce's two halves with work between them: a first collective
+    (reduce-scatter or all-to-all, `scatter`) leaves each rank its shard, the shard's owner reduces it
+    (`owner_step`), and an all-gather hands every rank every owner's result. `launch` runs the first
+    collective to completion and launches the all-gather itself, so both are launched from the
+    caller (the hook body, in bucket order), never from a future callback."""
+
+    payload_collectives = 2
+
+    @abstractmethod
+    def scatter(self, payload: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+        """The first collective, run to completion: what this rank holds of it (`owner_share` on a real group)."""
+
+    @abstractmethod
+    def owner_share(self, payloads: Sequence[torch.Tensor], rank: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def owner_step(self, received: torch.Tensor, world_size: int) -> torch.Tensor: ...
+
+    def launch(self, payload, world_size, group):
+        mine = self.owner_step(self.scatter(payload, world_size, group), world_size)
+        out = torch.empty(world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+        work = all_gather_flat(out, mine, group=group, async_op=True)
+        return work.get_future().then(lambda _: out)
+
+    def combine(self, payloads):
+        """The first collective, every owner's step and the all-gather, for W virtual ranks (rank order)."""
+        w = len(payloads)
+        return torch.cat([self.owner_step(self.owner_share(payloads, r), w) for r in range(w)])
+
+
 def allreduce_future(payload: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
     work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

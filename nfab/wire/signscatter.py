@@ -33,7 +33,7 @@ from nfab.wire.reducer import (
     Capacity,
     Encoded,
     Reducer,
-    all_gather_flat,
+    TwoPhaseReducer,
     allgather_factor,
     finish_segments,
     reduce_scatter_flat,
@@ -56,12 +56,11 @@ def reduce_scatter_factor(world_size: int) -> float:
     return (world_size - 1) / world_size
 
 
-class SignScatter(Reducer):
+class SignScatter(TwoPhaseReducer):
     """Majority sign via a lane-count reduce-scatter and a 1-bit (odd W) / trit (even W) all-gather."""
 
     name = "signscatter"
     route = "sign"
-    payload_collectives = 2  # reduce-scatter, then the owners' all-gather
 
     # ---- geometry ------------------------------------------------------------------------
     def layout(self, world_size: int) -> LaneLayout:
@@ -140,27 +139,19 @@ class SignScatter(Reducer):
         trits = (counts >= half).to(torch.uint8) + (counts > half).to(torch.uint8)  # 0 neg, 1 tie, 2 pos
         return pack_trits(trits)
 
-    def launch(self, payload, world_size, group):
+    def scatter(self, payload, world_size, group):
+        """The SUM reduce-scatter of the count lanes: this rank's shard of exact counts."""
         shard = torch.empty(payload.numel() // world_size, dtype=payload.dtype, device=payload.device)
-        # phase 1 runs to completion here, so phase 2 is launched by the caller too (never from a callback)
         reduce_scatter_flat(shard, payload, op=dist.ReduceOp.SUM, group=group)
-        mine = self.owner_majority(shard, world_size)
-        out = torch.empty(world_size * mine.numel(), dtype=torch.uint8, device=payload.device)
-        work = all_gather_flat(out, mine, group=group, async_op=True)
-        return work.get_future().then(lambda _: out)
+        return shard
 
     def owner_share(self, payloads, rank):
         """Shard `rank`'s count lanes summed over the W payloads: what the reduce-scatter leaves there."""
         w = len(payloads)
-        return super().combine([p.view(w, -1)[rank] for p in payloads])
+        return Reducer.combine(self, [p.view(w, -1)[rank] for p in payloads])
 
     def owner_step(self, received, world_size):
         return self.owner_majority(received, world_size)
-
-    def combine(self, payloads):
-        """What reduce-scatter + owner majority + all-gather compute, for W virtual ranks."""
-        w = len(payloads)
-        return torch.cat([self.owner_step(self.owner_share(payloads, r), w) for r in range(w)])
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:
