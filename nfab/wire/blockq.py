@@ -81,8 +81,8 @@ def levels_route_name(levels: int, block: int = DEFAULT_BLOCK) -> str:
     """The route of `levels` levels per rank: `bq<bits>` for 2^bits levels with bits in LEVEL_BITS,
     else `bl<levels>` ("block-scaled, <levels> levels": `bl5`, `bl6-128`). Its own prefix, since
     `bq<n>` reads as n bits everywhere (README, profiles, users' configs)."""
-    bits = levels.bit_length() - 1
-    if levels == 1 << bits and bits in LEVEL_BITS:
+    bits = _exact_bits(levels)
+    if bits in LEVEL_BITS:
         return route_name(bits, block)
     return f"bl{levels}" if block == DEFAULT_BLOCK else f"bl{levels}-{block}"
 

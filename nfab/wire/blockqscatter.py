@@ -123,7 +123,7 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         return torch.cat([pack(v, lay) for v in padded.view(world_size, shard)])
 
     # ---- the owner's step -------------------------------------------------------------------
-    def owner_sums(self, received: torch.Tensor, world_size: int) -> torch.Tensor:
+    def owner_step(self, received: torch.Tensor, world_size: int) -> torch.Tensor:
         """The W ranks' own-layout containers of one shard (rank order) -> their exact level sums,
         packed in `layout(W)`."""
         own, lay = self.own_layout(), self.layout(world_size)
@@ -157,9 +157,6 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         """Every rank's containers of shard `rank`, in rank order: what the all-to-all hands its owner."""
         w = len(payloads)
         return torch.cat([p.reshape(w, p.numel() // w)[rank] for p in payloads])
-
-    def owner_step(self, received, world_size):
-        return self.owner_sums(received, world_size)
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:

@@ -114,10 +114,10 @@ class Reducer(ABC):
     needs_shared_scale: bool = False
     """True when ranks must agree on a scale (all-reduce MAX) before encoding."""
     blocking_rounds: int = 0
+    """Collectives the hook must wait for before encoding (block-scaled qsum's code agreement)."""
     payload_collectives: int = 1
     """Collectives `launch` starts for the payload (two for the reduce-scatter / all-to-all + all-gather
     reducers): counted in the step's statistics."""
-    """Collectives the hook must wait for before encoding (block-scaled qsum's code agreement)."""
 
     @abstractmethod
     def capacity(self, world_size: int) -> Capacity: ...

@@ -124,7 +124,7 @@ class SignScatter(TwoPhaseReducer):
         return Encoded(payload, scales, make_local=lambda: codecs.sign_values(own, scales, lengths))
 
     # ---- the owner's step ---------------------------------------------------------------------
-    def owner_majority(self, counts_shard: torch.Tensor, world_size: int) -> torch.Tensor:
+    def owner_step(self, counts_shard: torch.Tensor, world_size: int) -> torch.Tensor:
         """A shard's summed count lanes -> its majority, packed (uint8): bits, or trits at even W."""
         lay = self.layout(world_size)
         # the shard size is the one multiple of 40 within `lanes` (< 40) of the containers' room
@@ -149,9 +149,6 @@ class SignScatter(TwoPhaseReducer):
         """Shard `rank`'s count lanes summed over the W payloads: what the reduce-scatter leaves there."""
         w = len(payloads)
         return Reducer.combine(self, [p.view(w, -1)[rank] for p in payloads])
-
-    def owner_step(self, received, world_size):
-        return self.owner_majority(received, world_size)
 
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:
@@ -188,7 +185,7 @@ class SignScatter(TwoPhaseReducer):
 
 def _owner_majority_host(counts_shard: torch.Tensor, lay: LaneLayout, shard: int, half: int,
                          ternary: bool) -> torch.Tensor:
-    """`owner_majority` on the CPU, same bytes: the lanes decoded straight to each count's digit
+    """`SignScatter.owner_step` on the CPU, same bytes: the lanes decoded straight to each count's digit
     (count -> 0/1 bit, or 0/1/2 trit) and packed, compiled (the torch reference widens every count
     to int64 first: ~25x slower at W=2)."""
     counts = np.arange(lay.max_value + 1)
