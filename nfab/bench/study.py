@@ -82,10 +82,14 @@ class StudyConfig:
     """Ranks for every setting (None: each setting's own, 4)."""
     tweaks: dict[str, Any] = field(default_factory=dict)
     """Setting fields replaced in every setting (tests: smaller batches, tiny models)."""
-    seed: int = 0
+    seeds: tuple[int, ...] = (0,)
+    """Every (setting, variant) runs once per seed. The main tables show the study's own seed (the
+    first of a new study, an appended study's own); `seed_table` shows the spread over all of them,
+    each run paired with FP32 of its seed: at the 1% line one run's rounding noise (±0.3-0.5%) is
+    of the order of the differences, so a verdict needs several."""
     append: bool = False
-    """Merge into OUT/study.json: rows of other (setting, variant) pairs are kept (results do not depend
-    on timing: same seeds, same rows); the commands that made them are all listed."""
+    """Merge into OUT/study.json: rows of other (setting, variant, seed) triples are kept (results do not
+    depend on timing: same seeds, same rows); the commands that made them are all listed."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.settings if s not in SETTINGS]
@@ -94,6 +98,8 @@ class StudyConfig:
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad:
             raise ValueError(f"unknown study variant {bad[0]!r} (known: {', '.join(VARIANTS)})")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be distinct integers >= 0, got {list(self.seeds)}")
         for k, v in (("steps", self.steps), ("world_size", self.world_size)):
             if v is not None and v < 1:
                 raise ValueError(f"{k} must be >= 1, got {v}")
@@ -116,11 +122,68 @@ def quality_delta(setting: dict[str, Any], row: dict[str, Any], fp32: dict[str, 
     return row["eval_loss"] / fp32["eval_loss"] - 1.0
 
 
+def row_seed(doc: dict[str, Any], row: dict[str, Any]) -> int:
+    """The seed a row ran with (rows written before seeds were recorded ran with the study's seed)."""
+    return int(row.get("seed", doc.get("seed", 0)))
+
+
+def main_rows(doc: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """One setting's rows of the study's own seed: the main tables, plots and verdicts."""
+    return [r for r in doc["rows"] if r["setting"] == name and row_seed(doc, r) == doc.get("seed", 0)]
+
+
+@dataclass(frozen=True, slots=True)
+class SeedSpread:
+    """One variant's quality delta vs FP32 over seeds, each run paired with FP32 of its own seed."""
+
+    variant: str
+    seeds: tuple[int, ...]
+    deltas: tuple[float, ...]
+    ratio: float | None
+    """Mean fewer-bytes factor over those runs."""
+
+    @property
+    def mean(self) -> float:
+        return sum(self.deltas) / len(self.deltas)
+
+    @property
+    def sd(self) -> float:
+        """Sample standard deviation (0 for one seed)."""
+        n = len(self.deltas)
+        return 0.0 if n < 2 else (sum((d - self.mean) ** 2 for d in self.deltas) / (n - 1)) ** 0.5
+
+
+def seed_spread(doc: dict[str, Any], name: str) -> list[SeedSpread]:
+    """Per variant (study order): the paired deltas of every seed that has both it and FP32."""
+    setting = doc["settings"][name]
+    by_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in doc["rows"]:
+        if r["setting"] == name:
+            by_seed.setdefault(row_seed(doc, r), {})[r["variant"]] = r
+    out = []
+    for variant in VARIANTS:
+        seeds, deltas, ratios = [], [], []
+        for seed in sorted(by_seed):
+            rows = by_seed[seed]
+            if variant in rows and "fp32" in rows and variant != "fp32":
+                d = quality_delta(setting, rows[variant], rows["fp32"])
+                if d is not None:
+                    seeds.append(seed)
+                    deltas.append(d)
+                    ratios.append(rows[variant]["ratio"] or 0.0)
+        if seeds:
+            out.append(SeedSpread(variant, tuple(seeds), tuple(deltas), sum(ratios) / len(ratios)))
+    return out
+
+
 def judge(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per setting: the profile against the targets, and which static variants measurably fail."""
+    """Per setting: the profile against the targets, and which static variants measurably fail.
+
+    Where the profile ran with several seeds, its quality is judged on the mean paired delta
+    (`profile_delta_mean`, with `profile_delta_sd` and `profile_seeds`); otherwise on the one run."""
     out = []
     for name, setting in doc["settings"].items():
-        rows = {r["variant"]: r for r in doc["rows"] if r["setting"] == name}
+        rows = {r["variant"]: r for r in main_rows(doc, name)}
         fp32 = rows.get("fp32")
         if fp32 is None or not fp32["ok"]:
             continue
@@ -139,10 +202,14 @@ def judge(doc: dict[str, Any]) -> list[dict[str, Any]]:
         prof = rows.get("profile")
         if prof is not None and prof["ok"]:
             d = quality_delta(setting, prof, fp32)
+            verdict.update(profile_delta=d, profile_ratio=prof["ratio"])
+            spread = next((s for s in seed_spread(doc, name) if s.variant == "profile"), None)
+            if spread is not None and len(spread.seeds) > 1:
+                d = spread.mean
+                verdict.update(profile_delta_mean=d, profile_delta_sd=spread.sd, profile_seeds=list(spread.seeds))
             quality_ok = d is not None and (d <= MAX_LOSS_RISE if setting["metric"] == "loss" else d >= -MAX_ACC_DROP)
             ratio_ok = (prof["ratio"] or 0.0) >= MIN_RATIO
-            verdict.update(profile_delta=d, profile_ratio=prof["ratio"], quality_ok=quality_ok, ratio_ok=ratio_ok,
-                           met=quality_ok and ratio_ok)
+            verdict.update(quality_ok=quality_ok, ratio_ok=ratio_ok, met=quality_ok and ratio_ok)
         out.append(verdict)
     return out
 
@@ -155,8 +222,8 @@ def _previous(cfg: StudyConfig) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     doc = json.loads(path.read_text())
-    if doc.get("schema") != SCHEMA or doc.get("version") != VERSION or doc.get("seed") != cfg.seed:
-        raise ValueError(f"{path} is not a version-{VERSION} study with seed {cfg.seed}: cannot append to it")
+    if doc.get("schema") != SCHEMA or doc.get("version") != VERSION or not isinstance(doc.get("seed"), int):
+        raise ValueError(f"{path} is not a version-{VERSION} study: cannot append to it")
     return doc
 
 
@@ -166,29 +233,33 @@ def run_study(cfg: StudyConfig, command: str = "", log: Callable[[str], None] = 
     from nfab.bench import studydocs
 
     cfg.out.mkdir(parents=True, exist_ok=True)
+    old = _previous(cfg) if cfg.append else None  # checked before hours of runs, not after
     t0 = time.perf_counter()
     rows: list[RunResult] = []
     settings = {name: cfg.setting(name) for name in cfg.settings}
     for name, setting in settings.items():
-        for row in run_variants(setting, cfg.variants, seed=cfg.seed, root=root):
-            log(f"{name} {row.variant}: " + (f"loss {row.eval_loss:.4f}, {row.ratio:.1f}x" if row.ok and row.ratio
-                                             else f"FAILED {row.error}") + f" ({row.wall_s:.0f} s)")
-            rows.append(row)
-    old = _previous(cfg) if cfg.append else None
+        for seed in cfg.seeds:
+            for row in run_variants(setting, cfg.variants, seed=seed, root=root):
+                log(f"{name} {row.variant} seed {seed}: " + (
+                    f"loss {row.eval_loss:.4f}, {row.ratio:.1f}x" if row.ok and row.ratio else f"FAILED {row.error}")
+                    + f" ({row.wall_s:.0f} s)")
+                rows.append(row)
+    primary = old["seed"] if old else cfg.seeds[0]
     new_rows = [asdict(r) for r in rows]
-    done = {(r["setting"], r["variant"]) for r in new_rows}
-    kept = [r for r in (old or {}).get("rows", []) if (r["setting"], r["variant"]) not in done]
+    done = {(r["setting"], r["variant"], r["seed"]) for r in new_rows}
+    kept = [{**r, "seed": r.get("seed", primary)} for r in (old or {}).get("rows", [])]
+    kept = [r for r in kept if (r["setting"], r["variant"], r["seed"]) not in done]
     order = {(n, v): i for i, (n, v) in enumerate((n, v) for n in SETTINGS for v in VARIANTS)}
     doc: dict[str, Any] = {
         "schema": SCHEMA, "version": VERSION,
         "command": " ; ".join([*([old["command"]] if old else []), command]),
         "total_s": round(time.perf_counter() - t0 + (old["total_s"] if old else 0.0), 1),
-        "seed": cfg.seed,
+        "seed": primary,
         "settings": {**(old or {}).get("settings", {}), **{name: asdict(s) for name, s in settings.items()}},
         "note": "one user-style DDP loop per run (constant LR), W gloo ranks on loopback, same seed for every "
                 "variant; nfab variants attach with cost_model=None (on loopback the cost gate would send every "
                 "bucket to FP32); PowerSGD gets one bucket (it aborts on gloo with several)",
-        "rows": sorted(kept + new_rows, key=lambda r: order.get((r["setting"], r["variant"]), 1 << 30)),
+        "rows": sorted(kept + new_rows, key=lambda r: (order.get((r["setting"], r["variant"]), 1 << 30), r["seed"])),
     }
     doc["settings"] = {n: doc["settings"][n] for n in SETTINGS if n in doc["settings"]}
     doc["verdicts"] = judge(doc)

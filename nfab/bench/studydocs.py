@@ -53,8 +53,10 @@ def _delta(setting: dict[str, Any], row: dict[str, Any], fp32: dict[str, Any] | 
 
 def setting_table(doc: dict[str, Any], name: str) -> list[str]:
     """One setting's rows as a Markdown table."""
+    from nfab.bench.study import main_rows
+
     setting = doc["settings"][name]
-    rows = [r for r in doc["rows"] if r["setting"] == name]
+    rows = main_rows(doc, name)
     fp32 = next((r for r in rows if r["variant"] == "fp32" and r["ok"]), None)
     metric = "accuracy" if setting["metric"] == "accuracy" else "val loss"
     out = [f"| variant | {metric} | vs FP32 | MB sent per rank | fewer bytes | fallback steps |",
@@ -72,6 +74,26 @@ def setting_table(doc: dict[str, Any], name: str) -> list[str]:
     return out
 
 
+def seed_table(doc: dict[str, Any], name: str) -> list[str]:
+    """The spread over seeds of every variant that ran with more than one, each run paired with FP32
+    of its own seed (empty when none did)."""
+    from nfab.bench.study import seed_spread
+
+    spreads = [s for s in seed_spread(doc, name) if len(s.seeds) > 1]
+    if not spreads:
+        return []
+    acc = doc["settings"][name]["metric"] == "accuracy"
+    unit = " pt" if acc else "%"
+    out = ["Across seeds (each run paired with FP32 of its own seed):", "",
+           f"| variant | seeds | mean vs FP32 | sd | min | max | fewer bytes (mean) |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for s in spreads:
+        out.append(f"| {LABELS.get(s.variant, s.variant)} | {', '.join(map(str, s.seeds))} | "
+                   f"{s.mean * 100:+.2f}{unit} | {s.sd * 100:.2f}{unit} | {min(s.deltas) * 100:+.2f}{unit} | "
+                   f"{max(s.deltas) * 100:+.2f}{unit} | {_fmt(s.ratio, '.1f', 'x')} |")
+    return ["", *out]
+
+
 def _setting_line(s: dict[str, Any]) -> str:
     opt = f"{'AdamW' if s['optimizer'] == 'adamw' else 'SGD'} lr {s['lr']:g}, wd {s['weight_decay']:g}"
     return (f"`{s['model']}` on {s['dataset']}, W={s['world_size']}, {s['steps']} steps, batch {s['batch_size']}"
@@ -87,7 +109,11 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
         if "met" in v:
             d = v["profile_delta"]
             metric = doc["settings"][v["setting"]]["metric"]
-            dtext = "–" if d is None else (f"{d * 100:+.2f} pt" if metric == "accuracy" else f"{d * 100:+.2f}%")
+            unit = " pt" if metric == "accuracy" else "%"
+            dtext = "–" if d is None else f"{d * 100:+.2f}{unit}"
+            if "profile_delta_mean" in v:
+                dtext = (f"{v['profile_delta_mean'] * 100:+.2f}{unit} ± {v['profile_delta_sd'] * 100:.2f} (mean ± sd "
+                         f"over seeds {', '.join(map(str, v['profile_seeds']))}; seed {doc['seed']}: {dtext})")
             parts.append(f"profile {dtext} at {_fmt(v['profile_ratio'], '.1f', 'x')}: target (within "
                          f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt of FP32 at >= {MIN_RATIO:.0f}x) "
                          f"{'MET' if v['met'] else 'MISSED'}")
@@ -110,6 +136,7 @@ def study_markdown(doc: dict[str, Any], *, images: bool = False) -> str:
     for name, s in doc["settings"].items():
         lines += [f"## {name}", "", _setting_line(s), ""]
         lines += setting_table(doc, name)
+        lines += seed_table(doc, name)
         if images:
             lines += ["", f"![bytes vs quality, {name}](pareto_{name}.png)"]
         lines.append("")
@@ -123,6 +150,7 @@ def readme_block(doc: dict[str, Any]) -> str:
     for name, s in doc["settings"].items():
         lines += [f"**{name}**: {_setting_line(s)}", ""]
         lines += setting_table(doc, name)
+        lines += seed_table(doc, name)
         lines.append("")
     lines += [*verdict_lines(doc), "", README_END]
     return "\n".join(lines)
@@ -140,13 +168,15 @@ def pareto_png(doc: dict[str, Any], name: str) -> bytes:
     """Bytes sent (log x) against quality for one setting, the Pareto front drawn through the best points."""
     import matplotlib
 
+    from nfab.bench.study import main_rows
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     setting = doc["settings"][name]
     acc = setting["metric"] == "accuracy"
     pts = [(r["wire_mb"], (r["eval_accuracy"] or 0.0) * 100 if acc else r["eval_loss"], r["variant"])
-           for r in doc["rows"] if r["setting"] == name and r["ok"] and r["wire_mb"]]
+           for r in main_rows(doc, name) if r["ok"] and r["wire_mb"]]
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     for x, y, v in pts:
         ax.scatter([x], [y], s=40, color="tab:red" if v == "profile" else ("tab:blue" if v.startswith("sign")

@@ -108,6 +108,8 @@ class RunResult:
     setting: str
     variant: str
     ok: bool
+    seed: int = 0
+    """Model init, data order and rounding noise; the same for every variant of one seed."""
     steps: int = 0
     world_size: int = 0
     eval_loss: float | None = None
@@ -144,7 +146,7 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
     if "profile" in variants:
         profile = str((root or Path.cwd()) / setting.profile) if setting.profile else None
         if profile is None or not Path(profile).is_file():
-            results["profile"] = RunResult(setting.name, "profile", ok=False,
+            results["profile"] = RunResult(setting.name, "profile", ok=False, seed=seed,
                                            error=f"profile {setting.profile} not found")
     todo = tuple(v for v in variants if v not in results)
     with tempfile.TemporaryDirectory(prefix="nfab-study-") as tmp:
@@ -160,7 +162,7 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
         for v in todo:
             f = out / f"{v}.json"
             results[v] = (RunResult(**json.loads(f.read_text())) if f.exists()
-                          else RunResult(setting.name, v, ok=False, error=error or "no result"))
+                          else RunResult(setting.name, v, ok=False, seed=seed, error=error or "no result"))
     return [results[v] for v in variants]
 
 
@@ -259,7 +261,8 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     loss_sum, correct, count = _evaluate(ddp.module, test, spec.task, setting, rank)
     fp32_total = fp32_step * setting.steps
     return RunResult(
-        setting=setting.name, variant=variant, ok=math.isfinite(loss_sum / count), steps=setting.steps, world_size=w,
+        setting=setting.name, variant=variant, ok=math.isfinite(loss_sum / count), seed=seed, steps=setting.steps,
+        world_size=w,
         eval_loss=loss_sum / count, eval_accuracy=correct / count if spec.task == "classification" else None,
         wire_mb=wire / 1e6, fp32_mb=fp32_total / 1e6, ratio=fp32_total / wire if wire else None,
         fallback_steps=fallback_steps if runtime is not None else None, health_events=events[:20])

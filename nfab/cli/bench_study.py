@@ -25,15 +25,27 @@ def _names(text: str | None, known: tuple[str, ...], what: str) -> tuple[str, ..
     return names
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        fail(f"--seeds must be comma-separated integers, got {text!r}")
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        fail(f"--seeds must be distinct integers >= 0, got {text!r}")
+    return seeds
+
+
 def register(app: typer.Typer) -> None:
     @app.command("study")
     def bench_study(
         out: Annotated[Path, typer.Option(help="Folder for study.json/.md, report.html and the Pareto PNGs.")] = Path(
             "bench/study"),
         settings: Annotated[str | None, typer.Option(
-            help="Comma-separated subset of resnet18,gpt,heldout (default: all).", show_default=False)] = None,
+            help="Comma-separated subset of resnet18,gpt,heldout,heldout2,heldout-w8,heldout-w8c,heldout-600 (default: "
+                 "all).", show_default=False)] = None,
         variants: Annotated[str | None, typer.Option(
-            help="Comma-separated subset of fp32,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,profile (default: all).",
+            help="Comma-separated subset of fp32,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,bq3,bl6,bl5,bq2,profile "
+                 "(default: all).",
             show_default=False)] = None,
         steps: Annotated[int | None, typer.Option(min=1, help="Steps for every setting (default: each its own).",
                                                   show_default=False)] = None,
@@ -44,6 +56,9 @@ def register(app: typer.Typer) -> None:
                               "tables from it.")] = False,
         append: Annotated[bool, typer.Option(
             "--append", help="Merge into OUT/study.json, keeping its rows of other settings/variants.")] = False,
+        seeds: Annotated[str, typer.Option(
+            help="Comma-separated seeds: every setting x variant runs once per seed; the tables show the first "
+                 "(an appended study's own), an across-seed table the spread.")] = "0",
         regen_docs: Annotated[bool, typer.Option(
             "--regen-docs", help="Only regenerate bench/STUDY.md and the README tables from bench/study.json.")
         ] = False,
@@ -67,7 +82,7 @@ def register(app: typer.Typer) -> None:
                 fail(f"{prof} not found: run the study from the repository root (or calibrate {s} first)")
         cfg = StudyConfig(out=out, settings=_names(settings, tuple(SETTINGS), "setting") or tuple(SETTINGS),
                           variants=_names(variants, VARIANTS, "variant") or VARIANTS, steps=steps,
-                          world_size=world_size, append=append)
+                          world_size=world_size, seeds=_seeds(seeds), append=append)
         command = shlex.join(["nfab", *sys.argv[1:]])
         try:
             doc = run_study(cfg, command=command, log=lambda s: console.print(s, highlight=False), root=root)

@@ -10,7 +10,7 @@ from nfab.bench import study, studydocs
 from nfab.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {"setting", "variant", "ok", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb", "fp32_mb",
+ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb", "fp32_mb",
             "ratio", "fallback_steps", "health_events", "wall_s", "error"}
 
 
@@ -28,6 +28,33 @@ def test_judge_checks_the_profile_and_names_failing_static_variants() -> None:
     doc["rows"][-1].update(eval_loss=2.1)
     (v,) = study.judge(doc)
     assert not v["met"] and not v["quality_ok"] and v["ratio_ok"]
+
+
+def test_several_seeds_are_judged_on_the_mean_paired_delta() -> None:
+    """Each seed's run is paired with FP32 of the same seed; the main table keeps the study's seed."""
+    rows = [{"variant": "fp32", "seed": 0, "eval_loss": 2.0, "ratio": 1.0},
+            {"variant": "profile", "seed": 0, "eval_loss": 2.01, "ratio": 9.0},  # +0.5%
+            {"variant": "fp32", "seed": 1, "eval_loss": 3.0, "ratio": 1.0},
+            {"variant": "profile", "seed": 1, "eval_loss": 3.06, "ratio": 9.0},  # +2.0%
+            {"variant": "fp32", "seed": 2, "eval_loss": 1.0, "ratio": 1.0},
+            {"variant": "profile", "seed": 2, "eval_loss": 1.02, "ratio": 9.0}]  # +2.0%
+    doc = {**_doc(rows), "seed": 0}
+    (spread,) = study.seed_spread(doc, "s")
+    assert spread.seeds == (0, 1, 2) and spread.deltas == pytest.approx((0.005, 0.02, 0.02))
+    assert spread.mean == pytest.approx(0.015) and spread.sd == pytest.approx(0.00866, abs=1e-5)
+    (v,) = study.judge(doc)
+    assert v["profile_delta"] == pytest.approx(0.005)  # seed 0 alone would pass
+    assert v["profile_delta_mean"] == pytest.approx(0.015) and not v["quality_ok"] and not v["met"]
+    assert [r["seed"] for r in study.main_rows(doc, "s")] == [0, 0]
+    doc["settings"]["s"].update(world_size=4, steps=3, batch_size=1, optimizer="adamw", lr=1e-3, weight_decay=0.0,
+                                model="m", dataset="d", note="")
+    table = "\n".join(studydocs.seed_table(doc, "s"))
+    assert "| **nfab calibrated profile** | 0, 1, 2 | +1.50% | 0.87% | +0.50% | +2.00% | 9.0x |" in table
+    assert "+1.50% ± 0.87 (mean ± sd over seeds 0, 1, 2; seed 0: +0.50%)" in "\n".join(studydocs.verdict_lines(
+        {**doc, "verdicts": [v]}))
+    for r in doc["rows"]:
+        r.update(wire_mb=1.0, fallback_steps=None)
+    assert studydocs.setting_table(doc, "s")[2].startswith("| FP32 DDP | 2.000 |")
 
 
 def test_published_docs_match_the_study_json() -> None:
@@ -74,7 +101,30 @@ def test_study_runs_every_variant_in_a_user_loop(tmp_path: Path) -> None:
     assert "| nfab static sign + error feedback forced (health monitor on) |" in (cfg.out / "study.md").read_text()
 
 
+@pytest.mark.slow  # W=2: two seeds of two variants, then a third seed appended
+@pytest.mark.world_size(2)
+def test_study_runs_seeds_and_appends_more(tmp_path: Path) -> None:
+    tweaks = {"model_options": {"width": 4, "small_input": True, "num_classes": 10, "in_channels": 1},
+              "batch_size": 8, "eval_samples": 64, "routes_only": True, "metric": "loss"}
+    cfg = study.StudyConfig(out=tmp_path / "study", settings=("resnet18",), variants=("fp32", "sign"), steps=2,
+                            world_size=2, seeds=(3, 1), tweaks=tweaks)
+    doc = study.run_study(cfg, command="first", log=lambda s: None, root=ROOT)
+    assert doc["seed"] == 3 and [(r["variant"], r["seed"]) for r in doc["rows"]] == [
+        ("fp32", 1), ("fp32", 3), ("sign", 1), ("sign", 3)]
+    by = {(r["variant"], r["seed"]): r for r in doc["rows"]}
+    assert by["fp32", 1]["eval_loss"] != by["fp32", 3]["eval_loss"]  # another init and data order
+    more = study.StudyConfig(out=cfg.out, settings=("resnet18",), variants=("sign",), steps=2, world_size=2,
+                             seeds=(5,), tweaks=tweaks, append=True)
+    doc = study.run_study(more, command="second", log=lambda s: None, root=ROOT)
+    assert doc["seed"] == 3 and doc["command"] == "first ; second" and len(doc["rows"]) == 5
+    (spread,) = study.seed_spread(doc, "resnet18")  # seed 5 has no FP32 row to pair with
+    assert spread.variant == "sign" and spread.seeds == (1, 3)
+    assert "Across seeds" in (cfg.out / "study.md").read_text()
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--seeds", "0,x"], "--seeds must be comma-separated integers"),
+    (["--seeds", "1,1"], "--seeds must be distinct integers >= 0"),
     (["--settings", "bert"], "unknown study setting 'bert'"),
     (["--variants", "fp32,int3"], "unknown study variant 'int3'"),
 ])
