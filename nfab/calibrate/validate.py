@@ -21,8 +21,8 @@ many as hold RISK_SHARE of the phase's risk) to the next finer route that the re
 in every lossy phase at once: one phase per round would need a round per phase, and harm that
 shows late is often done earlier (sign on the held-out GPT's linear layers in its middle phases
 showed up as a gap in the last one). It happens two ways:
-- *in flight*: once the gap averaged over the last two evaluations exceeds `IN_FLIGHT_MARGIN` of the
-  judged tolerance (the tolerance, or the reference's own noise: see below), after `TIGHTEN_AFTER` of the run and with two
+- *in flight*: once the gap averaged over the last two evaluations exceeds the judged tolerance
+  (the tolerance, or the reference's own noise: see below), after `TIGHTEN_AFTER` of the run and with two
   evaluations still to come, the run tightens from that step on and carries on -- the phase in
   force is split there (`name@step`) -- so a round costs no re-run; what the run did before
   stays, and the final gap is that of the profile as it now stands;
@@ -71,14 +71,6 @@ On the second held-out model (nfab.bench.heldout2, AdamW) moving the MLP layers 
 bl6 -> bq3 over three rounds, left attention's in-projection at bq2: +1.29% in the user's loop,
 where bl6 on every region gives +0.8%. Where one region holds most of the risk (resnet18's conv
 kernels) it is still the one region moved."""
-IN_FLIGHT_MARGIN = 0.8
-"""In flight, tighten once the gap exceeds this fraction of the judged tolerance, not all of it.
-The two ways to tighten cost differently: in flight the run carries on (no re-run), after a failed
-round validation re-runs from the changed phase's start -- usually from step 0, the whole run
-again, which the budget rarely has room for. A gap at the tolerance with few evaluations to come
-therefore most often ends as a failed verdict the budget cannot repair: on the second held-out
-model (W=4) the run crossed 1% at 125, tightened, and ended at +1.004% with no budget left for
-the next round; at W=8 it tightened at +1.04%, then at +1.95%, then ran out."""
 MAX_ROUNDS = 6
 """Tightening rounds at most (each re-runs the run from the tightened phase's start)."""
 NOISE_FACTOR = 3.0
@@ -279,7 +271,7 @@ def shared_start(segments: list[Segment], ref: Reference, steps: int) -> int:
 @dataclass(slots=True)
 class _Trigger:
     """Stops a run (returns True) when its loss is non-finite, or -- when `enabled` -- once the gap
-    averaged over its last two evaluations exceeds IN_FLIGHT_MARGIN x the tolerance after TIGHTEN_AFTER of the run
+    averaged over its last two evaluations exceeds the tolerance after TIGHTEN_AFTER of the run
     and while at least two evaluations are left (a later change costs bytes and shows too little)."""
 
     ref: dict[int, float]
@@ -300,7 +292,7 @@ class _Trigger:
         if step < TIGHTEN_AFTER * self.steps or len(self.gaps) < 2 or sum(s > step for s in self.ref) < 2:
             return False  # too early, or too late for a change to show in the final window
         self.gap = (self.gaps[-1] + self.gaps[-2]) / 2
-        return self.gap > IN_FLIGHT_MARGIN * self.tolerance
+        return self.gap > self.tolerance
 
 
 def tighten(profile: Profile, table: pd.DataFrame, segments: list[Segment], steps: int,

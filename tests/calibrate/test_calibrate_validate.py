@@ -159,16 +159,6 @@ def test_in_flight_tightening_waits_for_40_percent_and_needs_two_evaluations_to_
     assert _Trigger(ref, floor=0.5, tolerance=9.0, steps=300, enabled=False)(50, math.inf)  # divergence stops
 
 
-def test_in_flight_tightening_acts_before_the_gap_reaches_the_tolerance() -> None:
-    """In flight is free, a failed verdict costs a re-run: the trigger fires at IN_FLIGHT_MARGIN of it."""
-    from nfab.calibrate.validate import IN_FLIGHT_MARGIN, _Trigger
-
-    ref = {s: 2.0 for s in range(0, 301, 25)}
-    for gap, fires in ((0.9 * IN_FLIGHT_MARGIN, False), (1.1 * IN_FLIGHT_MARGIN, True)):
-        trig = _Trigger(ref, floor=0.5, tolerance=0.01, steps=300, enabled=True)
-        assert any(trig(s, 2.0 * (1 + gap * 0.01)) for s in range(25, 300, 25)) is fires
-
-
 def test_reference_noise_is_the_largest_late_rise_of_fp32s_own_held_out_loss() -> None:
     from nfab.calibrate.validate import reference_noise
 
