@@ -45,18 +45,16 @@ def block_max_bits(u, block_starts, block_ends, out):
 @njit(cache=True, nogil=True)
 def scale_codes(block_max, scales, out):
     """out[b] = smallest c with scales[c] >= block_max[b], 255 above the top: torch.searchsorted
-    (left) clamped to 255, NaN included (it sorts above everything, as in torch)."""
-    top = scales.size
+    (left) clamped to 255, NaN included (it sorts above everything, as in torch). A branchless
+    binary search over the 256 sorted scales (a branchy one mispredicts every step)."""
     for b in range(block_max.size):
         v = block_max[b]
-        lo, hi = 0, top
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if not scales[mid] >= v:
-                lo = mid + 1
-            else:
-                hi = mid
-        out[b] = min(lo, 255)
+        pos = 0  # scales[:pos] < v, found in eight halvings: at most 255, the clamp
+        step = 128
+        while step:
+            pos = pos + step if not scales[pos + step - 1] >= v else pos
+            step >>= 1
+        out[b] = pos
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -280,32 +278,39 @@ def pack_lane_shards(values, numel, shard, lane_bits, lanes, out):
 
 @njit(cache=True, nogil=True, inline="always")
 def _pack_row(values, first, m, lane_bits, lanes, out):
-    """`pack_lane_shards` of one whole shard starting at `first`."""
+    """`pack_lane_shards` of one whole shard starting at `first`: one pass per lane, each a loop
+    over the m containers on slices from index 0 (strided loads, no negative-index handling:
+    it vectorizes)."""
+    vr = values[first:first + m * lanes]
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
-        base = first + m * l0
-        for j in range(m):
-            c = np.int64(0) if l0 == 0 else np.int64(out[j])
-            at = base + j * g
-            for k in range(g):
-                c |= np.int64(values[at + k]) << np.int64((l0 + k) * lane_bits)
-            out[j] = c
+        vb = vr[m * l0:m * (l0 + g)]
+        for k in range(g):
+            shift = np.int64((l0 + k) * lane_bits)
+            vk = vb[k:]
+            if l0 == 0 and k == 0:
+                for j in range(m):
+                    out[j] = np.int64(vk[j * g]) << shift
+            else:
+                for j in range(m):
+                    out[j] = np.int64(out[j]) | (np.int64(vk[j * g]) << shift)
 
 
 @njit(cache=True, nogil=True)
 def sum_lane_rows(rows, lane_bits, lanes, out):
     """out[e] = sum over rows r of lane value e of row r (`lanes.unpack` of each row's m
-    containers, added exactly as integers); out.size == m * lanes (a whole shard)."""
+    containers, added exactly as integers); out.size == m * lanes (a whole shard). One pass per
+    row and lane over the m containers, on slices from index 0 (it vectorizes)."""
     w, m = rows.shape
     mask = np.int64((1 << lane_bits) - 1)
     out[:] = 0
     for r in range(w):
+        row = rows[r]
         for l0 in range(0, lanes, 8):
             g = min(l0 + 8, lanes) - l0
-            base = m * l0
-            for j in range(m):
-                c = np.int64(rows[r, j]) >> np.int64(l0 * lane_bits)
-                at = base + j * g
-                for k in range(g):
-                    out[at + k] += c & mask
-                    c >>= np.int64(lane_bits)
+            ob = out[m * l0:m * (l0 + g)]
+            for k in range(g):
+                shift = np.int64((l0 + k) * lane_bits)
+                ok = ob[k:]
+                for j in range(m):
+                    ok[j * g] += (np.int64(row[j]) >> shift) & mask
