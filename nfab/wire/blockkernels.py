@@ -7,6 +7,12 @@ element on one core (1M elements: 50 ms encode, 17 ms decode at bq2, W=4). That 
 route the calibrated GPT profiles choose everywhere, so it decided both the hook's CPU per
 step and the calibration's replay. These kernels do each of encode and decode in one pass.
 
+What keeps them near memory speed (issue #16: bq2 at W=4 went from ~3.5 + ~4.3 ms to ~1.9 + ~1.6
+ms of encode + decode per 1M elements, one core): inner loops index slices from 0 (numba then
+drops its negative-index handling and LLVM vectorizes), nothing carries a chain from element to
+element (the hash counter comes from the index, radix packing is a dot product with the powers,
+every digit its own float64 quotient), and no integer division runs per digit.
+
 Each kernel follows its torch reference's float32 operations in the same order (no fused
 multiply-add: numba compiles without fastmath), so the levels, containers and decoded
 values are the same bits; tests/wire/test_blockq_fast.py holds them to it. Inputs are
@@ -31,21 +37,41 @@ _U24 = np.float32(2.0**-24)
 def block_max_bits(u, block_starts, block_ends, out):
     """out[b] = max |x| of block b as float32 bits (`u`: x's uint32 bits): the integer order of
     |x|'s bits is the order of |x|, NaN above inf, so a NaN block gives a NaN (as the reference's
-    scatter amax does)."""
+    scatter amax does). The inner loop runs over a slice from index 0 so that it vectorizes."""
     mask = np.uint32(0x7FFFFFFF)
     for b in range(block_starts.size):
+        ub = u[block_starts[b]:block_ends[b]]
         m = np.uint32(0)
-        for i in range(block_starts[b], block_ends[b]):
-            v = u[i] & mask
+        for k in range(ub.size):
+            v = ub[k] & mask
             m = v if v > m else m
         out[b] = m
 
 
 @njit(cache=True, nogil=True)
+def scale_codes(block_max, scales, out):
+    """out[b] = smallest c with scales[c] >= block_max[b], 255 above the top: torch.searchsorted
+    (left) clamped to 255, NaN included (it sorts above everything, as in torch). A branchless
+    binary search over the 256 sorted scales (a branchy one mispredicts every step)."""
+    for b in range(block_max.size):
+        v = block_max[b]
+        pos = 0  # scales[:pos] < v, found in eight halvings: at most 255, the clamp
+        step = 128
+        while step:
+            pos = pos + step if not scales[pos + step - 1] >= v else pos
+            step >>= 1
+        out[b] = pos
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def block_levels(x, keys, shift, seg_starts, seg_ends, block, scale_of_block, one, half_m, max_level, levels):
     """levels[i] = floor((x/s + 1) * M/2 + u) clamped to [0, M] with s = its block's scale (1
     where the scale is 0), u the stratified noise of `nfab.wire.noise` for (segment key, index in
-    segment, `shift`): the reference's float32 operations in its order (`BlockQSum.encode`)."""
+    segment, `shift`): the reference's float32 operations in its order (`BlockQSum.encode`).
+
+    Each block is one loop over slices from index 0 with the hash counter computed from the index
+    (no carried state), so LLVM vectorizes hash, division and rounding together; error_model
+    "numpy" drops the per-element zero-division check (the divisor is never 0), not a rounding."""
     top = np.float32(max_level)
     zero = np.float32(0)
     sh = np.uint64(shift)
@@ -58,95 +84,179 @@ def block_levels(x, keys, shift, seg_starts, seg_ends, block, scale_of_block, on
             b1 = min(b0 + block, e)
             sc = scale_of_block[b]
             sc = sc if sc > zero else one
-            z = key + np.uint64(b0 - a) * _GOLDEN
-            for i in range(b0, b1):
-                z += _GOLDEN  # key + (index + 1) * golden, stepped
+            z0 = key + np.uint64(b0 - a + 1) * _GOLDEN  # key + (index + 1) * golden at the block's start
+            xb = x[b0:b1]
+            lb = levels[b0:b1]
+            for k in range(xb.size):
+                z = z0 + np.uint64(k) * _GOLDEN
                 y = (z ^ (z >> np.uint64(30))) * _MIX1
                 y = (y ^ (y >> np.uint64(27))) * _MIX2
                 # splitmix64's last step, y ^ (y >> 31), changes no bit above 32: u keeps bits 40-63
-                u = np.float32(np.int64(((y >> np.uint64(40)) + sh) & _MASK24)) * _U24
-                t = np.floor((x[i] / sc + one) * half_m + u)
-                levels[i] = np.uint8(min(max(t, zero), top))
+                u = np.float32(np.int32(((y >> np.uint64(40)) + sh) & _MASK24)) * _U24
+                t = np.floor((xb[k] / sc + one) * half_m + u)
+                t = t if t > zero else zero
+                t = t if t < top else top
+                lb[k] = np.uint8(np.int32(t))
             b += 1
 
 
 @njit(cache=True, nogil=True)
 def radix_pack(levels, radix, digits, out):
-    """out[j] = sum_d levels[j*k + d] * R^d (Horner from the top digit; exact in int64), the
-    missing digits of the last container zero: `radix.pack`."""
+    """out[j] = sum_d levels[j*k + d] * R^d (exact in int64: the sum stays below R^k <= 2^63), the
+    missing digits of the last container zero: `radix.pack`. An integer dot product with the
+    powers instead of Horner's chain: no carried dependency, and it vectorizes."""
     n = levels.size
-    r = np.int64(radix)
-    for j in range(out.size):
+    powers = np.empty(digits, dtype=np.int64)
+    p = np.int64(1)
+    for d in range(digits):
+        powers[d] = p
+        p *= np.int64(radix)
+    whole = min(n // digits, out.size)
+    for j in range(whole):
+        lv = levels[j * digits:(j + 1) * digits]
         c = np.int64(0)
-        base = j * digits
-        for d in range(digits - 1, -1, -1):
-            i = base + d
+        for d in range(digits):
+            c += np.int64(lv[d]) * powers[d]
+        out[j] = c
+    for j in range(whole, out.size):  # the last, partly filled container and any padding
+        c = np.int64(0)
+        for d in range(digits):
+            i = j * digits + d
             if i < n:
-                c = c * r + np.int64(levels[i])
-            else:
-                c = c * r
+                c += np.int64(levels[i]) * powers[d]
         out[j] = c
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _digits_into(v, radix, inv, count, out, at, numel):
-    """The `count` low base-R digits of v (0 <= v < 2^51) into out[at:], least significant first.
-
-    No integer division: q = floor((v + 0.5) / R) is exact in float64 for v < 2^51 (the true
-    quotient sits at least 0.5/R from an integer; the rounding error is below v * 2^-52 / R)."""
-    for d in range(count):
-        q = np.int64((np.float64(v) + 0.5) * inv)
-        if at + d < numel:
-            out[at + d] = v - q * radix  # uint8 digits (uint16 above radix 256)
-        v = q
+_DIGIT_CHUNK = 256  # containers per pass of the digit kernels: their scratch stays in L1
 
 
 @njit(cache=True, nogil=True)
-def radix_digits(containers, radix, digits, numel, out):
-    """out[i] = digit i of the (summed) containers: `radix.unpack`, without a 64-bit division.
-
-    A container (< 2^63) is split once into c = hi * R^h + lo with both parts below 2^51 (the
-    float64 quotient corrected by integer steps), then each part's digits come from
-    `_digits_into`."""
-    r = np.int64(radix)
-    inv = 1.0 / np.float64(radix)
+def _inverse_powers(r, digits):
+    """(1 / R^d for d = 0 .. k - k//2, R^(k//2)): what `_chunk_digits` needs."""
     h = digits // 2
+    inv_powers = np.empty(digits - h + 1, dtype=np.float64)
     p = np.int64(1)
-    for _ in range(h):
+    p_lo = np.int64(1)
+    for d in range(digits - h + 1):
+        inv_powers[d] = 1.0 / np.float64(p)
+        if d == h:
+            p_lo = p
         p *= r
-    inv_p = 1.0 / np.float64(p)
-    for j in range(containers.size):
-        c = containers[j]
+    return inv_powers, p_lo
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _chunk_digits(cc, r, digits, inv_powers, p_lo, halves, quotients, out):
+    """out[d, j] = digit d of container cc[j] (< 2^63), for a chunk of containers: no integer
+    division and no chain from digit to digit, every loop over the chunk's containers (SIMD lanes).
+
+    1. Split c = hi * R^h + lo (h = k // 2): the float64 quotient is off by at most one, since
+       R^h >= 2^13 for every layout here (c * 2^-52 / R^h < 1), and one correction each way fixes it;
+       both parts are then below 2^51.
+    2. q_d = floor((v + 0.5) / R^d) for each part v: exact in float64 for v < 2^51 (the true
+       quotient sits at least 0.5/R^d from an integer; the rounding error is below v * 2^-52 / R^d).
+    3. digit d = q_d - R * q_(d+1), exact in float64."""
+    h = digits // 2
+    m = cc.size
+    inv_p = 1.0 / np.float64(p_lo)
+    lo_f = halves[0]
+    hi_f = halves[1]
+    for j in range(m):
+        c = cc[j]
         hi = np.int64(np.float64(c) * inv_p)
-        lo = c - hi * p
-        while lo < 0:
-            lo += p
-            hi -= 1
-        while lo >= p:
-            lo -= p
-            hi += 1
-        at = j * digits
-        _digits_into(lo, r, inv, h, out, at, numel)
-        _digits_into(hi, r, inv, digits - h, out, at + h, numel)
+        lo = c - hi * p_lo
+        neg = lo < 0
+        lo = lo + p_lo if neg else lo
+        hi = hi - 1 if neg else hi
+        big = lo >= p_lo
+        lo = lo - p_lo if big else lo
+        hi = hi + 1 if big else hi
+        lo_f[j] = np.float64(lo) + 0.5
+        hi_f[j] = np.float64(hi) + 0.5
+    for d in range(h + 1):  # quotients of lo in rows 0..h, of hi in rows h+1..k+1
+        q = quotients[d]
+        iv = inv_powers[d]
+        for j in range(m):
+            q[j] = np.floor(lo_f[j] * iv)
+    for d in range(digits - h + 1):
+        q = quotients[h + 1 + d]
+        iv = inv_powers[d]
+        for j in range(m):
+            q[j] = np.floor(hi_f[j] * iv)
+    rf = np.float64(r)
+    for d in range(digits):
+        row = d if d < h else d + 1
+        q0 = quotients[row]
+        q1 = quotients[row + 1]
+        o = out[d]
+        for j in range(m):
+            o[j] = np.int32(q0[j] - rf * q1[j])
 
 
-@njit(cache=True, nogil=True)
-def table_blocks(index, values, block_starts, block_ends, scale_of_block, out):
-    """out[i] = values[index[i]] * (its block's scale): `BlockQSum.decode`'s value table and
-    block scales in one pass."""
-    for b in range(block_starts.size):
-        sc = scale_of_block[b]
-        for i in range(block_starts[b], block_ends[b]):
-            out[i] = values[index[i]] * sc
+@njit(cache=True, nogil=True, error_model="numpy")
+def radix_decode_blocks(containers, radix, digits, numel, table, block_starts, block_ends, scale_of_block, out):
+    """out[i] = table[digit i of the (summed) containers] * (its block's scale): `radix.unpack`, the
+    value table and the block scales of `BlockQSum.decode` in one pass, same float32 products.
+
+    Per chunk of containers (L1): their digits (`_chunk_digits`), then the table values in element
+    order straight into `out`, then the chunk's blocks scaled in place."""
+    r = np.int64(radix)
+    inv_powers, p_lo = _inverse_powers(r, digits)
+    halves = np.empty((2, _DIGIT_CHUNK), dtype=np.float64)
+    quotients = np.empty((digits + 2, _DIGIT_CHUNK), dtype=np.float64)
+    dig = np.empty((digits, _DIGIT_CHUNK), dtype=np.int32)
+    nc = min(containers.size, -(-numel // digits))
+    b = 0
+    for j0 in range(0, nc, _DIGIT_CHUNK):
+        cc = containers[j0:min(j0 + _DIGIT_CHUNK, nc)]
+        _chunk_digits(cc, r, digits, inv_powers, p_lo, halves, quotients, dig)
+        a = j0 * digits
+        e = min((j0 + cc.size) * digits, numel)
+        ob = out[a:e]
+        for j in range(cc.size):
+            row = ob[j * digits:(j + 1) * digits]  # the last container may hold fewer elements
+            for d in range(row.size):
+                row[d] = table[dig[d, j]]
+        while b < block_starts.size and block_starts[b] < e:  # the blocks that meet this chunk
+            sb = scale_of_block[b]
+            part = out[max(block_starts[b], a):min(block_ends[b], e)]
+            for k in range(part.size):
+                part[k] = part[k] * sb
+            if block_ends[b] > e:
+                break  # it goes on in the next chunk
+            b += 1
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def radix_digits(containers, radix, digits, numel, out):
+    """out[i] = digit i of the (summed) containers: `radix.unpack` (the owner's sum of own digits
+    in `blockqscatter`), the digits as `_chunk_digits` finds them."""
+    r = np.int64(radix)
+    inv_powers, p_lo = _inverse_powers(r, digits)
+    halves = np.empty((2, _DIGIT_CHUNK), dtype=np.float64)
+    quotients = np.empty((digits + 2, _DIGIT_CHUNK), dtype=np.float64)
+    dig = np.empty((digits, _DIGIT_CHUNK), dtype=np.int32)
+    nc = min(containers.size, -(-numel // digits))
+    for j0 in range(0, nc, _DIGIT_CHUNK):
+        cc = containers[j0:min(j0 + _DIGIT_CHUNK, nc)]
+        _chunk_digits(cc, r, digits, inv_powers, p_lo, halves, quotients, dig)
+        a = j0 * digits
+        ob = out[a:min((j0 + cc.size) * digits, numel)]
+        for j in range(cc.size):
+            row = ob[j * digits:(j + 1) * digits]
+            for d in range(row.size):
+                row[d] = dig[d, j]
 
 
 @njit(cache=True, nogil=True)
 def scale_blocks(out, block_starts, block_ends, scale_of_block):
-    """out[i] *= its block's scale, in place (after a bit-lane table decode)."""
+    """out[i] *= its block's scale, in place (after a bit-lane table decode); slices from index 0
+    so that the loop vectorizes."""
     for b in range(block_starts.size):
         sc = scale_of_block[b]
-        for i in range(block_starts[b], block_ends[b]):
-            out[i] = out[i] * sc
+        ob = out[block_starts[b]:block_ends[b]]
+        for k in range(ob.size):
+            ob[k] = ob[k] * sc
 
 
 # ---- blockqscatter (`blockqscatter.py`): shards of bit lanes, the owner's exact sums --------------
@@ -174,32 +284,39 @@ def pack_lane_shards(values, numel, shard, lane_bits, lanes, out):
 
 @njit(cache=True, nogil=True, inline="always")
 def _pack_row(values, first, m, lane_bits, lanes, out):
-    """`pack_lane_shards` of one whole shard starting at `first`."""
+    """`pack_lane_shards` of one whole shard starting at `first`: one pass per lane, each a loop
+    over the m containers on slices from index 0 (strided loads, no negative-index handling:
+    it vectorizes)."""
+    vr = values[first:first + m * lanes]
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
-        base = first + m * l0
-        for j in range(m):
-            c = np.int64(0) if l0 == 0 else np.int64(out[j])
-            at = base + j * g
-            for k in range(g):
-                c |= np.int64(values[at + k]) << np.int64((l0 + k) * lane_bits)
-            out[j] = c
+        vb = vr[m * l0:m * (l0 + g)]
+        for k in range(g):
+            shift = np.int64((l0 + k) * lane_bits)
+            vk = vb[k:]
+            if l0 == 0 and k == 0:
+                for j in range(m):
+                    out[j] = np.int64(vk[j * g]) << shift
+            else:
+                for j in range(m):
+                    out[j] = np.int64(out[j]) | (np.int64(vk[j * g]) << shift)
 
 
 @njit(cache=True, nogil=True)
 def sum_lane_rows(rows, lane_bits, lanes, out):
     """out[e] = sum over rows r of lane value e of row r (`lanes.unpack` of each row's m
-    containers, added exactly as integers); out.size == m * lanes (a whole shard)."""
+    containers, added exactly as integers); out.size == m * lanes (a whole shard). One pass per
+    row and lane over the m containers, on slices from index 0 (it vectorizes)."""
     w, m = rows.shape
     mask = np.int64((1 << lane_bits) - 1)
     out[:] = 0
     for r in range(w):
+        row = rows[r]
         for l0 in range(0, lanes, 8):
             g = min(l0 + 8, lanes) - l0
-            base = m * l0
-            for j in range(m):
-                c = np.int64(rows[r, j]) >> np.int64(l0 * lane_bits)
-                at = base + j * g
-                for k in range(g):
-                    out[at + k] += c & mask
-                    c >>= np.int64(lane_bits)
+            ob = out[m * l0:m * (l0 + g)]
+            for k in range(g):
+                shift = np.int64((l0 + k) * lane_bits)
+                ok = ob[k:]
+                for j in range(m):
+                    ok[j * g] += (np.int64(row[j]) >> shift) & mask

@@ -89,7 +89,13 @@ def levels_route_name(levels: int, block: int = DEFAULT_BLOCK) -> str:
 
 def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
     """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top)."""
-    codes = torch.searchsorted(_scales_on(block_max.device), block_max.to(torch.float32).contiguous())
+    block_max = block_max.to(torch.float32).contiguous()
+    if _compiled(block_max):  # one compiled binary search per block (torch's searchsorted: 30 ns a block)
+        assert blockkernels is not None
+        codes = torch.empty(block_max.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
+        blockkernels.scale_codes(block_max.numpy(), SCALES.numpy(), codes.numpy())
+        return codes
+    codes = torch.searchsorted(_scales_on(block_max.device), block_max)
     return codes.clamp_(max=255).to(torch.uint8)
 
 
@@ -306,9 +312,8 @@ class BlockQSum(Reducer):
         starts, ends = _block_bounds(lengths, self.block)
         block_scale = self._block_scales(scale_mean).numpy()
         if isinstance(layout, RadixLayout):
-            digits = np.empty(numel, dtype=np.uint8 if layout.radix <= 256 else np.uint16)
-            blockkernels.radix_digits(reduced.numpy(), layout.radix, layout.digits, numel, digits)
-            blockkernels.table_blocks(digits, values.numpy(), starts, ends, block_scale, res.numpy())
+            blockkernels.radix_decode_blocks(reduced.numpy(), layout.radix, layout.digits, numel, values.numpy(),
+                                             starts, ends, block_scale, res.numpy())
         else:
             fastpath.decode_table(reduced, layout, numel, values, out=res)
             blockkernels.scale_blocks(res.numpy(), starts, ends, block_scale)
@@ -409,10 +414,18 @@ def _strata_noise(keys: torch.Tensor, lengths: tuple[int, ...], shifts: tuple[in
 
 
 def pack_any(values: torch.Tensor, layout: LaneLayout | RadixLayout, compiled: bool) -> torch.Tensor:
-    """`values` (non-negative integers) packed in bit lanes or radix digits; `compiled`: the
-    radix digits by the CPU kernel (same containers)."""
+    """`values` (non-negative integers) packed in bit lanes or radix digits; `compiled`: by the CPU
+    kernels (same containers)."""
     if not isinstance(layout, RadixLayout):
-        return pack(values, layout)
+        if not compiled:
+            return pack(values, layout)
+        assert blockkernels is not None  # `lanes.pack` is one shard of `pack_lane_shards`
+        n, whole = values.numel(), layout.containers_for(values.numel()) * layout.lanes
+        if n < whole:  # zeros to whole containers: the kernel's fast loop then takes the one row
+            values = torch.cat([values, values.new_zeros(whole - n)])
+        payload = torch.empty(1, whole // layout.lanes, dtype=layout.container, device="cpu")
+        blockkernels.pack_lane_shards(values.numpy(), whole, whole, layout.lane_bits, layout.lanes, payload.numpy())
+        return payload.view(-1)
     if compiled:
         assert blockkernels is not None
         payload = torch.empty(layout.containers_for(values.numel()), dtype=torch.int64, device="cpu")

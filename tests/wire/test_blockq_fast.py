@@ -14,7 +14,7 @@ import torch
 
 from nfab.wire import blockq, fastpath, noise
 from nfab.wire.blockq import BlockQSum, scale_codes
-from nfab.wire.radix import RadixLayout
+from nfab.wire.radix import RadixLayout, radix_layout, unpack
 
 pytestmark = pytest.mark.skipif(blockq.blockkernels is None or not fastpath.AVAILABLE,
                                 reason="numba not installed: only the torch reference runs")
@@ -53,7 +53,7 @@ ROUTES = [(4, 64), (8, 64), (16, 64), (256, 64), (4, 128), (8, 256), (5, 64), (6
 
 
 @pytest.mark.parametrize("levels,block", ROUTES)
-@pytest.mark.parametrize("world_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 7, 8, 12, 16])
 def test_compiled_encode_and_decode_are_the_reference_bits(levels: int, block: int, world_size: int) -> None:
     red = BlockQSum(levels=levels, block=block)
     if not red.capacity(world_size).ok:
@@ -135,15 +135,47 @@ def test_radix_digits_of_extreme_containers() -> None:
 def test_the_cpu_path_is_the_compiled_one(monkeypatch: pytest.MonkeyPatch) -> None:
     # the comparisons above would pass vacuously if both sides ran the reference
     called: list[str] = []
-    for name in ("block_max_bits", "block_levels", "radix_pack", "radix_digits", "table_blocks"):
+    names = ("block_max_bits", "scale_codes", "block_levels", "radix_pack", "radix_decode_blocks")
+    for name in names:
         fn = getattr(blockq.blockkernels, name)
         monkeypatch.setattr(blockq.blockkernels, name, lambda *a, _f=fn, _n=name: (called.append(_n), _f(*a))[1])
     red, w, x = BlockQSum(2), 4, _x(0)
     codes = scale_codes(red.local_scale(x, LENGTHS))
     enc = red.encode(x, LENGTHS, w, codes, noise.Stratum(None, 0, w))
     red.decode(enc.payload, codes, x.numel(), LENGTHS, w)
-    assert called == ["block_max_bits", "block_levels", "radix_pack", "radix_digits", "table_blocks"]
+    assert called == list(names)
     called.clear()
     with fastpath.host_paths(False):
         red.local_scale(x, LENGTHS)
     assert called == []
+
+
+def test_compiled_scale_codes_are_searchsorted_clamped() -> None:
+    # every scale, its float32 neighbours, zeros, NaN and infinities: torch's searchsorted (left), clamped
+    s = blockq.SCALES
+    edges = torch.cat([s, torch.nextafter(s, torch.tensor(math.inf)), torch.nextafter(s, torch.tensor(0.0))])
+    v = torch.cat([edges, torch.tensor([0.0, -0.0, math.nan, math.inf, 3e38, 1e-45, -1.0])])
+    fast, ref = _both(lambda: scale_codes(v))
+    _same(fast, ref)
+
+
+def test_every_radix_splits_into_exact_float64_halves() -> None:
+    # `_chunk_digits` corrects the float64 split c = hi * R^h + lo by one step and needs both
+    # halves below 2^51: R^h >= 2^12 and R^(k-h) < 2^51 for every radix a route can ask for
+    for r in range(2, 16 * 255 + 2):
+        k = radix_layout(r).digits
+        assert r ** (k // 2) >= 1 << 12 and r ** (k - k // 2) < 1 << 51, r
+
+
+@pytest.mark.parametrize("radix", [5, 6, 7, 13, 21, 49, 65, 4081])
+def test_compiled_radix_digits_are_unpack(radix: int) -> None:
+    layout = radix_layout(radix)
+    k, g = layout.digits, torch.Generator().manual_seed(radix)
+    digits = torch.randint(0, radix, (300 * k,), generator=g)
+    digits[:k] = radix - 1  # the largest container, then the smallest
+    digits[k:2 * k] = 0
+    containers = (digits.view(-1, k) * torch.tensor([radix**j for j in range(k)])).sum(1)
+    for numel in (digits.numel(), digits.numel() - k + 1, 5):
+        out = torch.empty(numel, dtype=torch.int32)
+        blockq.blockkernels.radix_digits(containers.numpy(), radix, k, numel, out.numpy())
+        assert torch.equal(out.long(), unpack(containers, layout, numel))
