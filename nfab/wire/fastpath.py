@@ -26,9 +26,9 @@ from nfab.wire import lanes
 from nfab.wire.lanes import LaneLayout
 
 try:
-    from nfab.wire import kernels, lanekernels, votekernels
+    from nfab.wire import kernels, lanekernels, tritkernels, votekernels
 except ImportError:  # numba missing or unusable: the torch reference runs instead
-    kernels = lanekernels = votekernels = None  # type: ignore[assignment]
+    kernels = lanekernels = tritkernels = votekernels = None  # type: ignore[assignment]
 
 AVAILABLE = kernels is not None and sys.byteorder == "little"
 _HALF = {torch.bfloat16: True, torch.float16: False}
@@ -291,8 +291,53 @@ def decode_trits(packed: np.ndarray, start: int, numel: int, table: np.ndarray, 
     """out[i] = table[base-3 digit start + i of `packed` (5 digits per byte, digit j times 3**j)].
 
     The byte's 5 values come from one row of a 256 x 5 value table (`table` looked up by the
-    digits once per call), so each byte costs 5 loads and 5 stores."""
-    assert kernels is not None
-    rows = table.astype(np.float32, copy=False)[_trit_digits()]
-    kernels.decode_trits(packed, start, numel, rows, out)
+    digits once per call); pairs of bytes are written as 5 uint64 words."""
+    assert tritkernels is not None
+    rows = np.ascontiguousarray(table.astype(np.float32, copy=False)[_trit_digits()]).view(np.uint32)
+    tritkernels.decode_trits(packed, start, numel, rows, out.view(np.uint32))
     return out
+
+
+@lru_cache(maxsize=64)
+def _digit_tables(lane_bits: int, half: int, ternary: bool) -> tuple[np.ndarray, ...]:
+    """The owner's tables for uint8 count lanes: count -> digit, and its trit or bit tables."""
+    assert tritkernels is not None
+    counts = np.arange(1 << lane_bits)
+    digit = (counts > half).astype(np.uint8)
+    if ternary:
+        digit += (counts >= half).astype(np.uint8)  # 0 neg, 1 tie, 2 pos
+    if lane_bits <= 4 and 8 % lane_bits == 0:  # 5 counts' bits: 2 tables of <= 4096 rows
+        fused = tritkernels.trit_tables(digit, lane_bits) if ternary else (tritkernels.bit_table(digit, lane_bits),)
+    else:
+        fused = ()
+    for t in (digit, *fused):
+        t.flags.writeable = False  # shared by every call of this world size
+    return (digit, *fused)
+
+
+def shard_majority(containers: torch.Tensor, layout: LaneLayout, shard: int, half: int,
+                   ternary: bool) -> torch.Tensor:
+    """A shard's summed count lanes -> its packed majority (uint8): bit i = count > half (odd W,
+    `lanes.pack` of 1-bit lanes), or 5 trits a byte (even W, 0 below half, 1 at it, 2 above),
+    `shard` a multiple of 40. uint8 lanes that fill the byte go straight from container bytes
+    to digit bytes by table (one pass); others decode to digits first (the table decode)."""
+    assert lanekernels is not None and tritkernels is not None and shard % 40 == 0
+    digit, *fused = _digit_tables(layout.lane_bits, half, ternary)
+    src = containers.numpy()
+    out = np.empty(shard // 5 if ternary else shard // 8, dtype=np.uint8)
+    if src.dtype == np.uint8 and fused:
+        if ternary:
+            tritkernels.byte_lanes_to_trits(src, layout.lane_bits, fused[0], fused[1], out)
+        else:
+            tritkernels.byte_lanes_to_bits(src, layout.lane_bits, fused[0], out)
+        return torch.from_numpy(out)
+    if src.dtype == np.uint8:
+        digits = np.empty(shard, dtype=np.uint8)
+        lanekernels.byte_lane_digits(src, layout.lane_bits, layout.lanes, shard, digit, digits)
+    else:  # wide containers (W=4, W >= 16): the compiled table decode, then to digits
+        values = torch.from_numpy(digit.astype(np.float32))
+        digits = decode_table(containers, layout, shard, values).numpy().astype(np.uint8)
+    if not ternary:
+        return torch.from_numpy(np.packbits(digits, bitorder="little"))  # 1-bit lanes: lane l = bit l
+    lanekernels.pack_trits(digits, out)
+    return torch.from_numpy(out)

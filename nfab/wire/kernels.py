@@ -325,35 +325,3 @@ def segment_max_abs_bits(u, sign_mask, seg_starts, seg_ends, out):
             v = us.dtype.type(us[i] & sign_mask)  # kept at the input's width: twice the lanes of int64
             m = v if v > m else m
         out[s] = m
-
-
-# ---- base-3 digits (signscatter's majority at even W) -------------------------------------------
-
-
-@njit(cache=True, nogil=True)
-def decode_trits(packed, start, numel, rows, out):
-    """out[i] = the value of base-3 digit start+i; 5 digits per byte, `rows` (256 x 5 values)
-    holds each byte's 5 values, so a whole byte is one row copied."""
-    i = 0
-    while i < numel and (start + i) % 5:
-        g = start + i
-        out[i] = rows[packed[g // 5], g % 5]
-        i += 1
-    k0 = (start + i) // 5
-    whole = (numel - i) // 5
-    src = packed[k0 : k0 + whole]
-    flat = rows.reshape(-1)
-    oc = out[i : i + whole * 5]
-    for k in range(whole):
-        r = np.int64(src[k]) * 5
-        o = k * 5
-        oc[o] = flat[r]
-        oc[o + 1] = flat[r + 1]
-        oc[o + 2] = flat[r + 2]
-        oc[o + 3] = flat[r + 3]
-        oc[o + 4] = flat[r + 4]
-    i += whole * 5
-    while i < numel:
-        g = start + i
-        out[i] = rows[packed[g // 5], g % 5]
-        i += 1

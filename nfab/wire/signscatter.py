@@ -42,11 +42,6 @@ from nfab.wire.reducer import (
 )
 from nfab.wire.sign import count_lane_capacity
 
-try:
-    from nfab.wire import lanekernels
-except ImportError:  # numba missing or unusable: fastpath.supports is False, the torch reference runs
-    lanekernels = None  # type: ignore[assignment]
-
 _SHARD_ALIGN = 40  # shard sizes are a multiple of 8 (whole vote bytes) and 5 (whole trit bytes)
 _TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256
 
@@ -132,7 +127,7 @@ class SignScatter(TwoPhaseReducer):
         shard -= shard % _SHARD_ALIGN
         half = world_size // 2
         if fastpath.supports(counts_shard):
-            return _owner_majority_host(counts_shard, lay, shard, half, self.ternary(world_size))
+            return fastpath.shard_majority(counts_shard, lay, shard, half, self.ternary(world_size))
         counts = unpack(counts_shard, lay, shard).to(torch.int64)
         if not self.ternary(world_size):
             return pack(counts > half, layout_for(1))
@@ -181,30 +176,6 @@ class SignScatter(TwoPhaseReducer):
         if dests is not None:
             return finish_segments(unit, scale_mean, lengths, out)
         return write_into(one, finish_segments(unit, scale_mean, lengths, None))
-
-
-def _owner_majority_host(counts_shard: torch.Tensor, lay: LaneLayout, shard: int, half: int,
-                         ternary: bool) -> torch.Tensor:
-    """`SignScatter.owner_step` on the CPU, same bytes: the lanes decoded straight to each count's digit
-    (count -> 0/1 bit, or 0/1/2 trit) and packed, compiled (the torch reference widens every count
-    to int64 first: ~25x slower at W=2)."""
-    counts = np.arange(lay.max_value + 1)
-    digit = (counts > half).astype(np.uint8)
-    if ternary:
-        digit += (counts >= half).astype(np.uint8)  # 0 neg, 1 tie, 2 pos
-    assert lanekernels is not None  # fastpath.supports: the compiled kernels load
-    containers = counts_shard.numpy()
-    if containers.dtype == np.uint8:
-        digits = np.empty(shard, dtype=np.uint8)
-        lanekernels.byte_lane_digits(containers, lay.lane_bits, lay.lanes, shard, digit, digits)
-    else:  # wide containers (W >= 16): the compiled table decode, then to digits
-        table = torch.from_numpy(digit.astype(np.float32))
-        digits = fastpath.decode_table(counts_shard, lay, shard, table).numpy().astype(np.uint8)
-    if not ternary:
-        return torch.from_numpy(np.packbits(digits, bitorder="little"))  # layout_for(1): lane l = bit l
-    out = np.empty(shard // _TRITS_PER_BYTE, dtype=np.uint8)
-    lanekernels.pack_trits(digits, out)
-    return torch.from_numpy(out)
 
 
 def _pow3(device: torch.device) -> torch.Tensor:

@@ -157,3 +157,21 @@ def test_a_slow_reduce_scatter_is_priced_out():
     data = json.loads(cm.to_json())
     assert CostModel.from_dict(data) == cm
     assert CostModel.from_dict({**data, "reducescatter": None}).reducescatter is None  # older files
+
+
+@pytest.mark.parametrize("start", [0, 3, 5, 9, 10, 17])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_decode_trits_every_alignment(start, offset):
+    """The compiled trit decode (pairs of bytes as uint64 words where `out` is 8-byte aligned,
+    value by value elsewhere) gives the table's values at every start and destination offset."""
+    if not fastpath.AVAILABLE:
+        pytest.skip("numba not installed")
+    t = torch.randint(0, 3, (2000,), generator=torch.Generator().manual_seed(start)).to(torch.uint8)
+    packed = pack_trits(t).numpy()
+    table = np.array([-2.0, -0.0, 7.0], dtype=np.float32)
+    for numel in (0, 1, 9, 10, 11, 29, 2000 - start - 3):
+        buf = np.full(numel + offset + 1, 5.0, dtype=np.float32)
+        fastpath.decode_trits(packed, start, numel, table, buf[offset : offset + numel])
+        want = table[t[start : start + numel].numpy()]
+        assert np.array_equal(buf[offset : offset + numel].view(np.uint32), want.view(np.uint32))
+        assert buf[-1] == 5.0 and (offset == 0 or buf[0] == 5.0)
