@@ -334,7 +334,13 @@ def shard_majority(containers: torch.Tensor, layout: LaneLayout, shard: int, hal
     if src.dtype == np.uint8:
         digits = np.empty(shard, dtype=np.uint8)
         lanekernels.byte_lane_digits(src, layout.lane_bits, layout.lanes, shard, digit, digits)
-    else:  # wide containers (W=4, W >= 16): the compiled table decode, then to digits
+    elif ternary:  # wide containers (W=4, W >= 16): the table decode with uint32 digits (its pairs
+        # move as uint64 words as fp32 values do), packed from there (no float pass or narrowing copy)
+        wide = np.empty(shard, dtype=np.uint32)
+        lanekernels.decode_wide_lanes(src, layout.lane_bits, layout.lanes, shard, digit.astype(np.uint32), wide)
+        lanekernels.pack_trits(wide, out)
+        return torch.from_numpy(out)
+    else:
         values = torch.from_numpy(digit.astype(np.float32))
         digits = decode_table(containers, layout, shard, values).numpy().astype(np.uint8)
     if not ternary:
