@@ -193,6 +193,17 @@ def _chunk_digits(cc, r, digits, inv_powers, p_lo, halves, quotients, out):
             o[j] = np.int32(q0[j] - rf * q1[j])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _digit_scratch(r, digits):
+    """What `_chunk_digits` needs for one chunk of containers: the inverse powers of the radix and
+    the scratch rows it fills (allocated once per call, reused by every chunk)."""
+    inv_powers, p_lo = _inverse_powers(r, digits)
+    halves = np.empty((2, _DIGIT_CHUNK), dtype=np.float64)
+    quotients = np.empty((digits + 2, _DIGIT_CHUNK), dtype=np.float64)
+    dig = np.empty((digits, _DIGIT_CHUNK), dtype=np.int32)
+    return inv_powers, p_lo, halves, quotients, dig
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def radix_decode_blocks(containers, radix, digits, numel, table, block_starts, block_ends, scale_of_block, out):
     """out[i] = table[digit i of the (summed) containers] * (its block's scale): `radix.unpack`, the
@@ -201,10 +212,7 @@ def radix_decode_blocks(containers, radix, digits, numel, table, block_starts, b
     Per chunk of containers (L1): their digits (`_chunk_digits`), then the table values in element
     order straight into `out`, then the chunk's blocks scaled in place."""
     r = np.int64(radix)
-    inv_powers, p_lo = _inverse_powers(r, digits)
-    halves = np.empty((2, _DIGIT_CHUNK), dtype=np.float64)
-    quotients = np.empty((digits + 2, _DIGIT_CHUNK), dtype=np.float64)
-    dig = np.empty((digits, _DIGIT_CHUNK), dtype=np.int32)
+    inv_powers, p_lo, halves, quotients, dig = _digit_scratch(r, digits)
     nc = min(containers.size, -(-numel // digits))
     b = 0
     for j0 in range(0, nc, _DIGIT_CHUNK):
@@ -232,10 +240,7 @@ def radix_digits(containers, radix, digits, numel, out):
     """out[i] = digit i of the (summed) containers: `radix.unpack` (the owner's sum of own digits
     in `blockqscatter`), the digits as `_chunk_digits` finds them."""
     r = np.int64(radix)
-    inv_powers, p_lo = _inverse_powers(r, digits)
-    halves = np.empty((2, _DIGIT_CHUNK), dtype=np.float64)
-    quotients = np.empty((digits + 2, _DIGIT_CHUNK), dtype=np.float64)
-    dig = np.empty((digits, _DIGIT_CHUNK), dtype=np.int32)
+    inv_powers, p_lo, halves, quotients, dig = _digit_scratch(r, digits)
     nc = min(containers.size, -(-numel // digits))
     for j0 in range(0, nc, _DIGIT_CHUNK):
         cc = containers[j0:min(j0 + _DIGIT_CHUNK, nc)]
