@@ -14,6 +14,7 @@ from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.hierarchy import Hierarchy, parse
 from nfab.runtime.hook import Runtime, nfab_hook
+from nfab.runtime.moment import NoiseMoment
 from nfab.runtime.optim import ERROR_FEEDBACK_CHOICES, Preconditioner, is_adaptive, is_sharded, resolve_error_feedback
 from nfab.runtime.scales import QSUM_SCALES
 from nfab.wire import cost as cost_mod
@@ -36,6 +37,7 @@ def attach(
     qsum_scale: str = "exact",
     coalesce: bool = True,
     hierarchy: Hierarchy | str | int | None = None,
+    noise_moment: bool = False,
 ) -> Runtime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
 
@@ -115,6 +117,8 @@ def attach(
                     type(optimizer).__name__)
     elif optimizer is not None:
         runtime.preconditioner = Preconditioner(optimizer, dict(ddp_model.module.named_parameters()))
+        if noise_moment:
+            runtime.moment = NoiseMoment(optimizer, dict(ddp_model.module.named_parameters()))
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
 

@@ -54,7 +54,7 @@ from nfab.models import build_model
 from nfab.wire.reducers import allreduce_factor
 
 VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5",
-                             "bq2", "profile")
+                             "bq2", "bq2-nm", "bl5-nm", "profile", "profile-nm")
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
 COLLECTIVE_TIMEOUT_S = 300
@@ -143,7 +143,7 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
         raise ValueError(f"unknown variant {bad[0]!r} (known: {', '.join(VARIANTS)})")
     results: dict[str, RunResult] = {}
     profile = None
-    if "profile" in variants:
+    if "profile" in variants or "profile-nm" in variants:
         profile = str((root or Path.cwd()) / setting.profile) if setting.profile else None
         if profile is None or not Path(profile).is_file():
             results["profile"] = RunResult(setting.name, "profile", ok=False, seed=seed,
@@ -219,16 +219,17 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant.split("-r")[1]),
                                    start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    elif variant in ("sign", "sign-ef", "bq3", "bl6", "bl5", "bq2"):
-        runtime = nfab.attach(ddp, route=variant.removesuffix("-ef"), optimizer=opt,
+    elif variant in ("sign", "sign-ef", "bq3", "bl6", "bl5", "bq2", "bq2-nm", "bl5-nm"):
+        runtime = nfab.attach(ddp, route=variant.removesuffix("-ef").removesuffix("-nm"), optimizer=opt,
                               error_feedback=True if variant == "sign-ef" else "auto", cost_model=None, seed=seed,
-                              total_steps=setting.steps, head_modules=spec.head_modules)
-    elif variant == "profile":
+                              total_steps=setting.steps, head_modules=spec.head_modules,
+                              noise_moment=variant.endswith("-nm"))
+    elif variant in ("profile", "profile-nm"):
         prof = nfab.Profile.load(profile)
         if setting.routes_only:
             prof = prof.model_copy(update={"model": prof.model.model_copy(update={"signature": None})})
         runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
-                              head_modules=spec.head_modules)
+                              head_modules=spec.head_modules, noise_moment=variant == "profile-nm")
     wire = 0.0
     fallback_steps = 0
     events: list[str] = []

@@ -19,7 +19,9 @@ from nfab.runtime import control, fidelity
 from nfab.runtime.controller import FP32, Group
 from nfab.runtime.encode import views
 from nfab.runtime.handoff import Launch, Outcome, Sent
+from nfab.runtime.moment import NoiseMoment, rounding_variance
 from nfab.wire import fastpath
+from nfab.wire.blockq import BlockQSum
 from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.qsum import QSum
 from nfab.wire.reducer import write_into
@@ -27,11 +29,14 @@ from nfab.wire.reducers import REDUCERS, mean_of_ranks
 
 
 def finish_bucket(launch: Launch, world_size: int,
-                  inverse_rms: Callable[[str], torch.Tensor | None] | None = None) -> Outcome:
+                  inverse_rms: Callable[[str], torch.Tensor | None] | None = None,
+                  moment: NoiseMoment | None = None) -> Outcome:
     """Decode `launch`'s groups into its bucket (zeroed on every rank if any rank was non-finite).
 
     `inverse_rms`: the optimizer's preconditioner (`optim.Preconditioner.inverse_rms`), read
-    here, before any rank steps, so that a probe's region fidelity compares where it acts."""
+    here, before any rank steps, so that a probe's region fidelity compares where it acts.
+    `moment`: given, every block-scaled group's rounding variance is recorded for the optimizer
+    (`runtime/moment.py`)."""
     t0 = time.thread_time()
     buffer = launch.buffer
     table = _control_table(launch, world_size)
@@ -46,6 +51,8 @@ def finish_bucket(launch: Launch, world_size: int,
     if not _known_true(bad):
         for sent in launch.sent:
             out = _decode_group(launch, sent, table, world_size, amax, saturated)
+            if moment is not None:
+                _record_variance(moment, sent, world_size)
             if out is not None:
                 probed.append((sent.enc.group, out))
     _zero_if(buffer, bad)
@@ -112,6 +119,15 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
         out = decode(out=None)
         write_into(views(buffer, group), out)
     return out if probed else None
+
+
+def _record_variance(moment: NoiseMoment, sent: Sent, w: int) -> None:
+    """A block-scaled group's rounding variance per parameter (its agreed codes are `enc.shared`)."""
+    enc = sent.enc
+    red = REDUCERS[enc.group.key]
+    if isinstance(red, BlockQSum) and enc.shared is not None:
+        var = rounding_variance(red, enc.shared, enc.group.lengths, w, enc.weights)
+        moment.record([s.name for s in enc.group.slices], enc.group.lengths, var)
 
 
 def _value(sent: Sent) -> torch.Tensor:

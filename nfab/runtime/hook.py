@@ -53,6 +53,7 @@ from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
 from nfab.runtime.handoff import HOOK_PHASES, Encoded, Launch, Outcome, spans
 from nfab.runtime.hierarchy import Hierarchy
+from nfab.runtime.moment import NoiseMoment
 from nfab.runtime.optim import Preconditioner
 from nfab.runtime.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
@@ -106,6 +107,7 @@ class Runtime:
         self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)  # bounded: a run of days must not grow
         self.events: list[health_mod.HealthEvent] = []
         self.preconditioner: Preconditioner | None = None  # attach(optimizer=): probes compare where Adam acts
+        self.moment: NoiseMoment | None = None  # attach(noise_moment=): rounding noise out of Adam's v
         # the step in progress: launches written by the hook, outcomes by the callbacks
         self._launches: list[Launch] = []
         self._outcomes: list[Outcome] = []
@@ -243,7 +245,8 @@ class Runtime:
         """The callback's work: decode into the bucket; the callback's one hand-back value."""
         # the optimizer state as of the previous step: no rank has stepped yet (still in backward)
         pre = self.preconditioner
-        return finish_bucket(launch, self.world_size, partial(pre.inverse_rms, step=self.step) if pre else None)
+        return finish_bucket(launch, self.world_size, partial(pre.inverse_rms, step=self.step) if pre else None,
+                             self.moment)
 
     def _step_values(self, first: bool, device: torch.device) -> control.StepValues:
         """The step's first word carries this rank's loss and the previous probe's cosine."""

@@ -220,7 +220,7 @@ class BlockQSum(Reducer):
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
         return codes
 
-    def _element_scales(self, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    def element_scales(self, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """The agreed scale of every element (its block's)."""
         bid, nblocks = _block_index(tuple(lengths), self.block, shared.device)
         assert shared.numel() == nblocks, f"{shared.numel()} scale codes for {nblocks} blocks"
@@ -246,7 +246,7 @@ class BlockQSum(Reducer):
         unit = torch.arange(m + 1, dtype=torch.float32, device=x.device) * (2.0 / m) - 1.0
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
-            return unit[levels.long()] * self._element_scales(shared_scale, lengths)
+            return unit[levels.long()] * self.element_scales(shared_scale, lengths)
 
         return Encoded(payload, None, make_local=local)
 
@@ -258,7 +258,7 @@ class BlockQSum(Reducer):
                 stratum: noise.Stratum) -> torch.Tensor:
         """The reference (torch ops, any device): stochastically rounded levels, uint8."""
         m = self.steps
-        scale = self._element_scales(shared, lengths)
+        scale = self.element_scales(shared, lengths)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         t = torch.div(x.to(torch.float32), safe)
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
@@ -294,7 +294,7 @@ class BlockQSum(Reducer):
             mean = values[radix.unpack(reduced, layout, numel)]
         else:
             mean = fastpath.decode_table(reduced, layout, numel, values)  # compiled on CPU, same values
-        mean.mul_(self._element_scales(scale_mean, list(lengths)))
+        mean.mul_(self.element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
@@ -372,7 +372,7 @@ class BlockQSum(Reducer):
         bid, nblocks = _block_index(tuple(lengths), self.block, flat.device)
         block_max = torch.zeros(nblocks, dtype=torch.float32, device=flat.device)
         block_max.scatter_reduce_(0, bid, absmax, "amax", include_self=True)  # = MAX over ranks of their maxima
-        scale = self._element_scales(block_max, lengths)
+        scale = self.element_scales(block_max, lengths)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         m = self.steps
         t = torch.div(flat, safe)

@@ -179,7 +179,7 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
             starts, ends = _block_bounds(tuple(lengths), self.block)
             blockkernels.scale_blocks(mean.numpy(), starts, ends, self._block_scales(scale_mean).numpy())
         else:
-            mean.mul_(self._element_scales(scale_mean, list(lengths)))
+            mean.mul_(self.element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
 
 

@@ -59,7 +59,7 @@ def _unit_coordinates(red: BlockQSum, x: torch.Tensor) -> tuple[torch.Tensor, to
     """(f, scale): the fraction of every element's level coordinate, in the reference's float32
     operations, and its block scale (one rank: the scale of its own block maxima). An all-zero
     block decodes to exactly 0 whatever its level: f = 0 there (no error)."""
-    scale = red._element_scales(red.local_scale(x, LENGTHS), LENGTHS)
+    scale = red.element_scales(red.local_scale(x, LENGTHS), LENGTHS)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     t = (x / safe + 1.0) * (0.5 * red.steps)
     f = torch.where(scale > 0, t - t.floor(), torch.zeros_like(t))
@@ -112,7 +112,7 @@ def test_error_variance_falls_between_bq2_and_bq3():
     measured = []
     for route in ORDERED:
         red = REDUCERS[f"blockq-{route}"]
-        scale = red._element_scales(torch.stack([red.local_scale(v, LENGTHS) for v in xs]).amax(0), LENGTHS)
+        scale = red.element_scales(torch.stack([red.local_scale(v, LENGTHS) for v in xs]).amax(0), LENGTHS)
         live = scale > 0
         errs = [((red.replay(xs, LENGTHS, [torch.Generator().manual_seed(s)] * w).double() - truth)[live]
                  / scale[live]).pow(2).mean() for s in range(seeds)]

@@ -56,7 +56,7 @@ def independent(red: blockq.BlockQSum, xs: list[torch.Tensor], lengths: list[int
     decoded by the formula mean = (2 S / (M W) - 1) * scale of the MAX-agreed block code."""
     w, m = len(xs), red.steps
     block_max = torch.stack([red.local_scale(x, lengths) for x in xs]).amax(0)
-    scale = red._element_scales(blockq.scale_codes(torch.nan_to_num(block_max, nan=0.0)), lengths)
+    scale = red.element_scales(blockq.scale_codes(torch.nan_to_num(block_max, nan=0.0)), lengths)
     total = sum(red._levels(x, lengths, block_max, s).to(torch.int64) for x, s in zip(xs, strata(w, len(lengths)),
                                                                                         strict=True))
     return (total.to(torch.float32) * (2.0 / (m * w)) - 1.0) * scale
