@@ -53,6 +53,7 @@ class NoiseMoment:
         self._lock = threading.Lock()  # decode callbacks may run on the collectives' threads
         self._handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply())
         self.applied_steps = 0
+        """Steps whose second moment was corrected (none before the optimizer's first step: no v yet)."""
 
     def record(self, names: Sequence[str], lengths: Sequence[int], var: torch.Tensor) -> None:
         """The variance of one decoded group, split into its parameters (flat, in group order)."""
@@ -65,8 +66,7 @@ class NoiseMoment:
         """v -= (1 - beta2) / beta2 * var for every parameter recorded this step (then forget them)."""
         with self._lock:
             pending, self._pending = self._pending, {}
-        if not pending:
-            return
+        touched = False
         for group in self.optimizer.param_groups:
             betas = group.get("betas")
             if betas is None:
@@ -79,7 +79,8 @@ class NoiseMoment:
                 if var is None or not isinstance(v, torch.Tensor) or v.numel() != var.numel():
                     continue
                 v.sub_(var.view_as(v).to(v.dtype), alpha=k).clamp_min_(0.0)
-        self.applied_steps += 1
+                touched = True
+        self.applied_steps += int(touched)
 
     def _name_of(self, p: torch.Tensor) -> str | None:
         names = getattr(self, "_names", None)
