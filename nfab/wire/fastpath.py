@@ -141,7 +141,24 @@ def _bits_to_lanes(padded: np.ndarray, numel: int, layout: LaneLayout, out: np.n
     if out.itemsize == 1:
         lanekernels.bits_to_byte_lanes(padded, numel, layout.lanes, out, spread)
     else:
-        lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread)
+        lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread,
+                                       _whole_groups(padded, numel, layout, out, spread))
+
+
+def _whole_groups(padded: np.ndarray, numel: int, layout: LaneLayout, out: np.ndarray, spread: np.ndarray) -> int:
+    """Fill the leading whole containers of the W = 4..7 and 16..31 layouts a group at a time
+    (one pass, scalar byte-table lookups); how many it wrote (0 for other layouts)."""
+    assert lanekernels is not None
+    m = out.size
+    if layout.lane_bits == 3 and layout.lanes == 21 and numel > 16 * m:
+        done = min(m, (numel - 16 * m) // 5) & ~7  # the last block's elements all below numel
+        lanekernels.spread_21x3(padded, m, done, spread, out)
+        return done
+    if layout.lane_bits == 5 and layout.lanes == 6:
+        done = min(m, numel // 6) & ~3
+        lanekernels.spread_6x5(padded, done, spread, out)
+        return done
+    return 0
 
 
 def votes_to_lanes(bits: np.ndarray, numel: int, layout: LaneLayout) -> torch.Tensor:

@@ -131,7 +131,7 @@ def bits_to_byte_lanes(bits, n, lanes, out, spread):
 
 
 @njit(cache=True, nogil=True)
-def _spread_21x3(bits, m, whole, spread, out):
+def spread_21x3(bits, m, whole, spread, out):
     """int64 containers of 21 three-bit lanes (W = 4..7), all three blocks in one pass over
     containers j < `whole` (a multiple of 8, every lane's element below n): lanes 0-7 from vote
     byte j, lanes 8-15 from byte m + j, lanes 16-20 from 5 bits of the 5 bytes that 8 containers
@@ -151,7 +151,7 @@ def _spread_21x3(bits, m, whole, spread, out):
 
 
 @njit(cache=True, nogil=True)
-def _spread_6x5(bits, whole, spread, out):
+def spread_6x5(bits, whole, spread, out):
     """int32 containers of 6 five-bit lanes (W = 16..31), containers j < `whole` (a multiple of
     4): 4 containers from the 24 votes of 3 bytes, one scalar lookup each (1.6x faster than a
     16-bit window read per container)."""
@@ -166,20 +166,13 @@ def _spread_6x5(bits, whole, spread, out):
 
 
 @njit(cache=True, nogil=True)
-def bits_to_wide_lanes(bits, n, lane_bits, lanes, out, spread):
+def bits_to_wide_lanes(bits, n, lane_bits, lanes, out, spread, done=0):
     """Votes -> int32 / int64 count lane containers in `out` (any contents: the first block
     writes, the others OR in): blocks of at most 8 lanes, element m*l0 + j*g + (l - l0) in
-    lane l of container j (see lanes.py). The layouts of W = 4..7 and 16..31 first fill their
-    whole containers in one pass of their own (`_spread_21x3`, `_spread_6x5`); the rest, and
-    every other layout, go block by block."""
+    lane l of container j (see lanes.py). Containers below `done` are already written whole
+    by a layout's own pass (`spread_21x3`, `spread_6x5`, entry points of their own so that
+    each container type compiles only the pass it uses); the rest go block by block."""
     m = out.size
-    done = 0  # containers written whole by a layout's own pass
-    if lane_bits == 3 and lanes == 21 and n > 16 * m:
-        done = min(m, (n - 16 * m) // 5) & ~7  # the last block's elements all below n
-        _spread_21x3(bits, m, done, spread, out)
-    elif lane_bits == 5 and lanes == 6:
-        done = min(m, n // 6) & ~3
-        _spread_6x5(bits, done, spread, out)
     rest = out[done:]
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
