@@ -94,28 +94,28 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int],
     view when `split`), read in place: a mixed bucket's slices need no gathered copy."""
     lengths = list(lengths)
     n = sum(lengths)
-    bits = np.zeros(-(-n // 8), dtype=np.uint8)
+    words = np.zeros(n // 64 + 2, dtype=np.uint64)  # whole words, one of room for a shifted store
     sums = np.zeros(len(lengths), dtype=np.float64)
     if split:
         starts, ends = segment_bounds(lengths)
-        _sign_kernel(views[0], starts, ends, 0, bits, sums)
-        return bits, sums
-    pos = 0
-    one = np.zeros(1, dtype=np.int64)
-    for si, v in enumerate(views):
-        ln = v.numel()
-        _sign_kernel(v, one, np.full(1, ln, dtype=np.int64), pos, bits, sums[si : si + 1])
-        pos += ln
-    return bits, sums
+        _sign_kernel(views[0], starts, ends, 0, words, sums)
+    else:
+        pos = 0
+        one = np.zeros(1, dtype=np.int64)
+        for si, v in enumerate(views):
+            ln = v.numel()
+            _sign_kernel(v, one, np.full(1, ln, dtype=np.int64), pos, words, sums[si : si + 1])
+            pos += ln
+    return words.view(np.uint8)[: -(-n // 8)], sums
 
 
-def _sign_kernel(x: torch.Tensor, starts, ends, base: int, bits, sums) -> None:
+def _sign_kernel(x: torch.Tensor, starts, ends, base: int, words, sums) -> None:
     assert kernels is not None
     if x.dtype == torch.float32:
-        kernels.sign_bits_f32(x.numpy(), starts, ends, base, bits, sums)
+        kernels.sign_bits_f32(x.numpy(), starts, ends, base, words, sums)
     else:
         kernels.sign_bits_half(x.view(torch.int16).numpy().view(np.uint16), _HALF[x.dtype], starts, ends, base,
-                               bits, sums)
+                               words, sums)
 
 
 @lru_cache(maxsize=64)
@@ -141,7 +141,24 @@ def _bits_to_lanes(padded: np.ndarray, numel: int, layout: LaneLayout, out: np.n
     if out.itemsize == 1:
         lanekernels.bits_to_byte_lanes(padded, numel, layout.lanes, out, spread)
     else:
-        lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread)
+        lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread,
+                                       _whole_groups(padded, numel, layout, out, spread))
+
+
+def _whole_groups(padded: np.ndarray, numel: int, layout: LaneLayout, out: np.ndarray, spread: np.ndarray) -> int:
+    """Fill the leading whole containers of the W = 4..7 and 16..31 layouts a group at a time
+    (one pass, scalar byte-table lookups); how many it wrote (0 for other layouts)."""
+    assert lanekernels is not None
+    m = out.size
+    if layout.lane_bits == 3 and layout.lanes == 21 and numel > 16 * m:
+        done = min(m, (numel - 16 * m) // 5) & ~7  # the last block's elements all below numel
+        lanekernels.spread_21x3(padded, m, done, spread, out)
+        return done
+    if layout.lane_bits == 5 and layout.lanes == 6:
+        done = min(m, numel // 6) & ~3
+        lanekernels.spread_6x5(padded, done, spread, out)
+        return done
+    return 0
 
 
 def votes_to_lanes(bits: np.ndarray, numel: int, layout: LaneLayout) -> torch.Tensor:

@@ -42,80 +42,68 @@ from numba import njit  # noqa: E402
 # Loops index slices from 0 (never x[c + i]): numba then knows the index is non-negative,
 # drops its negative-index handling, and LLVM vectorizes the loop.
 
-_CHUNK = 4096  # elements per inner pass: the chunk's scratch stays in L1
+_CHUNK = 4096  # elements per float32 partial |x| sum (counted from the segment start)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_word(words, g, w):
+    """OR 64 votes (bit j = element g + j) into the little-endian bit words at element g."""
+    k = g >> 6
+    sh = g & 63
+    if sh == 0:
+        words[k] |= w
+    else:
+        words[k] |= w << np.uint64(sh)
+        words[k + 1] |= w >> np.uint64(64 - sh)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _abs_sum(xc):
-    """sum |x| of one chunk in float32 lanes (the compiler picks the lane order; reassociation
-    is the only licence: NaN and inf propagate as usual)."""
-    s = np.float32(0)
-    for i in range(xc.size):
-        s += abs(xc[i])
-    return s
+def _sign_chunk(xc, words, g):
+    """Votes of fp32 chunk `xc` ORed into the bit words at element g; returns the chunk's |x|
+    sum in float32 lanes (the compiler picks the lane order; reassociation is the only licence:
+    NaN and inf propagate as usual).
 
-
-@njit(cache=True, nogil=True)
-def _put_byte(bits, g0, vb):
-    """OR 8 votes (bit j = element g0 + j) into a little-endian bit array at element g0."""
-    k = g0 >> 3
-    sh = g0 & 7
-    if sh == 0:
-        bits[k] |= vb
-    else:
-        bits[k] |= (vb << sh) & 0xFF
-        if k + 1 < bits.size:
-            bits[k + 1] |= vb >> (8 - sh)
-
-
-@njit(cache=True, nogil=True)
-def _sign_chunk(xc, v8, words, bits, g):
-    """Votes of fp32 chunk `xc` into `bits` at element g; returns the chunk's |x| sum.
-
-    64 votes at a time are ORed into one word (`words`, whose bytes are `v8`): a compare and
-    a shift per element, which the compiler vectorizes."""
+    One loop reads each value once for both: 64 votes (a compare and a shift each, vectorized)
+    make one word, stored straight into `words` (shifted across two words when g is not a
+    multiple of 64): no byte scratch, no second pass over the chunk."""
     ln = xc.size
     full = ln >> 6
+    s = np.float32(0)
     for k in range(full):
         xs = xc[64 * k : 64 * k + 64]
         w = np.uint64(0)
         for j in range(64):
-            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
-        words[k] = w
+            v = xs[j]
+            w |= np.uint64(v >= 0) << np.uint64(j)
+            s += abs(v)
+        _put_word(words, g + 64 * k, w)
     if ln & 63:
         xs = xc[64 * full : ln]
         w = np.uint64(0)
         for j in range(xs.size):
-            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
-        words[full] = w
-    nb = (ln + 7) >> 3
-    if g & 7 == 0:  # whole bytes: no earlier segment shares them
-        bc = bits[g >> 3 : (g >> 3) + nb]
-        for k in range(nb):
-            bc[k] = v8[k]
-    else:
-        for k in range(nb):
-            _put_byte(bits, g + 8 * k, v8[k])
-    return _abs_sum(xc)
+            v = xs[j]
+            w |= np.uint64(v >= 0) << np.uint64(j)
+            s += abs(v)
+        _put_word(words, g + 64 * full, w)
+    return s
 
 
 @njit(cache=True, nogil=True)
-def sign_bits_f32(x, seg_starts, seg_ends, base, bits, sums):
-    """Votes of fp32 `x` packed 1 bit per element (little-endian) into ZEROED `bits` from bit
-    `base` on, and the |x| sum of each segment [seg_starts[s], seg_ends[s]) of `x` into sums[s].
+def sign_bits_f32(x, seg_starts, seg_ends, base, words, sums):
+    """Votes of fp32 `x` packed 1 bit per element (little-endian) into ZEROED uint64 `words`
+    from bit `base` on (one word of room past the last vote's), and the |x| sum of each segment
+    [seg_starts[s], seg_ends[s]) of `x` into sums[s].
 
     A segment's sum adds float32 chunk sums (chunks of 4096 counted from the segment's own
     start) in float64: it depends only on the segment's own elements, never on its
     neighbours or its offset in a bucket.
     """
-    v8 = np.zeros(_CHUNK + 8, dtype=np.uint8)
-    words = v8.view(np.uint64)
     for s in range(seg_starts.size):
         a = seg_starts[s]
         e = seg_ends[s]
         tot = 0.0
         for c0 in range(a, e, _CHUNK):
-            tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], v8, words, bits, base + c0)
+            tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, base + c0)
         sums[s] = tot
 
 
@@ -144,14 +132,12 @@ def _widen_chunk(uc, bf16, wide, f32):
 
 
 @njit(cache=True, nogil=True)
-def sign_bits_half(u, bf16, seg_starts, seg_ends, base, bits, sums):
+def sign_bits_half(u, bf16, seg_starts, seg_ends, base, words, sums):
     """`sign_bits_f32` for bf16 (bf16=True) or fp16 inputs given as raw uint16 bits.
 
     Each chunk is widened exactly to fp32 in an L1 scratch buffer (widening keeps every
     sign, zero and NaN), so votes and sums are those of `sign_bits_f32` on the fp32 values.
     """
-    v8 = np.zeros(_CHUNK + 8, dtype=np.uint8)
-    words = v8.view(np.uint64)
     wide = np.empty(_CHUNK, dtype=np.uint32)
     f32 = wide.view(np.float32)
     for s in range(seg_starts.size):
@@ -162,7 +148,7 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, base, bits, sums):
             uc = u[c0 : min(c0 + _CHUNK, e)]
             ln = uc.size
             _widen_chunk(uc, bf16, wide, f32)
-            tot += _sign_chunk(f32[:ln], v8, words, bits, base + c0)
+            tot += _sign_chunk(f32[:ln], words, base + c0)
         sums[s] = tot
 
 

@@ -131,16 +131,55 @@ def bits_to_byte_lanes(bits, n, lanes, out, spread):
 
 
 @njit(cache=True, nogil=True)
-def bits_to_wide_lanes(bits, n, lane_bits, lanes, out, spread):
+def spread_21x3(bits, m, whole, spread, out):
+    """int64 containers of 21 three-bit lanes (W = 4..7), all three blocks in one pass over
+    containers j < `whole` (a multiple of 8, every lane's element below n): lanes 0-7 from vote
+    byte j, lanes 8-15 from byte m + j, lanes 16-20 from 5 bits of the 5 bytes that 8 containers
+    share. Each container is written once, by three scalar lookups in the 256-row byte table:
+    2.4x faster than a pass per block (two of them read-modify-write)."""
+    b0 = bits[:m]
+    b1 = bits[m : 2 * m]
+    tail = bits[2 * m :]  # lanes 16-20: element 16m + 5j on, byte-aligned
+    for p in range(whole >> 3):
+        src = tail[5 * p : 5 * p + 5]
+        t = (np.uint64(src[0]) | (np.uint64(src[1]) << np.uint64(8)) | (np.uint64(src[2]) << np.uint64(16))
+             | (np.uint64(src[3]) << np.uint64(24)) | (np.uint64(src[4]) << np.uint64(32)))
+        for i in range(8):
+            j = 8 * p + i
+            out[j] = np.int64(spread[b0[j]] | (spread[b1[j]] << np.uint64(24))
+                              | (spread[(t >> np.uint64(5 * i)) & np.uint64(31)] << np.uint64(48)))
+
+
+@njit(cache=True, nogil=True)
+def spread_6x5(bits, whole, spread, out):
+    """int32 containers of 6 five-bit lanes (W = 16..31), containers j < `whole` (a multiple of
+    4): 4 containers from the 24 votes of 3 bytes, one scalar lookup each (1.6x faster than a
+    16-bit window read per container)."""
+    for q in range(whole >> 2):
+        src = bits[3 * q : 3 * q + 3]
+        t = np.int64(src[0]) | (np.int64(src[1]) << 8) | (np.int64(src[2]) << 16)
+        o = out[4 * q : 4 * q + 4]
+        o[0] = np.int32(spread[t & 63])
+        o[1] = np.int32(spread[(t >> 6) & 63])
+        o[2] = np.int32(spread[(t >> 12) & 63])
+        o[3] = np.int32(spread[t >> 18])
+
+
+@njit(cache=True, nogil=True)
+def bits_to_wide_lanes(bits, n, lane_bits, lanes, out, spread, done=0):
     """Votes -> int32 / int64 count lane containers in `out` (any contents: the first block
     writes, the others OR in): blocks of at most 8 lanes, element m*l0 + j*g + (l - l0) in
-    lane l of container j (see lanes.py)."""
+    lane l of container j (see lanes.py). Containers below `done` are already written whole
+    by a layout's own pass (`spread_21x3`, `spread_6x5`, entry points of their own so that
+    each container type compiles only the pass it uses); the rest go block by block."""
     m = out.size
+    rest = out[done:]
     for l0 in range(0, lanes, 8):
         g = min(l0 + 8, lanes) - l0
-        done = _spread_block(bits, m * l0, n, g, m, spread, np.uint64(l0 * lane_bits), out, l0 == 0)
+        reached = _spread_block(bits, m * l0 + done * g, n, g, m - done, spread, np.uint64(l0 * lane_bits), rest,
+                                l0 == 0)
         if l0 == 0:
-            out[done:] = 0  # containers the first block did not reach hold no element
+            rest[reached:] = 0  # containers the first block did not reach hold no element
 
 
 # ---- lane containers -> values --------------------------------------------------------------------

@@ -86,6 +86,9 @@ def test_vote_spread_writes_every_container(world_size, numel):
     else:
         lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread)
     assert np.array_equal(out, want)
+    out[:] = np.full(1, -1).astype(out.dtype)
+    fastpath._bits_to_lanes(padded, numel, layout, out)  # with the layouts' whole-group passes
+    assert np.array_equal(out, want)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8, 9, 16, 17, 100, 255])
