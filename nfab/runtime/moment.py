@@ -17,9 +17,15 @@ independent 1/(6W) at W = 2, 4, 8). So
 
     var_i = (2 s_b / M)^2 * (W + 1) / (12 W^2) * q_i^2
 
-and before the optimizer steps, v_{t-1} -= (1 - beta2) / beta2 * var_i (never below 0), so that
-its update v_t = beta2 v_{t-1} + (1 - beta2) g_hat^2 adds g_hat^2 - var_i, an unbiased estimate
-of g^2. Every input is a collective result or optimizer state, identical on every rank, so
+and before the optimizer steps, v_{t-1} -= (1 - beta2) / beta2 * var_i, so that its update
+v_t = beta2 v_{t-1} + (1 - beta2) g_hat^2 adds g_hat^2 - var_i, an unbiased estimate of g^2.
+
+Never below FLOOR x var_i (nor above v itself): where the true g^2 is far below the noise, the
+corrected EMA is a small difference of two noisy numbers, and Adam divides by its square
+root. Subtracted to 0 (or below), those coordinates' steps were m / eps: static bq2 with the
+plain correction diverged on the second held-out model within its first steps (loss 3.6e9).
+With the floor a coordinate of pure noise steps at most 1/sqrt(FLOOR) times further than
+without the correction; one with signal is corrected down to its signal's second moment. Every input is a collective result or optimizer state, identical on every rank, so
 the replicas stay bit-identical.
 """
 
@@ -40,6 +46,10 @@ def rounding_variance(reducer: BlockQSum, codes: torch.Tensor, lengths: Sequence
     level = reducer.element_scales(codes, lengths).mul(2.0 / reducer.steps)
     var = level.square_().mul_((world_size + 1) / (12.0 * world_size * world_size))
     return var if weights is None else var.mul_(weights.square())
+
+
+FLOOR = 0.5
+"""The corrected second moment of a coordinate is at least this x its step's rounding variance."""
 
 
 class NoiseMoment:
@@ -78,7 +88,9 @@ class NoiseMoment:
                 v = state.get("exp_avg_sq") if state else None
                 if var is None or not isinstance(v, torch.Tensor) or v.numel() != var.numel():
                     continue
-                v.sub_(var.view_as(v).to(v.dtype), alpha=k).clamp_min_(0.0)
+                var = var.view_as(v).to(v.dtype)
+                floor = torch.minimum(v, var * FLOOR)  # never raises v
+                torch.maximum(v.sub_(var, alpha=k), floor, out=v)
                 touched = True
         self.applied_steps += int(touched)
 

@@ -17,7 +17,7 @@ from test_blockq_hook_dist import _block_scale  # noqa: E402
 
 import nfab  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
-from nfab.runtime.moment import rounding_variance  # noqa: E402
+from nfab.runtime.moment import FLOOR, rounding_variance  # noqa: E402
 from nfab.wire import noise  # noqa: E402
 from nfab.wire.blockq import scale_codes  # noqa: E402
 from nfab.wire.reducers import candidates  # noqa: E402
@@ -74,7 +74,7 @@ def _moment_in_hook(rank: int, world_size: int, steps: int) -> dict:
             w = (v.sqrt() + 1e-8).clamp_min(float((v.sqrt() + 1e-8).mean()) * 0.01)
             scale = _block_scale([g / w for g in every], red.block) * w
             var = (scale * (2.0 / red.steps)).square() * (world_size + 1) / (12 * world_size**2)
-            corrected = (v - var * (0.05 / 0.95)).clamp_min(0.0)
+            corrected = torch.maximum(v - var * (0.05 / 0.95), torch.minimum(v, var * FLOOR))
             expected[name] = corrected * 0.95 + 0.05 * p.grad * p.grad
         opt.step()
         out["applied"] = rt.moment.applied_steps
@@ -91,7 +91,8 @@ def _moment_in_hook(rank: int, world_size: int, steps: int) -> dict:
 @pytest.mark.world_size(3)
 def test_the_hook_takes_the_rounding_variance_out_of_adams_second_moment() -> None:
     """Every step after the first (AdamW has no v before it), each block-scaled parameter's v is
-    beta2 (v - (1 - beta2)/beta2 var)_+ + (1 - beta2) g^2, with var from every rank's gradients;
+    beta2 max(v - (1 - beta2)/beta2 var, min(v, FLOOR var)) + (1 - beta2) g^2, with var from every
+    rank's gradients;
     the replicas stay bit-identical."""
     from nfab.distributed import run_ranks
 
