@@ -180,7 +180,9 @@ def judge(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Per setting: the profile against the targets, and which static variants measurably fail.
 
     Where the profile ran with several seeds, its quality is judged on the mean paired delta
-    (`profile_delta_mean`, with `profile_delta_sd` and `profile_seeds`); otherwise on the one run."""
+    (`profile_delta_mean`, with `profile_delta_sd` and `profile_seeds`); otherwise on the one run.
+    The profile with the noise-corrected second moment (`profile-nm`) is judged the same way, its
+    keys prefixed `nm_`."""
     out = []
     for name, setting in doc["settings"].items():
         rows = {r["variant"]: r for r in main_rows(doc, name)}
@@ -199,19 +201,29 @@ def judge(doc: dict[str, Any]) -> list[dict[str, Any]]:
             d = quality_delta(setting, caught, fp32)
             verdict.update(monitor_events=len(caught.get("health_events") or []), monitor_delta=d,
                            monitor_ok=bool(caught.get("health_events")) and d is not None and d <= FAIL_LOSS_RISE)
-        prof = rows.get("profile")
-        if prof is not None and prof["ok"]:
-            d = quality_delta(setting, prof, fp32)
-            verdict.update(profile_delta=d, profile_ratio=prof["ratio"])
-            spread = next((s for s in seed_spread(doc, name) if s.variant == "profile"), None)
-            if spread is not None and len(spread.seeds) > 1:
-                d = spread.mean
-                verdict.update(profile_delta_mean=d, profile_delta_sd=spread.sd, profile_seeds=list(spread.seeds))
-            quality_ok = d is not None and (d <= MAX_LOSS_RISE if setting["metric"] == "loss" else d >= -MAX_ACC_DROP)
-            ratio_ok = (prof["ratio"] or 0.0) >= MIN_RATIO
-            verdict.update(quality_ok=quality_ok, ratio_ok=ratio_ok, met=quality_ok and ratio_ok)
+        verdict.update(_profile_verdict(doc, name, rows, fp32, "profile", ""))
+        verdict.update(_profile_verdict(doc, name, rows, fp32, "profile-nm", "nm_"))
         out.append(verdict)
     return out
+
+
+def _profile_verdict(doc: dict[str, Any], name: str, rows: dict[str, dict[str, Any]], fp32: dict[str, Any],
+                     variant: str, prefix: str) -> dict[str, Any]:
+    """A profile variant against the targets (keys prefixed by `prefix`); empty when it did not run."""
+    setting = doc["settings"][name]
+    prof = rows.get(variant)
+    if prof is None or not prof["ok"]:
+        return {}
+    d = quality_delta(setting, prof, fp32)
+    v: dict[str, Any] = {"profile_delta": d, "profile_ratio": prof["ratio"]}
+    spread = next((s for s in seed_spread(doc, name) if s.variant == variant), None)
+    if spread is not None and len(spread.seeds) > 1:
+        d = spread.mean
+        v.update(profile_delta_mean=d, profile_delta_sd=spread.sd, profile_seeds=list(spread.seeds))
+    quality_ok = d is not None and (d <= MAX_LOSS_RISE if setting["metric"] == "loss" else d >= -MAX_ACC_DROP)
+    ratio_ok = (prof["ratio"] or 0.0) >= MIN_RATIO
+    v.update(quality_ok=quality_ok, ratio_ok=ratio_ok, met=quality_ok and ratio_ok)
+    return {prefix + k: x for k, x in v.items()}
 
 
 def _previous(cfg: StudyConfig) -> dict[str, Any] | None:

@@ -32,7 +32,10 @@ LABELS: dict[str, str] = {
     "bl6": "nfab static bl6 (block-scaled qsum, 6 levels)",
     "bl5": "nfab static bl5 (block-scaled qsum, 5 levels)",
     "bq2": "nfab static bq2 (block-scaled 2-bit qsum)",
+    "bq2-nm": "nfab static bq2 + noise-corrected second moment",
+    "bl5-nm": "nfab static bl5 + noise-corrected second moment",
     "profile": "**nfab calibrated profile**",
+    "profile-nm": "**nfab calibrated profile + noise-corrected second moment**",
 }
 
 
@@ -106,17 +109,20 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
     out = []
     for v in doc.get("verdicts", []):
         parts = []
-        if "met" in v:
-            d = v["profile_delta"]
+        for prefix, what in (("", "profile"), ("nm_", "profile + noise-corrected second moment")):
+            if prefix + "met" not in v:
+                continue
+            d = v[prefix + "profile_delta"]
             metric = doc["settings"][v["setting"]]["metric"]
             unit = " pt" if metric == "accuracy" else "%"
             dtext = "–" if d is None else f"{d * 100:+.2f}{unit}"
-            if "profile_delta_mean" in v:
-                dtext = (f"{v['profile_delta_mean'] * 100:+.2f}{unit} ± {v['profile_delta_sd'] * 100:.2f} (mean ± sd "
-                         f"over seeds {', '.join(map(str, v['profile_seeds']))}; seed {doc['seed']}: {dtext})")
-            parts.append(f"profile {dtext} at {_fmt(v['profile_ratio'], '.1f', 'x')}: target (within "
+            if prefix + "profile_delta_mean" in v:
+                dtext = (f"{v[prefix + 'profile_delta_mean'] * 100:+.2f}{unit} ± "
+                         f"{v[prefix + 'profile_delta_sd'] * 100:.2f} (mean ± sd over seeds "
+                         f"{', '.join(map(str, v[prefix + 'profile_seeds']))}; seed {doc['seed']}: {dtext})")
+            parts.append(f"{what} {dtext} at {_fmt(v[prefix + 'profile_ratio'], '.1f', 'x')}: target (within "
                          f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt of FP32 at >= {MIN_RATIO:.0f}x) "
-                         f"{'MET' if v['met'] else 'MISSED'}")
+                         f"{'MET' if v[prefix + 'met'] else 'MISSED'}")
         if "monitor_ok" in v:
             d = v["monitor_delta"]
             parts.append(f"health monitor on sign + forced error feedback: {v['monitor_events']} events, "

@@ -57,6 +57,16 @@ def test_several_seeds_are_judged_on_the_mean_paired_delta() -> None:
     assert studydocs.setting_table(doc, "s")[2].startswith("| FP32 DDP | 2.000 |")
 
 
+def test_the_noise_corrected_profile_is_judged_beside_the_profile() -> None:
+    doc = _doc([{"variant": "fp32", "eval_loss": 2.0, "ratio": 1.0},
+                {"variant": "profile", "eval_loss": 2.04, "ratio": 9.0},
+                {"variant": "profile-nm", "eval_loss": 2.01, "ratio": 9.0}])
+    (v,) = study.judge(doc)
+    assert not v["met"] and v["nm_met"] and v["nm_profile_delta"] == pytest.approx(0.005)
+    lines = studydocs.verdict_lines({**doc, "seed": 0, "verdicts": [v]})
+    assert "profile +2.00% at 9.0x" in lines[0] and "profile + noise-corrected second moment +0.50%" in lines[0]
+
+
 def test_published_docs_match_the_study_json() -> None:
     """bench/STUDY.md and the README's study block are exactly what the JSON renders (no hand edits)."""
     doc = json.loads((ROOT / studydocs.STUDY_JSON).read_text())
