@@ -61,6 +61,11 @@ def attach(
     ranks), a path to a JSON from `nfab bench wire --cost`, a `CostModel`, or None
     (no cost gate; sign picks by bytes). Every rank must call `attach` identically.
 
+    `noise_moment`: take the block-scaled routes' rounding noise out of the optimizer's second
+    moment before each step (runtime/moment.py): under Adam the noise inflates v and acts like a
+    lower learning rate. Needs `optimizer=` (Adam-style: its `exp_avg_sq`); off by default until
+    calibration models it.
+
     `qsum_scale`: how q8/q4/q2 slices summed on the wire agree their shared scale —
     "exact" (default: a blocking MAX all-reduce in the hook, what calibrate replays) or
     "delayed" (the max of the slice's agreed max |x| over its last 16 qsum steps, carried
@@ -81,6 +86,8 @@ def attach(
     (`nfab.runtime.hierarchy`); capacity, reducer choice and the cost gate see W = nodes.
     FP32 slices stay one plain all-reduce. One node, or one rank per node, runs flat.
     """
+    if noise_moment and optimizer is None:
+        raise NfabError("noise_moment=True needs optimizer= (it corrects that optimizer's second moment)")
     if qsum_scale not in QSUM_SCALES:
         raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
     if error_feedback not in ERROR_FEEDBACK_CHOICES or not isinstance(error_feedback, bool | str):
@@ -117,7 +124,10 @@ def attach(
                     type(optimizer).__name__)
     elif optimizer is not None:
         runtime.preconditioner = Preconditioner(optimizer, dict(ddp_model.module.named_parameters()))
-        if noise_moment:
+        if noise_moment and not is_adaptive(optimizer):
+            log.warning("noise_moment=True under %s: it keeps no second moment, nothing to correct",
+                        type(optimizer).__name__)
+        elif noise_moment:
             runtime.moment = NoiseMoment(optimizer, dict(ddp_model.module.named_parameters()))
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime

@@ -27,6 +27,10 @@ plain correction diverged on the second held-out model within its first steps (l
 With the floor a coordinate of pure noise steps at most 1/sqrt(FLOOR) times further than
 without the correction; one with signal is corrected down to its signal's second moment. Every input is a collective result or optimizer state, identical on every rank, so
 the replicas stay bit-identical.
+
+It assumes the optimizer steps on the reduced gradient as decoded: gradient clipping or loss
+scaling between backward and `step()` rescales the gradient but not this variance (clipping
+by c < 1 leaves the correction c^-2 too large, which the floor bounds).
 """
 
 from __future__ import annotations

@@ -184,6 +184,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             total_steps=cfg.steps, cost_model=cm, seed=cfg.seed, head_modules=spec.head_modules,
             model_signature=model_signature(module) if cfg.comm.profile else None,
             qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer, hierarchy=cfg.comm.hierarchy,
+            noise_moment=cfg.comm.noise_moment,
         )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
     rows: list[dict[str, Any]] = list(shared.get("rows", []))

@@ -101,3 +101,13 @@ def test_one_route_grammar_everywhere(tmp_path: Path) -> None:
     cfg = config_from_dict({"comm": {"route": text}})
     assert cfg.comm.route == parse_route(text)
     assert json.loads(json.dumps(cfg.to_dict()))["comm"]["route"] == parse_route(text)
+
+
+def test_noise_moment_needs_the_optimizer_it_corrects(group) -> None:
+    ddp = shipped_resnet()
+    with pytest.raises(NfabError, match="noise_moment=True needs optimizer="):
+        nfab.attach(ddp, route="bq2", cost_model=None, noise_moment=True)
+    assert not hooked(ddp)
+    ddp = shipped_resnet()
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)  # no second moment: a warning, nothing to correct
+    assert nfab.attach(ddp, route="bq2", cost_model=None, optimizer=sgd, noise_moment=True).moment is None
