@@ -88,7 +88,7 @@ def seed_table(doc: dict[str, Any], name: str) -> list[str]:
     acc = doc["settings"][name]["metric"] == "accuracy"
     unit = " pt" if acc else "%"
     out = ["Across seeds (each run paired with FP32 of its own seed):", "",
-           f"| variant | seeds | mean vs FP32 | sd | min | max | fewer bytes (mean) |",
+           "| variant | seeds | mean vs FP32 | sd | min | max | fewer bytes (mean) |",
            "|---|---|---:|---:|---:|---:|---:|"]
     for s in spreads:
         out.append(f"| {LABELS.get(s.variant, s.variant)} | {', '.join(map(str, s.seeds))} | "

@@ -25,8 +25,10 @@ corrected EMA is a small difference of two noisy numbers, and Adam divides by it
 root. Subtracted to 0 (or below), those coordinates' steps were m / eps: static bq2 with the
 plain correction diverged on the second held-out model within its first steps (loss 3.6e9).
 With the floor a coordinate of pure noise steps at most 1/sqrt(FLOOR) times further than
-without the correction; one with signal is corrected down to its signal's second moment. Every input is a collective result or optimizer state, identical on every rank, so
-the replicas stay bit-identical.
+without the correction; one with signal is corrected down to its signal's second moment.
+
+Every input is a collective result or optimizer state, identical on every rank, so the
+replicas stay bit-identical.
 
 It assumes the optimizer steps on the reduced gradient as decoded: gradient clipping or loss
 scaling between backward and `step()` rescales the gradient but not this variance (clipping

@@ -10,8 +10,8 @@ from nfab.bench import study, studydocs
 from nfab.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb", "fp32_mb",
-            "ratio", "fallback_steps", "health_events", "wall_s", "error"}
+ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb",
+            "fp32_mb", "ratio", "fallback_steps", "health_events", "wall_s", "error"}
 
 
 def _doc(rows: list[dict], metric: str = "loss") -> dict:

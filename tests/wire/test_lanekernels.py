@@ -6,7 +6,6 @@ pass: sizes here sweep every remainder around those groups' edges, and shards wh
 votes sit right past their end.
 """
 
-import numpy as np
 import pytest
 import torch
 
