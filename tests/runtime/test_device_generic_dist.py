@@ -28,6 +28,8 @@ from nfab.distributed import run_ranks  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
 from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
+from nfab.runtime.moment import NoiseMoment  # noqa: E402
+from nfab.runtime.optim import Preconditioner  # noqa: E402
 from nfab.wire import cost as cost_mod  # noqa: E402
 
 ROUTES = {"conv": "sign", "linear": "q8", "embedding": "bq3", "head": "sign", "norm": "bf16", "bias": "q4",
@@ -36,7 +38,8 @@ ROUTES = {"conv": "sign", "linear": "q8", "embedding": "bq3", "head": "sign", "n
 
 
 
-def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale: str, steps: int) -> dict:
+def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale: str, steps: int,
+           adam: bool = False) -> dict:
     torch.manual_seed(0)
     model = twins.Awkward()
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=bucket_mb)
@@ -51,7 +54,12 @@ def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale:
     else:
         rt = cls(ddp, prof, explicit=True, cost_model=None, qsum_scale=qsum_scale)
     ddp.register_comm_hook(rt, nfab_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    if adam:  # block routes round preconditioned; their rounding variance leaves Adam's v (decoded under meta)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        rt.preconditioner = Preconditioner(opt, dict(model.named_parameters()))
+        rt.moment = NoiseMoment(opt, dict(model.named_parameters()))
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     stats = []
     for step in range(steps):
         x, y = twins.batch(rank, step)
@@ -65,17 +73,21 @@ def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale:
         stats.append((st.route_mix, st.skipped, st.loss, st.grad_norm, st.fidelity_cosine, st.collectives))
         opt.step()
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "stats": stats,
-            "residuals": {k: v.clone() for k, v in rt.residuals.items()}}
+            "residuals": {k: v.clone() for k, v in rt.residuals.items()},
+            "moment_steps": rt.moment.applied_steps if rt.moment is not None else None}
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("bucket_mb,qsum_scale", [(0.02, "delayed"), (100.0, "exact")])
-def test_meta_default_device_gives_the_same_bits(bucket_mb, qsum_scale):
+@pytest.mark.parametrize("bucket_mb,qsum_scale,adam", [(0.02, "delayed", False), (100.0, "exact", False),
+                                                       (0.02, "exact", True)])
+def test_meta_default_device_gives_the_same_bits(bucket_mb, qsum_scale, adam):
     """0.02 MB: many buckets, summed qsum with delayed scales, control words on their own;
-    100 MB: one coalesced bucket (signgather beside gathered qsum, bf16 and fp32)."""
-    normal = run_ranks(_train, 2, False, bucket_mb, qsum_scale, 6, timeout_s=240)
-    meta = run_ranks(_train, 2, True, bucket_mb, qsum_scale, 6, timeout_s=240)
+    100 MB: one coalesced bucket (signgather beside gathered qsum, bf16 and fp32); AdamW:
+    preconditioned block routes and the noise-corrected second moment."""
+    normal = run_ranks(_train, 2, False, bucket_mb, qsum_scale, 6, adam, timeout_s=240)
+    meta = run_ranks(_train, 2, True, bucket_mb, qsum_scale, 6, adam, timeout_s=240)
     for a, b in zip(normal, meta, strict=True):
+        assert a["moment_steps"] == b["moment_steps"] and (not adam or a["moment_steps"] >= 4)
         assert torch.equal(a["params"], b["params"])
         assert a["stats"] == b["stats"]
         assert a["residuals"].keys() == b["residuals"].keys()
