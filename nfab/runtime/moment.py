@@ -32,7 +32,9 @@ replicas stay bit-identical.
 
 It assumes the optimizer steps on the reduced gradient as decoded: gradient clipping or loss
 scaling between backward and `step()` rescales the gradient but not this variance (clipping
-by c < 1 leaves the correction c^-2 too large, which the floor bounds).
+by c < 1 leaves the correction c^-2 too large, which the floor bounds). Only the flat path
+records: the two-level (hierarchy) reduction rounds across nodes after a node-local sum, whose
+variance this model does not describe, so it leaves v as it is.
 """
 
 from __future__ import annotations
