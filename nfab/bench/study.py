@@ -201,22 +201,22 @@ def judge(doc: dict[str, Any]) -> list[dict[str, Any]]:
             d = quality_delta(setting, caught, fp32)
             verdict.update(monitor_events=len(caught.get("health_events") or []), monitor_delta=d,
                            monitor_ok=bool(caught.get("health_events")) and d is not None and d <= FAIL_LOSS_RISE)
-        verdict.update(_profile_verdict(doc, name, rows, fp32, "profile", ""))
-        verdict.update(_profile_verdict(doc, name, rows, fp32, "profile-nm", "nm_"))
+        spreads = {s.variant: s for s in seed_spread(doc, name)}
+        verdict.update(_profile_verdict(setting, rows, fp32, spreads, "profile", ""))
+        verdict.update(_profile_verdict(setting, rows, fp32, spreads, "profile-nm", "nm_"))
         out.append(verdict)
     return out
 
 
-def _profile_verdict(doc: dict[str, Any], name: str, rows: dict[str, dict[str, Any]], fp32: dict[str, Any],
-                     variant: str, prefix: str) -> dict[str, Any]:
+def _profile_verdict(setting: dict[str, Any], rows: dict[str, dict[str, Any]], fp32: dict[str, Any],
+                     spreads: dict[str, SeedSpread], variant: str, prefix: str) -> dict[str, Any]:
     """A profile variant against the targets (keys prefixed by `prefix`); empty when it did not run."""
-    setting = doc["settings"][name]
     prof = rows.get(variant)
     if prof is None or not prof["ok"]:
         return {}
     d = quality_delta(setting, prof, fp32)
     v: dict[str, Any] = {"profile_delta": d, "profile_ratio": prof["ratio"]}
-    spread = next((s for s in seed_spread(doc, name) if s.variant == variant), None)
+    spread = spreads.get(variant)
     if spread is not None and len(spread.seeds) > 1:
         d = spread.mean
         v.update(profile_delta_mean=d, profile_delta_sd=spread.sd, profile_seeds=list(spread.seeds))

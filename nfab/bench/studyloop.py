@@ -15,6 +15,7 @@ spawned here. The variant decides only what the loop registers on DDP:
 | `bl6`, `bl5` | the same with 6 and 5 levels (between bq3 and bq2 in bytes and in rounding error) |
 | `bq2` | the same with 4 levels (base-13 digits at W=4: past 8x fewer bytes) |
 | `profile` | `nfab.attach(profile, optimizer=opt)` (a calibrated profile) |
+| `bq2-nm`, `bl5-nm`, `profile-nm` | the same with `noise_moment=True` (rounding noise out of Adam's v) |
 
 Every nfab variant hands `attach` the optimizer, as the README tells users to: nfab then
 knows the optimizer family (error feedback) and its second moment (the drift monitor).
@@ -55,6 +56,8 @@ from nfab.wire.reducers import allreduce_factor
 
 VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5",
                              "bq2", "bq2-nm", "bl5-nm", "profile", "profile-nm")
+NOISE_MOMENT = "-nm"
+"""Variant suffix: the same attach with `noise_moment=True` (runtime/moment.py)."""
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
 COLLECTIVE_TIMEOUT_S = 300
@@ -143,11 +146,13 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
         raise ValueError(f"unknown variant {bad[0]!r} (known: {', '.join(VARIANTS)})")
     results: dict[str, RunResult] = {}
     profile = None
-    if "profile" in variants or "profile-nm" in variants:
+    with_profile = [v for v in variants if v.removesuffix(NOISE_MOMENT) == "profile"]
+    if with_profile:
         profile = str((root or Path.cwd()) / setting.profile) if setting.profile else None
         if profile is None or not Path(profile).is_file():
-            results["profile"] = RunResult(setting.name, "profile", ok=False, seed=seed,
-                                           error=f"profile {setting.profile} not found")
+            for v in with_profile:
+                results[v] = RunResult(setting.name, v, ok=False, seed=seed,
+                                       error=f"profile {setting.profile} not found")
     todo = tuple(v for v in variants if v not in results)
     with tempfile.TemporaryDirectory(prefix="nfab-study-") as tmp:
         out = Path(tmp)
@@ -199,6 +204,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     import nfab
 
     w = setting.world_size
+    base, noise_moment = variant.removesuffix(NOISE_MOMENT), variant.endswith(NOISE_MOMENT)
     spec = build_model(setting.model, seed=seed, **setting.model_options)
     data_opts = dict(setting.data_options)
     if spec.task == "lm" and "block_size" not in data_opts:
@@ -219,17 +225,16 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant.split("-r")[1]),
                                    start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    elif variant in ("sign", "sign-ef", "bq3", "bl6", "bl5", "bq2", "bq2-nm", "bl5-nm"):
-        runtime = nfab.attach(ddp, route=variant.removesuffix("-ef").removesuffix("-nm"), optimizer=opt,
-                              error_feedback=True if variant == "sign-ef" else "auto", cost_model=None, seed=seed,
-                              total_steps=setting.steps, head_modules=spec.head_modules,
-                              noise_moment=variant.endswith("-nm"))
-    elif variant in ("profile", "profile-nm"):
+    elif base == "profile":
         prof = nfab.Profile.load(profile)
         if setting.routes_only:
             prof = prof.model_copy(update={"model": prof.model.model_copy(update={"signature": None})})
         runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
-                              head_modules=spec.head_modules, noise_moment=variant == "profile-nm")
+                              head_modules=spec.head_modules, noise_moment=noise_moment)
+    elif base != "fp32":  # a static route everywhere
+        runtime = nfab.attach(ddp, route=base.removesuffix("-ef"), optimizer=opt,
+                              error_feedback=True if base == "sign-ef" else "auto", cost_model=None, seed=seed,
+                              total_steps=setting.steps, head_modules=spec.head_modules, noise_moment=noise_moment)
     wire = 0.0
     fallback_steps = 0
     events: list[str] = []

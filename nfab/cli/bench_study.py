@@ -44,8 +44,8 @@ def register(app: typer.Typer) -> None:
             help="Comma-separated subset of resnet18,gpt,heldout,heldout2,heldout-w8,heldout-w8c,heldout-600 (default: "
                  "all).", show_default=False)] = None,
         variants: Annotated[str | None, typer.Option(
-            help="Comma-separated subset of fp32,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,bq3,bl6,bl5,bq2,profile "
-                 "(default: all).",
+            help="Comma-separated subset of fp32,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,bq3,bl6,bl5,bq2,bq2-nm,"
+                 "bl5-nm,profile,profile-nm (default: all).",
             show_default=False)] = None,
         steps: Annotated[int | None, typer.Option(min=1, help="Steps for every setting (default: each its own).",
                                                   show_default=False)] = None,
@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
             "--publish", help="Copy study.json to bench/study.json, regenerate bench/STUDY.md and the README "
                               "tables from it.")] = False,
         append: Annotated[bool, typer.Option(
-            "--append", help="Merge into OUT/study.json, keeping its rows of other settings/variants.")] = False,
+            "--append", help="Merge into OUT/study.json, keeping its rows of other settings/variants/seeds.")] = False,
         seeds: Annotated[str, typer.Option(
             help="Comma-separated seeds: every setting x variant runs once per seed; the tables show the first "
                  "(an appended study's own), an across-seed table the spread.")] = "0",

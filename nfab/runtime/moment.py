@@ -66,10 +66,10 @@ class NoiseMoment:
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> None:
         self.optimizer = optimizer
-        self.params = params
+        self._names = {id(t): n for n, t in params.items()}  # the optimizer's parameters by name
         self._pending: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()  # decode callbacks may run on the collectives' threads
-        self._handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply())
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply())
         self.applied_steps = 0
         """Steps whose second moment was corrected (none before the optimizer's first step: no v yet)."""
 
@@ -91,7 +91,7 @@ class NoiseMoment:
                 continue
             k = (1.0 - betas[1]) / betas[1]
             for p in group["params"]:
-                var = pending.get(self._name_of(p))
+                var = pending.get(self._names.get(id(p)))
                 state = self.optimizer.state.get(p)
                 v = state.get("exp_avg_sq") if state else None
                 if var is None or not isinstance(v, torch.Tensor) or v.numel() != var.numel():
@@ -101,12 +101,3 @@ class NoiseMoment:
                 torch.maximum(v.sub_(var, alpha=k), floor, out=v)
                 touched = True
         self.applied_steps += int(touched)
-
-    def _name_of(self, p: torch.Tensor) -> str | None:
-        names = getattr(self, "_names", None)
-        if names is None:
-            names = self._names = {id(t): n for n, t in self.params.items()}
-        return names.get(id(p))
-
-    def remove(self) -> None:
-        self._handle.remove()

@@ -143,3 +143,15 @@ def test_cli_rejects_bad_arguments_in_one_line(tmp_path, monkeypatch, args, mess
     result = CliRunner().invoke(app, ["bench", "study", "--out", str(tmp_path), *args], env={"COLUMNS": "200"})
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.world_size(2)
+def test_every_profile_variant_reports_a_missing_profile(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from nfab.bench.studyloop import run_variants
+
+    setting = replace(study.SETTINGS["resnet18"], profile="no/such/profile.json", world_size=2, steps=1)
+    rows = run_variants(setting, ("profile", "profile-nm"), seed=3, root=tmp_path)
+    assert [(r.variant, r.ok, r.seed) for r in rows] == [("profile", False, 3), ("profile-nm", False, 3)]
+    assert all("profile no/such/profile.json not found" in r.error for r in rows)
