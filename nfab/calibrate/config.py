@@ -70,6 +70,9 @@ class CalibrationConfig(StrictModel):
     """Held-out samples in the fixed batch that scores the trials."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads for the sweep (1: robust on a shared 2-core machine)."""
+    noise_moment: bool = True
+    """Under an adaptive optimizer, trials and validation take block-scaled rounding noise out of
+    its second moment as `attach` does by default (runtime/moment.py); the profile records it."""
 
     @field_validator("routes")
     @classmethod

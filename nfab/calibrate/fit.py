@@ -251,6 +251,7 @@ def fit_profile(
         phases=tuple(phases),
         world_size=world_range(used),
         health=fit_health(meta.get("reference"), min(chosen_cos) if chosen_cos else None),
+        noise_moment=bool(meta.get("noise_moment", False)),  # tables written before it: not modelled
         evidence=evidence,
         provenance=prov,
     )

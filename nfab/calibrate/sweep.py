@@ -185,6 +185,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
         "trial_steps": cfg.trial_steps,
         "ef_steps": cfg.ef_steps,
         "quick": cfg.quick,
+        "noise_moment": task.moment is not None,
         "seed": cfg.seed,
         "warmup_steps": task.warmup_steps,
         "phases": [{"name": f"p{i}-{k}", "step": s, "kind": k} for i, (s, k) in enumerate(points)],

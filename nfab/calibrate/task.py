@@ -21,7 +21,8 @@ from nfab.data.spec import SpecDataset
 from nfab.errors import ConfigError
 from nfab.models import ModelSpec, build_model
 from nfab.runtime.bindings import classify
-from nfab.runtime.optim import Preconditioner
+from nfab.runtime.moment import NoiseMoment
+from nfab.runtime.optim import Preconditioner, is_adaptive
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,10 @@ class Task:
         self.optimizer = self.make_optimizer()
         self.preconditioner = Preconditioner(self.optimizer, dict(zip(self.names, self.params, strict=True)))
         """Reads `optimizer`'s state as it is (restore loads into the same optimizer)."""
+        named = dict(zip(self.names, self.params, strict=True))
+        self.moment = NoiseMoment(self.optimizer, named) if cfg.noise_moment and is_adaptive(self.optimizer) else None
+        """Corrects the optimizer's second moment for the rounding variance `reduce_step` records, as the
+        hook's does (`attach(noise_moment="auto")` under an adaptive optimizer)."""
         self.buffers = list(self.model.buffers())
         self._index: dict[str, torch.Tensor] = {}
         self._runs: dict[str, tuple[tuple[int, int], ...]] = {}
@@ -137,6 +142,8 @@ class Task:
     def restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(_clone(ckpt["optimizer"]))
+        if self.moment is not None:
+            self.moment.clear()  # a variance recorded for a step that never ran
 
     # ---- one step -----------------------------------------------------------------
     def rank_grads(self, step: int) -> tuple[list[torch.Tensor], float]:
@@ -185,6 +192,10 @@ class Task:
         for b, s in zip(self.buffers, saved, strict=True):
             b.copy_(s)
         return loss
+
+    def region_names(self, region: str) -> list[str]:
+        """The region's parameter names, in its flat (gather) order."""
+        return [self.names[i] for i in self.regions[region].indices]
 
     def region_runs(self, region: str) -> tuple[tuple[int, int], ...]:
         """A region's elements in the flat gradient as (start, end) runs: its parameters in model

@@ -16,6 +16,7 @@ import torch
 
 from nfab.calibrate.replay import fp32_mean, reduce_scaled, replay_reducer
 from nfab.calibrate.task import Task
+from nfab.runtime.moment import replay_variance
 from nfab.wire.blockq import BlockQSum
 
 Tick = Callable[[], None]
@@ -179,7 +180,11 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
         # block-scaled qsum rounds in the optimizer's preconditioned space, as the hook does
         scale = quantization_scale(task, region) if isinstance(reducer, BlockQSum) else None
         carry = seg.error_feedback and reducer.lossy  # else no rank's own decode is needed
-        est, locals_ = reduce_scaled(reducer, xs, task.regions[region].lengths, gens, scale, with_locals=carry)
+        lengths = task.regions[region].lengths
+        est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=carry)
+        if task.moment is not None and isinstance(reducer, BlockQSum):  # the hook's decode records the same
+            scaled = xs if scale is None else [x / scale for x in xs]
+            task.moment.record(task.region_names(region), lengths, replay_variance(reducer, scaled, lengths, scale))
         if carry:
             residuals.by_region[region] = [x - loc if loc is not None else None
                                            for x, loc in zip(xs, locals_, strict=True)]
@@ -194,8 +199,7 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
 def quantization_scale(task: Task, region: str) -> torch.Tensor | None:
     """The region's per-element preconditioning scale, as `encode` builds it in the hook
     (`Preconditioner.flat_scale`), or None."""
-    r = task.regions[region]
-    return task.preconditioner.flat_scale([task.names[i] for i in r.indices], r.lengths, torch.device("cpu"))
+    return task.preconditioner.flat_scale(task.region_names(region), task.regions[region].lengths, torch.device("cpu"))
 
 
 @dataclass(slots=True)

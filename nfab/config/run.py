@@ -121,9 +121,10 @@ class CommConfig(StrictModel):
     """DDP bucket size in MB; None: DDP's 25 for `fp32`, `NFAB_BUCKET_MB` under nfab's hook."""
     qsum_scale: Literal["exact", "delayed"] = "exact"
     """Shared q8/q4/q2 scales: `exact` (blocking MAX each step) or `delayed` (recent agreed max |x|)."""
-    noise_moment: bool = False
+    noise_moment: bool | Literal["auto"] = "auto"
     """Take block-scaled routes' rounding noise out of Adam's second moment before each step
-    (`attach(noise_moment=True)`, runtime/moment.py); adaptive optimizers only."""
+    (runtime/moment.py): `auto` (on under an adaptive optimizer for a static route, or for a
+    profile calibrated with it), true or false (`attach(noise_moment=)`)."""
     hierarchy: str | int | None = None
     """Two-level reduction: `auto` (nodes from torchrun's LOCAL_WORLD_SIZE), ranks per node (`8`),
     `NODESxLOCAL` (`64x8`, checked against the world size), or None / `flat`. Lossy routes then

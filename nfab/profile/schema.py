@@ -179,6 +179,9 @@ class Profile(FrozenModel):
     fallback: Fallback = Field(default_factory=Fallback)
     vote: Literal["majority", "mean"] = "majority"
     """How sign votes combine: majority (ties -> 0) or the mean vote."""
+    noise_moment: bool = False
+    """Calibrated with the block-scaled routes' rounding noise taken out of Adam's second moment
+    (runtime/moment.py), so `attach(optimizer=adam, noise_moment="auto")` runs it the same way."""
     evidence: dict[str, Any] = Field(default_factory=dict)
     """Per phase and region: the measurements that justified each route (written by the fit)."""
     provenance: dict[str, Any] = Field(default_factory=dict)

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nfab.wire.blockq import BlockQSum
+from nfab.wire.blockq import BlockQSum, scale_codes
 
 
 def rounding_variance(reducer: BlockQSum, codes: torch.Tensor, lengths: Sequence[int], world_size: int,
@@ -54,6 +54,16 @@ def rounding_variance(reducer: BlockQSum, codes: torch.Tensor, lengths: Sequence
     level = reducer.element_scales(codes, lengths).mul(2.0 / reducer.steps)
     var = level.square_().mul_((world_size + 1) / (12.0 * world_size * world_size))
     return var if weights is None else var.mul_(weights.square())
+
+
+def replay_variance(reducer: BlockQSum, xs: Sequence[torch.Tensor], lengths: Sequence[int],
+                    weights: torch.Tensor | None) -> torch.Tensor:
+    """`rounding_variance` of W virtual ranks' flat inputs `xs` (already divided by `weights`, as the
+    hook rounds them): their codes are what the hook's MAX agreement yields, the codes of the ranks'
+    largest block maxima (`scale_codes` is monotone)."""
+    absmax = torch.stack([x.abs() for x in xs]).amax(0)
+    codes = scale_codes(torch.nan_to_num(reducer.local_scale(absmax, lengths), nan=0.0))
+    return rounding_variance(reducer, codes, lengths, len(xs), weights)
 
 
 FLOOR = 0.5
@@ -79,6 +89,11 @@ class NoiseMoment:
         with self._lock:
             for name, part in zip(names, parts, strict=True):
                 self._pending[name] = part
+
+    def clear(self) -> None:
+        """Forget what was recorded and not yet applied."""
+        with self._lock:
+            self._pending = {}
 
     def apply(self) -> None:
         """v -= (1 - beta2) / beta2 * var for every parameter recorded this step (then forget them)."""

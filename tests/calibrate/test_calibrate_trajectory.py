@@ -55,3 +55,57 @@ def test_gpt_task_has_lm_regions() -> None:
     assert {"embedding", "linear", "norm", "bias"} <= set(task.regions)
     grads, loss = task.rank_grads(0)
     assert len(grads) == 4 and math.isfinite(loss)
+
+
+def _independent_variance(xs: list, lengths: tuple[int, ...], q, block: int, levels: int) -> "torch.Tensor":
+    """(2s/M)^2 (W+1)/(12W^2) q^2, each block's s the smallest table scale covering the ranks' max
+    |x/q| in it, blocks restarting per parameter: written out from the definition, not from nfab."""
+    import torch
+
+    from nfab.wire.blockq import SCALES
+
+    w = len(xs)
+    absmax = torch.stack([(x / q).abs() for x in xs]).amax(0)
+    out, pos = [], 0
+    for n in lengths:
+        seg = absmax[pos : pos + n]
+        for b in range(0, n, block):
+            s = SCALES[int(torch.searchsorted(SCALES, seg[b : b + block].max()))]
+            out.append(torch.full((min(block, n - b),), float(s)))
+        pos += n
+    level = torch.cat(out) * (2.0 / (levels - 1))
+    return level.square() * (w + 1) / (12.0 * w * w) * q.square()
+
+
+def test_noise_moment_trial_corrects_v_as_the_hook_does() -> None:
+    """Under AdamW a bq4 trial takes each step's rounding variance out of v before the step: after
+    two steps v differs from the uncorrected trial's by exactly beta2 (max(v - k var, min(v, var/2)) - v)."""
+    import torch
+
+    from nfab.calibrate.trajectory import Residuals, Segment, quantization_scale, reduce_step, step_generators
+    from nfab.calibrate.replay import replay_reducer
+
+    over = {"data.max_bytes": 50_000, "batch_size": 2, "eval_samples": 4}
+    tasks = [Task(make_config("gpt", steps=4, phases=1, overrides={**over, "noise_moment": on})) for on in (True, False)]
+    assert tasks[0].moment is not None and tasks[1].moment is None
+    seg = Segment(0, {"linear": "bq4"}, error_feedback=False)
+    region = tasks[0].regions["linear"]
+    v = []
+    for task in tasks:
+        for step in range(2):
+            grads, _ = task.rank_grads(step)
+            if step == 1:
+                xs = [task.gather(g, "linear") for g in grads]
+                q = quantization_scale(task, "linear")
+                v1 = torch.cat([task.optimizer.state[task.params[i]]["exp_avg_sq"].reshape(-1) for i in region.indices])
+            task.apply(reduce_step(task, grads, seg, step_generators(0, step, 4), Residuals()), step)
+        v.append(torch.cat([task.optimizer.state[task.params[i]]["exp_avg_sq"].reshape(-1) for i in region.indices]))
+    assert tasks[0].moment.applied_steps == 1  # step 0 had no v yet
+    red = replay_reducer("bq4", 4)
+    var = _independent_variance(xs, region.lengths, q, red.block, red.steps + 1)
+    b2 = tasks[0].optimizer.param_groups[0]["betas"][1]
+    k = (1 - b2) / b2
+    expect = b2 * (torch.maximum(v1 - k * var, torch.minimum(v1, 0.5 * var)) - v1)
+    floored = v1 - k * var < torch.minimum(v1, 0.5 * var)
+    assert 0 < int(floored.sum()) < floored.numel()  # both branches: corrected, and held at the floor
+    torch.testing.assert_close(v[0] - v[1], expect, rtol=1e-4, atol=1e-12)

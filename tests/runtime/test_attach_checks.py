@@ -111,3 +111,23 @@ def test_noise_moment_needs_the_optimizer_it_corrects(group) -> None:
     ddp = shipped_resnet()
     sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)  # no second moment: a warning, nothing to correct
     assert nfab.attach(ddp, route="bq2", cost_model=None, optimizer=sgd, noise_moment=True).moment is None
+
+
+def test_noise_moment_auto_follows_the_optimizer_and_the_profile(group) -> None:
+    """"auto": on for a static route under Adam, off under SGD or without an optimizer; a profile
+    turns it on only when it was calibrated with it (`Profile.noise_moment`)."""
+    def moment(route=None, profile=None, opt=torch.optim.AdamW, **kw):
+        ddp = shipped_resnet()
+        optimizer = None if opt is None else opt(ddp.parameters(), lr=0.1)
+        return nfab.attach(ddp, profile=profile, route=route, cost_model=None, optimizer=optimizer, **kw).moment
+
+    assert moment("bq2") is not None
+    assert moment("bq2", opt=torch.optim.SGD) is None
+    assert moment("bq2", opt=None) is None
+    assert moment("bq2", noise_moment=False) is None
+    with pytest.raises(NfabError, match="noise_moment must be"):
+        moment("bq2", noise_moment="yes")
+    static = Profile.static("bq2")
+    assert not static.noise_moment and moment(profile=static) is None  # validated without it: runs so
+    assert moment(profile=static, noise_moment=True) is not None
+    assert moment(profile=static.model_copy(update={"noise_moment": True})) is not None
