@@ -11,11 +11,14 @@ spawned here. The variant decides only what the loop registers on DDP:
 | `powersgd-r2`, `powersgd-r8` | PyTorch's `powerSGD_hook`, rank 2 / 8, ONE bucket (it aborts on gloo with several) |
 | `sign` | `nfab.attach(route="sign", optimizer=opt)`: error feedback "auto" (off under Adam-style optimizers) |
 | `sign-ef` | the same with `error_feedback=True` forced: what the health monitor must catch |
-| `bq3` | `nfab.attach(route="bq3", optimizer=opt)`: block-scaled 3-bit qsum everywhere |
+| `bq3` | `nfab.attach(route="bq3", optimizer=opt, noise_moment=False)`: block-scaled 3-bit qsum everywhere, the raw route |
 | `bl6`, `bl5` | the same with 6 and 5 levels (between bq3 and bq2 in bytes and in rounding error) |
 | `bq2` | the same with 4 levels (base-13 digits at W=4: past 8x fewer bytes) |
-| `profile` | `nfab.attach(profile, optimizer=opt)` (a calibrated profile) |
+| `profile` | `nfab.attach(profile, optimizer=opt)` (a calibrated profile, as a user runs it: `noise_moment` "auto" follows the profile) |
 | `bq2-nm`, `bl5-nm`, `profile-nm` | the same with `noise_moment=True` (rounding noise out of Adam's v) |
+
+The static block routes pass `noise_moment=False` (attach's "auto" would turn it on under
+Adam) so that they measure the route itself; `-nm` measures the correction on top.
 
 Every nfab variant hands `attach` the optimizer, as the README tells users to: nfab then
 knows the optimizer family (error feedback) and its second moment (the drift monitor).
@@ -230,7 +233,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         if setting.routes_only:
             prof = prof.model_copy(update={"model": prof.model.model_copy(update={"signature": None})})
         runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
-                              head_modules=spec.head_modules, noise_moment=noise_moment)
+                              head_modules=spec.head_modules, noise_moment=True if noise_moment else "auto")
     elif base != "fp32":  # a static route everywhere
         runtime = nfab.attach(ddp, route=base.removesuffix("-ef"), optimizer=opt,
                               error_feedback=True if base == "sign-ef" else "auto", cost_model=None, seed=seed,
