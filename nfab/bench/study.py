@@ -50,6 +50,12 @@ SETTINGS["heldout2"] = Setting(
     data_options={"max_bytes": 2_000_000}, optimizer="adamw", lr=1e-3, weight_decay=0.05, batch_size=16,
     steps=300, profile="bench/calibrations/heldout2/profile.json",
     note="a second user model (torch's nn.TransformerEncoder, untied head), AdamW lr 1e-3 wd 0.05")
+# a third, written after the noise-corrected moment was worked out on heldout2: plain Adam (beta2 0.999)
+SETTINGS["heldout3"] = Setting(
+    name="heldout3", model="nfab.bench.heldout3:user_swiglu", dataset="stdlib-text", metric="loss",
+    data_options={"max_bytes": 2_000_000}, optimizer="adamw", lr=1e-3, weight_decay=0.0, betas=(0.9, 0.999),
+    batch_size=16, steps=300, profile="bench/calibrations/heldout3/profile.json",
+    note="a third user model (RMSNorm, SwiGLU, SDPA attention, tied head), plain Adam lr 1e-3 (beta2 0.999)")
 # the held-out profile (calibrated at W=4 over 300 steps) where it was not calibrated: twice the
 # ranks, twice the steps
 SETTINGS["heldout-w8"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-w8", world_size=8,

@@ -8,12 +8,13 @@ import torch
 
 from nfab.bench.heldout import user_gpt
 from nfab.bench.heldout2 import user_lm
+from nfab.bench.heldout3 import user_swiglu
 from nfab.cli.app import main
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
 
 
-@pytest.mark.parametrize("factory", [user_gpt, user_lm])
+@pytest.mark.parametrize("factory", [user_gpt, user_lm, user_swiglu])
 def test_a_token_sees_no_later_token(factory) -> None:
     """Causal: changing the last tokens leaves every earlier position's logits as they were."""
     torch.manual_seed(0)
@@ -51,3 +52,22 @@ def test_the_second_model_calibrates_as_a_user_model(tmp_path: Path, monkeypatch
     assert profile.provenance["calibrated"]["model"] == "nfab.bench.heldout2:user_lm"
     assert profile.provenance["calibrated"]["optimizer"]["name"] == "adamw"
     assert (out / "calibration.parquet").is_file()
+
+
+def test_the_third_model_ties_its_head_and_calibrates_under_plain_adam(tmp_path: Path, monkeypatch) -> None:
+    """Its head is the embedding (one parameter, region `embedding`); calibrated under Adam's beta2 0.999
+    with the noise-corrected moment modelled, and the profile says so."""
+    regions = {b.name: b.region for b in classify(user_swiglu()).values()}
+    assert regions["embed.weight"] == "embedding" and "head.weight" not in regions
+    assert regions["blocks.0.attn_norm.weight"] == "norm" and regions["blocks.0.gate.weight"] == "linear"
+    out = tmp_path / "cal"
+    monkeypatch.setattr(sys, "argv", [
+        "nfab", "calibrate", "nfab.bench.heldout3:user_swiglu", "--steps", "4", "--phases", "1", "--trial-steps", "2",
+        "--routes", "fp32,bq2", "--out", str(out), "data.max_bytes=40000", "batch_size=2", "eval_samples=4",
+        "ef_steps=1", "d_model=32", "n_layer=1", "optim.name=adamw", "optim.weight_decay=0", "optim.betas=[0.9,0.999]"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    assert done.value.code in (0, None)
+    profile = Profile.load(out / "profile.json")
+    assert profile.provenance["calibrated"]["optimizer"]["betas"] == [0.9, 0.999]
+    assert profile.noise_moment
