@@ -11,10 +11,10 @@ spawned here. The variant decides only what the loop registers on DDP:
 | `powersgd-r2`, `powersgd-r8` | PyTorch's `powerSGD_hook`, rank 2 / 8, ONE bucket (it aborts on gloo with several) |
 | `sign` | `nfab.attach(route="sign", optimizer=opt)`: error feedback "auto" (off under Adam-style optimizers) |
 | `sign-ef` | the same with `error_feedback=True` forced: what the health monitor must catch |
-| `bq3` | `nfab.attach(route="bq3", optimizer=opt, noise_moment=False)`: block-scaled 3-bit qsum everywhere, the raw route |
+| `bq3` | `nfab.attach(route="bq3", optimizer=opt, noise_moment=False)`: block-scaled 3-bit qsum everywhere |
 | `bl6`, `bl5` | the same with 6 and 5 levels (between bq3 and bq2 in bytes and in rounding error) |
 | `bq2` | the same with 4 levels (base-13 digits at W=4: past 8x fewer bytes) |
-| `profile` | `nfab.attach(profile, optimizer=opt)` (a calibrated profile, as a user runs it: `noise_moment` "auto" follows the profile) |
+| `profile` | `nfab.attach(profile, optimizer=opt)`: a calibrated profile as a user runs it ("auto" moment) |
 | `bq2-nm`, `bl5-nm`, `profile-nm` | the same with `noise_moment=True` (rounding noise out of Adam's v) |
 
 The static block routes pass `noise_moment=False` (attach's "auto" would turn it on under

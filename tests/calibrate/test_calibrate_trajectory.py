@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from nfab.calibrate import make_config
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import checkpoint_grid, phase_points, run_reference, run_trial
@@ -57,11 +59,9 @@ def test_gpt_task_has_lm_regions() -> None:
     assert len(grads) == 4 and math.isfinite(loss)
 
 
-def _independent_variance(xs: list, lengths: tuple[int, ...], q, block: int, levels: int) -> "torch.Tensor":
+def _independent_variance(xs: list, lengths: tuple[int, ...], q, block: int, levels: int) -> torch.Tensor:
     """(2s/M)^2 (W+1)/(12W^2) q^2, each block's s the smallest table scale covering the ranks' max
     |x/q| in it, blocks restarting per parameter: written out from the definition, not from nfab."""
-    import torch
-
     from nfab.wire.blockq import SCALES
 
     w = len(xs)
@@ -80,8 +80,6 @@ def _independent_variance(xs: list, lengths: tuple[int, ...], q, block: int, lev
 def test_noise_moment_trial_corrects_v_as_the_hook_does() -> None:
     """Under AdamW a bq4 trial takes each step's rounding variance out of v before the step: after
     two steps v differs from the uncorrected trial's by exactly beta2 (max(v - k var, min(v, var/2)) - v)."""
-    import torch
-
     from nfab.calibrate.trajectory import Residuals, Segment, quantization_scale, reduce_step, step_generators
     from nfab.calibrate.replay import replay_reducer
 
