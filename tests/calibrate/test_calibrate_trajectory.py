@@ -80,8 +80,8 @@ def _independent_variance(xs: list, lengths: tuple[int, ...], q, block: int, lev
 def test_noise_moment_trial_corrects_v_as_the_hook_does() -> None:
     """Under AdamW a bq4 trial takes each step's rounding variance out of v before the step: after
     two steps v differs from the uncorrected trial's by exactly beta2 (max(v - k var, min(v, var/2)) - v)."""
-    from nfab.calibrate.trajectory import Residuals, Segment, quantization_scale, reduce_step, step_generators
     from nfab.calibrate.replay import replay_reducer
+    from nfab.calibrate.trajectory import Residuals, Segment, quantization_scale, reduce_step, step_generators
 
     over = {"data.max_bytes": 50_000, "batch_size": 2, "eval_samples": 4}
     tasks = [Task(make_config("gpt", steps=4, phases=1, overrides={**over, "noise_moment": on})) for on in (True, False)]
