@@ -84,7 +84,8 @@ def test_noise_moment_trial_corrects_v_as_the_hook_does() -> None:
     from nfab.calibrate.trajectory import Residuals, Segment, quantization_scale, reduce_step, step_generators
 
     over = {"data.max_bytes": 50_000, "batch_size": 2, "eval_samples": 4}
-    tasks = [Task(make_config("gpt", steps=4, phases=1, overrides={**over, "noise_moment": on})) for on in (True, False)]
+    tasks = [Task(make_config("gpt", steps=4, phases=1, overrides={**over, "noise_moment": on}))
+             for on in (True, False)]
     assert tasks[0].moment is not None and tasks[1].moment is None
     seg = Segment(0, {"linear": "bq4"}, error_feedback=False)
     region = tasks[0].regions["linear"]
