@@ -26,6 +26,10 @@ root. Subtracted to 0 (or below), those coordinates' steps were m / eps: static 
 plain correction diverged on the second held-out model within its first steps (loss 3.6e9).
 With the floor a coordinate of pure noise steps at most 1/sqrt(FLOOR) times further than
 without the correction; one with signal is corrected down to its signal's second moment.
+The floor holds where Adam reads v, after its bias correction v / (1 - beta2^n) (n: the updates
+v has had): raw v is at least FLOOR x var x (1 - beta2^n). A floor on raw v would hold a young
+v back entirely under beta2 = 0.999 (after 100 steps raw v is 10% of its mean, below half the
+noise nearly everywhere): on a plain-Adam model the correction then did almost nothing.
 
 Every input is a collective result or optimizer state, identical on every rank, so the
 replicas stay bit-identical.
@@ -67,7 +71,16 @@ def replay_variance(reducer: BlockQSum, xs: Sequence[torch.Tensor], lengths: Seq
 
 
 FLOOR = 0.5
-"""The corrected second moment of a coordinate is at least this x its step's rounding variance."""
+"""The corrected second moment of a coordinate (bias-corrected, as Adam reads it) is at least this x
+its step's rounding variance."""
+
+
+def _debias(beta2: float, updates: torch.Tensor | float | None) -> torch.Tensor | float:
+    """1 - beta2^n, Adam's bias correction of a v that has had n updates (1 when the optimizer keeps
+    no step count); a tensor count (on the device for capturable or fused Adam) stays a tensor."""
+    if updates is None:
+        return 1.0
+    return 1.0 - beta2 ** updates
 
 
 class NoiseMoment:
@@ -112,7 +125,7 @@ class NoiseMoment:
                 if var is None or not isinstance(v, torch.Tensor) or v.numel() != var.numel():
                     continue
                 var = var.view_as(v).to(v.dtype)
-                floor = torch.minimum(v, var * FLOOR)  # never raises v
+                floor = torch.minimum(v, var * (FLOOR * _debias(betas[1], state.get("step"))))  # never raises v
                 torch.maximum(v.sub_(var, alpha=k), floor, out=v)
                 touched = True
         self.applied_steps += int(touched)

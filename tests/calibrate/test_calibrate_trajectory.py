@@ -79,7 +79,7 @@ def _independent_variance(xs: list, lengths: tuple[int, ...], q, block: int, lev
 
 def test_noise_moment_trial_corrects_v_as_the_hook_does() -> None:
     """Under AdamW a bq4 trial takes each step's rounding variance out of v before the step: after
-    two steps v differs from the uncorrected trial's by exactly beta2 (max(v - k var, min(v, var/2)) - v)."""
+    two steps v differs from the uncorrected trial's by exactly beta2 (max(v - k var, min(v, var (1-beta2)/2)) - v)."""
     from nfab.calibrate.replay import replay_reducer
     from nfab.calibrate.trajectory import Residuals, Segment, quantization_scale, reduce_step, step_generators
 
@@ -104,7 +104,8 @@ def test_noise_moment_trial_corrects_v_as_the_hook_does() -> None:
     var = _independent_variance(xs, region.lengths, q, red.block, red.steps + 1)
     b2 = tasks[0].optimizer.param_groups[0]["betas"][1]
     k = (1 - b2) / b2
-    expect = b2 * (torch.maximum(v1 - k * var, torch.minimum(v1, 0.5 * var)) - v1)
-    floored = v1 - k * var < torch.minimum(v1, 0.5 * var)
+    floor = 0.5 * var * (1 - b2)  # Adam reads v / (1 - b2^n): after one update, n = 1
+    expect = b2 * (torch.maximum(v1 - k * var, torch.minimum(v1, floor)) - v1)
+    floored = v1 - k * var < torch.minimum(v1, floor)
     assert 0 < int(floored.sum()) < floored.numel()  # both branches: corrected, and held at the floor
     torch.testing.assert_close(v[0] - v[1], expect, rtol=1e-4, atol=1e-12)

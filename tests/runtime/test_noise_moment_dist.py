@@ -74,7 +74,8 @@ def _moment_in_hook(rank: int, world_size: int, steps: int) -> dict:
             w = (v.sqrt() + 1e-8).clamp_min(float((v.sqrt() + 1e-8).mean()) * 0.01)
             scale = _block_scale([g / w for g in every], red.block) * w
             var = (scale * (2.0 / red.steps)).square() * (world_size + 1) / (12 * world_size**2)
-            corrected = torch.maximum(v - var * (0.05 / 0.95), torch.minimum(v, var * FLOOR))
+            floor = var * FLOOR * (1 - 0.95 ** float(state["step"]))  # where Adam reads v: bias-corrected
+            corrected = torch.maximum(v - var * (0.05 / 0.95), torch.minimum(v, floor))
             expected[name] = corrected * 0.95 + 0.05 * p.grad * p.grad
         opt.step()
         out["applied"] = rt.moment.applied_steps
@@ -91,7 +92,7 @@ def _moment_in_hook(rank: int, world_size: int, steps: int) -> dict:
 @pytest.mark.world_size(3)
 def test_the_hook_takes_the_rounding_variance_out_of_adams_second_moment() -> None:
     """Every step after the first (AdamW has no v before it), each block-scaled parameter's v is
-    beta2 max(v - (1 - beta2)/beta2 var, min(v, FLOOR var)) + (1 - beta2) g^2, with var from every
+    beta2 max(v - (1 - beta2)/beta2 var, min(v, FLOOR var (1 - beta2^n))) + (1 - beta2) g^2, with var from every
     rank's gradients;
     the replicas stay bit-identical."""
     from nfab.distributed import run_ranks
