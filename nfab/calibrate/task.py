@@ -107,9 +107,9 @@ class Task:
             for name, idx in by_region.items()
         }
         self.optimizer = self.make_optimizer()
-        self.preconditioner = Preconditioner(self.optimizer, dict(zip(self.names, self.params, strict=True)))
-        """Reads `optimizer`'s state as it is (restore loads into the same optimizer)."""
         named = dict(zip(self.names, self.params, strict=True))
+        self.preconditioner = Preconditioner(self.optimizer, named)
+        """Reads `optimizer`'s state as it is (restore loads into the same optimizer)."""
         self.moment = NoiseMoment(self.optimizer, named) if cfg.noise_moment and is_adaptive(self.optimizer) else None
         """Corrects the optimizer's second moment for the rounding variance `reduce_step` records, as the
         hook's does (`attach(noise_moment="auto")` under an adaptive optimizer)."""
