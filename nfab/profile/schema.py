@@ -115,7 +115,8 @@ class Health(FrozenModel):
     """Probe every step during the first this many steps (when `attach` was given an optimizer
     with a second moment, the only case the drift monitor acts on): sign + error feedback under AdamW
     bent the held-out GPT for good within its first ~20 steps, before probes every
-    `probe_every` steps could see a trend."""
+    `probe_every` steps could see a trend. Also for this many steps after a route that drifted is
+    re-admitted (probation)."""
     drift_demote_after: int = Field(20, ge=0)
     """Steps before the drift monitor may demote a route to FP32, except in a region whose error
     feedback it already switched off (a confirmed suspect); switching error feedback off (no

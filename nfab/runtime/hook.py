@@ -269,7 +269,7 @@ class Runtime:
 
     def _probe_step(self) -> bool:
         h = self.profile.health  # dense early probes feed the drift monitor (it reads the optimizer's 2nd moment)
-        dense = self.preconditioner is not None and self.step < h.dense_probe_steps
+        dense = self.preconditioner is not None and self.step < max(h.dense_probe_steps, self.health.probation_until)
         return h.probe_every > 0 and (self.step % h.probe_every == 0 or dense)
 
     def _finish_step(self) -> None:

@@ -117,6 +117,8 @@ def test_back_off_doubles_each_drift_demotion_and_readmission_needs_a_fresh_tren
             break
     assert back == 1 + 4 + 1  # cool-down 4, then 2 healthy steps
     assert "linear" not in st.trend  # a fresh trend after re-admission
+    assert st.probation_until == back + 1 + CFG.dense_probe_steps  # and probes every step for a while
+    assert HealthState.from_dict(st.to_dict()) == st
     update(st, CFG, obs(10, fid(linear=0.1)), LOSSY)
     ev = update(st, CFG, obs(11, fid(linear=0.1)), LOSSY)
     assert ev[0].regions == ("linear",) and st.cooldown(CFG, "linear") == 8
@@ -159,6 +161,18 @@ def test_a_drifting_region_with_error_feedback_loses_error_feedback_before_its_r
     ev = update(st, CFG, obs(3, fid(linear=0.1)), LOSSY, ef)
     assert [(e.kind, e.regions) for e in ev] == [("fallback", ("linear",))]
     assert HealthState.from_dict(st.to_dict()) == st
+
+
+def test_the_first_error_feedback_drift_switches_it_off_in_every_region():
+    """Drift is measured only under an adaptive optimizer, where error feedback itself is the suspect:
+    one region's drift takes it off everywhere (each with a fresh trend), routes stay."""
+    st = HealthState()
+    ef = frozenset({"linear", "embedding"})
+    update(st, CFG, obs(0, fid(linear=0.9, embedding=0.9)), LOSSY, ef)
+    ev = update(st, CFG, obs(1, fid(linear=0.9, embedding=0.05)), LOSSY, ef)
+    assert [(e.kind, e.regions) for e in ev] == [("ef_off", ("embedding", "linear"))]
+    assert "embedding=" in ev[0].reason and "linear=" not in ev[0].reason  # the reason names the drifting one
+    assert st.ef_off == {"linear", "embedding"} and not st.demoted() and not st.trend
 
 
 def test_demotions_wait_for_the_preconditioner_but_error_feedback_goes_at_once():
