@@ -202,6 +202,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     identity = {
         "model": spec.name, "dataset": cfg.data.name, "world_size": world, "route": route_label(cfg),
         "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb, "hierarchy": _levels(runtime),
+        "noise_moment": runtime is not None and runtime.moment is not None,  # comm.noise_moment as resolved
         "profile": {"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)} if cfg.comm.profile else None,
         "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
     }

@@ -100,6 +100,7 @@ def test_gpt_sign_artifacts(runs) -> None:
     s, m = check_artifacts(ok(runs, "gpt-sign"), 8, lm=True)
     assert s["compression_ratio"] > 1 and s["route"] == "sign" and s["fp32"] is False and s["profile"] is None
     assert s["bucket_cap_mb"] == 4.0  # nfab's default bucket under the hook (DDP's 25 for --fp32)
+    assert s["noise_moment"] is True  # "auto": a static route under AdamW
     assert (m["wire_bytes"] < m["baseline_wire_bytes"]).iloc[1:].all()  # step 0 runs before DDP's bucket rebuild
     assert (m["collectives"] > 0).all() and (m["scale_rounds"] == 0).all()  # the hook ran; sign has no scale round
 
@@ -111,6 +112,7 @@ def test_resnet_fp32_equals_route_fp32(runs) -> None:
     assert plain["compression_ratio"] == 1 and plain["route"] == "fp32" and plain["fp32"] is True
     assert plain["bucket_cap_mb"] == 25.0
     assert routed["route"] == "fp32" and routed["fp32"] is False
+    assert routed["noise_moment"] is False and plain["noise_moment"] is False  # SGD: no second moment
 
 
 def test_crash_then_resume_matches_uninterrupted(runs) -> None:
