@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 
 from nfab.runtime import coalesce, control, fidelity
-from nfab.runtime.controller import FP32, Group
+from nfab.runtime.agreement import Agreement
+from nfab.runtime.controller import FP32, BucketRoutes, Group
 from nfab.runtime.handoff import Encoded, Probe, Sent
+from nfab.runtime.plan import BucketPlan
 from nfab.runtime.scales import AmaxHistory
 from nfab.wire import noise
 from nfab.wire.blockq import BlockQSum
@@ -44,6 +46,28 @@ class EncodeContext:
     None: no optimizer second moment, plain block scales."""
 
 
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A bucket between its hook body and its launch: what `Runtime._complete` needs to encode
+    and launch it, in the same hook body or (agreement in flight) the next one."""
+
+    index: int
+    plan: BucketPlan
+    routes: BucketRoutes
+    ctx: EncodeContext
+    buffer: torch.Tensor
+    first: bool
+    last: bool
+    bucket_sq: torch.Tensor
+    """This rank's |g|^2 of the bucket, taken before any group was pre-scaled or encoded."""
+    prepared: tuple[Prepared, ...] | None
+    """Every group, prepared in order (None on the two-level path: it encodes at completion)."""
+    probe_parts: list[torch.Tensor]
+    agreement: Agreement | None
+    phases: tuple[float, float, float]
+    """Thread CPU seconds of plan, norm and the encode's first part, in the bucket's own hook body."""
+
+
 @dataclass(slots=True)
 class Blocking:
     """Blocking scale agreements (qsum, exact) made while encoding: counted in the stats."""
@@ -62,51 +86,101 @@ def local_sq(buffer: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
 
 
-def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: control.Builder,
-                 probe_parts: list[torch.Tensor], blocking: Blocking) -> Encoded:
-    """One group's payload; its scales/max |x| appended to the control word being built."""
-    red, w = REDUCERS[group.key], ctx.world_size
-    if group.lossy and not (group.whole or red.needs_shared_scale or ctx.probing or ctx.error_feedback):
-        # nothing to add or sample: encode the slices where they lie, no gathered copy
-        enc = red.encode_views(views(buffer, group), group.lengths, w)
-        return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales))
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One group read out of the bucket, up to what its encoding needs agreed across ranks.
+
+    The hook prepares every group of a bucket first, launches their scale agreement as one
+    collective (`runtime/agreement.py`), and encodes them (`finish_group`) once the agreed
+    scales are needed: the round trip overlaps the bucket's other work, or the backward pass
+    when a later hook body finishes the bucket. An empty `Prepared` (`x` None) means the
+    group reads nothing before it is finished (FP32, or encoded where its slices lie)."""
+
+    group: Group
+    x: torch.Tensor | None = None
+    """What gets encoded: the group's values (+ residuals), divided by `weights` when given."""
+    raw: torch.Tensor | None = None
+    """The group's values (+ residuals) before `weights`: error feedback keeps raw - decoded."""
+    weights: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    """This rank's local scale (block max / max |x|), when the reducer needs a shared scale."""
+    shared: torch.Tensor | None = None
+    """The shared scale when known without agreeing (delayed history, or own when gathered)."""
+
+    @property
+    def agree(self) -> tuple[str, torch.Tensor] | None:
+        """(reducer key, local scale) when the shared scale must be agreed now (exact), else None."""
+        return (self.group.key, self.local) if self.local is not None and self.shared is None else None
+
+
+def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
+                  probe_parts: list[torch.Tensor]) -> Prepared:
+    """Read a group out of the bucket up to its local scale (probe sample, residuals, the
+    optimizer's weights); nothing here depends on another rank."""
+    red = REDUCERS[group.key]
+    if group.key == FP32 or not (group.whole or red.needs_shared_scale or ctx.probing or ctx.error_feedback):
+        return Prepared(group)
     # a whole-bucket group works on the bucket itself: it is overwritten by the result
     x = buffer if group.whole else torch.cat(views(buffer, group))
-    if group.key == FP32:
-        _flush_residuals(ctx.residuals, x, group)
-        x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
-        return Encoded(group, x)
     if ctx.probing:
         # before EF; per parameter, so a parameter's sample does not depend on its bucket
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(tuple(group.lengths), x.device)))
     if ctx.error_feedback:
         add_residuals(ctx.residuals, x, group, ctx.ef_off)
-    shared = amax_cols = weights = None
-    raw = x
-    if isinstance(red, BlockQSum):  # one uint8 scale code per block, agreed now (blocking uint8 MAX)
+    raw, weights, local, shared = x, None, None, None
+    if isinstance(red, BlockQSum):  # one uint8 scale code per block, always agreed (exact)
         weights = _weights(ctx, group, x)
         if weights is not None:  # round in the optimizer's preconditioned space
             x = x / weights
         # a non-finite element already shows in the bucket's |g|^2 (control word): no column here
-        shared = red.agree(red.local_scale(x, group.lengths), ctx.process_group)
-        blocking.rounds += 1
-        blocking.wire_bytes += allreduce_factor(w) * shared.numel() * shared.element_size()
+        local = red.local_scale(x, group.lengths)
     elif red.needs_shared_scale:
-        amax = red.local_scale(x, group.lengths)
-        shared = amax if ctx.gathered else ctx.scales.delayed((s.name for s in group.slices), ctx.step, x.device)
-        if shared is None:  # no recent agreed history: agree now (blocking)
-            shared = red.agree(amax, ctx.process_group)
-            blocking.rounds += 1
-            blocking.wire_bytes += allreduce_factor(w) * shared.numel() * shared.element_size()
-        amax_cols = word.add(amax)
+        local = red.local_scale(x, group.lengths)
+        shared = local if ctx.gathered else ctx.scales.delayed((s.name for s in group.slices), ctx.step, x.device)
+    return Prepared(group, x, raw, weights, local, shared)
+
+
+def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agreed: torch.Tensor | None,
+                 word: control.Builder) -> Encoded:
+    """One group's payload from its `Prepared` and, when it agreed one, its agreed scale; its
+    scales / max |x| appended to the control word being built."""
+    group = prep.group
+    red, w = REDUCERS[group.key], ctx.world_size
+    if prep.x is None:
+        if group.key == FP32:
+            x = buffer if group.whole else torch.cat(views(buffer, group))
+            _flush_residuals(ctx.residuals, x, group)
+            x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
+            return Encoded(group, x)
+        # nothing to add or sample: encode the slices where they lie, no gathered copy
+        enc = red.encode_views(views(buffer, group), group.lengths, w)
+        return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales))
+    x, weights = prep.x, prep.weights
+    shared = prep.shared if prep.agree is None else agreed
+    assert shared is not None or prep.local is None, "a group that agrees its scale needs the agreed value"
+    amax_cols = word.add(prep.local) if prep.local is not None and not isinstance(red, BlockQSum) else None
     dither = _noise(ctx, group, x.device, isinstance(red, BlockQSum)) if red.needs_shared_scale else None
     enc = red.encode(x, group.lengths, w, shared, dither)
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
-        resid = raw - (enc.local if weights is None else enc.local * weights)
+        resid = prep.raw - (enc.local if weights is None else enc.local * weights)
         residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True)
                           if s.region not in ctx.ef_off)  # the drift monitor switched it off
     return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals, weights)
+
+
+def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: control.Builder,
+                 probe_parts: list[torch.Tensor], blocking: Blocking) -> Encoded:
+    """One group's payload, its scale agreed on the spot (blocking): `prepare_group`, the MAX,
+    `finish_group` (the two-level path's FP32 groups; the hook launches agreements early)."""
+    prep = prepare_group(ctx, buffer, group, probe_parts)
+    agreed = None
+    if prep.agree is not None:
+        red = REDUCERS[group.key]
+        agreed = red.agree(prep.agree[1], ctx.process_group)
+        blocking.rounds += 1
+        blocking.wire_bytes += allreduce_factor(ctx.world_size) * agreed.numel() * agreed.element_size()
+    return finish_group(ctx, buffer, prep, agreed, word)
 
 
 def _weights(ctx: EncodeContext, group: Group, x: torch.Tensor) -> torch.Tensor | None:

@@ -127,10 +127,7 @@ class Outcome:
 
 
 HOOK_PHASES = ("plan", "norm", "encode", "launch")
-"""The hook body's phases, timed per bucket (`StepStats.hook_phases`; the callback adds
-`decode`, the step boundary `fold`)."""
+"""The hook body's phases, timed per bucket in thread CPU (`StepStats.hook_phases`; the callback
+adds `decode`, the step boundary `fold`). A bucket launched from the next hook body (its scale
+agreement in flight) counts both parts of its encode, and its launch, as its own."""
 
-
-def spans(marks: list[float]) -> tuple[tuple[str, float], ...]:
-    """`Launch.phases` from the hook body's phase boundaries (len(HOOK_PHASES) + 1 clock reads)."""
-    return tuple((name, b - a) for name, a, b in zip(HOOK_PHASES, marks[:-1], marks[1:], strict=True))

@@ -4,7 +4,8 @@ The package in parts (each readable alone):
 - `control`: the control word — named head fields, per-slice columns, build and parse;
 - `coalesce`: one all-gather for a whole bucket — the decision, packing, reading parts;
 - `scales`: qsum's shared scales (exact agreement, or the delayed amax history);
-- `encode`: the hook body's work per bucket (encode groups, launch collectives);
+- `agreement`: a bucket's exact scale agreements as one asynchronous MAX per dtype;
+- `encode`: the hook body's work per bucket (prepare groups, encode them, launch collectives);
 - `decode`: the callback's work per bucket (decode into slices, zero a non-finite bucket);
 - `handoff`: the immutable values passed hook -> callback (`Launch`) and back (`Outcome`);
 - `twolevel`: with `hierarchy=`, lossy groups reduced node-local -> across nodes -> node-local;
@@ -13,18 +14,26 @@ The package in parts (each readable alone):
 Per bucket, in the hook body (DDP calls it in bucket order on every rank):
 1. look up the bucket plan and this step's groups (controller: a pure function of agreed
    state, so every rank launches the same collectives in the same order);
-2. encode each group (error-feedback residuals added on lossy routes; slices that need
-   neither residuals nor a probe sample are read where they lie in the bucket);
-3. build the control word (head + per-slice scales / max |x|) — for every bucket with a lossy
-   group, the step's first bucket (loss, previous probe's cosine and region fidelity) and its
-   last (the |g|^2 of FP32-only buckets since the previous word: the step's norm is complete);
+2. prepare each group (error-feedback residuals added on lossy routes, the optimizer's
+   weights, the local scale) and launch the bucket's exact scale agreements (qsum, block
+   routes) as one asynchronous MAX per dtype; a bucket with one in flight that is not the
+   step's last is completed by the next hook body (its round trip overlaps the backward of
+   the next bucket), any other right away — buckets complete in bucket order on every rank;
+3. complete: encode each group with its agreed scale (slices that need neither residuals nor
+   a probe sample are read where they lie in the bucket) and build the control word (head +
+   per-slice scales / max |x|) — for every bucket with a lossy group, the step's first bucket
+   (loss, previous probe's cosine and region fidelity) and its last (the |g|^2 of FP32-only
+   buckets since the previous word: the step's norm is complete);
 4. launch, asynchronously: one collective per group plus the word's all-gather, or —
    beside a signgather group, when cheaper — all of it as the bytes of ONE all-gather;
 5. return a future whose callback (`decode.finish_bucket`) decodes every slice in place
-   and zeroes the bucket on all ranks if any rank saw a non-finite gradient.
+   and zeroes the bucket on all ranks if any rank saw a non-finite gradient (for a bucket
+   completed by the next hook body, a future that the callback's result completes).
 
 No collective is launched from a callback (callbacks finish in different orders on
-different ranks), and nothing in the hook body waits for the device. Once per step, at
+different ranks): every one is launched from a hook body, so every rank launches them in the
+same order (a deferred bucket's payload after the next bucket's agreement), and nothing in
+the hook body waits for the device. Once per step, at
 the step boundary (`step_stats()`, or else the next step's first hook), the step's
 control-word tables are read to the host in one copy and folded into statistics, health
 and qsum scale history: the next step's routes are host decisions made from values every
@@ -33,7 +42,6 @@ rank holds bit for bit.
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
 # against dist.GradBucket and torch.futures.Future at registration.
-import dataclasses
 import time
 from collections import deque
 from functools import partial
@@ -44,6 +52,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.profile.schema import Profile
+from nfab.runtime import agreement as agreement_mod
 from nfab.runtime import coalesce, control, encode, twolevel
 from nfab.runtime import health as health_mod
 from nfab.runtime.bindings import classify
@@ -51,7 +60,7 @@ from nfab.runtime.controller import BucketRoutes, Controller
 from nfab.runtime.decode import finish_bucket
 from nfab.runtime.fidelity import RegionFidelity
 from nfab.runtime.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
-from nfab.runtime.handoff import HOOK_PHASES, Encoded, Launch, Outcome, spans
+from nfab.runtime.handoff import HOOK_PHASES, Encoded, Launch, Outcome
 from nfab.runtime.hierarchy import Hierarchy
 from nfab.runtime.moment import NoiseMoment
 from nfab.runtime.optim import Preconditioner
@@ -112,6 +121,12 @@ class Runtime:
         self._launches: list[Launch] = []
         self._outcomes: list[Outcome] = []
         self._carried_sq: torch.Tensor | None = None
+        # exact scale agreements launched before a bucket's groups encode, a non-last bucket's
+        # completed by the next hook body; False: each group agrees blocking as it encodes (the
+        # same bits: tests compare the two)
+        self.overlap_agreement = True
+        self.deferred_buckets = 0  # buckets launched from a later hook body, over the run
+        self._pending: tuple[encode.Opened, torch.futures.Future] | None = None
         self._step_open = False
         self._saw_last = False
         self._loss_local: torch.Tensor | float | None = None
@@ -161,7 +176,7 @@ class Runtime:
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if self._saw_last:
             self._finish_step()
-        marks = [time.thread_time()]  # phase boundaries: plan, norm, encode, launch
+        t0 = time.thread_time()  # phase boundaries: plan, norm, encode (its first part here)
         first = not self._step_open
         if first:
             self._step_open, self._saw_last = True, False
@@ -169,28 +184,66 @@ class Runtime:
         self._saw_last |= last
         buffer = bucket.buffer()
         plan, routes, ctx = self._context(bucket, buffer)
-        marks.append(time.thread_time())
+        t1 = time.thread_time()
         bucket_sq = encode.local_sq(buffer)  # before any group is pre-scaled or encoded in place
-        marks.append(time.thread_time())
-        word, probe_parts, blocking = control.Builder(), [], encode.Blocking()
-        encoded, levels = twolevel.encode_bucket(self.two_level, ctx, buffer, routes.groups, word, probe_parts,
-                                                 blocking)
+        t2 = time.thread_time()
+        probe_parts: list[torch.Tensor] = []
+        prepared, agreement = None, None
+        if self.overlap_agreement and not (self.two_level and routes.has_lossy):  # else: all at `_complete`
+            prepared = tuple(encode.prepare_group(ctx, buffer, g, probe_parts) for g in routes.groups)
+            agreement = agreement_mod.launch([p.agree for p in prepared], self.world_size, self.group)
+        opened = encode.Opened(bucket.index(), plan, routes, ctx, buffer, first, last, bucket_sq, prepared,
+                               probe_parts, agreement, (t1 - t0, t2 - t1, time.thread_time() - t2))
+        earlier, self._pending = self._pending, None
+        if earlier is not None:  # the previous bucket's agreement has had this bucket's backward to land
+            self._complete(*earlier)
+        if agreement is not None and not last:  # launched from the next hook body, in bucket order
+            result = _result_future(buffer.device)
+            self._pending = (opened, result)
+            self.deferred_buckets += 1
+            return result
+        return self._complete(opened, None)
+
+    def _complete(self, opened: encode.Opened,
+                  result: torch.futures.Future | None) -> torch.futures.Future[torch.Tensor]:
+        """Encode a bucket with its agreed scales, build its control word and launch it: in its
+        own hook body, or (when its agreement was in flight) in the next one. Buckets complete in
+        bucket order on every rank, so the collectives' order is the same everywhere; `result`
+        (the future DDP holds for a deferred bucket) completes with the bucket's callback."""
+        t0 = time.thread_time()
+        ctx, buffer, routes, first = opened.ctx, opened.buffer, opened.routes, opened.first
+        word, probe_parts = control.Builder(), list(opened.probe_parts)
+        blocking = encode.Blocking()
+        levels = None
+        if opened.prepared is None:
+            encoded, levels = twolevel.encode_bucket(self.two_level, ctx, buffer, routes.groups, word, probe_parts,
+                                                     blocking)
+        else:
+            agreed = [None] * len(opened.prepared)
+            if opened.agreement is not None:
+                agreed = opened.agreement.wait(len(opened.prepared))
+                blocking.rounds, blocking.wire_bytes = opened.agreement.rounds, opened.agreement.wire_bytes
+            encoded = [encode.finish_group(ctx, buffer, p, a, word)
+                       for p, a in zip(opened.prepared, agreed, strict=True)]
         # the step's first word: the previous step's region fidelity, agreed at the fold
         fid_cols = fidelity_columns(word, self._fidelity_next, buffer.device) if first else None
         ctrl = None
-        if routes.has_lossy or first or last:
+        bucket_sq = opened.bucket_sq
+        if routes.has_lossy or first or opened.last:
             carried = self._carried_sq if self._carried_sq is not None else torch.zeros_like(bucket_sq)
             ctrl = word.build(bucket_sq, carried, self._step_values(first, buffer.device))
             self._carried_sq = None
         else:  # an FP32-only bucket's |g|^2 rides with the next control word
             self._carried_sq = bucket_sq if self._carried_sq is None else self._carried_sq + bucket_sq
-        marks.append(time.thread_time())
-        launch, futs = self._launch(bucket.index(), plan, routes, buffer, ctx, encoded, ctrl, probe_parts, blocking,
-                                    marks)
-        if fid_cols is not None:
-            launch = dataclasses.replace(launch, fidelity_cols=fid_cols)
+        plan_s, norm_s, encode_s = opened.phases
+        launch, futs = self._launch(opened.index, opened.plan, routes, buffer, ctx, encoded, ctrl, probe_parts,
+                                    blocking, fid_cols, (plan_s, norm_s, encode_s + time.thread_time() - t0))
         self._launches.append(twolevel.with_levels(launch, levels))
-        return torch.futures.collect_all(futs).then(partial(self._callback, launch))
+        done = torch.futures.collect_all(futs).then(partial(self._callback, launch))
+        if result is None:
+            return done
+        done.add_done_callback(partial(_forward, result))
+        return result
 
     def _context(self, bucket: dist.GradBucket,
                  buffer: torch.Tensor) -> tuple[BucketPlan, BucketRoutes, encode.EncodeContext]:
@@ -212,9 +265,12 @@ class Runtime:
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
                 ctx: encode.EncodeContext, encoded: list[Encoded], ctrl: torch.Tensor | None,
                 probe_parts: list[torch.Tensor], blocking: encode.Blocking,
-                marks: list[float]) -> tuple[Launch, list]:
+                fid_cols: tuple[tuple[str, ...], control.Columns] | None,
+                phases: tuple[float, float, float]) -> tuple[Launch, list]:
         """Launch the bucket's collectives (one coalesced all-gather, or one per group + the
-        word's) and the probe; the `Launch` its callback receives, and the futures."""
+        word's) and the probe; the `Launch` its callback receives, and the futures. `phases`:
+        thread CPU seconds of the bucket's plan, norm and encode (the launch is timed here)."""
+        t0 = time.thread_time()
         w, pg = self.world_size, self.group
         if ctx.gathered:
             sent, ctrl_part, rows, futs, nbytes = encode.launch_coalesced(encoded, ctrl, w, pg, buffer.device)
@@ -233,7 +289,8 @@ class Runtime:
         baseline = allreduce_factor(w) * buffer.numel() * buffer.element_size()
         launch = Launch(index, plan, routes, buffer, tuple(sent), recv, ctrl_part, rows, probe,
                         nbytes + blocking.wire_bytes, baseline, collectives + blocking.rounds, blocking.rounds,
-                        tuple(elements.items()), spans(marks + [time.thread_time()]))
+                        tuple(elements.items()),
+                        (*zip(HOOK_PHASES, (*phases, time.thread_time() - t0), strict=True),), fid_cols)
         return launch, futs
 
     def _callback(self, launch: Launch, done: torch.futures.Future) -> torch.Tensor:
@@ -274,6 +331,7 @@ class Runtime:
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""
+        assert self._pending is None, "a bucket's launch was deferred past the step's last bucket"
         t0 = time.thread_time()
         phase = self.controller.phase(self.step)
         probe_regions = self._cosine_next[1] if self._cosine_next is not None else frozenset()
@@ -297,6 +355,22 @@ class Runtime:
         self.step += 1
         self._step_open = self._saw_last = False
         self._launches, self._outcomes = [], []
+
+
+def _result_future(device: torch.device) -> torch.futures.Future:
+    """The future DDP holds for a bucket launched from a later hook body (on an accelerator it
+    carries the device, so DDP's wait orders its streams after the decode)."""
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
+def _forward(result: torch.futures.Future, done: torch.futures.Future) -> None:
+    """Complete a deferred bucket's future with its callback's result (or its error)."""
+    try:
+        value = done.value()
+    except Exception as e:  # noqa: BLE001 - a failed collective fails the bucket DDP waits on
+        result.set_exception(e)
+        return
+    result.set_result(value)
 
 
 def nfab_hook(state: Runtime, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

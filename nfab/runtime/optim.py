@@ -129,15 +129,43 @@ class Preconditioner:
         """`quantization_scale` of the parameters `names` (of `lengths` elements) concatenated on
         `device`, 1 where a parameter has none; None when none has one (plain block scales).
         The optimizer's state sits with its parameters; an offloaded one is copied without waiting.
-        `step`: see `quantization_scale`."""
+        `step`: see `quantization_scale` (with it, each parameter's part also serves as its
+        `quantization_scale` for the step)."""
         def make() -> torch.Tensor | None:
-            parts = [self.quantization_scale(n, step) for n in names]
-            if all(p is None for p in parts):
+            moments = [self._second_moment(n) for n in names]
+            if all(m is None for m in moments):
                 return None
-            return torch.cat([torch.ones(n, dtype=torch.float32, device=device) if p is None
-                              else p if p.device == device else p.to(device, non_blocking=True)
-                              for p, n in zip(parts, lengths, strict=True)])
+            if any(m is None for m in moments) or len({m[0].device for m in moments}) > 1:  # type: ignore[index]
+                parts = [self.quantization_scale(n, step) for n in names]
+                return torch.cat([torch.ones(n, dtype=torch.float32, device=device) if p is None
+                                  else p if p.device == device else p.to(device, non_blocking=True)
+                                  for p, n in zip(parts, lengths, strict=True)])
+            flat = self._flat_floored(moments, lengths)  # type: ignore[arg-type]
+            if flat.device != device:
+                return flat.to(device, non_blocking=True)
+            if step is not None:  # each part is that parameter's scale this step (bit for bit)
+                for n, part in zip(names, flat.split(list(lengths)), strict=True):
+                    self._memo.setdefault(("scale", n), part)
+            return flat
         return self._memoized(step, ("flat", tuple(names), tuple(lengths), device), make)
+
+    def _flat_floored(self, moments: Sequence[tuple[torch.Tensor, float]], lengths: Sequence[int]) -> torch.Tensor:
+        """sqrt(v) + eps of every parameter, concatenated, each floored at 1% of its own mean: the
+        bits of `quantization_scale` per parameter in a few whole-tensor passes (the per-parameter
+        ops cost the hook ~20 us each in Python): sqrt and the adds are elementwise, each mean is
+        taken over the parameter's own part, and max with the floor is exact."""
+        flat = torch.cat([v.detach().reshape(-1) for v, _ in moments]).to(torch.float32).sqrt_()
+        eps = {e for _, e in moments}
+        parts = flat.split(list(lengths))
+        if len(eps) == 1:
+            flat.add_(eps.pop())
+        else:
+            for part, (_, e) in zip(parts, moments, strict=True):
+                part.add_(e)
+        floors = torch.stack([part.mean() for part in parts]).mul_(PRECONDITION_FLOOR)
+        for part, floor in zip(parts, floors.unbind(), strict=True):
+            part.clamp_min_(floor)
+        return flat
 
     def _memoized(self, step: int | None, key: Hashable,
                   make: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
@@ -150,8 +178,8 @@ class Preconditioner:
             self._memo[key] = make()
         return self._memo[key]
 
-    def _rms(self, name: str) -> torch.Tensor | None:
-        """Flat sqrt(v) + eps of parameter `name` (a new fp32 tensor), or None when there is no v."""
+    def _second_moment(self, name: str) -> tuple[torch.Tensor, float] | None:
+        """Parameter `name`'s second moment (as the optimizer holds it) and eps, or None when there is no v."""
         p = self.params.get(name)
         if p is None:
             return None
@@ -161,5 +189,13 @@ class Preconditioner:
         v = next((state[k] for k in _SECOND_MOMENT_KEYS if isinstance(state.get(k), torch.Tensor)), None)
         if v is None or v.numel() != p.numel():
             return None
-        eps = self._eps.get(id(p), 1e-8)
+        return v, self._eps.get(id(p), 1e-8)
+
+    def _rms(self, name: str) -> torch.Tensor | None:
+        """Flat sqrt(v) + eps of parameter `name` (a new fp32 tensor), or None when there is no v."""
+        moment = self._second_moment(name)
+        if moment is None:
+            return None
+        v, eps = moment
         return v.detach().reshape(-1).to(torch.float32).sqrt().add_(eps)
+

@@ -213,10 +213,15 @@ class BlockQSum(Reducer):
             out[0] = math.nan
         return out
 
+    def agree_input(self, block_max: torch.Tensor) -> torch.Tensor:
+        """This rank's per-block uint8 scale codes (a NaN block max codes as 0: the bucket's
+        |g|^2 already flags it): their MAX is the MAX of the fp32 block maxima's codes (monotone)."""
+        return scale_codes(torch.nan_to_num(block_max, nan=0.0))
+
     def agree(self, block_max: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The agreed codes: this rank's per-block codes, MAX all-reduced as uint8 (blocking):
         one byte per block, the same codes as the MAX of the fp32 block maxima (monotone)."""
-        codes = scale_codes(torch.nan_to_num(block_max, nan=0.0))
+        codes = self.agree_input(block_max)
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
         return codes
 

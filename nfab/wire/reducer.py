@@ -217,10 +217,15 @@ class Reducer(ABC):
         """This rank's candidate for the shared scale (reduced with MAX across ranks)."""
         return codecs.segment_max_abs(x, lengths)
 
+    def agree_input(self, local: torch.Tensor) -> torch.Tensor:
+        """What the agreement MAX all-reduces for `local_scale`'s values (the hook batches a
+        bucket's agreements into one collective: `runtime/agreement.py`); may be `local` itself."""
+        return local
+
     def agree(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The shared scale every rank encodes with: the MAX over ranks of `local_scale` (a
         blocking collective; a new tensor, `local` is kept). Its bytes are its element size."""
-        shared = local.clone()
+        shared = self.agree_input(local).clone()
         dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
         return shared
 

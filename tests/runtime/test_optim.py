@@ -86,3 +86,33 @@ def test_a_steps_scales_are_computed_once_and_renewed_with_the_next_step(fused: 
     assert not torch.equal(fresh, first)
     assert torch.equal(pre.flat_scale(["p"], [5], torch.device("cpu"), step=2), fresh)
     assert torch.equal(pre.inverse_rms("p", step=2), fresh.reciprocal())
+
+
+@pytest.mark.parametrize("eps", [(1e-8, 1e-8), (1e-8, 1e-6)])
+def test_flat_scale_is_each_parameters_quantization_scale_bit_for_bit(eps: tuple[float, float]) -> None:
+    # whole-tensor passes over the concatenated moments must give every parameter's own floored
+    # scale exactly (calibration's replay calls quantization_scale per parameter)
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": (7, 13), "b": (300,), "c": (1,), "d": (64, 65), "e": (4097,)}
+    params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
+    opt = torch.optim.AdamW([{"params": [params["a"], params["b"], params["c"]], "eps": eps[0]},
+                             {"params": [params["d"], params["e"]], "eps": eps[1]}])
+    for p in params.values():  # gradients spanning decades, some exactly zero (floored)
+        p.grad = torch.randn(p.shape, generator=g) * torch.logspace(-6, 2, p.numel()).reshape(p.shape)
+        p.grad.view(-1)[:: 5] = 0.0
+    opt.step()
+    pre = Preconditioner(opt, params)
+    names = ["d", "a", "e", "c", "b"]
+    lengths = [params[n].numel() for n in names]
+    want = torch.cat([pre.quantization_scale(n) for n in names])
+    for step in (None, 3):
+        got = pre.flat_scale(names, lengths, torch.device("cpu"), step=step)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for n, part in zip(names, want.split(lengths), strict=True):  # shared with the probe's inverse
+        assert torch.equal(pre.quantization_scale(n, step=3), part)
+        assert torch.equal(pre.inverse_rms(n, step=3), part.reciprocal())
+    # a parameter without a second moment yet: 1 there, the others as before
+    params["f"] = torch.nn.Parameter(torch.zeros(9))
+    pre = Preconditioner(opt, params)
+    got = pre.flat_scale(["a", "f"], [91, 9], torch.device("cpu"), step=4)
+    assert torch.equal(got, torch.cat([pre.quantization_scale("a"), torch.ones(9)]))
