@@ -131,3 +131,18 @@ def test_noise_moment_auto_follows_the_optimizer_and_the_profile(group) -> None:
     assert not static.noise_moment and moment(profile=static) is None  # validated without it: runs so
     assert moment(profile=static, noise_moment=True) is not None
     assert moment(profile=static.model_copy(update={"noise_moment": True})) is not None
+
+
+def test_a_route_on_probation_is_probed_every_step(group) -> None:
+    """After a drift demotion's re-admission (`HealthState.probation_until`) the hook probes every step,
+    not every `probe_every`: a route that drifted before is seen drifting again within a few steps."""
+    ddp = shipped_resnet()
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    rt = nfab.attach(ddp, route="sign", cost_model=None, optimizer=opt)
+    h = rt.profile.health
+    rt.step = h.dense_probe_steps + 1  # past the early dense probes, between two regular ones
+    assert rt.step % h.probe_every != 0 and not rt._probe_step()
+    rt.health.probation_until = rt.step + 3
+    assert rt._probe_step()
+    rt.step += 3
+    assert rt._probe_step() is (rt.step % h.probe_every == 0)
