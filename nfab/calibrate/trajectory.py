@@ -183,8 +183,7 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
         lengths = task.regions[region].lengths
         est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=carry)
         if task.moment is not None and isinstance(reducer, BlockQSum):  # the hook's decode records the same
-            scaled = xs if scale is None else [x / scale for x in xs]
-            task.moment.record(task.region_names(region), lengths, replay_variance(reducer, scaled, lengths, scale))
+            task.moment.record(task.region_names(region), lengths, replay_variance(reducer, xs, lengths, scale))
         if carry:
             residuals.by_region[region] = [x - loc if loc is not None else None
                                            for x, loc in zip(xs, locals_, strict=True)]

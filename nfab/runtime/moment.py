@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nfab.wire.blockq import BlockQSum, scale_codes
+from nfab.wire.blockq import BlockQSum
 
 
 def rounding_variance(reducer: BlockQSum, codes: torch.Tensor, lengths: Sequence[int], world_size: int,
@@ -62,11 +62,14 @@ def rounding_variance(reducer: BlockQSum, codes: torch.Tensor, lengths: Sequence
 
 def replay_variance(reducer: BlockQSum, xs: Sequence[torch.Tensor], lengths: Sequence[int],
                     weights: torch.Tensor | None) -> torch.Tensor:
-    """`rounding_variance` of W virtual ranks' flat inputs `xs` (already divided by `weights`, as the
-    hook rounds them): their codes are what the hook's MAX agreement yields, the codes of the ranks'
-    largest block maxima (`scale_codes` is monotone)."""
+    """`rounding_variance` of W virtual ranks' flat inputs `xs`, rounded (as the hook rounds them)
+    after dividing by `weights` when given: their codes are what the hook's MAX agreement yields,
+    the codes of the ranks' largest block maxima (`agree_input` is monotone). The ranks' max |x| is
+    divided once: max_r(|x_r| / w) = max_r(|x_r|) / w bit for bit (w > 0, rounding is monotone)."""
     absmax = torch.stack([x.abs() for x in xs]).amax(0)
-    codes = scale_codes(torch.nan_to_num(reducer.local_scale(absmax, lengths), nan=0.0))
+    if weights is not None:
+        absmax = absmax.div_(weights)
+    codes = reducer.agree_input(reducer.local_scale(absmax, lengths))
     return rounding_variance(reducer, codes, lengths, len(xs), weights)
 
 
