@@ -18,19 +18,24 @@ from nfab.calibrate.config import parse_overrides
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import eval_points, run_reference, run_schedule
 from nfab.calibrate.validate import final_gap, loss_floor, segments_of
+from nfab.config.calibrated import profile_base
 from nfab.profile.schema import Profile
 
 
-def gap_at(profile: Profile, seed: int, extra: dict) -> dict:
+def calibrated_config(profile: Profile, seed: int, extra: dict):
+    """The profile's calibrated setting (what `nfab train --profile` reproduces, `profile_base`) as
+    a calibration at `seed`, at the calibrated W, with `extra` key=value overrides over it."""
+    base = profile_base(profile, "")
+    over = {f"{section}.{k}": v for section, d in base.items() if section != "comm" and isinstance(d, dict)
+            for k, v in d.items() if not (section == "model" and k == "name")}
+    over.update(steps=base["steps"], seed=seed, **extra)
     cal = profile.provenance["calibrated"]
-    o = cal["optimizer"]
-    over = {"optim.name": o["name"], "optim.lr": o["lr"], "optim.weight_decay": o["weight_decay"],
-            "optim.betas": list(o["betas"]), "schedule.name": cal["schedule"]["name"],
-            "schedule.warmup_steps": cal["schedule"]["warmup_steps"], "batch_size": cal["batch_size"],
-            "seed": seed, **{f"model.{k}": v for k, v in cal["model_options"].items()},
-            **{f"data.{k}": v for k, v in cal["data_options"].items()}, **extra}
-    cfg = make_config(cal["model"], dataset=cal["dataset"], steps=cal["steps"], world_size=cal["world_size"],
-                      overrides=over)
+    return make_config(base["model"]["name"], dataset=base["data"]["name"], world_size=cal["world_size"],
+                       overrides=over)
+
+
+def gap_at(profile: Profile, seed: int, extra: dict) -> dict:
+    cfg = calibrated_config(profile, seed, extra)
     task = Task(cfg)
     ref = run_reference(task)
     steps = cfg.steps
