@@ -17,7 +17,7 @@ import torch
 
 from nfab.runtime import control, fidelity
 from nfab.runtime.controller import FP32, Group
-from nfab.runtime.encode import views
+from nfab.runtime.encode import slices, views
 from nfab.runtime.handoff import Launch, Outcome, Sent
 from nfab.runtime.moment import NoiseMoment, rounding_variance
 from nfab.wire import fastpath
@@ -113,7 +113,7 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
     elif group.whole:  # decode straight into the bucket: no temporary, no copy
         out = decode(out=buffer)
     elif not probed:  # decode, scale and write each slice at its offset, one pass
-        decode(out=views(buffer, group))
+        decode(out=slices(buffer, group))
         return None
     else:  # the probe compares the group's decoded values as one tensor
         out = decode(out=None)

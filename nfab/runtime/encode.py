@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,7 @@ from nfab.runtime.scales import AmaxHistory
 from nfab.wire import noise
 from nfab.wire.blockq import BlockQSum
 from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
+from nfab.wire.slices import Slices
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,13 @@ class Blocking:
 def views(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """The group's slices as views of the bucket (encode sources, decode destinations)."""
     return [buffer[s.offset : s.offset + s.numel] for s in group.slices]
+
+
+def slices(buffer: torch.Tensor, group: Group) -> Slices:
+    """The group's slices where they lie in the bucket, for a decode or encode that takes them
+    all at once (views made only if a path asks for them)."""
+    return Slices(buffer, np.fromiter((s.offset for s in group.slices), dtype=np.int64, count=len(group.slices)),
+                  group.lengths)
 
 
 def local_sq(buffer: torch.Tensor) -> torch.Tensor:
@@ -153,7 +162,7 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
             x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
             return Encoded(group, x)
         # nothing to add or sample: encode the slices where they lie, no gathered copy
-        enc = red.encode_views(views(buffer, group), group.lengths, w)
+        enc = red.encode_views(slices(buffer, group), group.lengths, w)
         return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales))
     x, weights = prep.x, prep.weights
     shared = prep.shared if prep.agree is None else agreed

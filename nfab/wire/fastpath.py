@@ -24,6 +24,7 @@ import torch
 
 from nfab.wire import lanes
 from nfab.wire.lanes import LaneLayout
+from nfab.wire.slices import Slices
 
 try:
     from nfab.wire import kernels, lanekernels, tritkernels, votekernels
@@ -96,25 +97,48 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int],
     n = sum(lengths)
     words = np.zeros(n // 64 + 2, dtype=np.uint64)  # whole words, one of room for a shifted store
     sums = np.zeros(len(lengths), dtype=np.float64)
+    starts, ends = segment_bounds(lengths)
     if split:
-        starts, ends = segment_bounds(lengths)
-        _sign_kernel(views[0], starts, ends, 0, words, sums)
+        _sign_kernel(views[0], starts, ends, np.zeros(len(lengths), dtype=np.int64), words, sums)
+        return words.view(np.uint8)[: -(-n // 8)], sums
+    span = host_span(views)
+    if span is not None:  # the slices where they lie in one storage: one call for all of them
+        x, at = span
+        _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums)
     else:
-        pos = 0
-        one = np.zeros(1, dtype=np.int64)
         for si, v in enumerate(views):
-            ln = v.numel()
-            _sign_kernel(v, one, np.full(1, ln, dtype=np.int64), pos, words, sums[si : si + 1])
-            pos += ln
+            _sign_kernel(v, starts[si : si + 1] * 0, ends[si : si + 1] - starts[si], starts[si : si + 1], words,
+                         sums[si : si + 1])
     return words.view(np.uint8)[: -(-n // 8)], sums
 
 
-def _sign_kernel(x: torch.Tensor, starts, ends, base: int, words, sums) -> None:
+def host_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] | None:
+    """One 1-D tensor over every view (1-D, contiguous, one dtype, views of one tensor, on
+    the host) and each view's element offset in it, so one kernel call reads or writes a
+    bucket's slices where they lie; None when they are not such views."""
+    if isinstance(views, Slices):  # the offsets are known: nothing to inspect per slice
+        b = views.buffer
+        return (b, views.offsets) if supports(b) and b.dim() == 1 else None
+    if not views or not supports(*views):
+        return None
+    v0 = views[0]
+    base, dtype = v0._base if v0._base is not None else v0, v0.dtype
+    if base.dtype != dtype or any(v.dim() != 1 or v.dtype != dtype or (v._base is not base and v is not base)
+                                  for v in views):
+        return None
+    at = np.fromiter((v.storage_offset() for v in views), dtype=np.int64, count=len(views))
+    lo = int(at.min())
+    end = max(int(a) + v.numel() for a, v in zip(at, views, strict=True))
+    return base.reshape(-1)[lo - base.storage_offset() : end - base.storage_offset()], at - lo
+
+
+def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums) -> None:
+    """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j."""
     assert kernels is not None
     if x.dtype == torch.float32:
-        kernels.sign_bits_f32(x.numpy(), starts, ends, base, words, sums)
+        kernels.sign_bits_f32(x.numpy(), starts, ends, bases, words, sums)
     else:
-        kernels.sign_bits_half(x.view(torch.int16).numpy().view(np.uint16), _HALF[x.dtype], starts, ends, base,
+        kernels.sign_bits_half(x.view(torch.int16).numpy().view(np.uint16), _HALF[x.dtype], starts, ends, bases,
                                words, sums)
 
 
@@ -205,6 +229,54 @@ def majority_bit_rows(rows: np.ndarray, start: int, numel: int, world_size: int,
     votekernels.majority_rows(rows, start, numel, world_size // 2, world_size % 2 == 0, _UNITS, np.float32(scale),
                               out.view(np.uint32))
     return out
+
+
+def _targets(out: torch.Tensor | Sequence[torch.Tensor],
+             lengths: Sequence[int]) -> tuple[torch.Tensor, np.ndarray] | None:
+    """Where a decode writes: one fp32 host tensor and each segment's offset in it (`out` one
+    tensor of all segments, or one destination per segment); None when no such span exists."""
+    if isinstance(out, torch.Tensor):
+        span: tuple[torch.Tensor, np.ndarray] | None = (out.reshape(-1), segment_bounds(lengths)[0])
+        if not supports(out):
+            return None
+    else:
+        span = host_span(out if isinstance(out, Slices) else [t.reshape(-1) for t in out])
+    return span if span is not None and span[0].dtype == torch.float32 else None
+
+
+def majority_into(rows: np.ndarray, lengths: Sequence[int], world_size: int, scales: np.ndarray,
+                  out: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    """`majority_bit_rows` of every segment (scale scales[s]) into `out` (one fp32 tensor of all
+    segments, or one destination per segment) in one compiled call; False when the
+    destinations are not views of one host tensor (the caller then decodes segment by segment)."""
+    assert votekernels is not None
+    span = _targets(out, lengths)
+    if span is None:
+        return False
+    starts, ends = segment_bounds(lengths)
+    votekernels.majority_segments(rows, starts, ends - starts, world_size // 2, world_size % 2 == 0, _UNITS,
+                                  np.ascontiguousarray(scales, dtype=np.float32), span[0].numpy().view(np.uint32),
+                                  span[1])
+    return True
+
+
+def gathered_levels(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
+                    out: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    """qsum's gathered decode for one-lane uint8 levels: the mean of the W rows, each decoded
+    with its own rank's scales (`scales`: W x segments), written into `out` (one fp32 tensor of
+    all segments, or one destination per segment) in one compiled pass; False when it does not
+    apply (the caller then decodes by table, rank by rank: the same bits)."""
+    if not (AVAILABLE and rows.dtype == torch.uint8 and rows.dim() == 2 and on_host(rows, values, scales)):
+        return False
+    span = _targets(out, lengths)
+    if span is None:
+        return False
+    assert kernels is not None
+    starts, ends = segment_bounds(lengths)
+    kernels.gathered_levels(rows.numpy(), values.to(torch.float32).contiguous().numpy(),
+                            scales.to(torch.float32).contiguous().numpy(), starts, ends,
+                            np.float32(1.0 / rows.shape[0]), span[0].numpy(), span[1])
+    return True
 
 
 def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,

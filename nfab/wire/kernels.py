@@ -89,10 +89,11 @@ def _sign_chunk(xc, words, g):
 
 
 @njit(cache=True, nogil=True)
-def sign_bits_f32(x, seg_starts, seg_ends, base, words, sums):
+def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums):
     """Votes of fp32 `x` packed 1 bit per element (little-endian) into ZEROED uint64 `words`
-    from bit `base` on (one word of room past the last vote's), and the |x| sum of each segment
-    [seg_starts[s], seg_ends[s]) of `x` into sums[s].
+    (one word of room past the last vote's), and the |x| sum of each segment
+    [seg_starts[s], seg_ends[s]) of `x` into sums[s]. Element j of `x`, in segment s, goes to
+    bit bases[s] + j: segments read where they lie in a bucket land packed back to back.
 
     A segment's sum adds float32 chunk sums (chunks of 4096 counted from the segment's own
     start) in float64: it depends only on the segment's own elements, never on its
@@ -103,7 +104,7 @@ def sign_bits_f32(x, seg_starts, seg_ends, base, words, sums):
         e = seg_ends[s]
         tot = 0.0
         for c0 in range(a, e, _CHUNK):
-            tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, base + c0)
+            tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0)
         sums[s] = tot
 
 
@@ -132,7 +133,7 @@ def _widen_chunk(uc, bf16, wide, f32):
 
 
 @njit(cache=True, nogil=True)
-def sign_bits_half(u, bf16, seg_starts, seg_ends, base, words, sums):
+def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums):
     """`sign_bits_f32` for bf16 (bf16=True) or fp16 inputs given as raw uint16 bits.
 
     Each chunk is widened exactly to fp32 in an L1 scratch buffer (widening keeps every
@@ -148,7 +149,7 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, base, words, sums):
             uc = u[c0 : min(c0 + _CHUNK, e)]
             ln = uc.size
             _widen_chunk(uc, bf16, wide, f32)
-            tot += _sign_chunk(f32[:ln], words, base + c0)
+            tot += _sign_chunk(f32[:ln], words, bases[s] + c0)
         sums[s] = tot
 
 
@@ -216,6 +217,25 @@ def decode_levels(levels, seg_starts, seg_ends, step, one, scales, out):
         sc = scales[s]
         for i in range(lv.size):
             oc[i] = (np.float32(lv[i]) * step - one) * sc
+
+
+@njit(cache=True, nogil=True)
+def gathered_levels(rows, values, scales, seg_starts, seg_ends, inv_w, out, offsets):
+    """The mean of W gathered one-lane level rows, each with its own rank's scales, in float32
+    and in this order: d_r = fl(values[level] * scales[r, s]), acc = d_0, acc = fl(acc + d_r)
+    for r = 1 .. W-1, out = fl(acc * inv_w) — the bits of the per-rank table decode, the
+    rank-order sum and the final `mul_(1 / W)`. Segment s (elements seg_starts[s] ..
+    seg_ends[s] of the rows) is written to out[offsets[s] ...]: slices where they lie."""
+    w = rows.shape[0]
+    for s in range(seg_starts.size):
+        a = seg_starts[s]
+        n = seg_ends[s] - a
+        oc = out[offsets[s] : offsets[s] + n]
+        for i in range(n):
+            acc = values[rows[0, a + i]] * scales[0, s]
+            for r in range(1, w):
+                acc = acc + values[rows[r, a + i]] * scales[r, s]
+            oc[i] = acc * inv_w
 
 
 # ---- qsum levels ---------------------------------------------------------------------------------

@@ -127,6 +127,10 @@ class QSum(Reducer):
         w = len(payloads)
         lengths = list(lengths)
         values = self.level_values(w, 1, payloads[0].device)
+        if self._layout.lanes == 1 and out is not None and numel:  # one compiled pass into `out`
+            rows = payloads if isinstance(payloads, torch.Tensor) else torch.stack(list(payloads))
+            if fastpath.gathered_levels(rows[:, :numel], values, scales, lengths, out):
+                return out
         total = decode_scaled(payloads[0], self._layout, numel, values, scales[0], lengths)
         for r in range(1, w):
             total += decode_scaled(payloads[r], self._layout, numel, values, scales[r], lengths)

@@ -24,6 +24,7 @@ from nfab.wire.reducer import (
     split_out,
     write_into,
 )
+from nfab.wire.slices import Slices
 
 
 def _mean_abs(sums: np.ndarray, lengths: Sequence[int]) -> torch.Tensor:
@@ -152,9 +153,14 @@ class SignGather(_SignReducer):
         return self._sign_encode(x, lengths, self._layout)
 
     def encode_views(self, views, lengths, world_size) -> Encoded:
-        views, lengths = list(views), list(lengths)
-        if not views or not all(fastpath.sign_supports(v) for v in views):
-            return super().encode_views(views, lengths, world_size)
+        lengths = list(lengths)
+        if isinstance(views, Slices):  # one check of the bucket instead of one per slice
+            fast = fastpath.sign_supports(views.buffer)
+        else:
+            views = list(views)
+            fast = bool(views) and all(fastpath.sign_supports(v) for v in views)
+        if not fast or not lengths:
+            return super().encode_views(list(views), lengths, world_size)
         bits, sums = fastpath.sign_votes_views(views, lengths)
         return self._encoded(bits, sums, sum(lengths), lengths, self._layout)
 
@@ -168,6 +174,11 @@ class SignGather(_SignReducer):
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
         rows = reduced.view(world_size, -1)
+        if (numel and world_size <= 255 and self.vote == "majority" and fastpath.supports(reduced)
+                and fastpath.on_host(scale_mean)):  # one compiled call for every segment
+            target = torch.empty(numel, dtype=torch.float32) if out is None else out
+            if fastpath.majority_into(rows.numpy(), lengths, world_size, scale_mean.reshape(-1).numpy(), target):
+                return target
         one, dests = split_out(out)
         targets = dests if dests is not None else [one] if one is not None else None
         if (numel and world_size <= 255 and fastpath.supports(reduced)
@@ -183,11 +194,12 @@ class SignGather(_SignReducer):
         """Compiled CPU decode: count the W bit rows and look up vote x scale, per segment
         straight into its destination (the scale folded into the table: fl(v * s) either way)."""
         assert scale_mean is not None
-        vals = codecs.vote_table(world_size, self.vote, torch.device("cpu")).numpy()
         res = torch.empty(numel, dtype=torch.float32, device="cpu") if one is None and dests is None else one
         targets = dests if dests is not None else None
+        scales = scale_mean.reshape(-1)
+        vals = codecs.vote_table(world_size, self.vote, torch.device("cpu")).numpy()
         start = 0
-        for i, (n, s) in enumerate(zip(lengths, scale_mean.reshape(-1).tolist(), strict=True)):
+        for i, (n, s) in enumerate(zip(lengths, scales.tolist(), strict=True)):
             dst = targets[i] if targets is not None else res[start : start + n]  # type: ignore[index]
             if self.vote == "majority":
                 fastpath.majority_bit_rows(rows, start, n, world_size, s, dst.view(-1).numpy())

@@ -227,3 +227,13 @@ def majority_rows(rows, start, numel, half, ties, units, scale, out):
             _compare(planes, nb, half, gt, eq)
         _emit(gt, eq, sh, ln, ties, lo, mid, hi, out[i : i + ln])
         i += ln
+
+
+@njit(cache=True, nogil=True)
+def majority_segments(rows, starts, numels, half, ties, units, scales, out, offsets):
+    """`majority_rows` for many segments in one call: segment s (bits starts[s] .. starts[s] +
+    numels[s] of the rows, scale scales[s]) into out[offsets[s] : offsets[s] + numels[s]]. A
+    bucket's slices decode where they lie, without a Python call per slice."""
+    for s in range(starts.size):
+        o = offsets[s]
+        majority_rows(rows, starts[s], numels[s], half, ties, units, scales[s], out[o : o + numels[s]])

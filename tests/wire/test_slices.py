@@ -1,0 +1,88 @@
+"""A group's slices decoded or encoded where they lie in the bucket, in one compiled call
+(`Slices`, `fastpath.host_span`): the same bits as the torch reference writing each slice
+through its own view, and nothing outside the slices touched."""
+
+import numpy as np
+import pytest
+import torch
+
+from nfab.wire import fastpath
+from nfab.wire.reducers import REDUCERS
+from nfab.wire.slices import Slices
+
+pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
+
+LAYOUTS = [[5], [3, 0, 70], [32, 32, 64, 1, 9000, 17], [4097, 1, 8]]
+
+
+def _bucket(lengths: list[int], seed: int, gap: int = 3) -> tuple[torch.Tensor, np.ndarray]:
+    """A bucket with the slices at scattered offsets (gaps between them) and sentinel values."""
+    offsets = np.cumsum([gap] + [n + gap for n in lengths[:-1]]).astype(np.int64)
+    return torch.full((int(offsets[-1]) + lengths[-1] + gap,), 7.0), offsets
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("lengths", LAYOUTS)
+@pytest.mark.parametrize("as_slices", [True, False])
+def test_gathered_q8_into_slices_is_the_reference(world_size, lengths, as_slices):
+    red = REDUCERS["qsum-q8"]
+    g = torch.Generator().manual_seed(world_size * 7 + len(lengths))
+    n = sum(lengths)
+    rows = torch.randint(0, 256, (world_size, n), dtype=torch.uint8, generator=g)
+    scales = torch.rand(world_size, len(lengths), generator=g) * 3
+    with fastpath.host_paths(False):  # the torch reference every other device runs
+        expected = red.decode_gathered(list(rows), scales, n, lengths, torch.zeros(n))
+    bucket, offsets = _bucket(lengths, world_size)
+    out = Slices(bucket, offsets, lengths)
+    red.decode_gathered(rows, scales, n, lengths, out if as_slices else list(out))
+    got = torch.cat([bucket[o : o + k] for o, k in zip(offsets.tolist(), lengths, strict=True)])
+    assert torch.equal(_bits(got), _bits(expected))
+    mask = torch.ones_like(bucket, dtype=torch.bool)
+    for o, k in zip(offsets.tolist(), lengths, strict=True):
+        mask[o : o + k] = False
+    assert bool((bucket[mask] == 7.0).all())  # the gaps between slices are untouched
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize("lengths", LAYOUTS)
+def test_signgather_through_slices_is_the_reference(world_size, lengths):
+    """Encode from the bucket's slices and decode into them, vs the reference on gathered copies."""
+    red = REDUCERS["signgather"]
+    g = torch.Generator().manual_seed(world_size + 100 * len(lengths))
+    n = sum(lengths)
+    payloads, scales, refs = [], [], []
+    for _ in range(world_size):
+        bucket, offsets = _bucket(lengths, 0)
+        for o, k in zip(offsets.tolist(), lengths, strict=True):
+            bucket[o : o + k] = torch.randn(k, generator=g)
+        flat = torch.cat([bucket[o : o + k] for o, k in zip(offsets.tolist(), lengths, strict=True)])
+        enc = red.encode_views(Slices(bucket, offsets, lengths), lengths, world_size)
+        ref = red.encode(flat, lengths, world_size)  # one contiguous copy, segment by segment
+        assert torch.equal(enc.payload, ref.payload) and torch.equal(enc.scales, ref.scales)
+        with fastpath.host_paths(False):  # the torch reference: same votes, the mean |x| to rounding
+            torch_ref = red.encode(flat, lengths, world_size)
+        assert torch.equal(enc.payload, torch_ref.payload) and torch.allclose(enc.scales, torch_ref.scales)
+        payloads.append(enc.payload)
+        scales.append(enc.scales)
+        refs.append(ref)
+    reduced = red.combine(payloads)
+    scale_mean = torch.stack(scales).mean(0)
+    with fastpath.host_paths(False):
+        expected = red.decode(reduced, scale_mean, n, lengths, world_size)
+    bucket, offsets = _bucket(lengths, 1)
+    red.decode(reduced, scale_mean, n, lengths, world_size, out=Slices(bucket, offsets, lengths))
+    got = torch.cat([bucket[o : o + k] for o, k in zip(offsets.tolist(), lengths, strict=True)])
+    assert torch.equal(_bits(got), _bits(expected))
+    assert float(bucket[0]) == 7.0 and float(bucket[-1]) == 7.0
+
+
+def test_host_span_only_for_views_of_one_tensor():
+    a, b = torch.zeros(10), torch.zeros(10)
+    assert fastpath.host_span([a[2:4], b[0:3]]) is None  # two storages: no span
+    assert fastpath.host_span([a[2:4], a.view(torch.int32)[5:6]]) is None  # two dtypes
+    span, at = fastpath.host_span([a[6:9], a[1:3]])
+    assert at.tolist() == [5, 0] and span.data_ptr() == a[1:].data_ptr() and span.numel() == 8
