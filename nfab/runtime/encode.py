@@ -19,7 +19,7 @@ from nfab.runtime.controller import FP32, BucketRoutes, Group
 from nfab.runtime.handoff import Encoded, Probe, Sent
 from nfab.runtime.plan import BucketPlan
 from nfab.runtime.scales import AmaxHistory
-from nfab.wire import noise
+from nfab.wire import fastpath, noise
 from nfab.wire.blockq import BlockQSum
 from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 from nfab.wire.slices import Slices
@@ -61,7 +61,8 @@ class Opened:
     first: bool
     last: bool
     bucket_sq: torch.Tensor
-    """This rank's |g|^2 of the bucket, taken before any group was pre-scaled or encoded."""
+    """This rank's |g|^2 of the bucket, taken before any group was pre-scaled or encoded (less
+    the groups whose encoders take theirs: their `Encoded.sq` completes it)."""
     prepared: tuple[Prepared, ...] | None
     """Every group, prepared in order (None on the two-level path: it encodes at completion)."""
     probe_parts: list[torch.Tensor]
@@ -90,9 +91,29 @@ def slices(buffer: torch.Tensor, group: Group) -> Slices:
                   group.lengths)
 
 
-def local_sq(buffer: torch.Tensor) -> torch.Tensor:
-    """This rank's |g|^2 of a bucket, fp32, on its device (non-finite iff an element is)."""
-    return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
+def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (), ctx: EncodeContext | None = None) -> torch.Tensor:
+    """This rank's |g|^2 of a bucket, fp32, on its device (non-finite iff an element is). With
+    `ctx`, groups whose encoder takes their share on its own read (`reads_sq`) are left out:
+    `Runtime._complete` adds `Encoded.sq` back, one pass over those slices fewer."""
+    rest = [g for g in groups if not reads_sq(ctx, buffer, g)] if ctx is not None else []
+    if ctx is None or len(rest) == len(groups):
+        return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
+    if not rest:
+        return torch.zeros((), dtype=torch.float32, device=buffer.device)
+    return torch.linalg.vector_norm(torch.cat([v for g in rest for v in views(buffer, g)]),
+                                    dtype=torch.float32).square()
+
+
+def _in_place(ctx: EncodeContext, group: Group) -> bool:
+    """A lossy group with nothing to add or sample: encoded from its slices where they lie."""
+    return group.key != FP32 and not (group.whole or REDUCERS[group.key].needs_shared_scale or ctx.probing
+                                      or ctx.error_feedback)
+
+
+def reads_sq(ctx: EncodeContext | None, buffer: torch.Tensor, group: Group) -> bool:
+    """Whether the group's encoder takes its |x|^2 on its own read of the bucket (in place, by a
+    reducer that can: the compiled sign votes on the CPU)."""
+    return ctx is not None and _in_place(ctx, group) and REDUCERS[group.key].reads_sq(buffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +148,7 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     """Read a group out of the bucket up to its local scale (probe sample, residuals, the
     optimizer's weights); nothing here depends on another rank."""
     red = REDUCERS[group.key]
-    if group.key == FP32 or not (group.whole or red.needs_shared_scale or ctx.probing or ctx.error_feedback):
+    if group.key == FP32 or _in_place(ctx, group):
         return Prepared(group)
     # a whole-bucket group works on the bucket itself: it is overwritten by the result
     x = buffer if group.whole else torch.cat(views(buffer, group))
@@ -162,8 +183,10 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
             x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
             return Encoded(group, x)
         # nothing to add or sample: encode the slices where they lie, no gathered copy
-        enc = red.encode_views(slices(buffer, group), group.lengths, w)
-        return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales))
+        fused = reads_sq(ctx, buffer, group)
+        enc = red.encode_views(slices(buffer, group), group.lengths, w, with_sq=fused)
+        assert enc.sq is not None or not fused, "a group left out of the norm pass must bring its |x|^2"
+        return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales), sq=enc.sq)
     x, weights = prep.x, prep.weights
     shared = prep.shared if prep.agree is None else agreed
     assert shared is not None or prep.local is None, "a group that agrees its scale needs the agreed value"
@@ -246,20 +269,22 @@ def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns
 
 
 def _noise(ctx: EncodeContext, group: Group, device: torch.device,
-           stratified: bool) -> list[torch.Generator] | noise.Stratum:
-    """One rounding-noise generator per slice on the bucket's device, seeded by (seed, rank,
-    step, parameter): every rank follows the same seed schedule and rounds independently,
-    and a parameter's noise does not depend on which bucket it travels in (a resumed run's
-    first step, on DDP's initial buckets, rounds as the uninterrupted run did). Stratified
-    rounding (block-scaled qsum) leaves the rank out of the seed — every rank draws the same
-    keys — and shifts by the rank instead (`noise.Stratum`)."""
-    gens = []
-    for s in group.slices:
-        g = torch.Generator(device=device)
-        who = -1 if stratified else ctx.rank
-        g.manual_seed(hash((ctx.seed, who, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF)
-        gens.append(g)
-    return noise.Stratum(gens, ctx.rank, ctx.world_size) if stratified else gens
+           stratified: bool) -> list[torch.Generator] | torch.Tensor | noise.Stratum:
+    """One rounding-noise key per slice, drawn by a generator on the bucket's device seeded by
+    (seed, rank, step, parameter): every rank follows the same seed schedule and rounds
+    independently, and a parameter's noise does not depend on which bucket it travels in (a
+    resumed run's first step, on DDP's initial buckets, rounds as the uninterrupted run did).
+    Stratified rounding (block-scaled qsum) leaves the rank out of the seed — every rank draws
+    the same keys — and shifts by the rank instead (`noise.Stratum`). On the CPU the keys are
+    computed from the seeds (`noise.seeded_keys`, the generators' bits) instead of drawn from
+    a generator made per slice."""
+    who = -1 if stratified else ctx.rank
+    seeds = [hash((ctx.seed, who, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF for s in group.slices]
+    if fastpath.host_device(device):
+        source: list[torch.Generator] | torch.Tensor = noise.seeded_keys(seeds)
+    else:
+        source = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    return noise.Stratum(source, ctx.rank, ctx.world_size) if stratified else source
 
 
 def add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,

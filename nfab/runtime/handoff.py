@@ -41,6 +41,9 @@ class Encoded:
     weights: torch.Tensor | None = None
     """Per element, what the group was divided by before encoding (block-scaled qsum in the
     optimizer's preconditioned space): the decoded mean is multiplied by it."""
+    sq: torch.Tensor | None = None
+    """The group's |x|^2 when its encoder took it on its own read (left out of the bucket's
+    norm pass; the control word's |g|^2 adds it back)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,11 +185,13 @@ class Runtime:
         buffer = bucket.buffer()
         plan, routes, ctx = self._context(bucket, buffer)
         t1 = time.thread_time()
-        bucket_sq = encode.local_sq(buffer)  # before any group is pre-scaled or encoded in place
+        staged = self.overlap_agreement and not (self.two_level and routes.has_lossy)  # else: all at `_complete`
+        # before any group is pre-scaled or encoded in place; staged, sign groups add theirs as they encode
+        bucket_sq = encode.local_sq(buffer, routes.groups, ctx if staged else None)
         t2 = time.thread_time()
         probe_parts: list[torch.Tensor] = []
         prepared, agreement = None, None
-        if self.overlap_agreement and not (self.two_level and routes.has_lossy):  # else: all at `_complete`
+        if staged:
             prepared = tuple(encode.prepare_group(ctx, buffer, g, probe_parts) for g in routes.groups)
             agreement = agreement_mod.launch([p.agree for p in prepared], self.world_size, self.group)
         opened = encode.Opened(bucket.index(), plan, routes, ctx, buffer, first, last, bucket_sq, prepared,
@@ -225,10 +227,13 @@ class Runtime:
                 blocking.rounds, blocking.wire_bytes = opened.agreement.rounds, opened.agreement.wire_bytes
             encoded = [encode.finish_group(ctx, buffer, p, a, word)
                        for p, a in zip(opened.prepared, agreed, strict=True)]
+        bucket_sq = opened.bucket_sq
+        for e in encoded if opened.prepared is not None else ():
+            if e.sq is not None:  # the share the norm pass left to this group's encoder
+                bucket_sq = bucket_sq + e.sq
         # the step's first word: the previous step's region fidelity, agreed at the fold
         fid_cols = fidelity_columns(word, self._fidelity_next, buffer.device) if first else None
         ctrl = None
-        bucket_sq = opened.bucket_sq
         if routes.has_lossy or first or opened.last:
             carried = self._carried_sq if self._carried_sq is not None else torch.zeros_like(bucket_sq)
             ctrl = word.build(bucket_sq, carried, self._step_values(first, buffer.device))

@@ -45,6 +45,11 @@ def on_host(*tensors: torch.Tensor) -> bool:
     return _host and all(t.device.type == "cpu" for t in tensors)
 
 
+def host_device(device: torch.device) -> bool:
+    """`on_host` for values still to be made on `device`."""
+    return _host and device.type == "cpu"
+
+
 @contextmanager
 def host_paths(enabled: bool) -> Iterator[None]:
     """Let CPU tensors take the host paths (default) or, with False, the device paths every
@@ -89,26 +94,31 @@ def sign_votes(x: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.
     return sign_votes_views([x], lengths, split=True)
 
 
-def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int],
-                     split: bool = False) -> tuple[np.ndarray, np.ndarray]:
+_NO_SQ = np.empty(0, dtype=np.float64)
+
+
+def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], split: bool = False,
+                     sqs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`sign_votes` of the concatenation of `views` (one segment each, or `lengths` over one
-    view when `split`), read in place: a mixed bucket's slices need no gathered copy."""
+    view when `split`), read in place: a mixed bucket's slices need no gathered copy. With
+    `sqs` (float64, one per segment), each segment's x^2 sum is taken on the same read."""
     lengths = list(lengths)
     n = sum(lengths)
     words = np.zeros(n // 64 + 2, dtype=np.uint64)  # whole words, one of room for a shifted store
     sums = np.zeros(len(lengths), dtype=np.float64)
+    sq = _NO_SQ if sqs is None else sqs
     starts, ends = segment_bounds(lengths)
     if split:
-        _sign_kernel(views[0], starts, ends, np.zeros(len(lengths), dtype=np.int64), words, sums)
+        _sign_kernel(views[0], starts, ends, np.zeros(len(lengths), dtype=np.int64), words, sums, sq)
         return words.view(np.uint8)[: -(-n // 8)], sums
     span = host_span(views)
     if span is not None:  # the slices where they lie in one storage: one call for all of them
         x, at = span
-        _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums)
+        _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums, sq)
     else:
         for si, v in enumerate(views):
             _sign_kernel(v, starts[si : si + 1] * 0, ends[si : si + 1] - starts[si], starts[si : si + 1], words,
-                         sums[si : si + 1])
+                         sums[si : si + 1], sq[si : si + 1])
     return words.view(np.uint8)[: -(-n // 8)], sums
 
 
@@ -132,14 +142,15 @@ def host_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] 
     return base.reshape(-1)[lo - base.storage_offset() : end - base.storage_offset()], at - lo
 
 
-def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums) -> None:
-    """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j."""
+def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums, sqs) -> None:
+    """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j; x^2 sums
+    into `sqs` unless it is empty."""
     assert kernels is not None
     if x.dtype == torch.float32:
-        kernels.sign_bits_f32(x.numpy(), starts, ends, bases, words, sums)
+        kernels.sign_bits_f32(x.numpy(), starts, ends, bases, words, sums, sqs)
     else:
         kernels.sign_bits_half(x.view(torch.int16).numpy().view(np.uint16), _HALF[x.dtype], starts, ends, bases,
-                               words, sums)
+                               words, sums, sqs)
 
 
 @lru_cache(maxsize=64)

@@ -88,8 +88,37 @@ def _sign_chunk(xc, words, g):
     return s
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def _sign_chunk_sq(xc, words, g):
+    """`_sign_chunk` that also returns the chunk's x^2 sum (float32 lanes): the bucket's local
+    |g|^2 taken on the same read of the values."""
+    ln = xc.size
+    full = ln >> 6
+    s = np.float32(0)
+    q = np.float32(0)
+    for k in range(full):
+        xs = xc[64 * k : 64 * k + 64]
+        w = np.uint64(0)
+        for j in range(64):
+            v = xs[j]
+            w |= np.uint64(v >= 0) << np.uint64(j)
+            s += abs(v)
+            q += v * v
+        _put_word(words, g + 64 * k, w)
+    if ln & 63:
+        xs = xc[64 * full : ln]
+        w = np.uint64(0)
+        for j in range(xs.size):
+            v = xs[j]
+            w |= np.uint64(v >= 0) << np.uint64(j)
+            s += abs(v)
+            q += v * v
+        _put_word(words, g + 64 * full, w)
+    return s, q
+
+
 @njit(cache=True, nogil=True)
-def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums):
+def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs):
     """Votes of fp32 `x` packed 1 bit per element (little-endian) into ZEROED uint64 `words`
     (one word of room past the last vote's), and the |x| sum of each segment
     [seg_starts[s], seg_ends[s]) of `x` into sums[s]. Element j of `x`, in segment s, goes to
@@ -97,15 +126,24 @@ def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums):
 
     A segment's sum adds float32 chunk sums (chunks of 4096 counted from the segment's own
     start) in float64: it depends only on the segment's own elements, never on its
-    neighbours or its offset in a bucket.
+    neighbours or its offset in a bucket. With a non-empty `sqs`, sqs[s] gets the segment's x^2
+    sum the same way (its |g|^2 share, on the same read).
     """
     for s in range(seg_starts.size):
         a = seg_starts[s]
         e = seg_ends[s]
         tot = 0.0
+        sq = 0.0
         for c0 in range(a, e, _CHUNK):
-            tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0)
+            if sqs.size:
+                ca, cq = _sign_chunk_sq(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0)
+                tot += ca
+                sq += cq
+            else:
+                tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0)
         sums[s] = tot
+        if sqs.size:
+            sqs[s] = sq
 
 
 @njit(cache=True, nogil=True)
@@ -133,7 +171,7 @@ def _widen_chunk(uc, bf16, wide, f32):
 
 
 @njit(cache=True, nogil=True)
-def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums):
+def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums, sqs):
     """`sign_bits_f32` for bf16 (bf16=True) or fp16 inputs given as raw uint16 bits.
 
     Each chunk is widened exactly to fp32 in an L1 scratch buffer (widening keeps every
@@ -145,12 +183,20 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums):
         a = seg_starts[s]
         e = seg_ends[s]
         tot = 0.0
+        sq = 0.0
         for c0 in range(a, e, _CHUNK):
             uc = u[c0 : min(c0 + _CHUNK, e)]
             ln = uc.size
             _widen_chunk(uc, bf16, wide, f32)
-            tot += _sign_chunk(f32[:ln], words, bases[s] + c0)
+            if sqs.size:
+                ca, cq = _sign_chunk_sq(f32[:ln], words, bases[s] + c0)
+                tot += ca
+                sq += cq
+            else:
+                tot += _sign_chunk(f32[:ln], words, bases[s] + c0)
         sums[s] = tot
+        if sqs.size:
+            sqs[s] = sq
 
 
 # ---- counting gathered 1-bit rows ---------------------------------------------------------------
@@ -236,6 +282,46 @@ def gathered_levels(rows, values, scales, seg_starts, seg_ends, inv_w, out, offs
             for r in range(1, w):
                 acc = acc + values[rows[r, a + i]] * scales[r, s]
             oc[i] = acc * inv_w
+
+
+# ---- noise keys ------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _temper(y):
+    y ^= y >> np.uint64(11)
+    y ^= (y << np.uint64(7)) & np.uint64(0x9D2C5680)
+    y ^= (y << np.uint64(15)) & np.uint64(0xEFC60000)
+    y ^= y >> np.uint64(18)
+    return y & np.uint64(0xFFFFFFFF)
+
+
+@njit(cache=True, nogil=True)
+def first_draw_keys(seeds, out):
+    """out[k] = the int64 that `torch.randint(-2**63, 2**63 - 1, (1,), generator=g)` draws first
+    from a CPU generator after `g.manual_seed(seeds[k])`, without a generator: torch's CPU
+    generator is MT19937 seeded with the seed's low 32 bits (init_genrand); a 64-bit draw is
+    its first two outputs (a << 32 | b), taken mod the range (2**64 - 1) and offset by -2**63,
+    i.e. the top bit flipped. Only the state words 0..398 that the first two outputs read are
+    made. `out` is uint64 (the int64's bits)."""
+    mask = np.uint64(0xFFFFFFFF)
+    state = np.empty(399, dtype=np.uint64)
+    for k in range(seeds.size):
+        state[0] = np.uint64(seeds[k]) & mask
+        for i in range(1, 399):
+            prev = state[i - 1]
+            state[i] = (np.uint64(1812433253) * (prev ^ (prev >> np.uint64(30))) + np.uint64(i)) & mask
+        words = np.empty(2, dtype=np.uint64)
+        for j in range(2):
+            y = (state[j] & np.uint64(0x80000000)) | (state[j + 1] & np.uint64(0x7FFFFFFF))
+            m = state[j + 397] ^ (y >> np.uint64(1))
+            if y & np.uint64(1):
+                m ^= np.uint64(0x9908B0DF)
+            words[j] = _temper(m)
+        r = (words[0] << np.uint64(32)) | words[1]
+        if r == np.uint64(0xFFFFFFFFFFFFFFFF):  # mod (2**64 - 1)
+            r = np.uint64(0)
+        out[k] = r ^ np.uint64(0x8000000000000000)
 
 
 # ---- qsum levels ---------------------------------------------------------------------------------

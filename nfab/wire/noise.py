@@ -33,7 +33,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from nfab.wire import fastpath
 
 GOLDEN = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
@@ -55,12 +58,14 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def draw_keys(generator: Generators, segments: int, device: torch.device) -> torch.Tensor:
+def draw_keys(generator: Generators | torch.Tensor, segments: int, device: torch.device) -> torch.Tensor:
     """One int64 key per segment (on `device`), drawn from the generator(s).
 
     A single generator (or None) gives all keys in one draw; a list gives one key from each
     generator, so a parameter's key depends only on its own generator.
     """
+    if isinstance(generator, torch.Tensor):  # keys already drawn (`seeded_keys`)
+        return generator.to(device)
     if generator is None or isinstance(generator, torch.Generator):
         return torch.randint(-(1 << 63), (1 << 63) - 1, (segments,), generator=generator, device=device,
                              dtype=torch.int64)
@@ -71,6 +76,17 @@ def draw_keys(generator: Generators, segments: int, device: torch.device) -> tor
         return torch.zeros(0, dtype=torch.int64, device=device)
     return torch.cat([torch.randint(-(1 << 63), (1 << 63) - 1, (1,), generator=g, device=device,
                                     dtype=torch.int64) for g in gens])
+
+
+def seeded_keys(seeds: Sequence[int]) -> torch.Tensor:
+    """The int64 keys (CPU) that `draw_keys` draws from one CPU generator per seed, each
+    seeded with `manual_seed(seed)`: the same bits, computed without making a generator per
+    segment (`kernels.first_draw_keys`; generators where numba is missing)."""
+    if fastpath.kernels is None:
+        return draw_keys([torch.Generator().manual_seed(s) for s in seeds], len(seeds), torch.device("cpu"))
+    out = np.empty(len(seeds), dtype=np.uint64)
+    fastpath.kernels.first_draw_keys(np.asarray(seeds, dtype=np.uint64), out)
+    return torch.from_numpy(out.view(np.int64))
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,10 +45,11 @@ class Encoded:
     `x - local` for the next step. A reducer may hand `make_local` instead of `local`:
     then `local` is computed on first use (from state the encoder kept, never from the
     payload, which an in-place collective may overwrite), so paths without error
-    feedback never pay for it.
+    feedback never pay for it. `sq`, when the encoder took it on its own read of the values
+    (`encode_views(..., with_sq=True)`), is the x^2 sum of everything it encoded (fp32, 0-d).
     """
 
-    __slots__ = ("payload", "scales", "_local", "_make_local")
+    __slots__ = ("payload", "scales", "_local", "_make_local", "sq")
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class Encoded:
         self.scales = scales
         self._local = local
         self._make_local = make_local
+        self.sq: torch.Tensor | None = None
 
     @property
     def local(self) -> torch.Tensor | None:
@@ -163,10 +165,17 @@ class Reducer(ABC):
         generator: torch.Generator | None = None,
     ) -> Encoded: ...
 
-    def encode_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int) -> Encoded:
+    def reads_sq(self, buffer: torch.Tensor) -> bool:
+        """Whether `encode_views(..., with_sq=True)` takes the x^2 sum of views of `buffer` on its
+        own read (sets `Encoded.sq`)."""
+        return False
+
+    def encode_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int,
+                     with_sq: bool = False) -> Encoded:
         """`encode` of the concatenated `views` (segments read in place, e.g. a mixed
         bucket's slices), for reducers that need no shared scale or noise. Reducers that
-        can read the views directly override this to skip the gathered copy."""
+        can read the views directly override this to skip the gathered copy; with `with_sq`
+        those that `reads_sq` set `Encoded.sq`."""
         return self.encode(torch.cat(list(views)), lengths, world_size)
 
     @abstractmethod

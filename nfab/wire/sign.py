@@ -152,7 +152,10 @@ class SignGather(_SignReducer):
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
         return self._sign_encode(x, lengths, self._layout)
 
-    def encode_views(self, views, lengths, world_size) -> Encoded:
+    def reads_sq(self, buffer: torch.Tensor) -> bool:
+        return fastpath.sign_supports(buffer)  # the compiled votes read each value once for both
+
+    def encode_views(self, views, lengths, world_size, with_sq: bool = False) -> Encoded:
         lengths = list(lengths)
         if isinstance(views, Slices):  # one check of the bucket instead of one per slice
             fast = fastpath.sign_supports(views.buffer)
@@ -161,8 +164,12 @@ class SignGather(_SignReducer):
             fast = bool(views) and all(fastpath.sign_supports(v) for v in views)
         if not fast or not lengths:
             return super().encode_views(list(views), lengths, world_size)
-        bits, sums = fastpath.sign_votes_views(views, lengths)
-        return self._encoded(bits, sums, sum(lengths), lengths, self._layout)
+        sqs = np.empty(len(lengths), dtype=np.float64) if with_sq else None
+        bits, sums = fastpath.sign_votes_views(views, lengths, sqs=sqs)
+        enc = self._encoded(bits, sums, sum(lengths), lengths, self._layout)
+        if sqs is not None:
+            enc.sq = torch.tensor(sqs.sum(), dtype=torch.float32)
+        return enc
 
     def launch(self, payload, world_size, group):
         out = torch.empty(world_size * payload.numel(), dtype=payload.dtype, device=payload.device)

@@ -200,9 +200,10 @@ def test_validation_on_a_noisy_reference_passes_in_one_round_and_says_why() -> N
     prof = profile((0.0, {"conv": "sign"}, False), (0.5, {"conv": "sign"}, False))
     _, plain = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=10.0)  # the profile's own curve
     # the same profile 10 % above FP32, where FP32's own loss jumps 50 % late: a 1 % tolerance is noise
+    # (built to be 0.5: out[5] = out[4] * 1.5 read back as a ratio can land one ulp below it)
     ref.eval_loss = _noisy(ref.eval_loss, plain.profile_eval, plain.eval_steps, gap=0.10, rise=0.5)
     out, v = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=0.01)
-    assert v.noise >= 0.5 and v.judged_by == "noise" and v.judged == pytest.approx(3 * v.noise)
+    assert v.noise >= 0.5 - 1e-9 and v.judged_by == "noise" and v.judged == pytest.approx(3 * v.noise)
     assert v.passed and len(v.rounds) == 1 and v.rounds[0].stopped_at is None  # no tightening on noise
     assert v.gap == pytest.approx(0.10, rel=1e-4) and out.phases == prof.phases
     ev = out.evidence["validation"]

@@ -34,13 +34,20 @@ def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool, coalesc
     rt = nfab.attach(ddp, route=MIXED, error_feedback=error_feedback, cost_model=slow if world_size > 2 else None,
                      coalesce=coalesce)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    report = {"fp32_mismatch": [], "sign_mismatch": [], "replica_mismatch": [], "regions": regions, "stats": []}
+    report = {"fp32_mismatch": [], "sign_mismatch": [], "replica_mismatch": [], "regions": regions, "stats": [],
+              "norm_error": []}
     for step in range(steps):
         x, y = twins.batch(rank, step)
         local = twins.local_grads(model, [(x, y)])
         opt.zero_grad()
         twins.loss_fn(ddp, x, y).backward()
         report["stats"].append(rt.step_stats())
+        # the reported norm, independently: sqrt(mean over ranks of each rank's |g|^2), whether
+        # the bucket's norm pass took a slice or the sign encoder did on its read
+        sq = torch.stack([g.double().square().sum() for g in local.values()]).sum()
+        dist.all_reduce(sq)
+        expected = float((sq / world_size).sqrt())
+        report["norm_error"].append(abs(report["stats"][-1].grad_norm - expected) / expected)
         for name, p in model.named_parameters():
             if name not in local:
                 continue
@@ -70,6 +77,7 @@ def test_mixed_bucket_keeps_fp32_semantics_and_majority_signs(world_size, error_
         assert r["fp32_mismatch"] == []
         assert r["sign_mismatch"] == []
         assert r["replica_mismatch"] == []
+        assert max(r["norm_error"]) < 1e-5
     stats = res[0]["stats"]
     assert len(stats) == 6 and [s.step for s in stats] == list(range(6))
     mix = stats[-1].route_mix
@@ -118,6 +126,39 @@ def test_nonfinite_on_one_rank_is_skipped_identically_everywhere():
         assert bad.skipped and bad.fallback and "nonfinite" in bad.fallback_reason
         assert not any(s.skipped for i, s in enumerate(r["stats"]) if i != 3)
         assert r["events"] == res[0]["events"] and any("nonfinite" in e for e in r["events"])
+
+
+def _nan_in_a_sign_slice(rank: int, world_size: int, bad_step: int) -> dict:
+    """A NaN in one sign-routed parameter only, on one rank, in buckets beside FP32 slices: the
+    sign encoder takes that slice's |x|^2 on its read (not the bucket's norm pass), and the
+    control word must still carry the non-finite norm to every rank."""
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
+    rt = nfab.attach(ddp, route=MIXED, error_feedback=False, cost_model=None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    poison = [False]
+    model.conv.weight.register_hook(lambda g: g * float("nan") if poison[0] else g)
+    out = {"stats": [], "replicas_equal": True}
+    for step in range(bad_step + 3):
+        x, y = twins.batch(rank, step)
+        opt.zero_grad()
+        poison[0] = step == bad_step and rank == world_size - 1
+        twins.loss_fn(ddp, x, y).backward()
+        out["stats"].append(rt.step_stats())
+        opt.step()
+        out["replicas_equal"] &= twins.replicas_equal(model, world_size)
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["mix"] = out["stats"][bad_step].route_mix  # after it the monitor falls back to FP32 for a while
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_nan_in_a_sign_slice_is_skipped_on_every_rank():
+    res = run_ranks(_nan_in_a_sign_slice, 2, 2, timeout_s=120)
+    for r in res:
+        assert r["replicas_equal"] and r["finite"] and r["mix"].get("signgather", 0) > 0
+        assert [s.skipped for s in r["stats"]] == [False, False, True, False, False]
 
 
 def _train(rank: int, world_size: int, steps: int, start_state: dict | None, stop_at: int | None,

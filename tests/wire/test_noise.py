@@ -105,3 +105,13 @@ def test_stochastic_rounding_is_unbiased_over_seeds():
     # per element the decoded value has sd <= step/2: the mean over seeds is within 5 sd/sqrt(seeds)
     assert (mean - x.double()).abs().max().item() < 5 * (step / 2) / seeds**0.5
     assert abs((mean - x.double()).mean().item()) < (step / 2) / (seeds * 257) ** 0.5 * 5
+
+
+def test_seeded_keys_are_the_generators_first_draws():
+    """Keys computed from the seeds are the bits a CPU generator per seed draws (MT19937 on the
+    seed's low 32 bits, its first two outputs): seeds of the hook's 47-bit schedule and edges."""
+    g = torch.Generator().manual_seed(5)
+    seeds = [0, 1, 5489, 2**31, 2**32 - 1, 2**32, 2**47 - 1] + torch.randint(0, 2**47, (200,), generator=g).tolist()
+    drawn = noise.draw_keys([torch.Generator().manual_seed(s) for s in seeds], len(seeds), torch.device("cpu"))
+    assert torch.equal(noise.seeded_keys(seeds), drawn)
+    assert torch.equal(noise.draw_keys(drawn, len(seeds), torch.device("cpu")), drawn)  # keys pass through

@@ -86,3 +86,25 @@ def test_host_span_only_for_views_of_one_tensor():
     assert fastpath.host_span([a[2:4], a.view(torch.int32)[5:6]]) is None  # two dtypes
     span, at = fastpath.host_span([a[6:9], a[1:3]])
     assert at.tolist() == [5, 0] and span.data_ptr() == a[1:].data_ptr() and span.numel() == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths", LAYOUTS)
+def test_sign_encode_takes_the_slices_sq_on_its_read(dtype, lengths):
+    """`with_sq`: the x^2 sum of everything encoded (the bucket's norm share the hook leaves to
+    the sign encoder), the same votes as without it; a NaN or inf in a slice shows in it."""
+    red = REDUCERS["signgather"]
+    bucket, offsets = _bucket(lengths, 0)
+    bucket = torch.randn(bucket.numel(), generator=torch.Generator().manual_seed(len(lengths))).to(dtype)
+    sl = Slices(bucket, offsets, lengths)
+    flat = torch.cat(list(sl)).double()
+    assert red.reads_sq(bucket)
+    enc = red.encode_views(sl, lengths, 2, with_sq=True)
+    plain = red.encode_views(sl, lengths, 2)
+    assert plain.sq is None and torch.equal(enc.payload, plain.payload)
+    assert enc.sq.dtype == torch.float32 and float(enc.sq) == pytest.approx(float(flat.square().sum()), rel=1e-5)
+    for bad in (float("nan"), float("inf")):
+        hit = bucket.clone()
+        hit[int(offsets[-1]) + lengths[-1] - 1] = bad
+        sq = red.encode_views(Slices(hit, offsets, lengths), lengths, 2, with_sq=True).sq
+        assert not bool(torch.isfinite(sq))
