@@ -88,7 +88,8 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
     """Decode one group into its slices; its decoded values when the bucket is probed."""
     enc, buffer = sent.enc, launch.buffer
     group, red = enc.group, REDUCERS[enc.group.key]
-    gathered = list(sent.part.rows(launch.rows)) if sent.part is not None and launch.rows is not None else None
+    # the W ranks' copies of this group's payload, one row each (a (W, n) tensor reads as a sequence of rows)
+    gathered = sent.part.rows(launch.rows) if sent.part is not None and launch.rows is not None else None
     if enc.amax_cols is not None:
         assert enc.shared is not None
         agreed = enc.amax_cols.of(table).amax(dim=0)

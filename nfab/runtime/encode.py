@@ -84,11 +84,20 @@ def views(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
     return [buffer[s.offset : s.offset + s.numel] for s in group.slices]
 
 
-def slices(buffer: torch.Tensor, group: Group) -> Slices:
-    """The group's slices where they lie in the bucket, for a decode or encode that takes them
+def slices(buffer: torch.Tensor, *groups: Group) -> Slices:
+    """The groups' slices where they lie in the bucket, for a decode or encode that takes them
     all at once (views made only if a path asks for them)."""
-    return Slices(buffer, np.fromiter((s.offset for s in group.slices), dtype=np.int64, count=len(group.slices)),
-                  group.lengths)
+    parts = [s for g in groups for s in g.slices]
+    return Slices(buffer, np.fromiter((s.offset for s in parts), dtype=np.int64, count=len(parts)),
+                  [s.numel for s in parts])
+
+
+def gather_slices(buffer: torch.Tensor, *groups: Group) -> torch.Tensor:
+    """The groups' slices as one new tensor: one compiled copy on the host, `torch.cat` of
+    their views elsewhere."""
+    sl = slices(buffer, *groups)
+    out = fastpath.gather(sl)
+    return out if out is not None else torch.cat(sl.views())
 
 
 def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (), ctx: EncodeContext | None = None) -> torch.Tensor:
@@ -100,8 +109,7 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (), ctx: EncodeCont
         return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
     if not rest:
         return torch.zeros((), dtype=torch.float32, device=buffer.device)
-    return torch.linalg.vector_norm(torch.cat([v for g in rest for v in views(buffer, g)]),
-                                    dtype=torch.float32).square()
+    return torch.linalg.vector_norm(gather_slices(buffer, *rest), dtype=torch.float32).square()
 
 
 def _in_place(ctx: EncodeContext, group: Group) -> bool:
@@ -151,7 +159,7 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     if group.key == FP32 or _in_place(ctx, group):
         return Prepared(group)
     # a whole-bucket group works on the bucket itself: it is overwritten by the result
-    x = buffer if group.whole else torch.cat(views(buffer, group))
+    x = buffer if group.whole else gather_slices(buffer, group)
     if ctx.probing:
         # before EF; per parameter, so a parameter's sample does not depend on its bucket
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(tuple(group.lengths), x.device)))
@@ -178,7 +186,7 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
     red, w = REDUCERS[group.key], ctx.world_size
     if prep.x is None:
         if group.key == FP32:
-            x = buffer if group.whole else torch.cat(views(buffer, group))
+            x = buffer if group.whole else gather_slices(buffer, group)
             _flush_residuals(ctx.residuals, x, group)
             x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
             return Encoded(group, x)

@@ -122,6 +122,24 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], spli
     return words.view(np.uint8)[: -(-n // 8)], sums
 
 
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def gather(slices: Slices) -> torch.Tensor | None:
+    """The slices' values as one new contiguous tensor (`torch.cat` of their views) in one
+    compiled copy, without making a view per slice; None off the host."""
+    b = slices.buffer
+    if not (supports(b) and b.dim() == 1 and b.element_size() in _BITS):
+        return None
+    assert kernels is not None
+    lengths = np.asarray(slices.lengths, dtype=np.int64)
+    out = torch.empty(int(lengths.sum()), dtype=b.dtype, device=b.device)  # the host: named, not the default
+    bits = _BITS[b.element_size()]
+    kernels.gather_segments(b.view(torch.uint8).numpy().view(bits), slices.offsets, lengths,
+                            out.view(torch.uint8).numpy().view(bits))
+    return out
+
+
 def host_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] | None:
     """One 1-D tensor over every view (1-D, contiguous, one dtype, views of one tensor, on
     the host) and each view's element offset in it, so one kernel call reads or writes a

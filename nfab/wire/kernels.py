@@ -284,6 +284,24 @@ def gathered_levels(rows, values, scales, seg_starts, seg_ends, inv_w, out, offs
             oc[i] = acc * inv_w
 
 
+# ---- gathering slices ------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def gather_segments(x, offsets, lengths, out):
+    """out = x[offsets[0] : + lengths[0]] ++ x[offsets[1] : ...] ++ ... (raw element bits: any
+    dtype viewed as unsigned integers of its width)."""
+    pos = 0
+    for s in range(offsets.size):
+        a = offsets[s]
+        n = lengths[s]
+        src = x[a : a + n]
+        dst = out[pos : pos + n]
+        for i in range(n):
+            dst[i] = src[i]
+        pos += n
+
+
 # ---- noise keys ------------------------------------------------------------------------------------
 
 

@@ -168,7 +168,7 @@ class SignGather(_SignReducer):
         bits, sums = fastpath.sign_votes_views(views, lengths, sqs=sqs)
         enc = self._encoded(bits, sums, sum(lengths), lengths, self._layout)
         if sqs is not None:
-            enc.sq = torch.tensor(sqs.sum(), dtype=torch.float32)
+            enc.sq = torch.from_numpy(sqs.sum(keepdims=True).astype(np.float32)).reshape(())
         return enc
 
     def launch(self, payload, world_size, group):
@@ -177,13 +177,15 @@ class SignGather(_SignReducer):
         return work.get_future().then(lambda _: out)
 
     def combine(self, payloads):
+        if isinstance(payloads, torch.Tensor):  # the W rows already side by side (a coalesced all-gather)
+            return payloads.reshape(-1)
         return torch.cat(list(payloads))
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
         rows = reduced.view(world_size, -1)
         if (numel and world_size <= 255 and self.vote == "majority" and fastpath.supports(reduced)
                 and fastpath.on_host(scale_mean)):  # one compiled call for every segment
-            target = torch.empty(numel, dtype=torch.float32) if out is None else out
+            target = torch.empty(numel, dtype=torch.float32, device=reduced.device) if out is None else out
             if fastpath.majority_into(rows.numpy(), lengths, world_size, scale_mean.reshape(-1).numpy(), target):
                 return target
         one, dests = split_out(out)

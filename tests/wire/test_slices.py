@@ -108,3 +108,16 @@ def test_sign_encode_takes_the_slices_sq_on_its_read(dtype, lengths):
         hit[int(offsets[-1]) + lengths[-1] - 1] = bad
         sq = red.encode_views(Slices(hit, offsets, lengths), lengths, 2, with_sq=True).sq
         assert not bool(torch.isfinite(sq))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("lengths", LAYOUTS)
+def test_gather_is_the_concatenation_of_the_views(dtype, lengths):
+    bucket, offsets = _bucket(lengths, 0)
+    bucket = torch.randn(bucket.numel(), generator=torch.Generator().manual_seed(3)).to(dtype)
+    bucket[int(offsets[0])] = float("nan")
+    sl = Slices(bucket, offsets, lengths)
+    got = fastpath.gather(sl)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), torch.cat(list(sl)).view(torch.uint8))
+    with fastpath.host_paths(False):
+        assert fastpath.gather(sl) is None  # off the host: the caller concatenates views
