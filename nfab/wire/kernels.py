@@ -58,40 +58,15 @@ def _put_word(words, g, w):
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _sign_chunk(xc, words, g):
+def _sign_chunk(xc, words, g, with_sq):
     """Votes of fp32 chunk `xc` ORed into the bit words at element g; returns the chunk's |x|
-    sum in float32 lanes (the compiler picks the lane order; reassociation is the only licence:
-    NaN and inf propagate as usual).
+    sum and (with `with_sq`, else 0) its x^2 sum, in float32 lanes (the compiler picks the lane
+    order; reassociation is the only licence: NaN and inf propagate as usual).
 
-    One loop reads each value once for both: 64 votes (a compare and a shift each, vectorized)
-    make one word, stored straight into `words` (shifted across two words when g is not a
-    multiple of 64): no byte scratch, no second pass over the chunk."""
-    ln = xc.size
-    full = ln >> 6
-    s = np.float32(0)
-    for k in range(full):
-        xs = xc[64 * k : 64 * k + 64]
-        w = np.uint64(0)
-        for j in range(64):
-            v = xs[j]
-            w |= np.uint64(v >= 0) << np.uint64(j)
-            s += abs(v)
-        _put_word(words, g + 64 * k, w)
-    if ln & 63:
-        xs = xc[64 * full : ln]
-        w = np.uint64(0)
-        for j in range(xs.size):
-            v = xs[j]
-            w |= np.uint64(v >= 0) << np.uint64(j)
-            s += abs(v)
-        _put_word(words, g + 64 * full, w)
-    return s
-
-
-@njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _sign_chunk_sq(xc, words, g):
-    """`_sign_chunk` that also returns the chunk's x^2 sum (float32 lanes): the bucket's local
-    |g|^2 taken on the same read of the values."""
+    One loop reads each value once for all of it: 64 votes (a compare and a shift each,
+    vectorized) make one word, stored straight into `words` (shifted across two words when g
+    is not a multiple of 64): no byte scratch, no second pass over the chunk. `with_sq` is the
+    same for the whole loop, which the compiler unswitches."""
     ln = xc.size
     full = ln >> 6
     s = np.float32(0)
@@ -103,7 +78,8 @@ def _sign_chunk_sq(xc, words, g):
             v = xs[j]
             w |= np.uint64(v >= 0) << np.uint64(j)
             s += abs(v)
-            q += v * v
+            if with_sq:
+                q += v * v
         _put_word(words, g + 64 * k, w)
     if ln & 63:
         xs = xc[64 * full : ln]
@@ -112,7 +88,8 @@ def _sign_chunk_sq(xc, words, g):
             v = xs[j]
             w |= np.uint64(v >= 0) << np.uint64(j)
             s += abs(v)
-            q += v * v
+            if with_sq:
+                q += v * v
         _put_word(words, g + 64 * full, w)
     return s, q
 
@@ -135,12 +112,9 @@ def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs):
         tot = 0.0
         sq = 0.0
         for c0 in range(a, e, _CHUNK):
-            if sqs.size:
-                ca, cq = _sign_chunk_sq(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0)
-                tot += ca
-                sq += cq
-            else:
-                tot += _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0)
+            ca, cq = _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0, sqs.size > 0)
+            tot += ca
+            sq += cq
         sums[s] = tot
         if sqs.size:
             sqs[s] = sq
@@ -188,12 +162,9 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums, sqs):
             uc = u[c0 : min(c0 + _CHUNK, e)]
             ln = uc.size
             _widen_chunk(uc, bf16, wide, f32)
-            if sqs.size:
-                ca, cq = _sign_chunk_sq(f32[:ln], words, bases[s] + c0)
-                tot += ca
-                sq += cq
-            else:
-                tot += _sign_chunk(f32[:ln], words, bases[s] + c0)
+            ca, cq = _sign_chunk(f32[:ln], words, bases[s] + c0, sqs.size > 0)
+            tot += ca
+            sq += cq
         sums[s] = tot
         if sqs.size:
             sqs[s] = sq
