@@ -116,9 +116,10 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], spli
         x, at = span
         _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums, sq)
     else:
-        for si, v in enumerate(views):
-            _sign_kernel(v, starts[si : si + 1] * 0, ends[si : si + 1] - starts[si], starts[si : si + 1], words,
-                         sums[si : si + 1], sq[si : si + 1])
+        zero = np.zeros(1, dtype=np.int64)
+        for si, v in enumerate(views):  # each view alone, its votes at its place in the concatenation
+            _sign_kernel(v, zero, ends[si : si + 1] - starts[si], starts[si : si + 1], words, sums[si : si + 1],
+                         sq[si : si + 1])
     return words.view(np.uint8)[: -(-n // 8)], sums
 
 
@@ -265,9 +266,9 @@ def _targets(out: torch.Tensor | Sequence[torch.Tensor],
     """Where a decode writes: one fp32 host tensor and each segment's offset in it (`out` one
     tensor of all segments, or one destination per segment); None when no such span exists."""
     if isinstance(out, torch.Tensor):
-        span: tuple[torch.Tensor, np.ndarray] | None = (out.reshape(-1), segment_bounds(lengths)[0])
         if not supports(out):
             return None
+        span: tuple[torch.Tensor, np.ndarray] | None = (out.reshape(-1), segment_bounds(lengths)[0])
     else:
         span = host_span(out if isinstance(out, Slices) else [t.reshape(-1) for t in out])
     return span if span is not None and span[0].dtype == torch.float32 else None
