@@ -112,16 +112,18 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (), ctx: EncodeCont
     return torch.linalg.vector_norm(gather_slices(buffer, *rest), dtype=torch.float32).square()
 
 
-def _in_place(ctx: EncodeContext, group: Group) -> bool:
-    """A lossy group with nothing to add or sample: encoded from its slices where they lie."""
-    return group.key != FP32 and not (group.whole or REDUCERS[group.key].needs_shared_scale or ctx.probing
-                                      or ctx.error_feedback)
+def _in_place(ctx: EncodeContext, buffer: torch.Tensor, group: Group) -> bool:
+    """A lossy group with nothing to add or sample: encoded from its slices where they lie (a
+    whole-bucket group too when its encoder reads the bucket and takes its |x|^2 on the way)."""
+    red = REDUCERS[group.key]
+    return (group.key != FP32 and not (red.needs_shared_scale or ctx.probing or ctx.error_feedback)
+            and (not group.whole or red.reads_sq(buffer)))
 
 
 def reads_sq(ctx: EncodeContext | None, buffer: torch.Tensor, group: Group) -> bool:
     """Whether the group's encoder takes its |x|^2 on its own read of the bucket (in place, by a
     reducer that can: the compiled sign votes on the CPU)."""
-    return ctx is not None and _in_place(ctx, group) and REDUCERS[group.key].reads_sq(buffer)
+    return ctx is not None and _in_place(ctx, buffer, group) and REDUCERS[group.key].reads_sq(buffer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +158,7 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     """Read a group out of the bucket up to its local scale (probe sample, residuals, the
     optimizer's weights); nothing here depends on another rank."""
     red = REDUCERS[group.key]
-    if group.key == FP32 or _in_place(ctx, group):
+    if group.key == FP32 or _in_place(ctx, buffer, group):
         return Prepared(group)
     # a whole-bucket group works on the bucket itself: it is overwritten by the result
     x = buffer if group.whole else gather_slices(buffer, group)
