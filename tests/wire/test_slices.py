@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not instal
 LAYOUTS = [[5], [3, 0, 70], [32, 32, 64, 1, 9000, 17], [4097, 1, 8]]
 
 
-def _bucket(lengths: list[int], seed: int, gap: int = 3) -> tuple[torch.Tensor, np.ndarray]:
+def _bucket(lengths: list[int], gap: int = 3) -> tuple[torch.Tensor, np.ndarray]:
     """A bucket with the slices at scattered offsets (gaps between them) and sentinel values."""
     offsets = np.cumsum([gap] + [n + gap for n in lengths[:-1]]).astype(np.int64)
     return torch.full((int(offsets[-1]) + lengths[-1] + gap,), 7.0), offsets
@@ -36,7 +36,7 @@ def test_gathered_q8_into_slices_is_the_reference(world_size, lengths, as_slices
     scales = torch.rand(world_size, len(lengths), generator=g) * 3
     with fastpath.host_paths(False):  # the torch reference every other device runs
         expected = red.decode_gathered(list(rows), scales, n, lengths, torch.zeros(n))
-    bucket, offsets = _bucket(lengths, world_size)
+    bucket, offsets = _bucket(lengths)
     out = Slices(bucket, offsets, lengths)
     red.decode_gathered(rows, scales, n, lengths, out if as_slices else list(out))
     got = torch.cat([bucket[o : o + k] for o, k in zip(offsets.tolist(), lengths, strict=True)])
@@ -56,7 +56,7 @@ def test_signgather_through_slices_is_the_reference(world_size, lengths):
     n = sum(lengths)
     payloads, scales, refs = [], [], []
     for _ in range(world_size):
-        bucket, offsets = _bucket(lengths, 0)
+        bucket, offsets = _bucket(lengths)
         for o, k in zip(offsets.tolist(), lengths, strict=True):
             bucket[o : o + k] = torch.randn(k, generator=g)
         flat = torch.cat([bucket[o : o + k] for o, k in zip(offsets.tolist(), lengths, strict=True)])
@@ -73,7 +73,7 @@ def test_signgather_through_slices_is_the_reference(world_size, lengths):
     scale_mean = torch.stack(scales).mean(0)
     with fastpath.host_paths(False):
         expected = red.decode(reduced, scale_mean, n, lengths, world_size)
-    bucket, offsets = _bucket(lengths, 1)
+    bucket, offsets = _bucket(lengths)
     red.decode(reduced, scale_mean, n, lengths, world_size, out=Slices(bucket, offsets, lengths))
     got = torch.cat([bucket[o : o + k] for o, k in zip(offsets.tolist(), lengths, strict=True)])
     assert torch.equal(_bits(got), _bits(expected))
@@ -94,7 +94,7 @@ def test_sign_encode_takes_the_slices_sq_on_its_read(dtype, lengths):
     """`with_sq`: the x^2 sum of everything encoded (the bucket's norm share the hook leaves to
     the sign encoder), the same votes as without it; a NaN or inf in a slice shows in it."""
     red = REDUCERS["signgather"]
-    bucket, offsets = _bucket(lengths, 0)
+    bucket, offsets = _bucket(lengths)
     bucket = torch.randn(bucket.numel(), generator=torch.Generator().manual_seed(len(lengths))).to(dtype)
     sl = Slices(bucket, offsets, lengths)
     flat = torch.cat(list(sl)).double()
@@ -113,7 +113,7 @@ def test_sign_encode_takes_the_slices_sq_on_its_read(dtype, lengths):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("lengths", LAYOUTS)
 def test_gather_is_the_concatenation_of_the_views(dtype, lengths):
-    bucket, offsets = _bucket(lengths, 0)
+    bucket, offsets = _bucket(lengths)
     bucket = torch.randn(bucket.numel(), generator=torch.Generator().manual_seed(3)).to(dtype)
     bucket[int(offsets[0])] = float("nan")
     sl = Slices(bucket, offsets, lengths)
