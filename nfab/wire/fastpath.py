@@ -111,8 +111,8 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], spli
     if split:
         _sign_kernel(views[0], starts, ends, np.zeros(len(lengths), dtype=np.int64), words, sums, sq)
         return words.view(np.uint8)[: -(-n // 8)], sums
-    span = host_span(views)
-    if span is not None:  # the slices where they lie in one storage: one call for all of them
+    span = slices_span(views)
+    if span is not None:  # the slices where they lie in the bucket: one call for all of them
         x, at = span
         _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums, sq)
     else:
@@ -141,24 +141,12 @@ def gather(slices: Slices) -> torch.Tensor | None:
     return out
 
 
-def host_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] | None:
-    """One 1-D tensor over every view (1-D, contiguous, one dtype, views of one tensor, on
-    the host) and each view's element offset in it, so one kernel call reads or writes a
-    bucket's slices where they lie; None when they are not such views."""
-    if isinstance(views, Slices):  # the offsets are known: nothing to inspect per slice
-        b = views.buffer
-        return (b, views.offsets) if supports(b) and b.dim() == 1 else None
-    if not views or not supports(*views):
-        return None
-    v0 = views[0]
-    base, dtype = v0._base if v0._base is not None else v0, v0.dtype
-    if base.dtype != dtype or any(v.dim() != 1 or v.dtype != dtype or (v._base is not base and v is not base)
-                                  for v in views):
-        return None
-    at = np.fromiter((v.storage_offset() for v in views), dtype=np.int64, count=len(views))
-    lo = int(at.min())
-    end = max(int(a) + v.numel() for a, v in zip(at, views, strict=True))
-    return base.reshape(-1)[lo - base.storage_offset() : end - base.storage_offset()], at - lo
+def slices_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] | None:
+    """(bucket, element offsets) of `Slices` on the host, for one kernel call over all of them
+    where they lie; None for anything else (a plain list of tensors goes view by view)."""
+    if isinstance(views, Slices) and supports(views.buffer) and views.buffer.dim() == 1:
+        return views.buffer, views.offsets
+    return None
 
 
 def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums, sqs) -> None:
@@ -264,21 +252,19 @@ def majority_bit_rows(rows: np.ndarray, start: int, numel: int, world_size: int,
 def _targets(out: torch.Tensor | Sequence[torch.Tensor],
              lengths: Sequence[int]) -> tuple[torch.Tensor, np.ndarray] | None:
     """Where a decode writes: one fp32 host tensor and each segment's offset in it (`out` one
-    tensor of all segments, or one destination per segment); None when no such span exists."""
+    tensor of all segments, or `Slices`); None otherwise (per-segment destinations)."""
     if isinstance(out, torch.Tensor):
-        if not supports(out):
-            return None
-        span: tuple[torch.Tensor, np.ndarray] | None = (out.reshape(-1), segment_bounds(lengths)[0])
+        span = (out.reshape(-1), segment_bounds(lengths)[0]) if supports(out) else None
     else:
-        span = host_span(out if isinstance(out, Slices) else [t.reshape(-1) for t in out])
+        span = slices_span(out)
     return span if span is not None and span[0].dtype == torch.float32 else None
 
 
 def majority_into(rows: np.ndarray, lengths: Sequence[int], world_size: int, scales: np.ndarray,
                   out: torch.Tensor | Sequence[torch.Tensor]) -> bool:
     """`majority_bit_rows` of every segment (scale scales[s]) into `out` (one fp32 tensor of all
-    segments, or one destination per segment) in one compiled call; False when the
-    destinations are not views of one host tensor (the caller then decodes segment by segment)."""
+    segments, or `Slices`) in one compiled call; False otherwise (the caller then decodes
+    segment by segment)."""
     assert votekernels is not None
     span = _targets(out, lengths)
     if span is None:
@@ -294,8 +280,8 @@ def gathered_levels(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tens
                     out: torch.Tensor | Sequence[torch.Tensor]) -> bool:
     """qsum's gathered decode for one-lane uint8 levels: the mean of the W rows, each decoded
     with its own rank's scales (`scales`: W x segments), written into `out` (one fp32 tensor of
-    all segments, or one destination per segment) in one compiled pass; False when it does not
-    apply (the caller then decodes by table, rank by rank: the same bits)."""
+    all segments, or `Slices`) in one compiled pass; False when it does not apply (the caller
+    then decodes by table, rank by rank: the same bits)."""
     if not (AVAILABLE and rows.dtype == torch.uint8 and rows.dim() == 2 and on_host(rows, values, scales)):
         return False
     span = _targets(out, lengths)

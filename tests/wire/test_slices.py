@@ -1,5 +1,5 @@
 """A group's slices decoded or encoded where they lie in the bucket, in one compiled call
-(`Slices`, `fastpath.host_span`): the same bits as the torch reference writing each slice
+(`Slices`, `fastpath.slices_span`): the same bits as the torch reference writing each slice
 through its own view, and nothing outside the slices touched."""
 
 import numpy as np
@@ -80,12 +80,17 @@ def test_signgather_through_slices_is_the_reference(world_size, lengths):
     assert float(bucket[0]) == 7.0 and float(bucket[-1]) == 7.0
 
 
-def test_host_span_only_for_views_of_one_tensor():
+def test_only_slices_span_a_bucket():
+    """A plain list of views is never spanned (it goes view by view: the reference bits, as the
+    as_slices=False cases above check); `Slices` on the host give their bucket and offsets."""
     a, b = torch.zeros(10), torch.zeros(10)
-    assert fastpath.host_span([a[2:4], b[0:3]]) is None  # two storages: no span
-    assert fastpath.host_span([a[2:4], a.view(torch.int32)[5:6]]) is None  # two dtypes
-    span, at = fastpath.host_span([a[6:9], a[1:3]])
-    assert at.tolist() == [5, 0] and span.data_ptr() == a[1:].data_ptr() and span.numel() == 8
+    assert fastpath.slices_span([a[2:4], b[0:3]]) is None
+    assert fastpath.slices_span([a[6:9], a[1:3]]) is None
+    offsets = np.array([6, 1], dtype=np.int64)
+    span, at = fastpath.slices_span(Slices(a, offsets, [3, 2]))
+    assert span is a and at is offsets
+    with fastpath.host_paths(False):
+        assert fastpath.slices_span(Slices(a, offsets, [3, 2])) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
