@@ -109,7 +109,9 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (), ctx: EncodeCont
         return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
     if not rest:
         return torch.zeros((), dtype=torch.float32, device=buffer.device)
-    return torch.linalg.vector_norm(gather_slices(buffer, *rest), dtype=torch.float32).square()
+    sq = fastpath.slices_sq(slices(buffer, *rest))  # the rest read where it lies: no copy of a large FP32 group
+    return sq if sq is not None else torch.linalg.vector_norm(gather_slices(buffer, *rest),
+                                                              dtype=torch.float32).square()
 
 
 def _in_place(ctx: EncodeContext, buffer: torch.Tensor, group: Group) -> bool:

@@ -141,6 +141,17 @@ def gather(slices: Slices) -> torch.Tensor | None:
     return out
 
 
+def slices_sq(slices: Slices) -> torch.Tensor | None:
+    """|x|^2 of fp32 slices (0-d fp32 on the host) read where they lie, no gathered copy; None
+    when the compiled path does not apply."""
+    b = slices.buffer
+    if not (supports(b) and b.dim() == 1 and b.dtype == torch.float32):
+        return None
+    assert kernels is not None
+    tot = kernels.segments_sq(b.numpy(), slices.offsets, np.asarray(slices.lengths, dtype=np.int64))
+    return torch.from_numpy(np.array(tot, dtype=np.float32))
+
+
 def slices_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] | None:
     """(bucket, element offsets) of `Slices` on the host, for one kernel call over all of them
     where they lie; None for anything else (a plain list of tensors goes view by view)."""

@@ -273,6 +273,23 @@ def gather_segments(x, offsets, lengths, out):
         pos += n
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc"})
+def segments_sq(x, offsets, lengths):
+    """The x^2 sum of fp32 segments x[offsets[s] : + lengths[s]], read where they lie: float32
+    chunk sums (lanes in the compiler's order) added in float64; NaN and inf propagate."""
+    tot = 0.0
+    for s in range(offsets.size):
+        a = offsets[s]
+        e = a + lengths[s]
+        for c0 in range(a, e, _CHUNK):
+            xc = x[c0 : min(c0 + _CHUNK, e)]
+            q = np.float32(0)
+            for i in range(xc.size):
+                q += xc[i] * xc[i]
+            tot += q
+    return tot
+
+
 # ---- noise keys ------------------------------------------------------------------------------------
 
 

@@ -126,3 +126,24 @@ def test_gather_is_the_concatenation_of_the_views(dtype, lengths):
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), torch.cat(list(sl)).view(torch.uint8))
     with fastpath.host_paths(False):
         assert fastpath.gather(sl) is None  # off the host: the caller concatenates views
+
+
+@pytest.mark.parametrize("lengths", LAYOUTS)
+def test_slices_sq_reads_the_slices_where_they_lie(lengths):
+    """The norm pass's remainder beside sign groups: the slices' x^2 sum without a gathered
+    copy; a NaN or inf in a slice shows in it, values between the slices never count."""
+    bucket, offsets = _bucket(lengths)
+    bucket = torch.randn(bucket.numel(), generator=torch.Generator().manual_seed(7))
+    sl = Slices(bucket, offsets, lengths)
+    expected = float(torch.cat(list(sl)).double().square().sum())
+    assert float(fastpath.slices_sq(sl)) == pytest.approx(expected, rel=1e-5)
+    for bad in (float("nan"), float("inf")):
+        hit = bucket.clone()
+        hit[int(offsets[-1]) + lengths[-1] - 1] = bad
+        assert not bool(torch.isfinite(fastpath.slices_sq(Slices(hit, offsets, lengths))))
+    gap = bucket.clone()
+    gap[int(offsets[0]) - 1] = float("nan")  # between slices: not part of any
+    assert float(fastpath.slices_sq(Slices(gap, offsets, lengths))) == pytest.approx(expected, rel=1e-5)
+    assert fastpath.slices_sq(Slices(bucket.to(torch.bfloat16), offsets, lengths)) is None  # fp32 only
+    with fastpath.host_paths(False):
+        assert fastpath.slices_sq(sl) is None
