@@ -32,8 +32,9 @@ class Part:
     dtype: torch.dtype
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """This part of every rank's row, as a (W, numel) tensor of its dtype."""
-        return rows[:, self.offset : self.offset + self.nbytes].contiguous().view(self.dtype)
+        """This part of every rank's row, as a (W, numel) view of its dtype (no copy: rows are
+        whole multiples of 8 bytes and parts start at one, so any dtype's view lines up)."""
+        return rows[:, self.offset : self.offset + self.nbytes].view(self.dtype)
 
 
 def should_coalesce(groups: Sequence[Group], world_size: int, enabled: bool, cost_model: CostModel | None) -> bool:
@@ -68,4 +69,7 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.T
         pieces.append(raw)
         parts.append(Part(at, raw.numel(), t.dtype))
         written = at + raw.numel()
+    end = -(-written // ALIGN) * ALIGN  # the row a whole multiple of 8 bytes: `Part.rows` views need no copy
+    if end > written:
+        pieces.append(torch.zeros(end - written, dtype=torch.uint8, device=device))
     return torch.cat(pieces), parts

@@ -22,7 +22,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from nfab.wire import fastpath
 
 
 class Head(enum.IntEnum):
@@ -92,8 +95,11 @@ def table(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     return gathered.view(world_size, -1)
 
 
-def nonfinite(table_: torch.Tensor) -> torch.Tensor:
-    """True (a 0-d device tensor) when any rank saw a non-finite element in this bucket."""
+def nonfinite(table_: torch.Tensor) -> torch.Tensor | bool:
+    """True when any rank saw a non-finite element in this bucket: a 0-d device tensor, or on
+    the host (where reading is free) a bool."""
+    if fastpath.on_host(table_):
+        return not bool(np.isfinite(table_.numpy()[:, Head.BUCKET_SQ]).all())
     return ~torch.isfinite(table_[:, Head.BUCKET_SQ]).all()
 
 

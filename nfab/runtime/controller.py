@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+
+import numpy as np
 
 from nfab.errors import CapacityError
 from nfab.profile.schema import Phase, Profile
@@ -36,28 +38,30 @@ def route_label(key: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """The slices of one bucket that share a reducer: one collective for all of them."""
+    """The slices of one bucket that share a reducer: one collective for all of them.
+
+    Groups are made once per (plan, phase, demoted regions) and reused every step (the
+    controller caches them), so what the hook asks of them on every bucket — lengths,
+    offsets, element count, label — is computed here once, not per call."""
 
     key: str
     slices: tuple[Slice, ...]
     whole: bool
     """The group is the entire bucket buffer, in order: reduce it in place, no copy."""
+    lengths: tuple[int, ...] = field(init=False, compare=False)
+    offsets: np.ndarray = field(init=False, compare=False, repr=False)
+    """Each slice's element offset in the bucket (int64, read-only): `Slices` and the kernels."""
+    numel: int = field(init=False, compare=False)
+    label: str = field(init=False, compare=False)
+    lossy: bool = field(init=False, compare=False)
 
-    @property
-    def lengths(self) -> list[int]:
-        return [s.numel for s in self.slices]
-
-    @property
-    def numel(self) -> int:
-        return sum(s.numel for s in self.slices)
-
-    @property
-    def lossy(self) -> bool:
-        return REDUCERS[self.key].lossy
-
-    @property
-    def label(self) -> str:
-        return route_label(self.key)
+    def __post_init__(self) -> None:
+        lengths = tuple(s.numel for s in self.slices)
+        offsets = np.fromiter((s.offset for s in self.slices), dtype=np.int64, count=len(self.slices))
+        offsets.flags.writeable = False  # shared by every step's encode and decode
+        for name, value in (("lengths", lengths), ("offsets", offsets), ("numel", sum(lengths)),
+                            ("label", route_label(self.key)), ("lossy", REDUCERS[self.key].lossy)):
+            object.__setattr__(self, name, value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +70,10 @@ class BucketRoutes:
 
     groups: tuple[Group, ...]
     fallbacks: tuple[tuple[str, str], ...]  # (reason, region)
+    has_lossy: bool = field(init=False, compare=False)
 
-    @property
-    def has_lossy(self) -> bool:
-        return any(g.lossy for g in self.groups)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "has_lossy", any(g.lossy for g in self.groups))
 
 
 class Controller:
@@ -93,6 +97,7 @@ class Controller:
         self._phases = {id(p): p for p in profile.phases}
         self._routes_cached = functools.cache(self._routes)
         self._lossy_cached = functools.cache(self._lossy_regions)
+        self._last_phase: tuple[int, Phase] | None = None
         self.admitted: dict[str, list[str]] = {}
         self.capacity_notes: dict[str, str] = {}
         for route in sorted(profile.routes_used() | {"fp32"}):
@@ -112,7 +117,11 @@ class Controller:
             log.warning("%s: routes still checked per reducer capacity", msg)
 
     def phase(self, step: int) -> Phase:
-        return self.profile.phase_at(step, self.total_steps)
+        """The phase in force at `step` (asked by every bucket: the last answer is kept)."""
+        last = self._last_phase
+        if last is None or last[0] != step:
+            last = self._last_phase = (step, self.profile.phase_at(step, self.total_steps))
+        return last[1]
 
     def wanted_route(self, phase: Phase, s: Slice) -> str:
         """The route the profile asks for: a name glob beats the region class."""

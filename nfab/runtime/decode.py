@@ -67,7 +67,7 @@ def _probe_sums(launch: Launch, probed: list[tuple[Group, torch.Tensor]],
     ref = launch.probe.future.value()
     out, pos = [], 0
     for group, decoded in probed:
-        layout = fidelity.sample_layout(tuple(group.lengths), decoded.device)
+        layout = fidelity.sample_layout(group.lengths, decoded.device)
         est = fidelity.sample(decoded, layout)
         out.append(fidelity.bucket_probe(est, ref[pos : pos + layout.numel], [(s.name, s.region) for s in group.slices],
                                          layout, inverse_rms))
@@ -136,14 +136,18 @@ def _value(sent: Sent) -> torch.Tensor:
     return sent.future.value()
 
 
-def _known_true(flag: torch.Tensor) -> bool:
-    """The flag's value where reading it costs nothing (CPU); False (decode anyway) elsewhere."""
+def _known_true(flag: torch.Tensor | bool) -> bool:
+    """The flag's value where reading it costs nothing (a host bool, or a CPU tensor); False
+    (decode anyway) elsewhere."""
+    if isinstance(flag, bool):
+        return flag
     return fastpath.on_host(flag) and bool(flag)
 
 
-def _zero_if(buffer: torch.Tensor, flag: torch.Tensor) -> None:
-    """Zero the bucket when `flag` (0-d bool) is set: read on the CPU, masked on the device elsewhere."""
-    if fastpath.on_host(flag):
+def _zero_if(buffer: torch.Tensor, flag: torch.Tensor | bool) -> None:
+    """Zero the bucket when `flag` (a host bool, or a 0-d bool tensor) is set: read on the CPU,
+    masked on the device elsewhere."""
+    if isinstance(flag, bool) or fastpath.on_host(flag):
         if bool(flag):
             buffer.zero_()
     else:

@@ -21,6 +21,7 @@ from nfab.runtime.plan import BucketPlan
 from nfab.runtime.scales import AmaxHistory
 from nfab.wire import fastpath, noise
 from nfab.wire.blockq import BlockQSum
+from nfab.wire.qsum import QSum
 from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 from nfab.wire.slices import Slices
 
@@ -87,9 +88,9 @@ def views(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
 def slices(buffer: torch.Tensor, *groups: Group) -> Slices:
     """The groups' slices where they lie in the bucket, for a decode or encode that takes them
     all at once (views made only if a path asks for them)."""
-    parts = [s for g in groups for s in g.slices]
-    return Slices(buffer, np.fromiter((s.offset for s in parts), dtype=np.int64, count=len(parts)),
-                  [s.numel for s in parts])
+    if len(groups) == 1:
+        return Slices(buffer, groups[0].offsets, groups[0].lengths)
+    return Slices(buffer, np.concatenate([g.offsets for g in groups]), [n for g in groups for n in g.lengths])
 
 
 def gather_slices(buffer: torch.Tensor, *groups: Group) -> torch.Tensor:
@@ -116,10 +117,15 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (), ctx: EncodeCont
 
 def _in_place(ctx: EncodeContext, buffer: torch.Tensor, group: Group) -> bool:
     """A lossy group with nothing to add or sample: encoded from its slices where they lie (a
-    whole-bucket group too when its encoder reads the bucket and takes its |x|^2 on the way)."""
+    whole-bucket group too when its encoder reads the bucket and takes its |x|^2 on the way).
+    A group that needs a shared scale only in a gathered bucket, where qsum rounds in its own
+    scale (`QSum.encode_own_views`): no agreement to wait for."""
     red = REDUCERS[group.key]
-    return (group.key != FP32 and not (red.needs_shared_scale or ctx.probing or ctx.error_feedback)
-            and (not group.whole or red.reads_sq(buffer)))
+    if group.key == FP32 or ctx.probing or ctx.error_feedback:
+        return False
+    if red.needs_shared_scale:
+        return ctx.gathered and isinstance(red, QSum) and not group.whole
+    return not group.whole or red.reads_sq(buffer)
 
 
 def reads_sq(ctx: EncodeContext | None, buffer: torch.Tensor, group: Group) -> bool:
@@ -166,7 +172,7 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     x = buffer if group.whole else gather_slices(buffer, group)
     if ctx.probing:
         # before EF; per parameter, so a parameter's sample does not depend on its bucket
-        probe_parts.append(fidelity.sample(x, fidelity.sample_layout(tuple(group.lengths), x.device)))
+        probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device)))
     if ctx.error_feedback:
         add_residuals(ctx.residuals, x, group, ctx.ef_off)
     raw, weights, local, shared = x, None, None, None
@@ -196,6 +202,11 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
             return Encoded(group, x)
         # nothing to add or sample: encode the slices where they lie, no gathered copy
         fused = reads_sq(ctx, buffer, group)
+        if isinstance(red, QSum):  # a gathered bucket's qsum: its own scale, sent in the word
+            enc, own = red.encode_own_views(slices(buffer, group), group.lengths, w,
+                                            _noise(ctx, group, buffer.device, False), with_sq=fused)
+            assert enc.sq is not None or not fused, "a group left out of the norm pass must bring its |x|^2"
+            return Encoded(group, enc.payload, None, word.add(own), own, sq=enc.sq)
         enc = red.encode_views(slices(buffer, group), group.lengths, w, with_sq=fused)
         assert enc.sq is not None or not fused, "a group left out of the norm pass must bring its |x|^2"
         return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales), sq=enc.sq)
@@ -281,19 +292,20 @@ def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns
 
 
 def _noise(ctx: EncodeContext, group: Group, device: torch.device,
-           stratified: bool) -> list[torch.Generator] | torch.Tensor | noise.Stratum:
+           stratified: bool) -> list[torch.Generator] | noise.Seeds | noise.Stratum:
     """One rounding-noise key per slice, drawn by a generator on the bucket's device seeded by
     (seed, rank, step, parameter): every rank follows the same seed schedule and rounds
     independently, and a parameter's noise does not depend on which bucket it travels in (a
     resumed run's first step, on DDP's initial buckets, rounds as the uninterrupted run did).
     Stratified rounding (block-scaled qsum) leaves the rank out of the seed — every rank draws
-    the same keys — and shifts by the rank instead (`noise.Stratum`). On the CPU the keys are
-    computed from the seeds (`noise.seeded_keys`, the generators' bits) instead of drawn from
-    a generator made per slice."""
+    the same keys — and shifts by the rank instead (`noise.Stratum`). On the CPU the seeds
+    stand for the generators (`noise.Seeds`): the keys are computed from them (the generators'
+    bits), by `noise.seeded_keys` or inside the kernel that rounds, never drawn from a
+    generator made per slice."""
     who = -1 if stratified else ctx.rank
     seeds = [hash((ctx.seed, who, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF for s in group.slices]
     if fastpath.host_device(device):
-        source: list[torch.Generator] | torch.Tensor = noise.seeded_keys(seeds)
+        source: list[torch.Generator] | noise.Seeds = noise.Seeds(np.array(seeds, dtype=np.uint64))
     else:
         source = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
     return noise.Stratum(source, ctx.rank, ctx.world_size) if stratified else source

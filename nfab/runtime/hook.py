@@ -109,6 +109,7 @@ class Runtime:
         self.regions = {n: b.region for n, b in self.bindings.items()}
         self.param_index = {n: i for i, n in enumerate(self.names.values())}
         self.plans: dict[tuple[int, ...], BucketPlan] = {}
+        self._gathered: dict[int, tuple[BucketRoutes, bool]] = {}  # the coalescing decision per routes
         self.residuals: dict[str, torch.Tensor] = {}
         self.health = health_mod.HealthState()
         self.seed = seed
@@ -259,10 +260,12 @@ class Runtime:
         w, pre = self.world_size, self.preconditioner
         # every lossy bucket on a probe step: each region's drift trend needs its own samples
         probing = routes.has_lossy and self._probe_step()
-        gathered = not self.two_level and coalesce.should_coalesce(routes.groups, w, self.coalesce,
-                                                                     self.controller.cost_model)
+        gathered = self._gathered.get(id(routes))
+        if gathered is None or gathered[0] is not routes:  # a pure function of the (cached) routes
+            gathered = self._gathered[id(routes)] = (routes, not self.two_level and coalesce.should_coalesce(
+                routes.groups, w, self.coalesce, self.controller.cost_model))
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
-                                   self.error_feedback and phase.error_feedback, probing, gathered,
+                                   self.error_feedback and phase.error_feedback, probing, gathered[1],
                                    self.residuals, self.scales, frozenset(self.health.ef_off),
                                    partial(pre.flat_scale, step=self.step) if pre else None)
         return plan, routes, ctx

@@ -42,7 +42,12 @@ _host = True
 def on_host(*tensors: torch.Tensor) -> bool:
     """Whether host code may read these tensors' values: all on the CPU (where reading is
     free), unless `host_paths(False)` is in effect. False on CUDA and every other device."""
-    return _host and all(t.device.type == "cpu" for t in tensors)
+    if not _host:
+        return False
+    for t in tensors:  # a loop, not all(genexpr): asked many times per bucket
+        if not t.is_cpu:
+            return False
+    return True
 
 
 def host_device(device: torch.device) -> bool:
@@ -64,7 +69,12 @@ def host_paths(enabled: bool) -> Iterator[None]:
 
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether the compiled CPU path may run on these tensors (on the host, contiguous)."""
-    return AVAILABLE and on_host(*tensors) and all(t.is_contiguous() for t in tensors)
+    if not (AVAILABLE and _host):
+        return False
+    for t in tensors:
+        if not (t.is_cpu and t.is_contiguous()):
+            return False
+    return True
 
 
 def sign_supports(x: torch.Tensor) -> bool:
@@ -377,6 +387,25 @@ def qsum_levels(x: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, lengt
     assert lanekernels is not None
     lanekernels.pack_bytes(levels, layout.lane_bits, containers)
     return torch.from_numpy(levels), torch.from_numpy(containers)
+
+
+def qsum_own_levels(slices: Slices, seeds: np.ndarray, max_level: int,
+                    with_sq: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(levels uint8, own scales fp32, x^2 sum fp32 0-d or None) of fp32 `slices` read where they
+    lie, each segment rounded in its own max |x| with the key its seed draws first
+    (`kernels.qsum_own_scale`: one call for the group); None off the host or for other dtypes."""
+    b = slices.buffer
+    if not (supports(b) and b.dim() == 1 and b.dtype == torch.float32):
+        return None
+    assert kernels is not None
+    lengths = np.asarray(slices.lengths, dtype=np.int64)
+    levels = np.empty(int(lengths.sum()), dtype=np.uint8)
+    amax = np.empty(lengths.size, dtype=np.uint32)
+    sqs = np.empty(lengths.size if with_sq else 0, dtype=np.float64)
+    kernels.qsum_own_scale(b.numpy(), slices.offsets, lengths, seeds, np.float32(1.0), np.float32(0.5 * max_level),
+                           max_level, levels, amax, amax.view(np.float32), sqs)
+    sq = torch.from_numpy(np.array(sqs.sum(), dtype=np.float32)) if with_sq else None
+    return torch.from_numpy(levels), torch.from_numpy(amax.view(np.float32)), sq
 
 
 def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

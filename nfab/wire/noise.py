@@ -58,7 +58,17 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def draw_keys(generator: Generators | torch.Tensor, segments: int, device: torch.device) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class Seeds:
+    """One CPU generator seed per segment, standing for the generators `manual_seed` would make:
+    their keys are computed on the host (`seeded_keys`), or inside a kernel that takes the
+    seeds (`kernels.qsum_own_scale`), never drawn from a generator made per segment."""
+
+    values: np.ndarray
+    """uint64, one per segment."""
+
+
+def draw_keys(generator: Generators | torch.Tensor | Seeds, segments: int, device: torch.device) -> torch.Tensor:
     """One int64 key per segment (on `device`), drawn from the generator(s).
 
     A single generator (or None) gives all keys in one draw; a list gives one key from each
@@ -66,6 +76,8 @@ def draw_keys(generator: Generators | torch.Tensor, segments: int, device: torch
     """
     if isinstance(generator, torch.Tensor):  # keys already drawn (`seeded_keys`)
         return generator.to(device)
+    if isinstance(generator, Seeds):
+        return seeded_keys(generator.values).to(device)
     if generator is None or isinstance(generator, torch.Generator):
         return torch.randint(-(1 << 63), (1 << 63) - 1, (segments,), generator=generator, device=device,
                              dtype=torch.int64)
@@ -78,7 +90,7 @@ def draw_keys(generator: Generators | torch.Tensor, segments: int, device: torch
                                     dtype=torch.int64) for g in gens])
 
 
-def seeded_keys(seeds: Sequence[int]) -> torch.Tensor:
+def seeded_keys(seeds: Sequence[int] | np.ndarray) -> torch.Tensor:
     """The int64 keys (CPU) that `draw_keys` draws from one CPU generator per seed, each
     seeded with `manual_seed(seed)`: the same bits, computed without making a generator per
     segment (`kernels.first_draw_keys`; generators where numba is missing)."""
@@ -94,7 +106,7 @@ class Stratum:
     """One rank's place in stratified rounding: the key source every rank shares (generators,
     or the int64 keys already drawn), this rank and the world size."""
 
-    source: Generators | torch.Tensor
+    source: Generators | torch.Tensor | Seeds
     rank: int
     world_size: int
 

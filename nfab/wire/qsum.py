@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from nfab.wire.reducer import (
     split_out,
     write_into,
 )
+from nfab.wire.slices import Slices
 
 
 class QSum(Reducer):
@@ -61,10 +63,9 @@ class QSum(Reducer):
         return allreduce_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
 
     def level_values(self, world_size: int, count: int, device: torch.device) -> torch.Tensor:
-        """Lane value (a sum of `count` ranks' levels) -> mean value in units of the scale."""
-        m = self.max_level(world_size)
-        levels = torch.arange(self._layout.max_value + 1, dtype=torch.float32, device=device)
-        return levels * (2.0 / (m * count)) - 1.0
+        """Lane value (a sum of `count` ranks' levels) -> mean value in units of the scale.
+        Made once per (lanes, W, count, device) and shared: callers read it, never write it."""
+        return _level_values(self._layout.max_value, self.max_level(world_size), count, device)
 
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
         assert shared_scale is not None, "qsum needs the shared (MAX) scale"
@@ -83,6 +84,34 @@ class QSum(Reducer):
             return finish_segments(values[levels.long()], shared_scale, lengths, None)
 
         return Encoded(payload, None, make_local=local)
+
+    def reads_sq(self, buffer: torch.Tensor) -> bool:
+        return self._layout.lanes == 1 and fastpath.supports(buffer) and buffer.dtype == torch.float32
+
+    def encode_own_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int,
+                         generator: Any = None, with_sq: bool = False) -> tuple[Encoded, torch.Tensor]:
+        """(`encode` of the concatenated `views` in their OWN per-segment scale, that scale).
+
+        A gathered bucket sums nothing on the wire, so a rank rounds in its own max |x| and
+        needs no agreement (`decode_gathered` decodes each row with its rank's scales). On
+        the host, q8 `Slices` of an fp32 bucket are read where they lie and rounded in one
+        compiled call that takes the max, the keys (from `noise.Seeds`) and, with `with_sq`
+        (when `reads_sq`), their x^2 sum (`Encoded.sq`); elsewhere: gather, `local_scale`,
+        `encode` — the same bits."""
+        lengths = list(lengths)
+        if isinstance(views, Slices) and isinstance(generator, noise.Seeds) and self.reads_sq(views.buffer):
+            fast = fastpath.qsum_own_levels(views, generator.values, self.max_level(world_size), with_sq)
+            if fast is not None:
+                levels, own, sq = fast
+                values = self.level_values(world_size, 1, levels.device)
+                enc = Encoded(levels, None,
+                              make_local=lambda: finish_segments(values[levels.long()], own, lengths, None))
+                enc.sq = sq
+                return enc, own
+        x = (fastpath.gather(views) if isinstance(views, Slices) else None)
+        x = x if x is not None else torch.cat(list(views))
+        own = self.local_scale(x, lengths)
+        return self.encode(x, lengths, world_size, own, generator), own
 
     def _levels_reference(self, x, safe, lengths, m, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """(levels, containers) in torch ops on any device: the definition the fast path matches."""
@@ -137,3 +166,8 @@ class QSum(Reducer):
         total.mul_(1.0 / w)
         return write_into(out, total)
 
+
+@lru_cache(maxsize=64)
+def _level_values(max_value: int, m: int, count: int, device: torch.device) -> torch.Tensor:
+    levels = torch.arange(max_value + 1, dtype=torch.float32, device=device)
+    return levels * (2.0 / (m * count)) - 1.0

@@ -177,20 +177,22 @@ class SignGather(_SignReducer):
         return work.get_future().then(lambda _: out)
 
     def combine(self, payloads):
-        if isinstance(payloads, torch.Tensor):  # the W rows already side by side (a coalesced all-gather)
-            return payloads.reshape(-1)
+        if isinstance(payloads, torch.Tensor) and payloads.dim() == 2:  # the W rows of a coalesced all-gather
+            return payloads  # decoded as they are: a view of the gathered rows, no copy
         return torch.cat(list(payloads))
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
-        rows = reduced.view(world_size, -1)
-        if (numel and world_size <= 255 and self.vote == "majority" and fastpath.supports(reduced)
+        """`reduced`: the W packed rows end to end, or as a (W, bytes) tensor whose rows may be
+        spaced apart (each row's bytes contiguous)."""
+        rows = reduced if reduced.dim() == 2 else reduced.view(world_size, -1)
+        if (numel and world_size <= 255 and self.vote == "majority" and _rows_on_host(rows)
                 and fastpath.on_host(scale_mean)):  # one compiled call for every segment
             target = torch.empty(numel, dtype=torch.float32, device=reduced.device) if out is None else out
             if fastpath.majority_into(rows.numpy(), lengths, world_size, scale_mean.reshape(-1).numpy(), target):
                 return target
         one, dests = split_out(out)
         targets = dests if dests is not None else [one] if one is not None else None
-        if (numel and world_size <= 255 and fastpath.supports(reduced)
+        if (numel and world_size <= 255 and _rows_on_host(rows)
                 and (targets is None or all(fastpath.supports(d) and d.dtype == torch.float32 for d in targets))):
             return self._decode_rows(rows.numpy(), scale_mean, numel, list(lengths), world_size, one, dests)
         counts = torch.zeros(numel, dtype=torch.uint8 if world_size <= 255 else torch.int32, device=reduced.device)
@@ -217,3 +219,8 @@ class SignGather(_SignReducer):
                 fastpath.decode_bit_rows(rows, start, n, table, dst.view(-1).numpy())
             start += n
         return dests if dests is not None else res
+
+
+def _rows_on_host(rows: torch.Tensor) -> bool:
+    """Whether the compiled decode reads these (W, bytes) rows: on the host, each row contiguous."""
+    return fastpath.AVAILABLE and fastpath.on_host(rows) and rows.stride(-1) == 1
