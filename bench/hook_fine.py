@@ -20,6 +20,7 @@ TARGETS = {
     "nfab.runtime.decode": ("finish_bucket", "_decode_group", "_control_table", "_zero_if", "_probe_sums"),
     "nfab.runtime.agreement": ("launch", "Agreement.wait"),
     "nfab.runtime.control": ("Builder.build", "Builder.add", "nonfinite", "table"),
+    "torch.distributed": ("all_gather_single",),
     "nfab.runtime.coalesce": ("pack", "should_coalesce", "Part.rows"),
     "nfab.runtime.fold": ("fold_step",),
     "nfab.runtime.controller": ("Controller.routes", "Controller.phase"),

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nfab.runtime.controller import Group
+from nfab.wire import fastpath
 from nfab.wire.cost import CostModel
 from nfab.wire.reducers import REDUCERS, allgather_factor
 
@@ -34,6 +36,8 @@ class Part:
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """This part of every rank's row, as a (W, numel) view of its dtype (no copy: rows are
         whole multiples of 8 bytes and parts start at one, so any dtype's view lines up)."""
+        if self.dtype in _NUMPY and fastpath.on_host(rows):  # numpy slices and views: the same memory, fewer calls
+            return torch.from_numpy(rows.numpy()[:, self.offset : self.offset + self.nbytes].view(_NUMPY[self.dtype]))
         return rows[:, self.offset : self.offset + self.nbytes].view(self.dtype)
 
 
@@ -57,7 +61,10 @@ def should_coalesce(groups: Sequence[Group], world_size: int, enabled: bool, cos
 
 
 def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[Part]]:
-    """One uint8 row holding every tensor's bytes at 8-byte aligned offsets, and where each sits."""
+    """One uint8 row holding every tensor's bytes at 8-byte aligned offsets, and where each sits
+    (zero bytes between them and to the row's end, a whole multiple of 8)."""
+    if fastpath.on_host(*tensors) and all(t.dtype in _NUMPY and t.is_contiguous() for t in tensors):
+        return _pack_host(tensors)
     pieces: list[torch.Tensor] = []
     parts: list[Part] = []
     written = 0
@@ -73,3 +80,24 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.T
     if end > written:
         pieces.append(torch.zeros(end - written, dtype=torch.uint8, device=device))
     return torch.cat(pieces), parts
+
+
+_NUMPY = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int64,
+          torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+"""Payload dtypes numpy reads as they are (others, e.g. bf16, take the torch path)."""
+
+
+def _pack_host(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[Part]]:
+    """`pack` on the host: the same bytes, assembled in numpy (one row, one copy per tensor)."""
+    raws = [t.detach().numpy().reshape(-1).view(np.uint8) for t in tensors]
+    parts: list[Part] = []
+    at = 0
+    for t, raw in zip(tensors, raws, strict=True):
+        parts.append(Part(at, raw.size, t.dtype))
+        at = -(-(at + raw.size) // ALIGN) * ALIGN
+    row = np.empty(at, dtype=np.uint8)
+    for i, (p, raw) in enumerate(zip(parts, raws, strict=True)):
+        end = p.offset + p.nbytes
+        row[p.offset : end] = raw
+        row[end : parts[i + 1].offset if i + 1 < len(parts) else at] = 0  # the gap to the next part
+    return torch.from_numpy(row), parts

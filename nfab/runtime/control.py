@@ -72,15 +72,22 @@ class Builder:
     def add(self, values: torch.Tensor) -> Columns:
         """Append `values` (fp32, one per slice); the columns they will occupy."""
         cols = Columns(self._next, self._next + values.numel())
-        self._cols.append(values.reshape(-1).to(torch.float32))
+        if not (values.dim() == 1 and values.dtype == torch.float32):
+            values = values.reshape(-1).to(torch.float32)
+        self._cols.append(values)
         self._next = cols.stop
         return cols
 
-    def build(self, bucket_sq: torch.Tensor, carried_sq: torch.Tensor, step: StepValues) -> torch.Tensor:
-        """The word on `bucket_sq`'s device; no value is read back to the host."""
+    def build(self, bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None, step: StepValues) -> torch.Tensor:
+        """The word on `bucket_sq`'s device (`carried_sq` None: 0); no value is read back to the host (on the host,
+        where reading is free, it is assembled in numpy: the same bits, a few calls fewer)."""
+        carried = () if carried_sq is None else (carried_sq,)
+        if fastpath.on_host(bucket_sq, *carried, *self._cols) and (step.loss is None or fastpath.on_host(step.loss)):
+            return self._build_host(bucket_sq, carried_sq, step)
         head = torch.zeros(HEAD_LEN, dtype=torch.float32, device=bucket_sq.device)
         head[Head.BUCKET_SQ] = bucket_sq
-        head[Head.CARRIED_SQ] = carried_sq
+        if carried_sq is not None:
+            head[Head.CARRIED_SQ] = carried_sq
         if step.loss is not None:
             head[Head.LOSS] = step.loss
             head[Head.HAS_LOSS] = 1.0
@@ -88,6 +95,29 @@ class Builder:
             head[Head.COSINE] = step.cosine
             head[Head.HAS_COSINE] = 1.0
         return torch.cat([head, *self._cols]) if self._cols else head
+
+    def _build_host(self, bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None, step: StepValues) -> torch.Tensor:
+        head = np.zeros(HEAD_LEN, dtype=np.float32)
+        head[Head.BUCKET_SQ] = _host_value(bucket_sq)
+        if carried_sq is not None:
+            head[Head.CARRIED_SQ] = _host_value(carried_sq)
+        if step.loss is not None:
+            head[Head.LOSS] = _host_value(step.loss)
+            head[Head.HAS_LOSS] = 1.0
+        if step.cosine is not None:
+            head[Head.COSINE] = _host_value(step.cosine)
+            head[Head.HAS_COSINE] = 1.0
+        if not self._cols:
+            return torch.from_numpy(head)
+        return torch.from_numpy(np.concatenate([head, *(c.detach().numpy() for c in self._cols)]))
+
+
+def _host_value(v: torch.Tensor | float) -> np.ndarray | float:
+    """A host scalar as numpy reads it: an fp32 tensor's own bits; anything else converted as
+    torch's assignment into an fp32 word converts it (round to nearest)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().numpy() if v.dtype == torch.float32 else float(v)
+    return v
 
 
 def table(gathered: torch.Tensor, world_size: int) -> torch.Tensor:

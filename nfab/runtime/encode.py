@@ -61,9 +61,10 @@ class Opened:
     buffer: torch.Tensor
     first: bool
     last: bool
-    bucket_sq: torch.Tensor
+    bucket_sq: torch.Tensor | None
     """This rank's |g|^2 of the bucket, taken before any group was pre-scaled or encoded (less
-    the groups whose encoders take theirs: their `Encoded.sq` completes it)."""
+    the groups whose encoders take theirs: their `Encoded.sq` completes it; None when every
+    group's does)."""
     prepared: tuple[Prepared, ...] | None
     """Every group, prepared in order (None on the two-level path: it encodes at completion)."""
     probe_parts: list[torch.Tensor]
@@ -101,15 +102,17 @@ def gather_slices(buffer: torch.Tensor, *groups: Group) -> torch.Tensor:
     return out if out is not None else torch.cat(sl.views())
 
 
-def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (), ctx: EncodeContext | None = None) -> torch.Tensor:
+def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (),
+             ctx: EncodeContext | None = None) -> torch.Tensor | None:
     """This rank's |g|^2 of a bucket, fp32, on its device (non-finite iff an element is). With
     `ctx`, groups whose encoder takes their share on its own read (`reads_sq`) are left out:
-    `Runtime._complete` adds `Encoded.sq` back, one pass over those slices fewer."""
+    `Runtime._complete` adds `Encoded.sq` back, one pass over those slices fewer (None: every
+    group's encoder takes its own)."""
     rest = [g for g in groups if not reads_sq(ctx, buffer, g)] if ctx is not None else []
     if ctx is None or len(rest) == len(groups):
         return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
     if not rest:
-        return torch.zeros((), dtype=torch.float32, device=buffer.device)
+        return None
     sq = fastpath.slices_sq(slices(buffer, *rest))  # the rest read where it lies: no copy of a large FP32 group
     return sq if sq is not None else torch.linalg.vector_norm(gather_slices(buffer, *rest),
                                                               dtype=torch.float32).square()

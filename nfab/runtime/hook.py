@@ -231,13 +231,13 @@ class Runtime:
         bucket_sq = opened.bucket_sq
         for e in encoded if opened.prepared is not None else ():
             if e.sq is not None:  # the share the norm pass left to this group's encoder
-                bucket_sq = bucket_sq + e.sq
+                bucket_sq = e.sq if bucket_sq is None else bucket_sq + e.sq
+        assert bucket_sq is not None, "the norm pass left a group's |x|^2 to an encoder that did not take it"
         # the step's first word: the previous step's region fidelity, agreed at the fold
         fid_cols = fidelity_columns(word, self._fidelity_next, buffer.device) if first else None
         ctrl = None
         if routes.has_lossy or first or opened.last:
-            carried = self._carried_sq if self._carried_sq is not None else torch.zeros_like(bucket_sq)
-            ctrl = word.build(bucket_sq, carried, self._step_values(first, buffer.device))
+            ctrl = word.build(bucket_sq, self._carried_sq, self._step_values(first, buffer.device))
             self._carried_sq = None
         else:  # an FP32-only bucket's |g|^2 rides with the next control word
             self._carried_sq = bucket_sq if self._carried_sq is None else self._carried_sq + bucket_sq

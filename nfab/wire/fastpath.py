@@ -310,10 +310,14 @@ def gathered_levels(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tens
         return False
     assert kernels is not None
     starts, ends = segment_bounds(lengths)
-    kernels.gathered_levels(rows.numpy(), values.to(torch.float32).contiguous().numpy(),
-                            scales.to(torch.float32).contiguous().numpy(), starts, ends,
+    kernels.gathered_levels(rows.numpy(), _f32(values), _f32(scales), starts, ends,
                             np.float32(1.0 / rows.shape[0]), span[0].numpy(), span[1])
     return True
+
+
+def _f32(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as a float32 numpy array, strides and all (no copy when already fp32)."""
+    return (t if t.dtype == torch.float32 else t.to(torch.float32)).numpy()
 
 
 def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,

@@ -305,34 +305,38 @@ def _temper(y):
 @njit(cache=True, nogil=True)
 def first_draw_keys(seeds, out):
     """out[k] = the int64 that `torch.randint(-2**63, 2**63 - 1, (1,), generator=g)` draws first
-    from a CPU generator after `g.manual_seed(seeds[k])`, without a generator (`_first_draw`).
-    `out` is uint64 (the int64's bits)."""
-    state = np.empty(399, dtype=np.uint64)
-    for k in range(seeds.size):
-        out[k] = _first_draw(seeds[k], state)
+    from a CPU generator after `g.manual_seed(seeds[k])`, without a generator. `out` is uint64
+    (the int64's bits).
 
-
-@njit(cache=True, nogil=True, inline="always")
-def _first_draw(seed, state):
-    """torch's CPU generator is MT19937 seeded with the seed's low 32 bits (init_genrand); a
+    torch's CPU generator is MT19937 seeded with the seed's low 32 bits (init_genrand); a
     64-bit draw is its first two outputs (a << 32 | b), taken mod the range (2**64 - 1) and
-    offset by -2**63, i.e. the top bit flipped. Only the state words 0..398 that the first two
-    outputs read are made (`state`: 399 uint64 of scratch)."""
+    offset by -2**63, i.e. the top bit flipped. Only the state words that the first two
+    outputs read (0, 1, 2, 397, 398) are kept; init_genrand's chain of 398 steps runs for all
+    seeds side by side (independent chains: the compiler vectorizes across seeds)."""
     mask = np.uint64(0xFFFFFFFF)
-    state[0] = np.uint64(seed) & mask
+    cur = seeds.astype(np.uint64) & mask
+    kept = np.empty((5, seeds.size), dtype=np.uint64)  # state words 0, 1, 2, 397, 398
+    kept[0] = cur
     for i in range(1, 399):
-        prev = state[i - 1]
-        state[i] = (np.uint64(1812433253) * (prev ^ (prev >> np.uint64(30))) + np.uint64(i)) & mask
-    r = np.uint64(0)
-    for j in range(2):
-        y = (state[j] & np.uint64(0x80000000)) | (state[j + 1] & np.uint64(0x7FFFFFFF))
-        m = state[j + 397] ^ (y >> np.uint64(1))
-        if y & np.uint64(1):
-            m ^= np.uint64(0x9908B0DF)
-        r = (r << np.uint64(32)) | _temper(m)
-    if r == np.uint64(0xFFFFFFFFFFFFFFFF):  # mod (2**64 - 1)
+        c = np.uint64(i)
+        for k in range(cur.size):
+            p = cur[k]
+            cur[k] = (np.uint64(1812433253) * (p ^ (p >> np.uint64(30))) + c) & mask
+        if i <= 2:
+            kept[i] = cur
+        elif i >= 397:
+            kept[i - 394] = cur
+    for k in range(cur.size):
         r = np.uint64(0)
-    return r ^ np.uint64(0x8000000000000000)
+        for j in range(2):
+            y = (kept[j, k] & np.uint64(0x80000000)) | (kept[j + 1, k] & np.uint64(0x7FFFFFFF))
+            m = kept[j + 3, k] ^ (y >> np.uint64(1))
+            if y & np.uint64(1):
+                m ^= np.uint64(0x9908B0DF)
+            r = (r << np.uint64(32)) | _temper(m)
+        if r == np.uint64(0xFFFFFFFFFFFFFFFF):  # mod (2**64 - 1)
+            r = np.uint64(0)
+        out[k] = r ^ np.uint64(0x8000000000000000)
 
 
 # ---- qsum levels ---------------------------------------------------------------------------------
@@ -421,13 +425,14 @@ def qsum_own_scale(x, offsets, lengths, seeds, one, half_m, max_level, levels, a
     """qsum's levels of fp32 segments x[offsets[s] : + lengths[s]], read where they lie, each
     rounded in its OWN scale (a gathered bucket: ranks need not agree on one), in one call:
     amax[s] = max |x| of the segment (`segment_max_abs_bits`; written as bits into `amax_bits`,
-    which `amax` views as float32), its key the first draw of seeds[s] (`_first_draw`), its
+    which `amax` views as float32), its key the first draw of seeds[s] (`first_draw_keys`), its
     levels (`qsum_levels` with scale amax[s], or 1 where that is not > 0: the reference's
     `where(s > 0, s, 1)`) packed back to back into `levels`. With a non-empty `sqs`, sqs[s] gets
     the segment's x^2 sum (`segments_sq`'s chunk sums: its |g|^2 share, on the same pass)."""
     top = np.float32(max_level)
     u = x.view(np.uint32)
-    state = np.empty(399, dtype=np.uint64)
+    keys = np.empty(seeds.size, dtype=np.uint64)
+    first_draw_keys(seeds, keys)
     empty = levels[:0]
     pos = 0
     for s in range(offsets.size):
@@ -440,7 +445,7 @@ def qsum_own_scale(x, offsets, lengths, seeds, one, half_m, max_level, levels, a
             m = v if v > m else m
         amax_bits[s] = m
         sc = amax[s] if amax[s] > 0 else one
-        _round_run(x[a : a + n], _first_draw(seeds[s], state), 0, sc, one, half_m, top, levels[pos : pos + n], empty)
+        _round_run(x[a : a + n], keys[s], 0, sc, one, half_m, top, levels[pos : pos + n], empty)
         if sqs.size:
             sqs[s] = segments_sq(x, offsets[s : s + 1], lengths[s : s + 1])
         pos += n
