@@ -90,15 +90,16 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
     group, red = enc.group, REDUCERS[enc.group.key]
     # the W ranks' copies of this group's payload, one row each (a (W, n) tensor reads as a sequence of rows)
     gathered = sent.part.rows(launch.rows) if sent.part is not None and launch.rows is not None else None
-    if enc.amax_cols is not None:
+    amax_cols = enc.amax_cols.of(table) if enc.amax_cols is not None else None  # (W, slices): each rank's
+    if amax_cols is not None:
         assert enc.shared is not None
-        agreed = enc.amax_cols.of(table).amax(dim=0)
+        agreed = amax_cols.amax(dim=0)
         amax.append((tuple(s.name for s in group.slices), agreed))
         if gathered is None:  # a rank's own scale never saturates
             saturated.append((agreed > enc.shared).sum())
     if gathered is not None and isinstance(red, QSum):  # each row with its own rank's scales
-        assert enc.amax_cols is not None
-        decode = partial(red.decode_gathered, gathered, enc.amax_cols.of(table), group.numel, group.lengths)
+        assert amax_cols is not None
+        decode = partial(red.decode_gathered, gathered, amax_cols, group.numel, group.lengths)
     else:
         reduced = red.combine(gathered) if gathered is not None else _value(sent)
         if group.key == FP32:

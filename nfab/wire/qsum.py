@@ -153,12 +153,14 @@ class QSum(Reducer):
         every rank decodes each row with that row's scales (`scales`: W x segments) and
         adds them in rank order — the same bits on every rank.
         """
-        w = len(payloads)
+        stacked = isinstance(payloads, torch.Tensor)  # a (W, n) tensor of rows, or a sequence of rows
+        w = payloads.shape[0] if stacked else len(payloads)
         lengths = list(lengths)
-        values = self.level_values(w, 1, payloads[0].device)
+        values = self.level_values(w, 1, payloads.device if stacked else payloads[0].device)
         if self._layout.lanes == 1 and out is not None and numel:  # one compiled pass into `out`
-            rows = payloads if isinstance(payloads, torch.Tensor) else torch.stack(list(payloads))
-            if fastpath.gathered_levels(rows[:, :numel], values, scales, lengths, out):
+            rows = payloads if stacked else torch.stack(list(payloads))
+            if fastpath.gathered_levels(rows if rows.shape[1] == numel else rows[:, :numel], values, scales,
+                                        lengths, out):
                 return out
         total = decode_scaled(payloads[0], self._layout, numel, values, scales[0], lengths)
         for r in range(1, w):

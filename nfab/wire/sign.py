@@ -68,9 +68,8 @@ class _SignReducer(Reducer):
     def _encoded(bits: np.ndarray, sums: np.ndarray, n: int, lengths: list[int], layout: LaneLayout) -> Encoded:
         """Packed votes -> the payload in `layout` (the bits themselves for 1-bit lanes)."""
         scales = _mean_abs(sums, lengths)
-        if layout.lane_bits == 1:
+        if layout.lane_bits == 1:  # the votes are the payload: an all-gather never writes its input
             payload = torch.from_numpy(bits)
-            bits = bits.copy()  # an all-reduce or all-gather never writes its input, but stay safe
         else:
             payload = fastpath.votes_to_lanes(bits, n, layout)
         return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
