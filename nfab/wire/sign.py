@@ -68,8 +68,9 @@ class _SignReducer(Reducer):
     def _encoded(bits: np.ndarray, sums: np.ndarray, n: int, lengths: list[int], layout: LaneLayout) -> Encoded:
         """Packed votes -> the payload in `layout` (the bits themselves for 1-bit lanes)."""
         scales = _mean_abs(sums, lengths)
-        if layout.lane_bits == 1:  # the votes are the payload: an all-gather never writes its input
+        if layout.lane_bits == 1:
             payload = torch.from_numpy(bits)
+            bits = bits.copy()  # this rank's own decode never reads the payload (`Encoded`'s contract)
         else:
             payload = fastpath.votes_to_lanes(bits, n, layout)
         return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
