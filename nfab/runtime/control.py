@@ -50,7 +50,9 @@ class Columns:
     stop: int
 
     def of(self, table: torch.Tensor) -> torch.Tensor:
-        """This range's columns of a (W, n) table."""
+        """This range's columns of a (W, n) table (a view; on the host taken through numpy)."""
+        if fastpath.on_host(table):
+            return torch.from_numpy(table.numpy()[:, self.start : self.stop])
         return table[:, self.start : self.stop]
 
 

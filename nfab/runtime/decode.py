@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 
 from nfab.runtime import control, fidelity
@@ -93,7 +94,7 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
     amax_cols = enc.amax_cols.of(table) if enc.amax_cols is not None else None  # (W, slices): each rank's
     if amax_cols is not None:
         assert enc.shared is not None
-        agreed = amax_cols.amax(dim=0)
+        agreed = _amax_over_ranks(amax_cols)
         amax.append((tuple(s.name for s in group.slices), agreed))
         if gathered is None:  # a rank's own scale never saturates
             saturated.append((agreed > enc.shared).sum())
@@ -130,6 +131,13 @@ def _record_variance(moment: NoiseMoment, sent: Sent, w: int) -> None:
     if isinstance(red, BlockQSum) and enc.shared is not None:
         var = rounding_variance(red, enc.shared, enc.group.lengths, w, enc.weights)
         moment.record([s.name for s in enc.group.slices], enc.group.lengths, var)
+
+
+def _amax_over_ranks(cols: torch.Tensor) -> torch.Tensor:
+    """Each slice's max over the W ranks' max |x| (NaN if any is): numpy on the host, the same values."""
+    if fastpath.on_host(cols):
+        return torch.from_numpy(np.max(cols.numpy(), axis=0))
+    return cols.amax(dim=0)
 
 
 def _value(sent: Sent) -> torch.Tensor:

@@ -118,6 +118,13 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (),
                                                               dtype=torch.float32).square()
 
 
+def add_sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b of two 0-d fp32 |x|^2 shares (in numpy on the host: the same float32 sum, no dispatch)."""
+    if fastpath.on_host(a, b):
+        return torch.from_numpy(np.array(a.numpy() + b.numpy(), dtype=np.float32))
+    return a + b
+
+
 def _in_place(ctx: EncodeContext, buffer: torch.Tensor, group: Group) -> bool:
     """A lossy group with nothing to add or sample: encoded from its slices where they lie (a
     whole-bucket group too when its encoder reads the bucket and takes its |x|^2 on the way).
@@ -276,10 +283,15 @@ def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: i
     tensors = ([ctrl] if ctrl is not None else []) + [e.payload for e in encoded]
     row, parts = coalesce.pack(tensors, device)
     ctrl_part = parts.pop(0) if ctrl is not None else None
-    rows = torch.empty(w * row.numel(), dtype=torch.uint8, device=device)
+    if fastpath.host_device(device):  # numpy's allocation and shape: no dispatch
+        gathered = np.empty((w, row.numel()), dtype=np.uint8)
+        rows, table = torch.from_numpy(gathered.reshape(-1)), torch.from_numpy(gathered)
+    else:
+        rows = torch.empty(w * row.numel(), dtype=torch.uint8, device=device)
+        table = rows.view(w, -1)
     fut = all_gather_flat(rows, row, group=pg, async_op=True).get_future()
     sent = [Sent(e, None, p) for e, p in zip(encoded, parts, strict=True)]
-    return sent, ctrl_part, rows.view(w, -1), [fut], allgather_factor(w) * row.numel()
+    return sent, ctrl_part, table, [fut], allgather_factor(w) * row.numel()
 
 
 def launch_probe(parts: list[torch.Tensor], w: int, pg: dist.ProcessGroup | None) -> Probe | None:

@@ -231,7 +231,7 @@ class Runtime:
         bucket_sq = opened.bucket_sq
         for e in encoded if opened.prepared is not None else ():
             if e.sq is not None:  # the share the norm pass left to this group's encoder
-                bucket_sq = e.sq if bucket_sq is None else bucket_sq + e.sq
+                bucket_sq = e.sq if bucket_sq is None else encode.add_sq(bucket_sq, e.sq)
         assert bucket_sq is not None, "the norm pass left a group's |x|^2 to an encoder that did not take it"
         # the step's first word: the previous step's region fidelity, agreed at the fold
         fid_cols = fidelity_columns(word, self._fidelity_next, buffer.device) if first else None

@@ -168,7 +168,7 @@ class SignGather(_SignReducer):
         bits, sums = fastpath.sign_votes_views(views, lengths, sqs=sqs)
         enc = self._encoded(bits, sums, sum(lengths), lengths, self._layout)
         if sqs is not None:
-            enc.sq = torch.from_numpy(sqs.sum(keepdims=True).astype(np.float32)).reshape(())
+            enc.sq = torch.from_numpy(np.array(sqs.sum(), dtype=np.float32))
         return enc
 
     def launch(self, payload, world_size, group):
@@ -188,7 +188,7 @@ class SignGather(_SignReducer):
         if (numel and world_size <= 255 and self.vote == "majority" and _rows_on_host(rows)
                 and fastpath.on_host(scale_mean)):  # one compiled call for every segment
             target = torch.empty(numel, dtype=torch.float32, device=reduced.device) if out is None else out
-            if fastpath.majority_into(rows.numpy(), lengths, world_size, scale_mean.reshape(-1).numpy(), target):
+            if fastpath.majority_into(rows.numpy(), lengths, world_size, scale_mean.numpy().reshape(-1), target):
                 return target
         one, dests = split_out(out)
         targets = dests if dests is not None else [one] if one is not None else None
