@@ -63,23 +63,31 @@ def should_coalesce(groups: Sequence[Group], world_size: int, enabled: bool, cos
 def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, list[Part]]:
     """One uint8 row holding every tensor's bytes at 8-byte aligned offsets, and where each sits
     (zero bytes between them and to the row's end, a whole multiple of 8)."""
+    parts, end = _layout(tensors)
     if fastpath.on_host(*tensors) and all(t.dtype in _NUMPY and t.is_contiguous() for t in tensors):
-        return _pack_host(tensors)
+        return _pack_host(tensors, parts, end), parts
     pieces: list[torch.Tensor] = []
-    parts: list[Part] = []
-    written = 0
-    for t in tensors:
-        at = -(-written // ALIGN) * ALIGN
-        if at > written:
-            pieces.append(torch.zeros(at - written, dtype=torch.uint8, device=device))
-        raw = t.contiguous().view(torch.uint8)
-        pieces.append(raw)
-        parts.append(Part(at, raw.numel(), t.dtype))
-        written = at + raw.numel()
-    end = -(-written // ALIGN) * ALIGN  # the row a whole multiple of 8 bytes: `Part.rows` views need no copy
-    if end > written:
-        pieces.append(torch.zeros(end - written, dtype=torch.uint8, device=device))
+    for t, p, gap_end in zip(tensors, parts, _gap_ends(parts, end), strict=True):
+        pieces.append(t.contiguous().view(torch.uint8))
+        if gap_end > p.offset + p.nbytes:
+            pieces.append(torch.zeros(gap_end - p.offset - p.nbytes, dtype=torch.uint8, device=device))
     return torch.cat(pieces), parts
+
+
+def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Part], int]:
+    """Each tensor's place in the row (8-byte aligned) and the row's length, a whole multiple
+    of 8 bytes (`Part.rows` views need no copy)."""
+    parts: list[Part] = []
+    at = 0
+    for t in tensors:
+        parts.append(Part(at, t.numel() * t.element_size(), t.dtype))
+        at = -(-(at + parts[-1].nbytes) // ALIGN) * ALIGN
+    return parts, at
+
+
+def _gap_ends(parts: list[Part], end: int) -> list[int]:
+    """Where the zero bytes after each part end: the next part's offset, or the row's end."""
+    return [p.offset for p in parts[1:]] + [end]
 
 
 _NUMPY = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int64,
@@ -87,17 +95,10 @@ _NUMPY = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int32: np.int32, tor
 """Payload dtypes numpy reads as they are (others, e.g. bf16, take the torch path)."""
 
 
-def _pack_host(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[Part]]:
-    """`pack` on the host: the same bytes, assembled in numpy (one row, one copy per tensor)."""
-    raws = [t.detach().numpy().reshape(-1).view(np.uint8) for t in tensors]
-    parts: list[Part] = []
-    at = 0
-    for t, raw in zip(tensors, raws, strict=True):
-        parts.append(Part(at, raw.size, t.dtype))
-        at = -(-(at + raw.size) // ALIGN) * ALIGN
-    row = np.empty(at, dtype=np.uint8)
-    for i, (p, raw) in enumerate(zip(parts, raws, strict=True)):
-        end = p.offset + p.nbytes
-        row[p.offset : end] = raw
-        row[end : parts[i + 1].offset if i + 1 < len(parts) else at] = 0  # the gap to the next part
-    return torch.from_numpy(row), parts
+def _pack_host(tensors: Sequence[torch.Tensor], parts: list[Part], end: int) -> torch.Tensor:
+    """`pack`'s row on the host: the same bytes, assembled in numpy (one copy per tensor)."""
+    row = np.empty(end, dtype=np.uint8)
+    for t, p, gap_end in zip(tensors, parts, _gap_ends(parts, end), strict=True):
+        row[p.offset : p.offset + p.nbytes] = t.detach().numpy().reshape(-1).view(np.uint8)
+        row[p.offset + p.nbytes : gap_end] = 0
+    return torch.from_numpy(row)

@@ -87,31 +87,30 @@ class Builder:
         if fastpath.on_host(bucket_sq, *carried, *self._cols) and (step.loss is None or fastpath.on_host(step.loss)):
             return self._build_host(bucket_sq, carried_sq, step)
         head = torch.zeros(HEAD_LEN, dtype=torch.float32, device=bucket_sq.device)
-        head[Head.BUCKET_SQ] = bucket_sq
-        if carried_sq is not None:
-            head[Head.CARRIED_SQ] = carried_sq
-        if step.loss is not None:
-            head[Head.LOSS] = step.loss
-            head[Head.HAS_LOSS] = 1.0
-        if step.cosine is not None:
-            head[Head.COSINE] = step.cosine
-            head[Head.HAS_COSINE] = 1.0
+        for field, value in _head_fields(bucket_sq, carried_sq, step):
+            head[field] = value
         return torch.cat([head, *self._cols]) if self._cols else head
 
     def _build_host(self, bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None, step: StepValues) -> torch.Tensor:
         head = np.zeros(HEAD_LEN, dtype=np.float32)
-        head[Head.BUCKET_SQ] = _host_value(bucket_sq)
-        if carried_sq is not None:
-            head[Head.CARRIED_SQ] = _host_value(carried_sq)
-        if step.loss is not None:
-            head[Head.LOSS] = _host_value(step.loss)
-            head[Head.HAS_LOSS] = 1.0
-        if step.cosine is not None:
-            head[Head.COSINE] = _host_value(step.cosine)
-            head[Head.HAS_COSINE] = 1.0
+        for field, value in _head_fields(bucket_sq, carried_sq, step):
+            head[field] = _host_value(value)
         if not self._cols:
             return torch.from_numpy(head)
         return torch.from_numpy(np.concatenate([head, *(c.detach().numpy() for c in self._cols)]))
+
+
+def _head_fields(bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None,
+                 step: StepValues) -> list[tuple[Head, torch.Tensor | float]]:
+    """The head fields a word sets (the others stay 0)."""
+    fields: list[tuple[Head, torch.Tensor | float]] = [(Head.BUCKET_SQ, bucket_sq)]
+    if carried_sq is not None:
+        fields.append((Head.CARRIED_SQ, carried_sq))
+    if step.loss is not None:
+        fields += [(Head.LOSS, step.loss), (Head.HAS_LOSS, 1.0)]
+    if step.cosine is not None:
+        fields += [(Head.COSINE, step.cosine), (Head.HAS_COSINE, 1.0)]
+    return fields
 
 
 def _host_value(v: torch.Tensor | float) -> np.ndarray | float:

@@ -97,9 +97,7 @@ def slices(buffer: torch.Tensor, *groups: Group) -> Slices:
 def gather_slices(buffer: torch.Tensor, *groups: Group) -> torch.Tensor:
     """The groups' slices as one new tensor: one compiled copy on the host, `torch.cat` of
     their views elsewhere."""
-    sl = slices(buffer, *groups)
-    out = fastpath.gather(sl)
-    return out if out is not None else torch.cat(sl.views())
+    return fastpath.concat(slices(buffer, *groups))
 
 
 def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (),

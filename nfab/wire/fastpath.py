@@ -69,10 +69,10 @@ def host_paths(enabled: bool) -> Iterator[None]:
 
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether the compiled CPU path may run on these tensors (on the host, contiguous)."""
-    if not (AVAILABLE and _host):
+    if not (AVAILABLE and on_host(*tensors)):
         return False
     for t in tensors:
-        if not (t.is_cpu and t.is_contiguous()):
+        if not t.is_contiguous():
             return False
     return True
 
@@ -149,6 +149,13 @@ def gather(slices: Slices) -> torch.Tensor | None:
     kernels.gather_segments(b.view(torch.uint8).numpy().view(bits), slices.offsets, lengths,
                             out.view(torch.uint8).numpy().view(bits))
     return out
+
+
+def concat(slices: Slices) -> torch.Tensor:
+    """The slices' values as one new tensor: `gather` on the host, `torch.cat` of their views
+    elsewhere (the same values)."""
+    out = gather(slices)
+    return out if out is not None else torch.cat(slices.views())
 
 
 def slices_sq(slices: Slices) -> torch.Tensor | None:

@@ -430,7 +430,7 @@ def qsum_own_scale(x, offsets, lengths, seeds, one, half_m, max_level, levels, a
     `where(s > 0, s, 1)`) packed back to back into `levels`. With a non-empty `sqs`, sqs[s] gets
     the segment's x^2 sum (`segments_sq`'s chunk sums: its |g|^2 share, on the same pass)."""
     top = np.float32(max_level)
-    u = x.view(np.uint32)
+    segment_max_abs_bits(x.view(np.uint32), np.uint32(0x7FFFFFFF), offsets, offsets + lengths, amax_bits)
     keys = np.empty(seeds.size, dtype=np.uint64)
     first_draw_keys(seeds, keys)
     empty = levels[:0]
@@ -438,12 +438,6 @@ def qsum_own_scale(x, offsets, lengths, seeds, one, half_m, max_level, levels, a
     for s in range(offsets.size):
         a = offsets[s]
         n = lengths[s]
-        us = u[a : a + n]
-        m = np.uint32(0)
-        for i in range(n):
-            v = us[i] & np.uint32(0x7FFFFFFF)
-            m = v if v > m else m
-        amax_bits[s] = m
         sc = amax[s] if amax[s] > 0 else one
         _round_run(x[a : a + n], keys[s], 0, sc, one, half_m, top, levels[pos : pos + n], empty)
         if sqs.size:

@@ -108,8 +108,7 @@ class QSum(Reducer):
                               make_local=lambda: finish_segments(values[levels.long()], own, lengths, None))
                 enc.sq = sq
                 return enc, own
-        x = (fastpath.gather(views) if isinstance(views, Slices) else None)
-        x = x if x is not None else torch.cat(list(views))
+        x = fastpath.concat(views) if isinstance(views, Slices) else torch.cat(list(views))
         own = self.local_scale(x, lengths)
         return self.encode(x, lengths, world_size, own, generator), own
 
