@@ -35,7 +35,10 @@ def _ensure_cache_dir() -> None:
 _ensure_cache_dir()
 
 import numpy as np  # noqa: E402
-from numba import njit  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 # ---- sign votes ------------------------------------------------------------------------------
 # A vote is x >= 0: +0.0 and -0.0 vote positive, NaN negative (torch's and numpy's >=).
@@ -57,39 +60,57 @@ def _put_word(words, g, w):
         words[k + 1] |= w >> np.uint64(64 - sh)
 
 
+@intrinsic
+def _votes8(typingctx, xc, i):
+    """Bits j < 8 = xc[i + j] >= 0, for a C-contiguous float32 `xc`: one 8-lane vector load,
+    an ordered compare (NaN false, -0.0 true) and its mask as an integer, which LLVM emits as a
+    compare and a movemask. Numba's own loops cannot say "these 8 compares are one integer":
+    written as shifts and ORs they compile to 64-bit lane shifts, 2.4x slower on AVX2."""
+    if not (isinstance(xc, types.Array) and xc.dtype == types.float32 and xc.ndim == 1 and xc.layout == "C"):
+        return None  # strided or other dtypes: no such load (the callers pass contiguous chunks)
+    sig = types.uint64(xc, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ty = signature.args[0]
+        arr = context.make_array(ty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, ty, arr, [args[1]])
+        lanes = ir.VectorType(ir.FloatType(), 8)
+        v = builder.load(builder.bitcast(ptr, lanes.as_pointer()), align=4)
+        ge = builder.fcmp_ordered(">=", v, ir.Constant(lanes, [0.0] * 8))
+        return builder.zext(builder.bitcast(ge, ir.IntType(8)), ir.IntType(64))
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _sign_chunk(xc, words, g, with_sq):
     """Votes of fp32 chunk `xc` ORed into the bit words at element g; returns the chunk's |x|
     sum and (with `with_sq`, else 0) its x^2 sum, in float32 lanes (the compiler picks the lane
     order; reassociation is the only licence: NaN and inf propagate as usual).
 
-    One loop reads each value once for all of it: 64 votes (a compare and a shift each,
-    vectorized) make one word, stored straight into `words` (shifted across two words when g
-    is not a multiple of 64): no byte scratch, no second pass over the chunk. `with_sq` is the
-    same for the whole loop, which the compiler unswitches."""
+    Two loops over the chunk, which stays in L1 (16 KiB): the sums (vectorized; `with_sq` is
+    the same for the whole loop, which the compiler unswitches), then the votes, 8 per vector
+    compare (`_votes8`), 64 to a word stored straight into `words` (shifted across two words
+    when g is not a multiple of 64): no byte scratch."""
     ln = xc.size
     full = ln >> 6
     s = np.float32(0)
     q = np.float32(0)
+    for i in range(ln):
+        v = xc[i]
+        s += abs(v)
+        if with_sq:
+            q += v * v
     for k in range(full):
-        xs = xc[64 * k : 64 * k + 64]
         w = np.uint64(0)
-        for j in range(64):
-            v = xs[j]
-            w |= np.uint64(v >= 0) << np.uint64(j)
-            s += abs(v)
-            if with_sq:
-                q += v * v
+        for b in range(8):
+            w |= _votes8(xc, 64 * k + 8 * b) << np.uint64(8 * b)
         _put_word(words, g + 64 * k, w)
     if ln & 63:
         xs = xc[64 * full : ln]
         w = np.uint64(0)
         for j in range(xs.size):
-            v = xs[j]
-            w |= np.uint64(v >= 0) << np.uint64(j)
-            s += abs(v)
-            if with_sq:
-                q += v * v
+            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
         _put_word(words, g + 64 * full, w)
     return s, q
 

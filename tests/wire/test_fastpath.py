@@ -45,6 +45,23 @@ def test_sign_votes_match_reference(dtype, numel, lengths):
     assert np.allclose(sums, expected, rtol=1e-5, equal_nan=True)
 
 
+SPECIAL = [0.0, -0.0, float("nan"), -float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, -1e-30, 3.0, -3.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sign_votes_of_special_values_in_every_vector_lane(dtype):
+    """The votes are taken 8 at a time by one vector compare: each special value (signed zeros,
+    both NaNs, infinities, subnormals) in each of the 64 places of a word, and in the tail."""
+    base = torch.randn(64 * len(SPECIAL) + 77, generator=torch.Generator().manual_seed(5))
+    for i, v in enumerate(SPECIAL):
+        base[64 * i : 64 * (i + 1) : 1 + i % 3] = v
+    base[-77::2] = -0.0
+    x = base.to(dtype)
+    for lengths in ([x.numel()], [13, x.numel() - 13]):  # the second segment's words are shifted
+        bits, _ = fastpath.sign_votes(x, lengths)
+        assert np.array_equal(bits, np.packbits((x >= 0).numpy(), bitorder="little"))
+
+
 @pytest.mark.parametrize("numel,lengths", SHAPES)
 def test_segment_sums_do_not_depend_on_neighbours_or_offset(numel, lengths):
     """A slice's scale is the same alone, inside a bucket, and read as a view."""
