@@ -59,7 +59,7 @@ def _rank(rank, world, steps, route):
         gathered = [torch.empty_like(flat) for _ in range(world)]
         torch.distributed.all_gather(gathered, flat)
         mism += sum(not torch.equal(gathered[0].view(torch.int32), t.view(torch.int32)) for t in gathered[1:])
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     mix = {}
     for s_ in list(rt.history)[-5:]:
         for k, v in (getattr(s_, "route_mix", None) or {}).items():
