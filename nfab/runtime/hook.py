@@ -245,7 +245,8 @@ class Runtime:
         launch, futs = self._launch(opened.index, opened.plan, routes, buffer, ctx, encoded, ctrl, probe_parts,
                                     blocking, fid_cols, (plan_s, norm_s, encode_s + time.thread_time() - t0))
         self._launches.append(twolevel.with_levels(launch, levels))
-        done = torch.futures.collect_all(futs).then(partial(self._callback, launch))
+        # a coalesced bucket has one future: chained as it is (`collect_all` of one costs a combined future)
+        done = (futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)).then(partial(self._callback, launch))
         if result is None:
             return done
         done.add_done_callback(partial(_forward, result))
