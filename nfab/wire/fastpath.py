@@ -309,7 +309,8 @@ def gathered_levels(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tens
     """qsum's gathered decode for one-lane uint8 levels: the mean of the W rows, each decoded
     with its own rank's scales (`scales`: W x segments), written into `out` (one fp32 tensor of
     all segments, or `Slices`) in one compiled pass; False when it does not apply (the caller
-    then decodes by table, rank by rank: the same bits)."""
+    then decodes by table, rank by rank: the same bits). Only the segments' columns of `rows`
+    are read: a row may run on past them."""
     if not (AVAILABLE and rows.dtype == torch.uint8 and rows.dim() == 2 and on_host(rows, values, scales)):
         return False
     span = _targets(out, lengths)

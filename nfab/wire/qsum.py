@@ -158,8 +158,7 @@ class QSum(Reducer):
         values = self.level_values(w, 1, payloads.device if stacked else payloads[0].device)
         if self._layout.lanes == 1 and out is not None and numel:  # one compiled pass into `out`
             rows = payloads if stacked else torch.stack(list(payloads))
-            if fastpath.gathered_levels(rows if rows.shape[1] == numel else rows[:, :numel], values, scales,
-                                        lengths, out):
+            if fastpath.gathered_levels(rows, values, scales, lengths, out):  # reads each row's first numel levels
                 return out
         total = decode_scaled(payloads[0], self._layout, numel, values, scales[0], lengths)
         for r in range(1, w):
