@@ -26,11 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # the constants of `nfab.wire.noise` (its docstring: the semantics)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_MASK24 = np.uint64((1 << 24) - 1)
-_U24 = np.float32(2.0**-24)
+from nfab.wire.kernels import counter, next_counter, noise_u  # also sets numba's cache directory
 
 
 @njit(cache=True, nogil=True)
@@ -69,34 +65,30 @@ def block_levels(x, keys, shift, seg_starts, seg_ends, block, scale_of_block, on
     where the scale is 0), u the stratified noise of `nfab.wire.noise` for (segment key, index in
     segment, `shift`): the reference's float32 operations in its order (`BlockQSum.encode`).
 
-    Each block is one loop over slices from index 0 with the hash counter computed from the index
-    (no carried state), so LLVM vectorizes hash, division and rounding together; error_model
-    "numpy" drops the per-element zero-division check (the divisor is never 0), not a rounding."""
+    Each block is one loop over slices from index 0, the noise counter stepped by an add
+    (`kernels.noise_u`, `next_counter`: 32-bit lanes), so LLVM vectorizes hash, division and
+    rounding together; error_model "numpy" drops the per-element zero-division check (the
+    divisor is never 0), not a rounding."""
     top = np.float32(max_level)
     zero = np.float32(0)
-    sh = np.uint64(shift)
+    sh = np.uint32(shift)
     b = 0
     for s in range(seg_starts.size):
         a = seg_starts[s]
         e = seg_ends[s]
-        key = np.uint64(keys[s])
         for b0 in range(a, e, block):
             b1 = min(b0 + block, e)
             sc = scale_of_block[b]
             sc = sc if sc > zero else one
-            z0 = key + np.uint64(b0 - a + 1) * _GOLDEN  # key + (index + 1) * golden at the block's start
+            c, hi = counter(keys[s], b0 - a)  # the counter at the block's start
             xb = x[b0:b1]
             lb = levels[b0:b1]
             for k in range(xb.size):
-                z = z0 + np.uint64(k) * _GOLDEN
-                y = (z ^ (z >> np.uint64(30))) * _MIX1
-                y = (y ^ (y >> np.uint64(27))) * _MIX2
-                # splitmix64's last step, y ^ (y >> 31), changes no bit above 32: u keeps bits 40-63
-                u = np.float32(np.int32(((y >> np.uint64(40)) + sh) & _MASK24)) * _U24
-                t = np.floor((xb[k] / sc + one) * half_m + u)
+                t = np.floor((xb[k] / sc + one) * half_m + noise_u(c, hi, sh))
                 t = t if t > zero else zero
                 t = t if t < top else top
                 lb[k] = np.uint8(np.int32(t))
+                c = next_counter(c)
             b += 1
 
 

@@ -383,18 +383,17 @@ def qsum_levels(x: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, lengt
     n = x.numel()
     starts, ends = segment_bounds(lengths)
     levels = np.empty(n, dtype=np.uint8)
-    # one-lane containers are the levels: the kernel writes both (the payload may be reduced in place)
-    payload = np.empty(n if layout.lanes == 1 else 0, dtype=np.uint8)
     k = keys.numpy()
     sc = scales.to(torch.float32).contiguous().numpy()
     one, half_m = np.float32(1.0), np.float32(0.5 * max_level)
     if x.dtype == torch.float32:
-        kernels.qsum_levels(x.numpy(), k, starts, ends, sc, one, half_m, max_level, levels, payload)
+        kernels.qsum_levels(x.numpy(), k, starts, ends, sc, one, half_m, max_level, levels)
     else:
         kernels.qsum_levels_half(x.view(torch.int16).numpy().view(np.uint16), _HALF[x.dtype], k, starts, ends, sc,
-                                 one, half_m, max_level, levels, payload)
-    if layout.lanes == 1:
-        return torch.from_numpy(levels), torch.from_numpy(payload)
+                                 one, half_m, max_level, levels)
+    if layout.lanes == 1:  # one-lane containers are the levels: the payload is `levels` itself
+        lv = torch.from_numpy(levels)
+        return lv, lv
     containers = np.empty(layout.containers_for(n), dtype=np.uint8)
     assert lanekernels is not None
     lanekernels.pack_bytes(levels, layout.lane_bits, containers)

@@ -1,17 +1,22 @@
 """Counter-based rounding noise: u = hash(key, index) in [0, 1), defined once, computed anywhere.
 
-The semantics (the one definition both implementations follow, bit for bit):
+The semantics (the one definition both implementations follow, bit for bit), on 32-bit words
+(mod 2**32; i = index in the segment; key_lo, key_hi = the 64-bit key's low and high halves):
 
-    z = key + (i + 1) * 0x9E3779B97F4A7C15           (mod 2**64; i = index in the segment)
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    z =  z ^ (z >> 31)                                (>> logical, on 64-bit words)
-    u = (z >> 40) * 2**-24                            (24 bits: exact in float32, u < 1)
+    c = (key_lo + (i + 1) * 0x9E3779B9) ^ key_hi      (a Weyl counter, keyed)
+    c = (c ^ (c >> 16)) * 0x7FEB352D
+    c = (c ^ (c >> 15)) * 0x846CA68B
+    c =  c ^ (c >> 16)                                (>> logical)
+    u = (c >> 8) * 2**-24                             (24 bits: exact in float32, u < 1)
 
-i.e. the (i+1)-th output of splitmix64 started at `key`, cut to 24 bits. Nothing is
-materialised that a kernel must read: the compiled CPU kernel (`kernels.qsum_encode`)
-computes u where it rounds, and `uniform` here is the torch reference (int64 ops, on any
-device: CPU, CUDA, meta).
+i.e. the counter through `lowbias32` (C. Wellons' hash-prospector: a bijection of 32-bit words
+with near-ideal avalanche), cut to 24 bits. Within a segment the counter never repeats (the
+golden step is odd), so neither does u's word. 32-bit words, not splitmix64's 64: AVX2 has no
+64-bit multiply (`vpmullq` is AVX-512), and emulated it made the hash 70% of qsum's encode;
+in 32-bit lanes the compiled kernel hashes 8 elements per instruction. Nothing is
+materialised that a kernel must read: the compiled CPU kernels (`kernels.noise_u`) compute u
+where they round, and `uniform` here is the torch reference (int64 ops, on any device: CPU,
+CUDA, meta).
 
 Keys come from the caller's generators — one 64-bit draw per segment — so the seed schedule
 is the one the runtime and calibration already share (a generator per (seed, rank, step,
@@ -38,9 +43,10 @@ import torch
 
 from nfab.wire import fastpath
 
-GOLDEN = 0x9E3779B97F4A7C15
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
+GOLDEN = 0x9E3779B9
+MIX1 = 0x7FEB352D
+MIX2 = 0x846CA68B
+_MASK32 = (1 << 32) - 1
 _U24 = 2.0**-24
 _MASK24 = (1 << 24) - 1
 
@@ -48,14 +54,14 @@ Generators = torch.Generator | Sequence[torch.Generator | None] | None
 """One generator for every segment, one per segment, or None (torch's default generator)."""
 
 
-def _signed(c: int) -> int:
-    """A 64-bit constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 words (torch's >> is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
+def _mix(c: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of 32-bit words held in int64 (non-negative, < 2**32). No product leaves int64:
+    MIX1 < 2**31, and MIX2 enters as MIX2 - 2**32 (the same residue mod 2**32), so |c * m| < 2**63."""
+    c = c ^ (c >> 16)
+    c = (c * MIX1) & _MASK32
+    c = c ^ (c >> 15)
+    c = (c * (MIX2 - (1 << 32))) & _MASK32
+    return c ^ (c >> 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +142,9 @@ def uniform(keys: torch.Tensor, lengths: Sequence[int], shift: int = 0) -> torch
     starts = torch.cumsum(counts, 0) - counts
     seg_key = torch.repeat_interleave(keys, counts, output_size=n)
     index = torch.arange(n, dtype=torch.int64, device=dev) - torch.repeat_interleave(starts, counts, output_size=n)
-    z = seg_key + (index + 1) * _signed(GOLDEN)
-    z = (z ^ _shr(z, 30)) * _signed(MIX1)
-    z = (z ^ _shr(z, 27)) * _signed(MIX2)
-    z = z ^ _shr(z, 31)
-    u24 = _shr(z, 40)
+    key_lo, key_hi = seg_key & _MASK32, (seg_key >> 32) & _MASK32
+    step = ((index + 1) & _MASK32) * (GOLDEN - (1 << 32))  # GOLDEN's residue below 0: no overflow
+    u24 = _mix(((key_lo + step) & _MASK32) ^ key_hi) >> 8
     if shift:
         u24 = (u24 + shift) & _MASK24
     return u24.to(torch.float32) * _U24
@@ -148,9 +152,9 @@ def uniform(keys: torch.Tensor, lengths: Sequence[int], shift: int = 0) -> torch
 
 def uniform_scalar(key: int, index: int, shift: int = 0) -> float:
     """u for one element in plain Python integers: a third, independent statement of the semantics."""
-    m = (1 << 64) - 1
-    z = (key + (index + 1) * GOLDEN) & m
-    z = ((z ^ (z >> 30)) * MIX1) & m
-    z = ((z ^ (z >> 27)) * MIX2) & m
-    z ^= z >> 31
-    return (((z >> 40) + shift) & _MASK24) * _U24
+    m = (1 << 32) - 1
+    c = (((key & m) + (index + 1) * GOLDEN) & m) ^ ((key >> 32) & m)
+    c = ((c ^ (c >> 16)) * MIX1) & m
+    c = ((c ^ (c >> 15)) * MIX2) & m
+    c ^= c >> 16
+    return (((c >> 8) + shift) & _MASK24) * _U24

@@ -80,7 +80,7 @@ class QSum(Reducer):
             levels, payload = self._levels_reference(x, safe, lengths, m, keys)
         values = self.level_values(world_size, 1, x.device)
 
-        def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
+        def local() -> torch.Tensor:  # from the levels (one-lane: the payload itself; read before launch)
             return finish_segments(values[levels.long()], shared_scale, lengths, None)
 
         return Encoded(payload, None, make_local=local)

@@ -43,10 +43,12 @@ class Encoded:
     None) are averaged across ranks; `local` is what this rank's contribution decodes
     to on its own, in gradient units (None for lossless paths) — error feedback keeps
     `x - local` for the next step. A reducer may hand `make_local` instead of `local`:
-    then `local` is computed on first use (from state the encoder kept, never from the
-    payload, which an in-place collective may overwrite), so paths without error
-    feedback never pay for it. `sq`, when the encoder took it on its own read of the values
-    (`encode_views(..., with_sq=True)`), is the x^2 sum of everything it encoded (fp32, 0-d).
+    then `local` is computed on first use, so paths without error feedback never pay for
+    it. Read it before launching the payload: an in-place collective overwrites the
+    payload, and one-lane qsum keeps no second copy of its levels (the hook and the
+    two-level path read it right after encode; replay's `combine` sums copies). `sq`,
+    when the encoder took it on its own read of the values (`encode_views(...,
+    with_sq=True)`), is the x^2 sum of everything it encoded (fp32, 0-d).
     """
 
     __slots__ = ("payload", "scales", "_local", "_make_local", "sq")

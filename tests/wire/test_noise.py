@@ -24,7 +24,10 @@ def test_torch_reference_is_the_python_definition():
         want += [noise.uniform_scalar(k, i) for i in range(n)]
         pos += n
     assert u.dtype == torch.float32 and u.tolist() == want
-    assert noise.uniform_scalar(0, 0) == (0xE220A8397B1DCDAF >> 40) * 2.0**-24  # splitmix64(0)'s first output
+    assert noise.uniform_scalar(0, 0) == (0x01FCE552 >> 8) * 2.0**-24  # lowbias32(0x9E3779B9), worked by hand
+    # the key's high half enters by xor: key = 2**32 * 0x9E3779B9 hashes c = 0x9E3779B9 ^ 0x9E3779B9 = 0,
+    # and lowbias32(0) = 0
+    assert noise.uniform_scalar(0x9E3779B9 << 32, 0) == 0.0
 
 
 @pytest.mark.parametrize("lengths", SHAPES)
