@@ -46,6 +46,7 @@ from numba.extending import intrinsic  # noqa: E402
 # drops its negative-index handling, and LLVM vectorizes the loop.
 
 _CHUNK = 4096  # elements per float32 partial |x| sum (counted from the segment start)
+_I32 = ir.IntType(32)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -82,35 +83,80 @@ def _votes8(typingctx, xc, i):
     return sig, codegen
 
 
+_AHEAD = 256  # elements (1 KiB) the sign pass prefetches ahead of the block it reads
+
+
+def _prefetcher(write: bool):
+    """An intrinsic prefetch(xc, i): the cache line of xc[i], for reading or for writing
+    (`llvm.prefetch`, kept in all cache levels). i may lie past the end: a prefetch never
+    faults. Loops that read or write memory with compute between the accesses leave fewer
+    lines in flight than a plain copy or sum does; asking for a line ~1 KiB ahead restores it
+    (the sign pass, out of cache: 0.77x of `torch.sum`'s read speed without, 0.9x with)."""
+
+    @intrinsic
+    def prefetch(typingctx, xc, i):
+        if not (isinstance(xc, types.Array) and xc.ndim == 1):
+            return None
+        sig = types.void(xc, types.intp)
+
+        def codegen(context, builder, signature, args):
+            ty = signature.args[0]
+            arr = context.make_array(ty)(context, builder, args[0])
+            i8p = ir.IntType(8).as_pointer()
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+            ptr = builder.bitcast(cgutils.get_item_pointer(context, builder, ty, arr, [args[1]]), i8p)
+            builder.call(fn, [ptr, ir.Constant(_I32, int(write)), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return prefetch
+
+
+prefetch_read = _prefetcher(False)
+prefetch_write = _prefetcher(True)
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _sign_chunk(xc, words, g, with_sq):
+def _sign_chunk(xc, words, g, with_sq, ahead):
     """Votes of fp32 chunk `xc` ORed into the bit words at element g; returns the chunk's |x|
     sum and (with `with_sq`, else 0) its x^2 sum, in float32 lanes (the compiler picks the lane
     order; reassociation is the only licence: NaN and inf propagate as usual).
 
-    Two loops over the chunk, which stays in L1 (16 KiB): the sums (vectorized; `with_sq` is
-    the same for the whole loop, which the compiler unswitches), then the votes, 8 per vector
-    compare (`_votes8`), 64 to a word stored straight into `words` (shifted across two words
-    when g is not a multiple of 64): no byte scratch."""
+    One pass, 64 elements at a time: their sums (vectorized; `with_sq` is the same for the
+    whole loop, which the compiler unswitches), their votes, 8 per vector compare (`_votes8`),
+    64 to a word stored straight into `words` (shifted across two words when g is not a
+    multiple of 64), and, with `ahead` (when `xc` lies in memory, not in a scratch buffer), a
+    prefetch of the lines `_AHEAD` elements on."""
     ln = xc.size
     full = ln >> 6
     s = np.float32(0)
     q = np.float32(0)
-    for i in range(ln):
-        v = xc[i]
-        s += abs(v)
-        if with_sq:
-            q += v * v
     for k in range(full):
+        b = 64 * k
+        if ahead:
+            for line in range(4):
+                prefetch_read(xc, b + _AHEAD + 16 * line)
+        xs = xc[b : b + 64]
+        for i in range(64):
+            v = xs[i]
+            s += abs(v)
+            if with_sq:
+                q += v * v
         w = np.uint64(0)
-        for b in range(8):
-            w |= _votes8(xc, 64 * k + 8 * b) << np.uint64(8 * b)
-        _put_word(words, g + 64 * k, w)
+        for j in range(8):
+            w |= _votes8(xc, b + 8 * j) << np.uint64(8 * j)
+        _put_word(words, g + b, w)
     if ln & 63:
         xs = xc[64 * full : ln]
         w = np.uint64(0)
         for j in range(xs.size):
-            w |= np.uint64(xs[j] >= 0) << np.uint64(j)
+            v = xs[j]
+            s += abs(v)
+            if with_sq:
+                q += v * v
+            w |= np.uint64(v >= 0) << np.uint64(j)
         _put_word(words, g + 64 * full, w)
     return s, q
 
@@ -133,7 +179,7 @@ def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs):
         tot = 0.0
         sq = 0.0
         for c0 in range(a, e, _CHUNK):
-            ca, cq = _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0, sqs.size > 0)
+            ca, cq = _sign_chunk(x[c0 : min(c0 + _CHUNK, e)], words, bases[s] + c0, sqs.size > 0, True)
             tot += ca
             sq += cq
         sums[s] = tot
@@ -183,7 +229,7 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums, sqs):
             uc = u[c0 : min(c0 + _CHUNK, e)]
             ln = uc.size
             _widen_chunk(uc, bf16, wide, f32)
-            ca, cq = _sign_chunk(f32[:ln], words, bases[s] + c0, sqs.size > 0)
+            ca, cq = _sign_chunk(f32[:ln], words, bases[s] + c0, sqs.size > 0, False)
             tot += ca
             sq += cq
         sums[s] = tot
@@ -364,7 +410,6 @@ def first_draw_keys(seeds, out):
 
 
 _GOLDEN = 0x9E3779B9  # the counter's step (`nfab.wire.noise`: the semantics)
-_I32 = ir.IntType(32)
 
 
 @intrinsic
