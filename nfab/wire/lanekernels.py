@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire import kernels  # noqa: F401  (sets numba's cache directory before we compile)
+from nfab.wire.kernels import prefetch_write  # (importing kernels sets numba's cache directory)
+
+_AHEAD64 = 128  # uint64 words of output (1 KiB) asked for writing ahead of the lookups that write them
 
 # ---- votes -> count lanes -----------------------------------------------------------------------
 
@@ -190,6 +192,7 @@ def _pairs_u64(containers, shift, pairs, step, mask2, t2, out64):
     """out64[j * pairs + p] = t2[lanes 2p, 2p+1 of container j >> shift] (the 2 values as one word)."""
     if pairs == 4:
         for j in range(containers.size):
+            prefetch_write(out64, 4 * j + _AHEAD64)
             c = np.uint64(containers[j]) >> shift
             out64[4 * j] = t2[c & mask2]
             out64[4 * j + 1] = t2[(c >> step) & mask2]
@@ -197,6 +200,7 @@ def _pairs_u64(containers, shift, pairs, step, mask2, t2, out64):
             out64[4 * j + 3] = t2[(c >> (step + step + step)) & mask2]
     elif pairs == 3:
         for j in range(containers.size):
+            prefetch_write(out64, 3 * j + _AHEAD64)
             c = np.uint64(containers[j]) >> shift
             out64[3 * j] = t2[c & mask2]
             out64[3 * j + 1] = t2[(c >> step) & mask2]
@@ -218,6 +222,7 @@ def _five_lanes_u64(containers, shift, lane_bits, mask, mask2, t2, out64):
     for i in range(containers.size // 2):
         a = np.uint64(containers[2 * i]) >> shift
         b = np.uint64(containers[2 * i + 1]) >> shift
+        prefetch_write(out64, 5 * i + _AHEAD64)
         o = out64[5 * i : 5 * i + 5]
         o[0] = t2[a & mask2]
         o[1] = t2[(a >> two) & mask2]
@@ -263,9 +268,11 @@ def decode_byte_lanes(containers, lane_bits, lanes, numel, table, out):
     src = containers[:whole]
     if half == 1:
         for j in range(whole):
+            prefetch_write(out64, j + _AHEAD64)
             out64[j] = rows64[src[j]]
     elif half == 2:  # flat indices with a constant stride: no 2-D index arithmetic per word
         for j in range(whole):
+            prefetch_write(out64, 2 * j + _AHEAD64)
             c = np.int64(src[j]) * 2
             out64[2 * j] = rows64[c]
             out64[2 * j + 1] = rows64[c + 1]
