@@ -107,6 +107,11 @@ def sign_votes(x: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.
 _NO_SQ = np.empty(0, dtype=np.float64)
 
 
+def sq_total(sqs: np.ndarray) -> torch.Tensor:
+    """The segments' float64 x^2 sums as one 0-d fp32 tensor (an encoder's |x|^2 share)."""
+    return torch.from_numpy(np.array(sqs.sum(), dtype=np.float32))
+
+
 def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], split: bool = False,
                      sqs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`sign_votes` of the concatenation of `views` (one segment each, or `lengths` over one
@@ -415,7 +420,7 @@ def qsum_own_levels(slices: Slices, seeds: np.ndarray, max_level: int,
     sqs = np.empty(lengths.size if with_sq else 0, dtype=np.float64)
     kernels.qsum_own_scale(b.numpy(), slices.offsets, lengths, seeds, np.float32(1.0), np.float32(0.5 * max_level),
                            max_level, levels, amax, amax.view(np.float32), sqs)
-    sq = torch.from_numpy(np.array(sqs.sum(), dtype=np.float32)) if with_sq else None
+    sq = sq_total(sqs) if with_sq else None
     return torch.from_numpy(levels), torch.from_numpy(amax.view(np.float32)), sq
 
 

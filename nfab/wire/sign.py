@@ -70,7 +70,7 @@ class _SignReducer(Reducer):
         scales = _mean_abs(sums, lengths)
         if layout.lane_bits == 1:
             payload = torch.from_numpy(bits)
-            bits = bits.copy()  # this rank's own decode never reads the payload (`Encoded`'s contract)
+            bits = bits.copy()  # this rank's own decode never reads the payload (an in-place collective may write it)
         else:
             payload = fastpath.votes_to_lanes(bits, n, layout)
         return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
@@ -168,7 +168,7 @@ class SignGather(_SignReducer):
         bits, sums = fastpath.sign_votes_views(views, lengths, sqs=sqs)
         enc = self._encoded(bits, sums, sum(lengths), lengths, self._layout)
         if sqs is not None:
-            enc.sq = torch.from_numpy(np.array(sqs.sum(), dtype=np.float32))
+            enc.sq = fastpath.sq_total(sqs)
         return enc
 
     def launch(self, payload, world_size, group):

@@ -35,6 +35,29 @@ def test_sign_encode_local_is_lazy_and_exact(name, world_size, numel, lengths):
     assert torch.equal(payload, pack(x >= 0, layout))
 
 
+@pytest.mark.parametrize("bits,world_size", [(8, 2), (8, 4), (4, 2), (2, 1)])
+@pytest.mark.parametrize("numel,lengths", SHAPES)
+def test_qsum_local_read_before_launch_is_exact(bits, world_size, numel, lengths):
+    """qsum's own decode, read before its payload is launched (as the hook and the two-level path
+    do), is the reference's levels decoded, also after an in-place collective wrote the payload;
+    one-lane q8's payload is the levels themselves (no second copy)."""
+    red = REDUCERS[f"qsum-q{bits}"]
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g)
+    shared = codecs.segment_max_abs(x, lengths)
+    keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(lengths),), generator=g, dtype=torch.int64)
+    enc = red.encode(x, lengths, world_size, shared, keys)
+    local = enc.local
+    m = red.max_level(world_size)
+    safe = torch.where(shared > 0, shared, torch.ones_like(shared))
+    ref_levels, ref_payload = red._levels_reference(x, safe, lengths, m, keys)
+    assert torch.equal(enc.payload, ref_payload)
+    want = red.level_values(world_size, 1, x.device)[ref_levels.long()]
+    want = want * torch.repeat_interleave(shared, torch.tensor(lengths), output_size=numel)
+    enc.payload.fill_(0)  # what an in-place SUM all-reduce does to it
+    assert torch.equal(enc.local, local) and torch.allclose(local, want, rtol=0, atol=0)
+
+
 def test_encoded_keeps_plain_local():
     t = torch.ones(3)
     enc = Encoded(t, None, t)
