@@ -3,7 +3,8 @@ signcount, signgather, signscatter and qsum-q8 at W = 2, 4, 8, 16, and print the
 seconds (torch import included). Run it twice with one fresh numba cache directory: the first
 run compiles every kernel, the second loads them from the cache.
 
-    D=$(mktemp -d); for i in 1 2; do NUMBA_CACHE_DIR=$D OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/kernels_cold.py; done
+    D=$(mktemp -d)
+    for i in 1 2; do NUMBA_CACHE_DIR=$D OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/kernels_cold.py; done
 """
 import time
 
