@@ -118,6 +118,14 @@ prefetch_read = _prefetcher(False)
 prefetch_write = _prefetcher(True)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _read_ahead(x, b):
+    """Ask for the 4 lines of fp32 `x` that hold elements b + `_AHEAD` .. + 64 (the block a
+    64-element loop reads `_AHEAD` elements on)."""
+    for line in range(4):
+        prefetch_read(x, b + _AHEAD + 16 * line)
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _sign_chunk(xc, words, g, with_sq, ahead):
     """Votes of fp32 chunk `xc` ORed into the bit words at element g; returns the chunk's |x|
@@ -136,8 +144,7 @@ def _sign_chunk(xc, words, g, with_sq, ahead):
     for k in range(full):
         b = 64 * k
         if ahead:
-            for line in range(4):
-                prefetch_read(xc, b + _AHEAD + 16 * line)
+            _read_ahead(xc, b)
         xs = xc[b : b + 64]
         for i in range(64):
             v = xs[i]
@@ -470,7 +477,8 @@ def _level(xv, u, sc, one, half_m, top):
 def _round_run(xs, key, i0, sc, one, half_m, top, ls, ahead):
     """Levels of fp32 run `xs` (elements i0.. of its segment) into `ls`; the noise is computed
     here, never stored. 64 elements at a time, with `ahead` (when `xs` lies in memory, not in a
-    scratch buffer) asking for the input `_AHEAD` elements on (8% faster out of cache)."""
+    scratch buffer) asking for the input `_AHEAD` elements on (`_read_ahead`: 8% faster out of
+    cache)."""
     c, hi = counter(key, i0)
     zero = np.uint32(0)
     n = xs.size
@@ -478,8 +486,7 @@ def _round_run(xs, key, i0, sc, one, half_m, top, ls, ahead):
     for k in range(full):
         b = 64 * k
         if ahead:
-            for line in range(4):
-                prefetch_read(xs, b + _AHEAD + 16 * line)
+            _read_ahead(xs, b)
         xb = xs[b : b + 64]
         lb = ls[b : b + 64]
         for i in range(64):
