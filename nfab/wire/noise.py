@@ -12,8 +12,8 @@ The semantics (the one definition both implementations follow, bit for bit), on 
 i.e. the counter through `lowbias32` (C. Wellons' hash-prospector: a bijection of 32-bit words
 with near-ideal avalanche), cut to 24 bits. Within a segment the counter never repeats (the
 golden step is odd), so neither does u's word. 32-bit words, not splitmix64's 64: AVX2 has no
-64-bit multiply (`vpmullq` is AVX-512), and emulated it made the hash 70% of qsum's encode;
-in 32-bit lanes the compiled kernel hashes 8 elements per instruction. Nothing is
+64-bit multiply (`vpmullq` is AVX-512), and emulated, the hash took ~60% of qsum's rounding
+pass; in 32-bit lanes the compiled kernel hashes 8 elements per instruction. Nothing is
 materialised that a kernel must read: the compiled CPU kernels (`kernels.noise_u`) compute u
 where they round, and `uniform` here is the torch reference (int64 ops, on any device: CPU,
 CUDA, meta).

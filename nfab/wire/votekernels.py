@@ -147,7 +147,8 @@ def _emit(gt, eq, sh, ln, ties, lo, mid, hi, oc, rows, next_k0, next_nb):
 
     Each step also asks for the output ~1 KiB ahead (for writing) and for one line of the next
     chunk's row bytes (next_nb bytes from byte next_k0 of every row), spread over the loop:
-    out of cache that made the decode 5% faster at W = 2 and 15% at W = 16 (16 row streams)."""
+    out of cache, 4M elements, the decode went from 1.91 to 1.64 ms at W = 2 and from 2.66 to
+    2.10 ms at W = 16 (16 row streams)."""
     full = ln >> 6
     if sh:
         s = np.uint64(sh)
