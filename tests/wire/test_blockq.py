@@ -78,7 +78,7 @@ def _independent(xs: list[torch.Tensor], steps: int, block: int) -> tuple[torch.
         pos += length
     total = torch.zeros(n, dtype=torch.int64)
     # the counter-based noise, from its plain-integer statement (nfab.wire.noise): one 64-bit
-    # key per segment from the shared generator, u = splitmix64(key, index) + r/W (mod 1)
+    # key per segment from the shared generator, u = lowbias32(keyed counter of index) + r/W (mod 1)
     keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(LENGTHS),), generator=_gens(w)[0], dtype=torch.int64)
     for r, x in enumerate(xs):
         shift = (r << 24) // w
