@@ -103,8 +103,9 @@ def _prefetcher(write: bool):
             ty = signature.args[0]
             arr = context.make_array(ty)(context, builder, args[0])
             i8p = ir.IntType(8).as_pointer()
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+            # declare_intrinsic spells the pointer suffix as this llvmlite's LLVM wants it
+            fn = builder.module.declare_intrinsic(
+                "llvm.prefetch", [i8p], ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32]))
             ptr = builder.bitcast(cgutils.get_item_pointer(context, builder, ty, arr, [args[1]]), i8p)
             builder.call(fn, [ptr, ir.Constant(_I32, int(write)), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
             return context.get_dummy_value()
