@@ -39,8 +39,8 @@ def test_sign_encode_local_is_lazy_and_exact(name, world_size, numel, lengths):
 @pytest.mark.parametrize("numel,lengths", SHAPES)
 def test_qsum_local_read_before_launch_is_exact(bits, world_size, numel, lengths):
     """qsum's own decode, read before its payload is launched (as the hook and the two-level path
-    do), is the reference's levels decoded, also after an in-place collective wrote the payload;
-    one-lane q8's payload is the levels themselves (no second copy)."""
+    do), is the reference's levels decoded, and stays what was read once an in-place collective
+    has written the payload (one-lane q8's payload is its levels: no second copy to read later)."""
     red = REDUCERS[f"qsum-q{bits}"]
     g = torch.Generator().manual_seed(numel)
     x = torch.randn(numel, generator=g)
