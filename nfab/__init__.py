@@ -14,7 +14,7 @@ __all__ = ["Hierarchy", "Profile", "attach", "__version__"]
 if TYPE_CHECKING:
     from nfab.api import attach
     from nfab.profile.schema import Profile
-    from nfab.runtime.hierarchy import Hierarchy
+    from nfab.runtime.core.hierarchy import Hierarchy
 
 
 def __getattr__(name: str) -> Any:
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
 
         return Profile
     if name == "Hierarchy":
-        from nfab.runtime.hierarchy import Hierarchy
+        from nfab.runtime.core.hierarchy import Hierarchy
 
         return Hierarchy
     raise AttributeError(name)

@@ -12,11 +12,17 @@ from nfab.attach_checks import check_attach
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
-from nfab.runtime.hierarchy import Hierarchy, parse
-from nfab.runtime.hook import Runtime, nfab_hook
-from nfab.runtime.moment import NoiseMoment
-from nfab.runtime.optim import ERROR_FEEDBACK_CHOICES, Preconditioner, is_adaptive, is_sharded, resolve_error_feedback
-from nfab.runtime.scales import QSUM_SCALES
+from nfab.runtime.control.moment import NoiseMoment
+from nfab.runtime.control.optim import (
+    ERROR_FEEDBACK_CHOICES,
+    Preconditioner,
+    is_adaptive,
+    is_sharded,
+    resolve_error_feedback,
+)
+from nfab.runtime.core.hierarchy import Hierarchy, parse
+from nfab.runtime.core.scales import QSUM_SCALES
+from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
 
 log = logging.getLogger(__name__)
@@ -86,7 +92,7 @@ def attach(
     is ranks per node; "NODESxLOCAL" (e.g. "64x8") is checked against the world size; a
     `Hierarchy` says the same in code; None / "flat" (default) is the flat path. Consecutive
     global ranks share a node. Sign becomes a majority of node sums, not of ranks
-    (`nfab.runtime.hierarchy`); capacity, reducer choice and the cost gate see W = nodes.
+    (`nfab.runtime.core.hierarchy`); capacity, reducer choice and the cost gate see W = nodes.
     FP32 slices stay one plain all-reduce. One node, or one rank per node, runs flat.
     """
     if noise_moment not in ("auto", True, False) or not isinstance(noise_moment, bool | str):

@@ -17,12 +17,12 @@ from torch import nn
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
-from nfab.runtime.controller import Controller, Group, route_label
-from nfab.runtime.hierarchy import level_bytes
-from nfab.runtime.plan import BucketPlan, Slice
+from nfab.runtime.control.controller import Controller, Group, route_label
+from nfab.runtime.core.hierarchy import level_bytes
+from nfab.runtime.core.plan import BucketPlan, Slice
 from nfab.wire.codecs import ROUTES
 from nfab.wire.cost import CostModel, default_cost_model
-from nfab.wire.reducers import REDUCERS, candidates
+from nfab.wire.registry import REDUCERS, candidates
 
 FIRST_BUCKET_BYTES = 1 << 20
 

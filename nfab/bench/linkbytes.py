@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from nfab.bench.nodes import tx_bytes
-from nfab.wire.reducer import allreduce_factor
+from nfab.wire.contract import allreduce_factor
 
 POWERSGD_RANK = 2
 POWERSGD_MIN_COMPRESSION_RATE = 2.0

@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nfab.data import build_dataset, make_loader
 from nfab.data.loader import make_eval_loader
 from nfab.models import build_model
-from nfab.wire.reducers import allreduce_factor
+from nfab.wire.registry import allreduce_factor
 
 VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5",
                              "bq2", "bq2-nm", "bl5-nm", "profile", "profile-nm")

@@ -42,7 +42,7 @@ from nfab.fsutil import atomic_write, atomic_write_json
 from nfab.models.registry import load_factory
 from nfab.profile.schema import Health, Profile
 from nfab.validation import validate
-from nfab.wire.reducer import allreduce_factor
+from nfab.wire.contract import allreduce_factor
 
 TWO_D_REGIONS = ("linear", "embedding", "head", "other")
 """Regions that hold the 2-D weights of a Transformer (norms, biases and small tensors stay fp32)."""

@@ -24,7 +24,7 @@ import torch
 
 from nfab.fsutil import atomic_write_json
 from nfab.wire.cost import best_time, codec_work
-from nfab.wire.reducers import REDUCERS, Reducer
+from nfab.wire.registry import REDUCERS, Reducer
 
 WORLD_SIZES: tuple[int, ...] = (2, 4, 8, 16)
 

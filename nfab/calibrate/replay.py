@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nfab.wire.reducers import REDUCERS, BlockQSum, Reducer, candidates
+from nfab.wire.registry import REDUCERS, BlockQSum, Reducer, candidates
 
 
 def replay_reducer(route: str, world_size: int) -> Reducer | None:

@@ -51,7 +51,7 @@ from nfab.calibrate.trajectory import (
 from nfab.calibrate.validate import TOL_VALIDATE, Validation, validate_profile
 from nfab.models import model_signature
 from nfab.profile.schema import Profile, file_sha256
-from nfab.wire.reducers import REDUCERS
+from nfab.wire.registry import REDUCERS
 
 log = logging.getLogger(__name__)
 

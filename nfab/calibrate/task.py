@@ -21,8 +21,8 @@ from nfab.data.spec import SpecDataset
 from nfab.errors import ConfigError
 from nfab.models import ModelSpec, build_model
 from nfab.runtime.bindings import classify
-from nfab.runtime.moment import NoiseMoment
-from nfab.runtime.optim import Preconditioner, is_adaptive
+from nfab.runtime.control.moment import NoiseMoment
+from nfab.runtime.control.optim import Preconditioner, is_adaptive
 
 
 @dataclass(frozen=True, slots=True)

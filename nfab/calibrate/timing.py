@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from nfab.calibrate.summary import SHOWN
+from nfab.profile.evidence import SHOWN
 
 
 @dataclass(slots=True)

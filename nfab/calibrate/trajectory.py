@@ -16,8 +16,8 @@ import torch
 
 from nfab.calibrate.replay import fp32_mean, reduce_scaled, replay_reducer
 from nfab.calibrate.task import Task
-from nfab.runtime.moment import replay_variance
-from nfab.wire.blockq import BlockQSum
+from nfab.runtime.control.moment import replay_variance
+from nfab.wire.blockq.reducer import BlockQSum
 
 Tick = Callable[[], None]
 

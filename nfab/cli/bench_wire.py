@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         from nfab.bench.wire import WORLD_SIZES, bench_wire, measure_cost, write_rows
         from nfab.errors import ConfigError
         from nfab.fsutil import atomic_write_json
-        from nfab.wire.reducers import REDUCERS
+        from nfab.wire.registry import REDUCERS
 
         keys = [k.strip() for k in reducers.split(",") if k.strip()] if reducers else None
         unknown = [k for k in keys or [] if k not in REDUCERS]

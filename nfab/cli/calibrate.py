@@ -136,7 +136,7 @@ def register(app: typer.Typer) -> None:
                              tol_loss=tol_loss, validate=validate, tol_validate=tol_validate)
         except NfabError as exc:
             fail(str(exc))
-        from nfab.calibrate.summary import describe_timing, describe_validation
+        from nfab.profile.evidence import describe_timing, describe_validation
 
         console.print(profile_table(result.profile))
         if result.validation is not None:

@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
 def _layout(hierarchy: str | None, world_size: int) -> tuple[int, int] | None:
     """(nodes, ranks per node) from --hierarchy, checked against the world size; None: flat."""
     from nfab.errors import ConfigError
-    from nfab.runtime.hierarchy import parse
+    from nfab.runtime.core.hierarchy import parse
 
     h = parse(hierarchy)
     if h is None:

@@ -133,7 +133,7 @@ class CommConfig(StrictModel):
     @field_validator("hierarchy")
     @classmethod
     def _hierarchy(cls, v: str | int | None) -> str | int | None:
-        from nfab.runtime.hierarchy import parse
+        from nfab.runtime.core.hierarchy import parse
 
         try:
             parse(v)

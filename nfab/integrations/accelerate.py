@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
-from nfab.runtime.hook import Runtime
+from nfab.runtime.frontends.ddp import Runtime
 
 log = logging.getLogger(__name__)
 

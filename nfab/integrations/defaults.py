@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.profile.schema import Profile
-from nfab.runtime.hook import Runtime
+from nfab.runtime.frontends.ddp import Runtime
 
 
 def attach_with_defaults(

@@ -37,7 +37,7 @@ from nfab.integrations.defaults import attach_with_defaults
 from nfab.integrations.metrics import step_metrics
 from nfab.integrations.state import KEY, RankStates, restore
 from nfab.profile.schema import Profile
-from nfab.runtime.hook import Runtime
+from nfab.runtime.frontends.ddp import Runtime
 
 
 class NfabDDPStrategy(DDPStrategy):

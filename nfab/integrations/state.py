@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
 from nfab.fsutil import atomic_write_bytes
-from nfab.runtime.hook import Runtime
+from nfab.runtime.frontends.ddp import Runtime
 
 KEY = "nfab"
 """The key nfab's state goes under in a checkpoint dictionary."""

@@ -34,7 +34,7 @@ from nfab.integrations.defaults import attach_with_defaults
 from nfab.integrations.metrics import step_metrics
 from nfab.integrations.state import load_rank_file, save_rank_file
 from nfab.profile.schema import Profile
-from nfab.runtime.hook import Runtime
+from nfab.runtime.frontends.ddp import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -197,7 +197,7 @@ def calibration_table(cal: CalibrationArtifacts) -> pd.DataFrame:
 
 def calibration_notes(cal: CalibrationArtifacts) -> tuple[str, ...]:
     """The profile's validation line and the calibration's time split, as the calibrate command printed them."""
-    from nfab.calibrate.summary import describe_timing, describe_validation
+    from nfab.profile.evidence import describe_timing, describe_validation
 
     if cal.profile is None:
         return ()

@@ -1,1 +1,1 @@
-"""The DDP hook and its state: see `nfab.runtime.hook` for how the parts fit together."""
+"""The DDP hook and its state: see `nfab.runtime.frontends.ddp` for how the parts fit together."""

@@ -30,8 +30,8 @@ from nfab.errors import ConfigError, NfabError, ProfileError
 from nfab.fsutil import atomic_write_text
 from nfab.models import model_signature
 from nfab.profile.schema import Profile
-from nfab.runtime.controller import candidates
-from nfab.runtime.hierarchy import parse as parse_hierarchy
+from nfab.runtime.control.controller import candidates
+from nfab.runtime.core.hierarchy import parse as parse_hierarchy
 from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig, load_config
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE

@@ -26,7 +26,7 @@ from nfab.data import build_dataset, make_eval_loader
 from nfab.errors import NfabError
 from nfab.models import build_model, model_signature
 from nfab.profile.schema import file_sha256
-from nfab.runtime.hook import Runtime
+from nfab.runtime.frontends.ddp import Runtime
 from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary

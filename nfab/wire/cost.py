@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.errors import NfabError
-from nfab.wire.reducers import REDUCERS, Reducer
+from nfab.wire.registry import REDUCERS, Reducer
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +203,7 @@ def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 18, 
     each, a least-squares line through them;
     every rank then takes the slowest rank's timings (MAX) so all decide alike.
     """
-    from nfab.wire.reducer import all_gather_flat, reduce_scatter_flat
+    from nfab.wire.contract import all_gather_flat, reduce_scatter_flat
 
     w = dist.get_world_size(group)
     sizes = (256, large_numel // 8, large_numel)

@@ -22,12 +22,15 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from nfab.wire import lanes
-from nfab.wire.lanes import LaneLayout
+from nfab.wire.qsum import lanes
+from nfab.wire.qsum.lanes import LaneLayout
 from nfab.wire.slices import Slices
 
 try:
-    from nfab.wire import kernels, lanekernels, tritkernels, votekernels
+    from nfab.wire import kernels
+    from nfab.wire.qsum import lane_kernels as lanekernels
+    from nfab.wire.sign import trit_kernels as tritkernels
+    from nfab.wire.sign import vote_kernels as votekernels
 except ImportError:  # numba missing or unusable: the torch reference runs instead
     kernels = lanekernels = tritkernels = votekernels = None  # type: ignore[assignment]
 

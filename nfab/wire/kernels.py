@@ -1,7 +1,7 @@
 """Compiled CPU kernels for the codecs (numba): one pass over memory, no temporaries.
 
 Pure functions over numpy arrays (no torch). `nfab.wire.fastpath` decides when they
-apply and adapts tensors; `nfab.wire.lanes` holds the torch reference that runs on any
+apply and adapts tensors; `nfab.wire.qsum.lanes` holds the torch reference that runs on any
 device and defines what these kernels must produce, bit for bit. The lane-container kernels
 are in `lanekernels.py`, the majority vote's in `votekernels.py`.
 

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 from nfab.bench.wire import WORLD_SIZES, bench_wire, write_rows
 from nfab.cli.app import app
 from nfab.errors import ConfigError
-from nfab.wire.reducers import REDUCERS
+from nfab.wire.registry import REDUCERS
 
 KEYS = {"reducer", "world_size", "bits_per_element", "fp32_bits_per_element", "encode_decode_gbps",
         "copy_gbps", "ratio_to_copy", "capacity_ok"}

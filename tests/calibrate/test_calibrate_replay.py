@@ -7,7 +7,7 @@ import torch
 
 from nfab.calibrate.replay import fp32_mean, measure, reduce_virtual, replay_reducer
 from nfab.distributed import run_ranks
-from nfab.wire.reducers import REDUCERS
+from nfab.wire.registry import REDUCERS
 
 LENGTHS = [300, 7, 1024, 129]  # parameter numels of one region class, as the runtime's groups have them
 
@@ -114,7 +114,7 @@ def test_block_scaled_replay_rounds_in_the_preconditioned_space_and_sign_does_no
 def test_replay_mean_equals_the_replay_with_locals_bit_for_bit(world_size: int) -> None:
     """Replays without error feedback skip the ranks' local decodes: every registered reducer
     must give the very mean its full replay gives (same generators, same bits)."""
-    from nfab.wire.reducers import REDUCERS
+    from nfab.wire.registry import REDUCERS
 
     lengths = [700, 64, 3, 1233]
     g = torch.Generator().manual_seed(5)

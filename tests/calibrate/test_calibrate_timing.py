@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from nfab.calibrate.summary import describe_timing, describe_validation
 from nfab.calibrate.timing import StageClock
+from nfab.profile.evidence import describe_timing, describe_validation
 
 
 def test_split_charges_each_stage_and_states_the_ratio() -> None:
@@ -37,7 +37,7 @@ def test_validation_line_names_changes_and_why_it_stopped() -> None:
 
 
 def test_split_has_wall_and_cpu_seconds_for_every_shown_stage() -> None:
-    from nfab.calibrate.summary import SHOWN
+    from nfab.profile.evidence import SHOWN
 
     clock = StageClock()
     with clock.stage("reference"):

@@ -62,7 +62,7 @@ def test_gpt_task_has_lm_regions() -> None:
 def _independent_variance(xs: list, lengths: tuple[int, ...], q, block: int, levels: int) -> torch.Tensor:
     """(2s/M)^2 (W+1)/(12W^2) q^2, each block's s the smallest table scale covering the ranks' max
     |x/q| in it, blocks restarting per parameter: written out from the definition, not from nfab."""
-    from nfab.wire.blockq import SCALES
+    from nfab.wire.blockq.reducer import SCALES
 
     w = len(xs)
     absmax = torch.stack([(x / q).abs() for x in xs]).amax(0)

@@ -191,7 +191,7 @@ def _noisy(ref_eval: dict[int, float], val: list[float], steps: list[int], gap: 
 
 
 def test_validation_on_a_noisy_reference_passes_in_one_round_and_says_why() -> None:
-    from nfab.calibrate.summary import describe_validation
+    from nfab.profile.evidence import describe_validation
 
     task = tiny()
     ref = run_reference(task)

@@ -22,8 +22,8 @@ import nfab  # noqa: E402
 from nfab.bench.userloop import health_with  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
-from nfab.wire.blockq import SCALES, scale_codes  # noqa: E402
-from nfab.wire.reducers import candidates  # noqa: E402
+from nfab.wire.blockq.reducer import SCALES, scale_codes  # noqa: E402
+from nfab.wire.registry import candidates  # noqa: E402
 
 BQ = {"conv": "bq3-128", "linear": "bq4", "embedding": "bq8", "norm": "fp32"}
 BQ_BESIDE_SIGN = {**BQ, "bias": "sign"}  # a signgather slice: the bucket travels as one all-gather

@@ -20,7 +20,7 @@ import twins  # noqa: E402
 
 import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
-from nfab.wire.blockqscatter import BlockQScatter  # noqa: E402
+from nfab.wire.blockq.scatter import BlockQScatter  # noqa: E402
 from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
 ROUTE = {"norm": "fp32", "bias": "fp32", "small": "bq2", "conv": "bq2", "linear": "bq2",

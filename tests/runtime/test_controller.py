@@ -1,8 +1,8 @@
 """Route choice: sign picks its reducer by bytes or by the cost model; the gate falls back with a reason."""
 
 from nfab.profile.schema import Profile
-from nfab.runtime.controller import Controller
-from nfab.runtime.plan import BucketPlan, Slice
+from nfab.runtime.control.controller import Controller
+from nfab.runtime.core.plan import BucketPlan, Slice
 from nfab.wire.cost import CostModel, LinkCost
 
 PLAN = BucketPlan((1, 2), (Slice(0, 1 << 20, "conv.weight", "conv"), Slice(1 << 20, 64, "bn.weight", "norm")),

@@ -166,7 +166,7 @@ class _SyncChecked:
 
 
 def _runtime_cls():
-    from nfab.runtime.hook import Runtime
+    from nfab.runtime.frontends.ddp import Runtime
 
     return type("SyncChecked", (_SyncChecked, Runtime), {})
 
@@ -204,7 +204,7 @@ def _reference_ok(route: str, g: torch.Tensor, got: torch.Tensor, w: int, scale_
 
 def _routes_run(rank: int, world_size: int, case: str) -> dict:
     from nfab.profile.schema import Profile
-    from nfab.runtime.hook import nfab_hook
+    from nfab.runtime.frontends.ddp import nfab_hook
 
     routes, ef, qsum_scale, force = ROUTE_CASES[case]
     torch.backends.cudnn.deterministic = True  # the twin's conv gradient as DDP's (references above)

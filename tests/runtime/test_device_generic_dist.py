@@ -27,9 +27,9 @@ import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
-from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
-from nfab.runtime.moment import NoiseMoment  # noqa: E402
-from nfab.runtime.optim import Preconditioner  # noqa: E402
+from nfab.runtime.control.moment import NoiseMoment  # noqa: E402
+from nfab.runtime.control.optim import Preconditioner  # noqa: E402
+from nfab.runtime.frontends.ddp import Runtime, nfab_hook  # noqa: E402
 from nfab.wire import cost as cost_mod  # noqa: E402
 
 ROUTES = {"conv": "sign", "linear": "q8", "embedding": "bq3", "head": "sign", "norm": "bf16", "bias": "q4",

@@ -7,7 +7,7 @@ import math
 import torch
 
 from nfab.profile.schema import Health
-from nfab.runtime.fidelity import (
+from nfab.runtime.control.fidelity import (
     PARAM_SAMPLES,
     RegionFidelity,
     bucket_probe,
@@ -16,7 +16,7 @@ from nfab.runtime.fidelity import (
     sample,
     sample_layout,
 )
-from nfab.runtime.health import HealthState, Observation, update
+from nfab.runtime.control.health import HealthState, Observation, update
 
 CFG = Health(cooldown_steps=4, readmit_after=2, warmup_steps=0, drift_demote_after=0, min_trend_cosine=0.5,
              trend_beta=0.5, trend_min_probes=2, max_backoff=4)

@@ -3,7 +3,7 @@
 import math
 
 from nfab.profile.schema import Health
-from nfab.runtime.health import HealthState, Observation, update
+from nfab.runtime.control.health import HealthState, Observation, update
 
 CFG = Health(loss_spike_ratio=2.0, grad_norm_jump=5.0, cooldown_steps=3, readmit_after=2, warmup_steps=2,
              baseline_beta=0.5, min_fidelity_cosine=0.3)

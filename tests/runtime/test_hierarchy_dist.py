@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from nfab.distributed import run_ranks
 from nfab.errors import NfabError
-from nfab.runtime import hierarchy as hier
-from nfab.wire.reducers import REDUCERS
+from nfab.runtime.core import hierarchy as hier
+from nfab.wire.registry import REDUCERS
 
 NUMEL, LENGTHS = 1001, [300, 5, 696]  # odd: the last shard is padded; segments cut by shard boundaries
 KEYS = ("allreduce-fp32", "allreduce-bf16", "signgather", "signcount", "signscatter", "qsum-q8")

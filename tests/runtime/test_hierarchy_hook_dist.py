@@ -23,8 +23,8 @@ import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
-from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
-from nfab.wire.reducers import allreduce_factor  # noqa: E402
+from nfab.runtime.frontends.ddp import Runtime, nfab_hook  # noqa: E402
+from nfab.wire.registry import allreduce_factor  # noqa: E402
 
 pytestmark = pytest.mark.world_size(4)
 
@@ -200,7 +200,7 @@ def test_fp32_route_with_a_hierarchy_is_plain_ddp(runs):
 
 def test_capacity_is_checked_at_w_nodes(runs):
     """q2 leaves fewer than 2 levels per rank at W=4 (flat: over capacity), 2 levels at W = 2 nodes."""
-    from nfab.wire.reducers import REDUCERS
+    from nfab.wire.registry import REDUCERS
 
     assert not REDUCERS["qsum-q2"].capacity(4).ok and REDUCERS["qsum-q2"].capacity(2).ok
     _, inter, _, _, elements, reason = runs[0]["q2-two"]["stats"][0]

@@ -28,8 +28,8 @@ import twins  # noqa: E402
 from hostguard import HostReads  # noqa: E402
 
 from nfab.profile.schema import Profile  # noqa: E402
-from nfab.runtime.hook import Runtime, nfab_hook  # noqa: E402
-from nfab.runtime.optim import Preconditioner  # noqa: E402
+from nfab.runtime.control.optim import Preconditioner  # noqa: E402
+from nfab.runtime.frontends.ddp import Runtime, nfab_hook  # noqa: E402
 from nfab.wire import fastpath  # noqa: E402
 from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 

@@ -17,10 +17,10 @@ from test_blockq_hook_dist import _block_scale  # noqa: E402
 
 import nfab  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
-from nfab.runtime.moment import FLOOR, rounding_variance  # noqa: E402
+from nfab.runtime.control.moment import FLOOR, rounding_variance  # noqa: E402
 from nfab.wire import noise  # noqa: E402
-from nfab.wire.blockq import scale_codes  # noqa: E402
-from nfab.wire.reducers import candidates  # noqa: E402
+from nfab.wire.blockq.reducer import scale_codes  # noqa: E402
+from nfab.wire.registry import candidates  # noqa: E402
 
 
 @pytest.mark.parametrize("route", ["bq2", "bl5", "bq3"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nfab.runtime.optim import Preconditioner, is_adaptive, resolve_error_feedback
+from nfab.runtime.control.optim import Preconditioner, is_adaptive, resolve_error_feedback
 
 
 def _params():

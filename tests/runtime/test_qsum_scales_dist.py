@@ -25,7 +25,7 @@ import twins  # noqa: E402
 import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
-from nfab.runtime.hook import AMAX_HISTORY  # noqa: E402
+from nfab.runtime.frontends.ddp import AMAX_HISTORY  # noqa: E402
 from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
 SUMMED = {"conv": "q8", "linear": "q4", "norm": "q8", "bias": "q8"}

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from nfab.runtime import coalesce, control
-from nfab.runtime.controller import Group
-from nfab.runtime.plan import Slice
+from nfab.runtime.control import word as control
+from nfab.runtime.control.controller import Group
+from nfab.runtime.core import coalesce
+from nfab.runtime.core.plan import Slice
 from nfab.wire import fastpath
 
 

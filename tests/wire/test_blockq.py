@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from nfab.distributed import run_ranks
-from nfab.wire.blockq import SCALES, BlockQSum, route_name, scale_codes
+from nfab.wire.blockq.reducer import SCALES, BlockQSum, route_name, scale_codes
 from nfab.wire.noise import uniform_scalar
-from nfab.wire.reducers import REDUCERS, candidates
+from nfab.wire.registry import REDUCERS, candidates
 
 LENGTHS = [100, 64, 1, 835, 7]
 """Segments that do not divide into blocks: blocks restart at every segment."""
@@ -181,7 +181,7 @@ def test_summed_replay_equals_the_packed_lanes_bit_for_bit(levels, world_size):
     """Replay sums the ranks' levels directly (`_replay_summed`); the generic path packs them in
     lanes (bit or radix), adds the containers and unpacks: same means and locals, bit for bit."""
     from nfab.wire import noise
-    from nfab.wire.reducer import Reducer
+    from nfab.wire.contract import Reducer
 
     for block in (64, 256):
         red = BlockQSum(levels=levels, block=block)

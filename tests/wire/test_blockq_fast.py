@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
-from nfab.wire import blockq, fastpath, noise
-from nfab.wire.blockq import BlockQSum, scale_codes
-from nfab.wire.radix import RadixLayout, radix_layout, unpack
+from nfab.wire import fastpath, noise
+from nfab.wire.blockq import reducer as blockq
+from nfab.wire.blockq.radix import RadixLayout, radix_layout, unpack
+from nfab.wire.blockq.reducer import BlockQSum, scale_codes
 
 pytestmark = pytest.mark.skipif(blockq.blockkernels is None or not fastpath.AVAILABLE,
                                 reason="numba not installed: only the torch reference runs")

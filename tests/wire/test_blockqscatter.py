@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from nfab.distributed import run_ranks
-from nfab.wire import blockq, fastpath, noise
-from nfab.wire.blockqscatter import BlockQScatter, consecutive
+from nfab.wire import fastpath, noise
+from nfab.wire.blockq import reducer as blockq
+from nfab.wire.blockq.scatter import BlockQScatter, consecutive
+from nfab.wire.contract import Reducer
 from nfab.wire.cost import default_cost_model
-from nfab.wire.lanes import layout_for
-from nfab.wire.reducer import Reducer
-from nfab.wire.reducers import REDUCERS, candidates
+from nfab.wire.qsum.lanes import layout_for
+from nfab.wire.registry import REDUCERS, candidates
 
 KEYS = ["bq2", "bq3", "bq4-128", "bq8", "bl5", "bl6"]
 LENGTHS = [37, 1000, 3, 513, 0, 8, 64]

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from nfab.wire import codecs, fastpath, lanes
-from nfab.wire.lanes import count_lane_bits, layout_for, pack, unpack
+from nfab.wire import codecs, fastpath
+from nfab.wire.qsum import lanes
+from nfab.wire.qsum.lanes import count_lane_bits, layout_for, pack, unpack
 
 SIZES = [0, 1, 7, 8, 21, 22, 63, 1001]
 
@@ -60,7 +61,7 @@ def test_sign_fast_paths_on_zeros_nan_and_strided_input():
 @pytest.mark.parametrize("lengths", [[37], [5, 17, 1, 40, 0, 9], [16, 8, 0, 24, 41]])  # last: byte-aligned starts
 def test_decode_into_per_segment_destinations_matches_one_tensor(key, world_size, lengths):
     """A mixed bucket's decode writes each slice at its own offset: same bits as decode + scatter."""
-    from nfab.wire.reducers import REDUCERS
+    from nfab.wire.registry import REDUCERS
 
     red = REDUCERS[key]
     if not red.capacity(world_size).ok:

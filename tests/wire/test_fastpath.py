@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nfab.wire import codecs, fastpath, lanes
-from nfab.wire.lanes import count_lane_bits, layout_for
-from nfab.wire.reducers import REDUCERS
+from nfab.wire import codecs, fastpath
+from nfab.wire.qsum import lanes
+from nfab.wire.qsum.lanes import count_lane_bits, layout_for
+from nfab.wire.registry import REDUCERS
 
 pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
 
@@ -89,7 +90,7 @@ def test_votes_to_lanes_match_pack(world_size, numel):
 def test_vote_spread_writes_every_container(world_size, numel):
     """The spread kernels take np.empty buffers: containers past the last element come out 0,
     whatever the buffer held."""
-    from nfab.wire import lanekernels
+    from nfab.wire.qsum import lane_kernels as lanekernels
 
     layout = layout_for(count_lane_bits(world_size))
     x = _x(numel, world_size)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from nfab.wire import codecs
-from nfab.wire.lanes import layout_for, pack
-from nfab.wire.reducers import REDUCERS, Encoded
+from nfab.wire.qsum.lanes import layout_for, pack
+from nfab.wire.registry import REDUCERS, Encoded
 
 SHAPES = [
     (1, [1]),
@@ -69,7 +69,7 @@ def test_encoded_keeps_plain_local():
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 8, 15, 16])
 @pytest.mark.parametrize("numel,lengths", [(1, [1]), (13, [13]), (1001, [400, 601]), (600_001, [600_000, 1])])
 def test_signgather_decode_matches_counted_votes(vote, world_size, numel, lengths):
-    from nfab.wire.reducers import SignGather
+    from nfab.wire.registry import SignGather
 
     red = SignGather(vote)
     g = torch.Generator().manual_seed(world_size * 31 + numel)
@@ -107,7 +107,7 @@ def test_decode_into_out_matches(name, numel, lengths):
 @pytest.mark.parametrize("lengths", [[1], [13], [5, 17, 1, 40, 9], [70000, 3, 66000]])
 def test_signgather_encode_from_views_matches_encode_of_the_copy(lengths):
     """A mixed bucket's sign slices are encoded where they lie: same payload, scales and local."""
-    from nfab.wire.reducers import REDUCERS
+    from nfab.wire.registry import REDUCERS
 
     red = REDUCERS["signgather"]
     g = torch.Generator().manual_seed(sum(lengths))

@@ -9,8 +9,9 @@ votes sit right past their end.
 import pytest
 import torch
 
-from nfab.wire import fastpath, lanes
-from nfab.wire.lanes import count_lane_bits, layout_for
+from nfab.wire import fastpath
+from nfab.wire.qsum import lanes
+from nfab.wire.qsum.lanes import count_lane_bits, layout_for
 
 pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nfab.wire.lanes import count_lane_bits, layout_for, pack, unpack
+from nfab.wire.qsum.lanes import count_lane_bits, layout_for, pack, unpack
 
 
 @pytest.mark.parametrize("w,bits", [(1, 1), (2, 2), (3, 2), (4, 3), (7, 3), (8, 4), (15, 4), (16, 5), (64, 7)])

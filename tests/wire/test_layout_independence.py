@@ -8,7 +8,7 @@ run would drift from an uninterrupted one.
 import pytest
 import torch
 
-from nfab.wire.reducers import REDUCERS
+from nfab.wire.registry import REDUCERS
 
 
 @pytest.mark.parametrize("key", ["signcount", "signgather"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nfab.wire import codecs, fastpath, noise
-from nfab.wire.reducers import REDUCERS
+from nfab.wire.registry import REDUCERS
 
 pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="compiled kernels unavailable")
 

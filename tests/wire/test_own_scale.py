@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nfab.wire import fastpath, noise
-from nfab.wire.reducers import REDUCERS
+from nfab.wire.registry import REDUCERS
 from nfab.wire.slices import Slices
 
 pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")

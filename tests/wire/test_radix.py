@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nfab.wire.radix import pack, radix_layout, unpack
+from nfab.wire.blockq.radix import pack, radix_layout, unpack
 
 
 @pytest.mark.parametrize("radix", [2, 7, 13, 25, 29, 61, 4081])

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from nfab.distributed import run_ranks
 from nfab.errors import CapacityError
-from nfab.wire.reducers import REDUCERS, QSum, SignCount
+from nfab.wire.registry import REDUCERS, QSum, SignCount
 
 LENGTHS = [37, 1000, 3, 513]  # odd sizes: not a multiple of any lane count
 

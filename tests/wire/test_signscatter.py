@@ -13,9 +13,9 @@ import torch
 from nfab.distributed import run_ranks
 from nfab.wire import fastpath
 from nfab.wire.cost import default_cost_model
-from nfab.wire.lanes import layout_for, pack, unpack
-from nfab.wire.reducers import REDUCERS, SignScatter
-from nfab.wire.signscatter import pack_trits, unpack_trits
+from nfab.wire.qsum.lanes import layout_for, pack, unpack
+from nfab.wire.registry import REDUCERS, SignScatter
+from nfab.wire.sign.scatter import pack_trits, unpack_trits
 
 LENGTHS = [37, 1000, 3, 513, 0, 8]
 

@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from nfab.wire import codecs, fastpath, noise
-from nfab.wire.lanes import layout_for, pack
-from nfab.wire.reducer import (
+from nfab.wire.contract import (
     Capacity,
     Encoded,
     Out,
@@ -23,6 +22,7 @@ from nfab.wire.reducer import (
     split_out,
     write_into,
 )
+from nfab.wire.qsum.lanes import layout_for, pack
 from nfab.wire.slices import Slices
 
 

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nfab.profile.schema import Health
-from nfab.runtime.fidelity import RegionFidelity
+from nfab.runtime.control.fidelity import RegionFidelity
 from nfab.runtime.stats import StepStats
 
 log = logging.getLogger(__name__)

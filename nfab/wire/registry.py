@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 
 from nfab.wire import codecs
-from nfab.wire.blockq import BlockQSum, block_reducers
-from nfab.wire.blockqscatter import BlockQScatter, scatter_reducers
-from nfab.wire.qsum import QSum
-from nfab.wire.reducer import (  # re-exported: the reducer contract lives in reducer.py
+from nfab.wire.blockq.reducer import BlockQSum, block_reducers
+from nfab.wire.blockq.scatter import BlockQScatter, scatter_reducers
+from nfab.wire.contract import (  # re-exported: the reducer contract lives in reducer.py
     Capacity,
     Encoded,
     Reducer,
@@ -33,8 +32,9 @@ from nfab.wire.reducer import (  # re-exported: the reducer contract lives in re
     mean_of_ranks,
     write_into,
 )
-from nfab.wire.sign import SignCount, SignGather
-from nfab.wire.signscatter import SignScatter
+from nfab.wire.qsum.reducer import QSum
+from nfab.wire.sign.reducers import SignCount, SignGather
+from nfab.wire.sign.scatter import SignScatter
 
 __all__ = [
     "REDUCERS", "AllReduce", "BlockQScatter", "BlockQSum", "Capacity", "Encoded", "QSum", "Reducer", "SignCount",

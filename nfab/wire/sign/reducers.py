@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 from nfab.wire import codecs, fastpath
-from nfab.wire.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
-from nfab.wire.reducer import (
+from nfab.wire.contract import (
     Capacity,
     Encoded,
     Out,
@@ -24,6 +23,7 @@ from nfab.wire.reducer import (
     split_out,
     write_into,
 )
+from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
 from nfab.wire.slices import Slices
 
 

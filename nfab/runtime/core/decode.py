@@ -16,17 +16,18 @@ from functools import partial
 import numpy as np
 import torch
 
-from nfab.runtime import control, fidelity
-from nfab.runtime.controller import FP32, Group
-from nfab.runtime.encode import slices, views
-from nfab.runtime.handoff import Launch, Outcome, Sent
-from nfab.runtime.moment import NoiseMoment, rounding_variance
+from nfab.runtime.control import fidelity
+from nfab.runtime.control import word as control
+from nfab.runtime.control.controller import FP32, Group
+from nfab.runtime.control.moment import NoiseMoment, rounding_variance
+from nfab.runtime.core.encode import slices, views
+from nfab.runtime.core.handoff import Launch, Outcome, Sent
 from nfab.wire import fastpath
-from nfab.wire.blockq import BlockQSum
+from nfab.wire.blockq.reducer import BlockQSum
 from nfab.wire.codecs import nonfinite_sum
-from nfab.wire.qsum import QSum
-from nfab.wire.reducer import write_into
-from nfab.wire.reducers import REDUCERS, mean_of_ranks
+from nfab.wire.contract import write_into
+from nfab.wire.qsum.reducer import QSum
+from nfab.wire.registry import REDUCERS, mean_of_ranks
 
 
 def finish_bucket(launch: Launch, world_size: int,

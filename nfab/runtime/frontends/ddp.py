@@ -52,23 +52,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.profile.schema import Profile
-from nfab.runtime import agreement as agreement_mod
-from nfab.runtime import coalesce, control, encode, twolevel
-from nfab.runtime import health as health_mod
 from nfab.runtime.bindings import classify
-from nfab.runtime.controller import BucketRoutes, Controller
-from nfab.runtime.decode import finish_bucket
-from nfab.runtime.fidelity import RegionFidelity
-from nfab.runtime.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
-from nfab.runtime.handoff import HOOK_PHASES, Encoded, Launch, Outcome
-from nfab.runtime.hierarchy import Hierarchy
-from nfab.runtime.moment import NoiseMoment
-from nfab.runtime.optim import Preconditioner
-from nfab.runtime.plan import BucketPlan, build_plan, plan_key
-from nfab.runtime.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
+from nfab.runtime.control import health as health_mod
+from nfab.runtime.control import word as control
+from nfab.runtime.control.controller import BucketRoutes, Controller
+from nfab.runtime.control.fidelity import RegionFidelity
+from nfab.runtime.control.moment import NoiseMoment
+from nfab.runtime.control.optim import Preconditioner
+from nfab.runtime.core import agreement as agreement_mod
+from nfab.runtime.core import coalesce, encode, twolevel
+from nfab.runtime.core.decode import finish_bucket
+from nfab.runtime.core.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
+from nfab.runtime.core.handoff import HOOK_PHASES, Encoded, Launch, Outcome
+from nfab.runtime.core.hierarchy import Hierarchy
+from nfab.runtime.core.plan import BucketPlan, build_plan, plan_key
+from nfab.runtime.core.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
 from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
-from nfab.wire.reducers import allreduce_factor
+from nfab.wire.registry import allreduce_factor
 
 __all__ = ["AMAX_HISTORY", "HOOK_PHASES", "QSUM_SCALES", "Runtime", "nfab_hook"]
 

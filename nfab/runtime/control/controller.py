@@ -17,9 +17,9 @@ import numpy as np
 
 from nfab.errors import CapacityError
 from nfab.profile.schema import Phase, Profile
-from nfab.runtime.plan import BucketPlan, Slice
+from nfab.runtime.core.plan import BucketPlan, Slice
 from nfab.wire.cost import CostModel
-from nfab.wire.reducers import REDUCERS, candidates
+from nfab.wire.registry import REDUCERS, candidates
 
 log = logging.getLogger(__name__)
 

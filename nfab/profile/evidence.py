@@ -1,4 +1,4 @@
-"""One-line summaries of a calibration's cost and validation, for the CLI and the report.
+"""One-line summaries of a calibration's cost and validation, read from the profile's own evidence.
 
 Both read the JSON-safe forms stored in the artifacts (profile.json's `evidence.validation`
 and `provenance.timing`), so a report of an old calibration prints the same line the

@@ -42,11 +42,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import fastpath, radix
-from nfab.wire.blockq import BlockQSum, _block_bounds, _compiled, blockkernels, pack_any
-from nfab.wire.lanes import LaneLayout, pack, unpack
-from nfab.wire.radix import RadixLayout
-from nfab.wire.reducer import TwoPhaseReducer, allgather_factor, allreduce_factor, write_into
+from nfab.wire import fastpath
+from nfab.wire.blockq.radix import RadixLayout
+from nfab.wire.blockq.reducer import BlockQSum, _block_bounds, _compiled, blockkernels, pack_any, radix
+from nfab.wire.contract import TwoPhaseReducer, allgather_factor, allreduce_factor, write_into
+from nfab.wire.qsum.lanes import LaneLayout, pack, unpack
 
 
 def per_container(layout: LaneLayout | RadixLayout) -> int:

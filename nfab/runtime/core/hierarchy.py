@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.errors import NfabError
-from nfab.wire.reducer import Capacity, Reducer, all_gather_flat
+from nfab.wire.contract import Capacity, Reducer, all_gather_flat
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,7 +295,7 @@ def level_bytes(numel: int, reducer: Reducer, nodes: int, local_world: int, dtyp
 def paper_rows(numel: int, layouts: Sequence[tuple[int, int]], routes: Sequence[str] = ("fp32", "sign", "q8", "q4"),
                ) -> list[dict[str, object]]:
     """Flat vs two-level bytes per rank for `numel` elements (one segment), cheapest exact reducer each."""
-    from nfab.wire.reducers import candidates
+    from nfab.wire.registry import candidates
 
     def cheapest(route: str, world: int, n: int) -> Reducer | None:
         ok = [r for r in candidates(route) if r.capacity(world).ok]
@@ -319,7 +319,7 @@ def paper_rows(numel: int, layouts: Sequence[tuple[int, int]], routes: Sequence[
     return rows
 
 
-if __name__ == "__main__":  # python -m nfab.runtime.hierarchy NUMEL NODESxLOCAL ...: the README's table
+if __name__ == "__main__":  # python -m nfab.runtime.core.hierarchy NUMEL NODESxLOCAL ...: the README's table
     import json
     import sys
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nfab.runtime.coalesce import Part
-from nfab.runtime.control import Columns
-from nfab.runtime.controller import BucketRoutes, Group
-from nfab.runtime.plan import BucketPlan
+from nfab.runtime.control.controller import BucketRoutes, Group
+from nfab.runtime.control.word import Columns
+from nfab.runtime.core.coalesce import Part
+from nfab.runtime.core.plan import BucketPlan
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.wire import codecs, fastpath
-from nfab.wire.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
-from nfab.wire.reducer import (
+from nfab.wire.contract import (
     Capacity,
     Encoded,
     Reducer,
@@ -40,7 +39,8 @@ from nfab.wire.reducer import (
     split_out,
     write_into,
 )
-from nfab.wire.sign import count_lane_capacity
+from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
+from nfab.wire.sign.reducers import count_lane_capacity
 
 _SHARD_ALIGN = 40  # shard sizes are a multiple of 8 (whole vote bytes) and 5 (whole trit bytes)
 _TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nfab.wire.blockq import BlockQSum
+from nfab.wire.blockq.reducer import BlockQSum
 
 
 def rounding_variance(reducer: BlockQSum, codes: torch.Tensor, lengths: Sequence[int], world_size: int,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nfab.wire.reducers import REDUCERS, allreduce_factor
+from nfab.wire.registry import REDUCERS, allreduce_factor
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from nfab.runtime import control, fidelity
-from nfab.runtime.fidelity import RegionFidelity
-from nfab.runtime.handoff import Launch, Outcome
-from nfab.runtime.health import HealthEvent
+from nfab.runtime.control import fidelity
+from nfab.runtime.control import word as control
+from nfab.runtime.control.fidelity import RegionFidelity
+from nfab.runtime.control.health import HealthEvent
+from nfab.runtime.core.handoff import Launch, Outcome
 from nfab.runtime.stats import StepStats
 
 

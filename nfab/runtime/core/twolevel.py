@@ -41,13 +41,14 @@ import torch
 import torch.distributed as dist
 
 from nfab.errors import NfabError
-from nfab.runtime import control, encode
-from nfab.runtime import hierarchy as hier
-from nfab.runtime.controller import Group
-from nfab.runtime.handoff import Encoded, Launch, LevelSent
+from nfab.runtime.control import word as control
+from nfab.runtime.control.controller import Group
+from nfab.runtime.core import encode
+from nfab.runtime.core import hierarchy as hier
+from nfab.runtime.core.handoff import Encoded, Launch, LevelSent
 from nfab.wire import noise
-from nfab.wire.blockq import BlockQSum
-from nfab.wire.reducers import REDUCERS, Reducer, gather_scales
+from nfab.wire.blockq.reducer import BlockQSum
+from nfab.wire.registry import REDUCERS, Reducer, gather_scales
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.runtime import coalesce, control, fidelity
-from nfab.runtime.agreement import Agreement
-from nfab.runtime.controller import FP32, BucketRoutes, Group
-from nfab.runtime.handoff import Encoded, Probe, Sent
-from nfab.runtime.plan import BucketPlan
-from nfab.runtime.scales import AmaxHistory
+from nfab.runtime.control import fidelity
+from nfab.runtime.control import word as control
+from nfab.runtime.control.controller import FP32, BucketRoutes, Group
+from nfab.runtime.core import coalesce
+from nfab.runtime.core.agreement import Agreement
+from nfab.runtime.core.handoff import Encoded, Probe, Sent
+from nfab.runtime.core.plan import BucketPlan
+from nfab.runtime.core.scales import AmaxHistory
 from nfab.wire import fastpath, noise
-from nfab.wire.blockq import BlockQSum
-from nfab.wire.qsum import QSum
-from nfab.wire.reducers import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
+from nfab.wire.blockq.reducer import BlockQSum
+from nfab.wire.qsum.reducer import QSum
+from nfab.wire.registry import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 from nfab.wire.slices import Slices
 
 

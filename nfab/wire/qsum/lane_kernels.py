@@ -2,7 +2,7 @@
 
 Pure functions over numpy arrays, split from `kernels.py` by topic. uint8 containers and the
 wider int32 / int64 ones have separate entry points, so each is compiled only for the
-container types it serves (a cold compile pays for what a run uses). `nfab.wire.lanes` holds
+container types it serves (a cold compile pays for what a run uses). `nfab.wire.qsum.lanes` holds
 the torch reference these kernels must match bit for bit.
 """
 

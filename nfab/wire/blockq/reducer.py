@@ -47,14 +47,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import fastpath, noise, radix
+from nfab.wire import fastpath, noise
+from nfab.wire.blockq import radix
+from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.codecs import nonfinite_sum
-from nfab.wire.lanes import LaneLayout, layout_for, pack
-from nfab.wire.radix import RadixLayout
-from nfab.wire.reducer import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
+from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
+from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
 
 try:
-    from nfab.wire import blockkernels
+    from nfab.wire.blockq import kernels as blockkernels
 except ImportError:  # numba missing or unusable: the torch reference runs instead
     blockkernels = None  # type: ignore[assignment]
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nfab.runtime.controller import Group
+from nfab.runtime.control.controller import Group
 from nfab.wire import fastpath
 from nfab.wire.cost import CostModel
-from nfab.wire.reducers import REDUCERS, allgather_factor
+from nfab.wire.registry import REDUCERS, allgather_factor
 
 SIGNGATHER = "signgather"
 ALIGN = 8

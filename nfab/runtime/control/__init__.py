@@ -1,0 +1,1 @@
+"""The control: controller (routes), control word, health, fidelity probes, optimizer-aware moment."""

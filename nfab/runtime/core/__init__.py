@@ -1,0 +1,1 @@
+"""The reduction core of one step: bucket plan -> encode and launch -> decode -> fold into statistics."""

@@ -1,0 +1,1 @@
+"""Front ends: how a framework's reduction call reaches the reduction core (DDP's GradBucket hook)."""

@@ -1,0 +1,1 @@
+"""Block-scaled qsum: one scale per block, levels summed exactly in radix lanes; reference, scatter and kernels."""

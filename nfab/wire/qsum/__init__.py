@@ -1,0 +1,1 @@
+"""qsum: stochastically rounded levels packed into integer lanes and summed exactly; lanes and lane kernels."""
