@@ -4,8 +4,8 @@ numba's registries and the fp32 sign kernel, loaded from numba's cache. Never fa
 import torch
 
 try:
-    from nfab.wire import fastpath
+    from nfab.wire.sign import host as sign_host
 
-    fastpath.sign_votes(torch.ones(64), [64])
+    sign_host.sign_votes(torch.ones(64), [64])
 except Exception:  # noqa: BLE001 - a warm-up only: a rank loads what it needs itself
     pass
