@@ -50,10 +50,10 @@ import torch.distributed as dist
 from nfab.wire import dispatch, host_slices, noise
 from nfab.wire.blockq import radix
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
+from nfab.wire.segments import nonfinite_sum
 
 try:
     from nfab.wire.blockq import kernels as blockkernels
