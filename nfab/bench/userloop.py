@@ -141,7 +141,7 @@ def _rank_loop(rank: int, world: int, cfg: UserLoopConfig) -> dict[str, Any] | N
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for step in range(cfg.steps):
-        idx = torch.randint(len(train), (cfg.batch_size,), generator=sampler).tolist()
+        idx = torch.randint(len(train), (cfg.batch_size,), generator=sampler, device="cpu").tolist()
         x = torch.stack([train[i][0] for i in idx])
         y = torch.stack([train[i][1] for i in idx])
         logits = ddp(x)
@@ -165,7 +165,7 @@ def _rank_loop(rank: int, world: int, cfg: UserLoopConfig) -> dict[str, Any] | N
             row["val_loss"] = _evaluate(model, val, cfg.eval_windows) if rank == 0 else math.nan
         rows.append(row)
     checksum = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().sum().reshape(1)
-    sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+    sums = [torch.zeros(1, dtype=torch.float64, device="cpu") for _ in range(world)]
     dist.all_gather(sums, checksum)
     if rank != 0:
         return None

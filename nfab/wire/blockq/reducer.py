@@ -64,9 +64,11 @@ DEFAULT_BLOCK = 64
 CODE_OFFSET = 160
 CODES_PER_OCTAVE = 4
 SCALES = torch.tensor(
-    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32
+    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32,
+    device="cpu",
 )
-"""The scale each uint8 code stands for (increasing; code 0 = all-zero block)."""
+"""The scale each uint8 code stands for (increasing; code 0 = all-zero block). On the CPU by name:
+made at import, it must not take the caller's default device (`torch.set_default_device`)."""
 LEVEL_BITS = (2, 3, 4, 8)
 """Bits of levels of the `bq<bits>` routes (2^bits levels), registered at every block size."""
 EXTRA_LEVELS = (5, 6)
