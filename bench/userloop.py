@@ -1,4 +1,10 @@
-"""The study's training loop: a user's plain DDP loop, with one communication variant plugged in.
+"""The one user-loop harness: a user's plain DDP loop, with one communication variant plugged in.
+
+`nfab bench study` trains every variant of a setting here; `python -m bench.userloop` (from the
+repository root) runs one setting with a few variants and prints their rows, e.g.
+
+    python -m bench.userloop --setting heldout --variants fp32,sign-ef,profile
+    python -m bench.userloop --setting heldout --variants route:2d=bq3 --steps 100 --world-size 2
 
 The study judges nfab where a user meets it: a hand-written loop (`DistributedDataParallel`,
 an optimizer at a constant learning rate, `loss.backward()`, `opt.step()`), on W gloo ranks
@@ -16,11 +22,14 @@ spawned here. The variant decides only what the loop registers on DDP:
 | `bq2` | the same with 4 levels (base-13 digits at W=4: past 8x fewer bytes) |
 | `profile` | `nfab.attach(profile, optimizer=opt)`: a calibrated profile as a user runs it ("auto" moment) |
 | `bq2-nm`, `bl5-nm`, `profile-nm` | the same with `noise_moment=True` (rounding noise out of Adam's v) |
+| `route:SPEC`, `route-ef:SPEC` | any static route (route grammar, or `2d=R`: R on the 2-D weights, rest fp32) |
+
+`route-ef:` forces error feedback on.
 
 The static block routes pass `noise_moment=False` (attach's "auto" would turn it on under
 Adam) so that they measure the route itself; `-nm` measures the correction on top.
 
-Every nfab variant hands `attach` the optimizer, as the README tells users to: nfab then
+Every nfab variant hands `attach` the optimizer, as docs/api.md tells users to: nfab then
 knows the optimizer family (error feedback) and its second moment (the drift monitor).
 
 nfab variants run with `cost_model=None`: on loopback a measured cost model finds FP32
@@ -34,14 +43,17 @@ runtime's `step_stats()`.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
 import json
 import math
 import os
 import socket
+import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -52,86 +64,39 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from nfab.bench.studyspec import NOISE_MOMENT, ROUTE_EF_VARIANT, ROUTE_VARIANT, SETTINGS, VARIANTS, RunResult, Setting
 from nfab.data import build_dataset, make_loader
 from nfab.data.loader import make_eval_loader
+from nfab.errors import NfabError
 from nfab.models import build_model
 from nfab.wire.reducers import allreduce_factor
 
-VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5",
-                             "bq2", "bq2-nm", "bl5-nm", "profile", "profile-nm")
-NOISE_MOMENT = "-nm"
-"""Variant suffix: the same attach with `noise_moment=True` (runtime/moment.py)."""
+TWO_D_REGIONS = ("linear", "embedding", "head", "other")
+"""Regions that hold the 2-D weights of a Transformer (norms, biases and small tensors stay fp32)."""
+
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
 COLLECTIVE_TIMEOUT_S = 300
 """A rank stuck in a collective this long fails the setting instead of hanging the study."""
 POWERSGD_START_ITER = 2
 """PowerSGD runs vanilla all-reduce for this many steps first (its own warm-up)."""
+def parse_route(text: str) -> str | dict[str, str]:
+    """`R` (every region), `2d=R`, or `region=R,region=R` (the regions not named stay fp32)."""
+    if "=" not in text:
+        return text
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        key, _, route = part.partition("=")
+        out.update({r: route for r in TWO_D_REGIONS} if key == "2d" else {key: route})
+    return out
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Setting:
-    """One study setting: model, data, optimizer, steps and world size, and the profile nfab brings."""
-
-    name: str
-    model: str
-    dataset: str
-    metric: str
-    """`loss` (final held-out loss, lower is better) or `accuracy` (higher is better)."""
-    profile: str | None
-    """The calibrated profile the `profile` variant attaches (relative to the repository root)."""
-    model_options: dict[str, Any] = field(default_factory=dict)
-    routes_only: bool = False
-    """Apply only the profile's routes, not its model check (tests shrink the model, so its
-    parameter layout differs from the calibrated one by design; a real setting never does)."""
-    data_options: dict[str, Any] = field(default_factory=dict)
-    optimizer: str = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9
-    betas: tuple[float, float] = (0.9, 0.95)
-    batch_size: int = 16
-    """Per rank."""
-    steps: int = 300
-    world_size: int = 4
-    eval_samples: int = 1024
-    """Held-out samples evaluated at the end (the first ones of the test split, every rank a shard)."""
-    note: str = ""
-
-    def __post_init__(self) -> None:
-        if self.metric not in ("loss", "accuracy"):
-            raise ValueError(f"metric must be 'loss' or 'accuracy', got {self.metric!r}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
-        if min(self.steps, self.world_size, self.batch_size, self.eval_samples) < 1:
-            raise ValueError("steps, world_size, batch_size and eval_samples must be >= 1")
-
-
-@dataclass(slots=True)
-class RunResult:
-    """One (setting, variant) run, as rank 0 saw it."""
-
-    setting: str
-    variant: str
-    ok: bool
-    seed: int = 0
-    """Model init, data order and rounding noise; the same for every variant of one seed."""
-    steps: int = 0
-    world_size: int = 0
-    eval_loss: float | None = None
-    eval_accuracy: float | None = None
-    wire_mb: float | None = None
-    """MB each rank sent over the run (10^6 bytes)."""
-    fp32_mb: float | None = None
-    """MB plain FP32 DDP sends for the same gradients."""
-    ratio: float | None = None
-    """fp32_mb / wire_mb."""
-    fallback_steps: int | None = None
-    """nfab variants: steps with a safety fallback (health, capacity, non-finite)."""
-    health_events: list[str] = field(default_factory=list)
-    """nfab variants: the health monitor's events (first 20)."""
-    wall_s: float = 0.0
-    error: str = ""
+def _custom_route(variant: str) -> tuple[str | dict[str, str], bool] | None:
+    """`route:SPEC` / `route-ef:SPEC`: the parsed route and whether error feedback is forced on."""
+    for prefix, ef in ((ROUTE_VARIANT, False), (ROUTE_EF_VARIANT, True)):
+        if variant.startswith(prefix) and variant[len(prefix):]:
+            return parse_route(variant[len(prefix):]), ef
+    return None
 
 
 def _free_port() -> int:
@@ -144,7 +109,7 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
                  root: Path | None = None) -> list[RunResult]:
     """Spawn W gloo ranks once; they train `setting` with each variant in turn (a fresh model,
     optimizer and DDP each time, same seed). One result per variant, as rank 0 saw it."""
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and _custom_route(v) is None]
     if bad:
         raise ValueError(f"unknown variant {bad[0]!r} (known: {', '.join(VARIANTS)})")
     results: dict[str, RunResult] = {}
@@ -234,6 +199,9 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
             prof = prof.model_copy(update={"model": prof.model.model_copy(update={"signature": None})})
         runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
                               head_modules=spec.head_modules, noise_moment=True if noise_moment else "auto")
+    elif (custom := _custom_route(variant)) is not None:  # any static route, as a user writes it
+        runtime = nfab.attach(ddp, route=custom[0], optimizer=opt, error_feedback=True if custom[1] else "auto",
+                              cost_model=None, seed=seed, total_steps=setting.steps, head_modules=spec.head_modules)
     elif base != "fp32":  # a static route everywhere
         runtime = nfab.attach(ddp, route=base.removesuffix("-ef"), optimizer=opt,
                               error_feedback=True if base == "sign-ef" else "auto", cost_model=None, seed=seed,
@@ -294,3 +262,39 @@ def _evaluate(module: torch.nn.Module, test: Any, task: str, setting: Setting, r
         sums[2] += k
     dist.all_reduce(sums)
     return float(sums[0]), float(sums[1]), max(float(sums[2]), 1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a few variants of one study setting and print one JSON row per variant."""
+    ap = argparse.ArgumentParser(prog="python -m bench.userloop", description=main.__doc__)
+    ap.add_argument("--setting", default="heldout", help=f"one of {', '.join(SETTINGS)}")
+    ap.add_argument("--variants", default="fp32", help="comma-separated: " + ", ".join(VARIANTS)
+                    + ", route:SPEC or route-ef:SPEC")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--world-size", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        if a.setting not in SETTINGS:
+            raise ValueError(f"unknown study setting {a.setting!r} (known: {', '.join(SETTINGS)})")
+        changes = {k: v for k, v in (("steps", a.steps), ("world_size", a.world_size)) if v is not None}
+        setting = dataclasses.replace(SETTINGS[a.setting], **changes)
+        variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+        for v in variants:
+            custom = _custom_route(v)
+            if custom is not None:
+                import nfab
+
+                nfab.Profile.static(custom[0])  # an unknown route or region: one line here, not one per rank
+            elif v not in VARIANTS:
+                raise ValueError(f"unknown variant {v!r} (known: {', '.join(VARIANTS)}, route:SPEC, route-ef:SPEC)")
+    except (ValueError, TypeError, NfabError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for row in run_variants(setting, variants, seed=a.seed):
+        print(json.dumps(asdict(row)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,11 +1,11 @@
 """A second model nfab was never tuned on, written after the first profile work had landed.
 
-`heldout.py` was the model the control work was measured on, so by now nfab is partly tuned
+`gpt.py` was the model the control work was measured on, so by now nfab is partly tuned
 to it. This one is a check no route or threshold was chosen on: a byte-level language model
 built from torch's own `nn.TransformerEncoder` (pre-norm layers with their fused attention,
 three of them, d=96, GELU), a causal mask, learned positions and an *untied* head, the way a
 user who reaches for torch's stock layers writes one. It is not in the model registry:
-`nfab calibrate nfab.bench.heldout2:user_lm --dataset stdlib-text`.
+`nfab calibrate bench.heldout.encoder:user_lm --dataset stdlib-text`.
 
 Class attributes (read by nfab's model registry) declare what a user model would: a language
 model over bytes (vocab 256) trained with AdamW.
@@ -49,5 +49,5 @@ class UserLM(nn.Module):
 
 
 def user_lm(n_layer: int = 3, d_model: int = 96, n_head: int = 4) -> UserLM:
-    """Factory for `module:factory` use (`nfab.bench.heldout2:user_lm`)."""
+    """Factory for `module:factory` use (`bench.heldout.encoder:user_lm`)."""
     return UserLM(n_layer=n_layer, d_model=d_model, n_head=n_head)

@@ -1,12 +1,12 @@
 """A third model nfab was never tuned on, written after the noise-corrected second moment landed.
 
-The moment correction was worked out on `heldout2` (its learning-rate evidence), so that model
+The moment correction was worked out on `encoder.py` (its learning-rate evidence), so that model
 no longer counts as unseen. This one was written afterwards and nothing was chosen on it: a
 byte-level GPT the way a user who follows recent recipes writes one -- its own attention
 through `F.scaled_dot_product_attention`, RMSNorm (`nn.RMSNorm`), a SwiGLU MLP without biases,
 four layers at d=64, and a head tied to the token embedding -- trained with plain Adam
 (β2 = 0.999, no weight decay), not the AdamW (β2 = 0.95) of the other settings. It is not in
-the model registry: `nfab calibrate nfab.bench.heldout3:user_swiglu --dataset stdlib-text`.
+the model registry: `nfab calibrate bench.heldout.swiglu:user_swiglu --dataset stdlib-text`.
 """
 
 from __future__ import annotations
@@ -70,5 +70,5 @@ class UserSwiGLU(nn.Module):
 
 
 def user_swiglu(n_layer: int = 4, d_model: int = 64, n_head: int = 4) -> UserSwiGLU:
-    """Factory for `module:factory` use (`nfab.bench.heldout3:user_swiglu`)."""
+    """Factory for `module:factory` use (`bench.heldout.swiglu:user_swiglu`)."""
     return UserSwiGLU(n_layer=n_layer, d_model=d_model, n_head=n_head)

@@ -4,7 +4,7 @@ Judging nfab only on its own study models overfits the product to them. This mod
 deliberately *not* in the model registry and does not use nfab's own attention or GPT
 code: it is torch's `nn.MultiheadAttention`, pre-norm blocks, learned positions and a
 head tied to the token embedding, as in a user's repository. Use it as a user model,
-`nfab calibrate nfab.bench.heldout:user_gpt --dataset stdlib-text`, or build it directly.
+`nfab calibrate bench.heldout.gpt:user_gpt --dataset stdlib-text`, or build it directly.
 
 Class attributes (read by nfab's model registry) tell nfab what a user model would declare: it is a language model
 trained with AdamW over bytes (vocab 256).
@@ -65,5 +65,5 @@ class UserGPT(nn.Module):
 
 
 def user_gpt(n_layer: int = 2, d_model: int = 128, n_head: int = 4) -> UserGPT:
-    """Factory for `module:factory` use (`nfab.bench.heldout:user_gpt`)."""
+    """Factory for `module:factory` use (`bench.heldout.gpt:user_gpt`)."""
     return UserGPT(n_layer=n_layer, d_model=d_model, n_head=n_head)
