@@ -35,9 +35,9 @@ def test_int32_hash_is_the_python_definition_on_both_layouts():
     """`uniform` hashes in int32 lanes: a slice per segment up to `_FEW_SEGMENTS` segments, one
     gather past them; both with a stratum's shift, against the plain-integer statement."""
     g = torch.Generator().manual_seed(3)
-    for segments in (noise._FEW_SEGMENTS, noise._FEW_SEGMENTS + 5):
-        keys = torch.randint(-(1 << 63), (1 << 63) - 1, (segments,), generator=g, dtype=torch.int64)
-        lengths = torch.randint(0, 40, (segments,), generator=g).tolist()
+    for count in (noise._FEW_SEGMENTS, noise._FEW_SEGMENTS + 5):
+        keys = torch.randint(-(1 << 63), (1 << 63) - 1, (count,), generator=g, dtype=torch.int64)
+        lengths = torch.randint(0, 40, (count,), generator=g).tolist()
         shift = (1 << 24) - 7
         want = [noise.uniform_scalar(k, i, shift) for k, n in zip(keys.tolist(), lengths, strict=True)
                 for i in range(n)]
