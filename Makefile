@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=20
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m 'not slow'
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m 'not slow' --durations=10
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m cuda -rs
