@@ -1,0 +1,90 @@
+"""Exact low-bit reduce-scatter of one group's rows: what FSDP2's reduce-scatter becomes under nfab.
+
+The input is (W, Cp): row r is what rank r receives the mean of (a group's share of the FSDP2
+chunk, copied and padded to whole containers). Each codec reuses the DDP lanes' own halves
+(`BlockQScatter`, `SignScatter`); only the first half runs, and each rank decodes only its row:
+
+- block-scaled qsum (bqN): the agreed uint8 block codes (one blocking MAX all-reduce, the same
+  codes as on DDP), the stratified levels of `BlockQSum.encode`, each row packed densely at one
+  rank's width (`BlockQScatter.pack_levels`), one `all_to_all_single`, and the row's owner sums the
+  W ranks' levels exactly (`owner_step`) and decodes its row (`BlockQSum.decode`): the same values
+  the all-reduce of `BlockQSum` gives for that row, bit for bit;
+- sign: count lanes sized for W per row (`SignScatter.encode`), one SUM `reduce_scatter_tensor`,
+  the owner's majority (`owner_step`) times the rank-mean of each segment's mean |x|.
+
+Every rank encodes every row with the same segment table (`shards.row_segments`), so the scale
+codes and the sign scales of row r are the same vector on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nfab.wire import noise
+from nfab.wire.blockq.reducer import BlockQSum
+from nfab.wire.blockq.scatter import BlockQScatter
+from nfab.wire.contract import allgather_factor, allreduce_factor, gather_scales
+from nfab.wire.sign.scatter import SignScatter, reduce_scatter_factor
+
+
+@dataclass(frozen=True, slots=True)
+class RowResult:
+    """This rank's row of the mean (fp32, `padded` elements) and what it cost on the wire."""
+
+    mean: torch.Tensor
+    wire_bytes: float
+    collectives: int
+
+
+def padded_row(red: BlockQScatter | SignScatter, numel: int, world_size: int) -> int:
+    """Elements a row of `numel` is padded to: whole containers of the codec's shards."""
+    return red.shard_numel(world_size * numel, world_size)
+
+
+def block_reduce_scatter(red: BlockQScatter, rows: torch.Tensor, segments: Sequence[Sequence[int]],
+                         seeds: np.ndarray, rank: int, group: dist.ProcessGroup | None) -> RowResult:
+    """Mean of row `rank` over the W ranks' `rows` (W, Cp), block-scaled: `segments[r]` is row r's
+    segment table, `seeds` one noise seed per segment of all rows (the same on every rank)."""
+    w, cp = rows.shape
+    flat_lengths = [n for seg in segments for n in seg]
+    x = rows.reshape(-1)
+    codes = red.agree(red.local_scale(x, flat_lengths), group)  # blocking uint8 MAX, as on DDP
+    stratum = noise.Stratum(noise.Seeds(seeds), rank, w)
+    enc = red.encode(x, flat_lengths, w, codes, stratum)  # BlockQSum's levels, rows packed at one rank's width
+    received = red.scatter(enc.payload, w, group)  # all_to_all_single: every rank's levels of my row
+    sums = red.owner_step(received, w)  # exact integer sums, packed in layout(W)
+    before = sum(red.blocks_for(n) for seg in segments[:rank] for n in seg)
+    mine = sum(red.blocks_for(n) for n in segments[rank])
+    row_codes = codes[before : before + mine]
+    mean = BlockQSum.decode(red, sums, row_codes, cp, list(segments[rank]), w)
+    nbytes = (reduce_scatter_factor(w) * enc.payload.numel() * enc.payload.element_size()
+              + allreduce_factor(w) * codes.numel())
+    return RowResult(mean, nbytes, 2)
+
+
+def sign_reduce_scatter(red: SignScatter, rows: torch.Tensor, segments: Sequence[Sequence[int]], rank: int,
+                        group: dist.ProcessGroup | None) -> RowResult:
+    """Majority sign of row `rank` over the W ranks' `rows`, times the rank-mean of each segment's
+    mean |x| (all-gathered: every rank's scales, averaged in rank order as on DDP)."""
+    w, cp = rows.shape
+    flat_lengths = [n for seg in segments for n in seg]
+    enc = red.encode(rows.reshape(-1), flat_lengths, w)
+    counts = red.scatter(enc.payload, w, group)  # SUM reduce-scatter of count lanes: my row's counts
+    majority = red.owner_step(counts, w)
+    scales = gather_scales(enc.scales.to(rows.device), w, group)
+    first = sum(len(seg) for seg in segments[:rank])
+    row_scales = scales[first : first + len(segments[rank])]
+    mean = red.decode(majority, row_scales, cp, list(segments[rank]), w)
+    nbytes = (reduce_scatter_factor(w) * enc.payload.numel() * enc.payload.element_size()
+              + allgather_factor(w) * enc.scales.numel() * 4)
+    return RowResult(mean, nbytes, 2)
+
+
+def plain_bytes(numel: int, world_size: int, element_size: int) -> float:
+    """Bytes one rank sends in a ring reduce-scatter of a (W, numel) input: (W-1)/W of it."""
+    return reduce_scatter_factor(world_size) * world_size * numel * element_size
