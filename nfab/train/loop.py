@@ -26,6 +26,7 @@ from nfab.errors import NfabError
 from nfab.models import build_model, model_signature
 from nfab.profile.schema import file_sha256
 from nfab.runtime.frontends.ddp import Runtime
+from nfab.runtime.frontends.fsdp import ShardedRuntime
 from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
@@ -119,9 +120,9 @@ def _cost_model(cfg: TrainConfig, wrapped: Wrapped, saved: str | None) -> cost_m
     return cost_mod.CostModel.load(choice)
 
 
-def _levels(runtime: Runtime | None) -> str | None:
+def _levels(runtime: Runtime | ShardedRuntime | None) -> str | None:
     """"NODESxLOCAL" when the hook reduces in two levels, else None (flat)."""
-    two = runtime.two_level if runtime is not None else None
+    two = getattr(runtime, "two_level", None)  # FSDP2's reduce-scatter is one level
     return f"{two.topology.nodes}x{two.topology.local_world}" if two is not None else None
 
 
@@ -188,7 +189,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     _at(f"setup ({cfg.parallel.upper()} construction, cost-model measurement)")
     wrapped = wrap(spec, cfg.parallel, device, cfg.comm.bucket_mb)
     model = wrapped.model
-    runtime: Runtime | None = None
+    runtime: Runtime | ShardedRuntime | None = None
     cost_json = shared.get("cost_model")
     # after wrapping (FSDP swaps in sharded parameters), before attach (nfab reads its family and state)
     optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
@@ -219,7 +220,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         "model": spec.name, "dataset": cfg.data.name, "world_size": world, "parallel": cfg.parallel,
         "route": route_label(cfg),
         "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb, "hierarchy": _levels(runtime),
-        "noise_moment": runtime is not None and runtime.moment is not None,  # comm.noise_moment as resolved
+        "noise_moment": getattr(runtime, "moment", None) is not None,  # comm.noise_moment as resolved
         "profile": {"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)} if cfg.comm.profile else None,
         "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
     }
@@ -316,7 +317,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     return json.loads((run_dir / SUMMARY_FILE).read_text())
 
 
-def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, wrapped: Wrapped,
+def _step_row(runtime: Runtime | ShardedRuntime | None, step: int, lr: float, plain_bytes: int, wrapped: Wrapped,
               device: torch.device) -> dict[str, Any]:
     """The metrics row of a step that just finished its backward (loss and times are filled by the caller)."""
     if runtime is None:

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.world_size(2)]
 
 STEPS = 4
 ARGS = [*GPT, "--steps", str(STEPS), "checkpoint_every=2", "eval_every=2", "accum_steps=2", "optim.grad_clip=1.0",
-        "--parallel", "fsdp", "--nproc", "2", "--fp32"]
+        "--parallel", "fsdp", "--nproc", "2", "--route", "sign"]
 
 
 def _state(run_dir: Path) -> dict:
