@@ -12,7 +12,9 @@ import torch
 from trainrun import GPT, metrics, nfab_train
 
 from nfab.errors import NfabError
+from nfab.inspect_fsdp import inspect_fsdp
 from nfab.models import build_model
+from nfab.profile.schema import Profile
 from nfab.train.config import TrainConfig
 from nfab.train.loop import _check_parallel
 from nfab.train.parallel import plain_wire_bytes
@@ -44,9 +46,14 @@ def test_fsdp_run_and_its_resume(tmp_path: Path) -> None:
     s = json.loads((full / "summary.json").read_text())
     assert s["parallel"] == "fsdp" and s["complete"] and s["replicas_identical"] is None  # sharded: no replicas
     m = metrics(full)
-    plain = plain_wire_bytes(build_model("gpt", size="nano", device="meta").module, 2, "fsdp")
+    spec = build_model("gpt", size="nano", device="meta", block_size=64)  # the config's data.block_size
+    plain = plain_wire_bytes(spec.module, 2, "fsdp")
     assert (m["baseline_wire_bytes"] == plain).all()  # FSDP2's reduce-scatter: (W-1)/W of the FP32 gradients
     assert m["loss"].iloc[-1] < m["loss"].iloc[0]
+    assert (m["route_mix"] == '{"sign": 1.0}').all()
+    paper = inspect_fsdp("gpt", spec.module, Profile.static("sign"), 2, explicit=True, shard_units=spec.shard_units,
+                         head_modules=spec.head_modules)
+    assert (m["wire_bytes"] / paper.wire_bytes).between(0.99, 1.01).all()  # `nfab inspect --parallel fsdp`
     a, b = _state(full), _state(crashed)
     assert a["step"] == b["step"] == STEPS
     assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
