@@ -9,6 +9,7 @@ end adds how its collectives are launched and folds each step through `fold`.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -20,21 +21,26 @@ from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
 
 STATE_VERSION = 1
+HISTORY_STEPS = 4096
+"""Steps of statistics kept (bounded: a run of days must not grow)."""
 
 
 class RuntimeState:
     """Routes, health and statistics of one model on one rank, whatever wraps the model."""
 
     def __init__(self, profile: Profile, world_size: int, rank: int, *, explicit: bool,
-                 cost_model: CostModel | None, total_steps: int | None, seed: int) -> None:
+                 cost_model: CostModel | None, total_steps: int | None, seed: int,
+                 route_world_size: int | None = None) -> None:
+        """`route_world_size`: the W routes are decided at (DDP's two-level path: the nodes), else W."""
         self.profile = profile
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
-        self.controller = Controller(profile, world_size, cost_model, explicit=explicit, total_steps=total_steps)
+        self.controller = Controller(profile, route_world_size or world_size, cost_model, explicit=explicit,
+                                     total_steps=total_steps)
         self.health = health_mod.HealthState()
         self.step = 0
-        self.history: list[StepStats] = []
+        self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)
         self.events: list[health_mod.HealthEvent] = []
         self._loss_local: torch.Tensor | float | None = None
 

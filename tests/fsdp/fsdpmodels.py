@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import nfab
+from nfab.runtime.frontends.fsdp import NfabReduceScatter
 
 
 class Block(nn.Module):
@@ -52,14 +53,18 @@ def batch(rank: int, step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor
 
 
 def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 1, clip: float | None = 1.0,
-          reduce_dtype: torch.dtype | None = None, resume_at: int | None = None) -> dict:
+          reduce_dtype: torch.dtype | None = None, resume_at: int | None = None, inf_step: int | None = None,
+          meta: bool = False) -> dict:
     """A user's FSDP2 loop: accumulation via set_requires_gradient_sync, clipping, AdamW. With
-    `resume_at`, everything (model shards, optimizer, nfab) is saved there and a fresh copy continues."""
+    `resume_at`, everything (model shards, optimizer, nfab) is saved there and a fresh copy continues;
+    at `inf_step` rank 0's loss is infinite; `meta`: nfab's comms run with the meta device as default."""
     def build() -> tuple[Tiny, torch.optim.Optimizer, object]:
         torch.manual_seed(0)
         model = shard(Tiny(), reduce_dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         rt = nfab.attach(model, route=route, optimizer=opt, cost_model=None) if route is not None else None
+        for comm in rt.comms if meta and rt is not None else ():
+            comm.__class__ = MetaDefaultComm
         return model, opt, rt
 
     model, opt, rt = build()
@@ -79,7 +84,9 @@ def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 
         for micro in range(accumulate):
             model.set_requires_gradient_sync(micro == accumulate - 1)
             x, y = batch(rank, step * accumulate + micro)
-            loss = nn.functional.cross_entropy(model(x), y) / accumulate  # noqa: PLW2901
+            loss = nn.functional.cross_entropy(model(x), y) / accumulate
+            if step == inf_step and rank == 0:
+                loss = loss * float("inf")
             if rt is not None and micro == accumulate - 1:
                 rt.observe_loss(loss)
             loss.backward()
@@ -87,10 +94,20 @@ def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
+        assert all(p.grad is None or bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
         if rt is not None:
             stats.append(rt.step_stats())
     params = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
     return {"losses": losses, "params": params, "stats": stats}
+
+
+class MetaDefaultComm(NfabReduceScatter):
+    """nfab's comm run with the meta device as the default: an allocation that does not name the
+    gradient's device fails (as a default-device allocation would on CUDA)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN201
+        with torch.device("meta"):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def _clone(obj):  # noqa: ANN001, ANN202 - an optimizer state dict, deep-copied (DTensors included)

@@ -21,8 +21,9 @@ import fsdpmodels  # noqa: E402
 
 import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
+from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.core import rowscatter  # noqa: E402
-from nfab.runtime.frontends.fsdp import codec_for  # noqa: E402
+from nfab.runtime.frontends.fsdp import codec_for, plan_layouts, step_wire_bytes  # noqa: E402
 from nfab.wire import noise  # noqa: E402
 from nfab.wire.blockq.scatter import BlockQScatter  # noqa: E402
 from nfab.wire.contract import reduce_scatter_flat  # noqa: E402
@@ -102,7 +103,14 @@ def _exact(rank: int, world_size: int, route, op_name: str) -> list[str]:
                 else:
                     assert torch.equal(got, want), (g.key, (got - want).abs().max())
                 checked.append(g.key)
-        rt.step_stats()
+        st = rt.step_stats()
+        # what inspect counts without a process group is what the runtime sent
+        counted = step_wire_bytes([c.layout for c in rt.comms], Profile.static(route))
+        assert int(counted.nfab) == st.wire_bytes, (counted, st.wire_bytes)
+        assert counted.route_elements == st.route_elements
+    bare = fsdpmodels.Tiny()
+    planned = plan_layouts(bare, list(bare.blocks), world_size)
+    assert sorted(planned, key=str) == sorted((c.layout for c in rt.comms), key=str)
     return checked
 
 

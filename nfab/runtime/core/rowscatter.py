@@ -85,6 +85,18 @@ def sign_reduce_scatter(red: SignScatter, rows: torch.Tensor, segments: Sequence
     return RowResult(mean, nbytes, 2)
 
 
+def lossy_bytes(red: BlockQScatter | SignScatter, segments: Sequence[Sequence[int]], world_size: int) -> float:
+    """Bytes one rank sends reducing a group's rows (`segments`: every row's table, padded rows) by
+    `block_reduce_scatter` / `sign_reduce_scatter`: what they count, computed without running them."""
+    w = world_size
+    padded = sum(segments[0])
+    payload = red.payload_bytes(w * padded, w)
+    if isinstance(red, BlockQScatter):
+        blocks = sum(red.blocks_for(n) for seg in segments for n in seg)
+        return reduce_scatter_factor(w) * payload + allreduce_factor(w) * blocks
+    return reduce_scatter_factor(w) * payload + allgather_factor(w) * sum(len(seg) for seg in segments) * 4
+
+
 def plain_bytes(numel: int, world_size: int, element_size: int) -> float:
     """Bytes one rank sends in a ring reduce-scatter of a (W, numel) input: (W-1)/W of it."""
     return reduce_scatter_factor(world_size) * world_size * numel * element_size

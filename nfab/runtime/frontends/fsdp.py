@@ -162,10 +162,10 @@ class ShardedRuntime(RuntimeState):
         """All-gather this rank's [|g|^2 of the input, loss] (loss: NaN but in the step's first call)."""
         sq = torch.linalg.vector_norm(inp, dtype=torch.float32).square()
         loss = self.take_loss() if not self._records else None
-        if loss is None:
-            loss_t = torch.full((), math.nan, dtype=torch.float32, device=inp.device)
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.to(device=inp.device, dtype=torch.float32).reshape(())
         else:
-            loss_t = torch.as_tensor(loss, dtype=torch.float32).to(inp.device).reshape(())
+            loss_t = torch.full((), math.nan if loss is None else loss, dtype=torch.float32, device=inp.device)
         mine = torch.stack([sq, loss_t])
         word = torch.empty(self.world_size * 2, dtype=torch.float32, device=inp.device)
         work = all_gather_flat(word, mine, group=group, async_op=True)
@@ -404,3 +404,69 @@ def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | st
         bad = sorted(r for r in profile.routes_used() if r not in FSDP_ROUTES)
         if bad:
             raise NfabError(f"route {', '.join(bad)} is not offered on FSDP2 (routes: {', '.join(FSDP_ROUTES)})")
+
+
+@dataclass(frozen=True, slots=True)
+class StepBytes:
+    """Reduce-scatter bytes one rank sends per step: nfab's, and plain FSDP2's in fp32 and bf16."""
+
+    nfab: float
+    fsdp_fp32: float
+    fsdp_bf16: float
+    route_elements: dict[str, int]
+
+
+def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: bool = True, step: int = 0,
+                    cost_model: CostModel | None = None) -> StepBytes:
+    """What a step of `profile` sends per rank over `layouts` (one per FSDP2 module, at their W), with
+    no process group (`nfab inspect --parallel fsdp`, on meta): the counts `ShardedRuntime` reports."""
+    from nfab.runtime.control.controller import Controller
+
+    if not layouts:
+        return StepBytes(0.0, 0.0, 0.0, {})
+    w = layouts[0].world_size
+    ctl = Controller(profile, w, cost_model, explicit=explicit)
+    phase = ctl.phase(step)
+    nbytes, fp32, bf16, elements = 0.0, 0.0, 0.0, {}
+    for lay in layouts:
+        nbytes += allgather_factor(w) * 8.0  # the control word
+        fp32 += rowscatter.plain_bytes(lay.chunk, w, 4)
+        bf16 += rowscatter.plain_bytes(lay.chunk, w, 2)
+        real = lay.by_name()
+        for g in ctl.routes(lay.plan(), phase, frozenset()).groups:
+            codec = codec_for(REDUCERS[g.key].route)
+            label = "fp32" if codec is None else codec.route
+            elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
+            if codec is None:
+                nbytes += rowscatter.plain_bytes(g.numel, w, 4)
+                continue
+            padded = rowscatter.padded_row(codec, g.numel, w)
+            names = tuple(s.name for s in g.slices)
+            segments = [row_segments(lay, names, r, padded) for r in range(w)]
+            nbytes += rowscatter.lossy_bytes(codec, segments, w)
+    return StepBytes(nbytes, fp32, bf16, elements)
+
+
+def plan_layouts(root: nn.Module, units: list[nn.Module], world_size: int,
+                 head_modules: tuple[str, ...] | None = None) -> list[ShardLayout]:
+    """The layouts `fully_shard` on each of `units` and on `root` would give at `world_size`, without
+    sharding anything (a meta model at W = 512 is fine): each unit owns its parameters not owned by a
+    unit inside it, in `named_parameters` order, each padded to ceil(d0 / W) rows per rank."""
+    regions = {n: b.region for n, b in classify(root, head_modules).items()}
+    names = {id(p): n for n, p in root.named_parameters()}
+    owned: set[int] = set()
+    out = []
+    for unit in [*units, root]:  # inner units first: as FSDP2 assigns parameters
+        entries = []
+        for p in unit.parameters():
+            if id(p) in owned or not p.requires_grad:
+                continue
+            owned.add(id(p))
+            rows = p.shape[0] if p.dim() else 1
+            per_row = p.numel() // max(rows, 1)
+            shard_rows = -(-rows // world_size)
+            name = names[id(p)]
+            entries.append((name, regions.get(name, "other"), shard_rows * per_row, p.numel()))
+        if entries:
+            out.append(build_layout(entries, world_size))
+    return out
