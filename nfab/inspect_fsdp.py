@@ -3,8 +3,9 @@
 FSDP2 (`fully_shard` per shard unit, a Transformer's blocks, then the root) reduce-scatters one
 flat gradient per unit: W rows, each the concatenation of every parameter's padded dim-0 shard
 (`nfab.runtime.core.shards`). nfab replaces that reduce-scatter on every unit; this module plans
-each unit's row as nfab's FSDP2 front end does (the same layout, the same controller and
-routes, the same codecs) and counts what one rank sends per step:
+each unit's row as nfab's FSDP2 front end does (the same layout, `plan_layouts`; the same
+controller; the same byte count, `rowscatter.lossy_bytes`) and adds up, per unit, what one
+rank sends per step:
 
 - an FP32 group: FSDP2's own ring reduce-scatter, (W-1)/W of the group's W rows;
 - a lossy group (`sign`, `bqN`): its codec's reduce-scatter share (the count lanes, or the
@@ -24,16 +25,13 @@ from typing import Any
 from torch import nn
 
 from nfab.profile.schema import Profile
-from nfab.runtime.bindings import classify
 from nfab.runtime.control.controller import Controller
 from nfab.runtime.core import rowscatter
-from nfab.runtime.core.shards import ShardLayout, build_layout
-from nfab.runtime.frontends.fsdp import codec_for
-from nfab.wire.blockq.scatter import BlockQScatter
-from nfab.wire.contract import allgather_factor, allreduce_factor
+from nfab.runtime.core.shards import ShardLayout, row_segments
+from nfab.runtime.frontends.fsdp import codec_for, plan_layouts
+from nfab.wire.contract import allgather_factor
 from nfab.wire.cost import CostModel, default_cost_model
 from nfab.wire.registry import REDUCERS
-from nfab.wire.sign.scatter import reduce_scatter_factor
 
 WORD_BYTES = 8
 """The control word each rank all-gathers per reduce-scatter: [|g|^2, loss] in fp32."""
@@ -80,26 +78,16 @@ class FSDPInspection:
         return out
 
 
-def unit_layouts(model: nn.Module, units: tuple[str, ...], regions: dict[str, str],
-                 world_size: int) -> list[tuple[str, ShardLayout]]:
-    """Each unit's row layout as FSDP2 builds it: its own parameters (not a nested unit's), in
-    registration order, each padded to whole dim-0 shards of ceil(dim0 / W) rows; the root last."""
-    owner: dict[int, tuple[str, str, nn.Parameter]] = {}
+def unit_layouts(model: nn.Module, units: tuple[str, ...], world_size: int,
+                 head_modules: tuple[str, ...] | None) -> list[tuple[str, ShardLayout]]:
+    """Each unit's row layout as FSDP2 builds it (`plan_layouts`: its own parameters, padded dim-0
+    shards), named: the units in order, then the root."""
     named = dict(model.named_modules())
-    for unit in ("", *units):  # a unit owns what no unit nested in it owns
-        for name, p in named[unit].named_parameters(prefix=unit):
-            owner[id(p)] = (unit, name, p)
+    layouts = plan_layouts(model, [named[u] for u in units], world_size, head_modules)
     out = []
-    for unit in (*units, ""):
-        entries = []
-        for u, name, p in owner.values():
-            if u != unit:
-                continue
-            dim0 = p.shape[0] if p.dim() else 1
-            rest = p.numel() // dim0 if dim0 else 0
-            entries.append((name, regions.get(name, "other"), -(-dim0 // world_size) * rest, p.numel()))
-        if entries:
-            out.append((unit or "(root)", build_layout(entries, world_size)))
+    for lay in layouts:
+        first = lay.params[0].name
+        out.append((next((u for u in units if first.startswith(u + ".")), "(root)"), lay))
     return out
 
 
@@ -109,12 +97,11 @@ def inspect_fsdp(name: str, model: nn.Module, profile: Profile, world_size: int,
                  ) -> FSDPInspection:
     """Plan `model`'s FSDP2 reduce-scatters under `profile` at W without running anything."""
     cm = cost_model or default_cost_model(world_size)
-    regions = {n: b.region for n, b in classify(model, head_modules).items()}
     ctl = Controller(profile, world_size, cm, explicit=explicit, total_steps=total_steps)
     phase = ctl.phase(step)
     out = FSDPInspection(name, world_size, phase.name, sum(p.numel() for p in model.parameters()))
     w = world_size
-    for unit, layout in unit_layouts(model, shard_units, regions, w):
+    for unit, layout in unit_layouts(model, shard_units, w, head_modules):
         routes = ctl.routes(layout.plan(), phase, frozenset())
         wire, labels = allgather_factor(w) * WORD_BYTES, []
         for g in routes.groups:
@@ -123,14 +110,10 @@ def inspect_fsdp(name: str, model: nn.Module, profile: Profile, world_size: int,
             if codec is None:  # FP32 (or a route the front end sends FP32: fallback `fsdp`)
                 label = "fp32"
                 b = rowscatter.plain_bytes(g.numel, w, 4)
-            else:
+            else:  # the codec's share and its scales, as the front end counts them
                 padded = rowscatter.padded_row(codec, g.numel, w)
-                segments = 2 * len(g.slices) + 1  # per row: each parameter's real part and padding, the tail
-                b = reduce_scatter_factor(w) * codec.payload_bytes(w * padded, w)
-                if isinstance(codec, BlockQScatter):
-                    b += allreduce_factor(w) * codec.blocks_for(w * padded, w * segments)
-                else:
-                    b += allgather_factor(w) * 4 * w * segments
+                names = tuple(s.name for s in g.slices)
+                b = rowscatter.lossy_bytes(codec, [row_segments(layout, names, r, padded) for r in range(w)], w)
             wire += b
             out.route_bytes[label] = out.route_bytes.get(label, 0.0) + b
             labels.append(f"{label}:{g.numel / layout.chunk:.0%}")

@@ -51,7 +51,7 @@ from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
 from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.blockq.scatter import BlockQScatter
-from nfab.wire.codecs import BLOCK_ROUTES
+from nfab.wire.routes import BLOCK_ROUTES
 from nfab.wire.contract import all_gather_flat, allgather_factor, reduce_scatter_flat
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import REDUCERS
