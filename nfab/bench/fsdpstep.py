@@ -26,8 +26,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import nfab
 from nfab.bench import linkbytes
-from nfab.bench.step import ROUTE_VARIANT, BenchConfig, Run, batches, nfab_info, slowest_rank_times, test_profile
-from nfab.bench.step import time_runs as time_runs
+from nfab.bench.step import (
+    ROUTE_VARIANT,
+    BenchConfig,
+    Run,
+    _timeout,
+    batches,
+    nfab_info,
+    slowest_rank_times,
+    test_profile,
+    time_runs,
+)
 from nfab.distributed import run_ranks
 from nfab.models import build_model
 from nfab.profile.schema import Profile
@@ -113,8 +122,6 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict[str, Any]) -> dict[str,
 
 def run_local(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     """Run the ranks on this network namespace's loopback; rank 0's result."""
-    from nfab.bench.step import _timeout
-
     cfg = BenchConfig.from_dict(cfg_dict)
     out = run_ranks(rank_main, cfg.world_size, cfg.to_dict(), timeout_s=_timeout(cfg), pg_timeout_s=600)[0]
     out["link"] = None

@@ -21,7 +21,8 @@ W/2 ranks, network namespaces joined by a veth pair shaped to that rate (see
 link per timed step, counted by the interfaces' tx counters, beside the bytes the cost model
 predicts for it (`nfab.bench.linkbytes`).
 
-A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route.
+A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route. With
+`parallel="fsdp"` every variant runs under FSDP2 instead (`FSDP_VARIANTS`, `nfab.bench.fsdpstep`).
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at registration.

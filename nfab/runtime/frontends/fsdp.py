@@ -51,10 +51,10 @@ from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
 from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.blockq.scatter import BlockQScatter
-from nfab.wire.routes import BLOCK_ROUTES
 from nfab.wire.contract import all_gather_flat, allgather_factor, reduce_scatter_flat
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import REDUCERS
+from nfab.wire.routes import BLOCK_ROUTES
 from nfab.wire.sign.scatter import SignScatter
 
 FSDP_ROUTES = ("fp32", "sign", *BLOCK_ROUTES)
