@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 import torch.distributed.fsdp._fully_shard._fsdp_param  # noqa: F401 - what `fully_shard` imports on first use
 import torch.distributed.tensor  # noqa: F401 - FSDP2's DTensor parameters
 
