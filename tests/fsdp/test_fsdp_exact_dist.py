@@ -48,7 +48,7 @@ def _reference(rt, comm, group_slices, key: str, xs: list[torch.Tensor], rank: i
     w, lay = rt.world_size, comm.layout
     codec = codec_for(REDUCERS[key].route)
     numel = sum(s.numel for s in group_slices)
-    padded = rowscatter.padded_row(codec, numel, w)
+    padded = numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, numel, w)
     rows = []
     for x in xs:
         r = torch.zeros(w, padded)

@@ -1,7 +1,8 @@
 """Exact low-bit reduce-scatter of one group's rows: what FSDP2's reduce-scatter becomes under nfab.
 
-The input is (W, Cp): row r is what rank r receives the mean of (a group's share of the FSDP2
-chunk, copied and padded to whole containers). Each codec reuses the DDP lanes' own halves
+The input is (W, C): row r is what rank r receives the mean of (a group's share of the FSDP2
+chunk: the chunk itself when the group is all of it, read where it lies; sign copies its rows
+padded to whole vote bytes). Each codec reuses the DDP lanes' own halves
 (`BlockQScatter`, `SignScatter`); only the first half runs, and each rank decodes only its row:
 
 - block-scaled qsum (bqN): the agreed uint8 block codes (one blocking MAX all-reduce, the same
@@ -48,21 +49,30 @@ def padded_row(red: BlockQScatter | SignScatter, numel: int, world_size: int) ->
 
 def block_reduce_scatter(red: BlockQScatter, rows: torch.Tensor, segments: Sequence[Sequence[int]],
                          seeds: np.ndarray, rank: int, group: dist.ProcessGroup | None) -> RowResult:
-    """Mean of row `rank` over the W ranks' `rows` (W, Cp), block-scaled: `segments[r]` is row r's
-    segment table, `seeds` one noise seed per segment of all rows (the same on every rank)."""
-    w, cp = rows.shape
+    """Mean of row `rank` over the W ranks' `rows` (W, C), block-scaled: `segments[r]` is row r's
+    segment table (summing to C), `seeds` one noise seed per segment of all rows (the same on every
+    rank). The rows are read where they lie; only their uint8 levels are padded to whole containers."""
+    w, c = rows.shape
+    padded = padded_row(red, c, w)
     flat_lengths = [n for seg in segments for n in seg]
     x = rows.reshape(-1)
     codes = red.agree(red.local_scale(x, flat_lengths), group)  # blocking uint8 MAX, as on DDP
-    stratum = noise.Stratum(noise.Seeds(seeds), rank, w)
-    enc = red.encode(x, flat_lengths, w, codes, stratum)  # BlockQSum's levels, rows packed at one rank's width
-    received = red.scatter(enc.payload, w, group)  # all_to_all_single: every rank's levels of my row
+    levels, compiled = red.round_levels(x, flat_lengths, codes, noise.Stratum(noise.Seeds(seeds), rank, w))
+    if padded != c:  # level 0 in each row's tail: never decoded
+        full = torch.zeros(w, padded, dtype=levels.dtype, device=levels.device)
+        full[:, :c] = levels.view(w, c)
+        levels = full.view(-1)
+    payload = red.pack_levels(levels, w, compiled)  # each row at one rank's width
+    received = red.scatter(payload, w, group)  # all_to_all_single: every rank's levels of my row
     sums = red.owner_step(received, w)  # exact integer sums, packed in layout(W)
     before = sum(red.blocks_for(n) for seg in segments[:rank] for n in seg)
-    mine = sum(red.blocks_for(n) for n in segments[rank])
-    row_codes = codes[before : before + mine]
-    mean = BlockQSum.decode(red, sums, row_codes, cp, list(segments[rank]), w)
-    nbytes = (reduce_scatter_factor(w) * enc.payload.numel() * enc.payload.element_size()
+    row_lengths = list(segments[rank])
+    row_codes = codes[before : before + sum(red.blocks_for(n) for n in row_lengths)]
+    if padded != c:  # the tail decodes with code 0 (an all-zero block): 0
+        row_lengths.append(padded - c)
+        row_codes = torch.cat([row_codes, row_codes.new_zeros(red.blocks_for(padded - c))])
+    mean = BlockQSum.decode(red, sums, row_codes, padded, row_lengths, w)[:c]
+    nbytes = (reduce_scatter_factor(w) * payload.numel() * payload.element_size()
               + allreduce_factor(w) * codes.numel())
     return RowResult(mean, nbytes, 2)
 
@@ -86,11 +96,10 @@ def sign_reduce_scatter(red: SignScatter, rows: torch.Tensor, segments: Sequence
 
 
 def lossy_bytes(red: BlockQScatter | SignScatter, segments: Sequence[Sequence[int]], world_size: int) -> float:
-    """Bytes one rank sends reducing a group's rows (`segments`: every row's table, padded rows) by
-    `block_reduce_scatter` / `sign_reduce_scatter`: what they count, computed without running them."""
+    """Bytes one rank sends reducing a group's rows (`segments`: every row's table, as the codec's
+    call gets it) by `block_reduce_scatter` / `sign_reduce_scatter`, computed without running them."""
     w = world_size
-    padded = sum(segments[0])
-    payload = red.payload_bytes(w * padded, w)
+    payload = red.payload_bytes(w * padded_row(red, sum(segments[0]), w), w)
     if isinstance(red, BlockQScatter):
         blocks = sum(red.blocks_for(n) for seg in segments for n in seg)
         return reduce_scatter_factor(w) * payload + allreduce_factor(w) * blocks

@@ -187,11 +187,13 @@ class ShardedRuntime(RuntimeState):
 
     def _lossy(self, codec: BlockQScatter | SignScatter, rows: torch.Tensor, output: torch.Tensor, g: Group,
                group: dist.ProcessGroup, op: Any, comm: NfabReduceScatter) -> rowscatter.RowResult:
-        """A lossy group: its rows copied and padded to whole containers, the exact low-bit reduce-scatter,
-        this rank's row written back, scaled for FSDP2's op."""
+        """A lossy group: the exact low-bit reduce-scatter of its rows (read where they lie when the group
+        is the whole chunk of a block route; else its columns copied), this rank's row written back,
+        scaled for FSDP2's op."""
         w, numel = self.world_size, g.numel
-        padded = rowscatter.padded_row(codec, numel, w)
         names = tuple(s.name for s in g.slices)
+        # block routes pad only their levels; sign pads its rows to whole vote bytes
+        padded = numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, numel, w)
         if g.whole and padded == rows.shape[1]:
             x = rows  # read where it lies: no copy
         else:
@@ -440,7 +442,7 @@ def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: b
             if codec is None:
                 nbytes += rowscatter.plain_bytes(g.numel, w, 4)
                 continue
-            padded = rowscatter.padded_row(codec, g.numel, w)
+            padded = g.numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, g.numel, w)
             names = tuple(s.name for s in g.slices)
             segments = [row_segments(lay, names, r, padded) for r in range(w)]
             nbytes += rowscatter.lossy_bytes(codec, segments, w)
