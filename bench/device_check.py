@@ -8,8 +8,9 @@ Runs, each step under its own time limit, with results as JSON under `--out` (de
 2. wire: `nfab bench wire --device cuda` (the torch path: encode + decode GB/s and the ratio
    to the device's own copy bandwidth), plus, on CPU, the compiled host path beside it;
 3. ranks: a 2-rank run on the one device (gloo with CUDA tensors): DDP under nfab's hook on
-   mixed lossy routes, replicas bit-identical, the fp32 route equal to plain all-reduce;
-   FSDP2 where `nfab.attach` accepts an FSDP2 model (not yet: recorded as skipped);
+   mixed lossy routes, replicas bit-identical, the fp32 route equal to plain DDP; and FSDP2
+   (`fully_shard` per block and on the root): the fp32 route equal to plain FSDP2, a lossy
+   mix finite;
 4. hook: a ~100M-parameter GPT (`gpt` size 125m) at W=2 on the one device: step ms of plain
    DDP and of nfab's hook side by side, and the hook's own ms per step.
 
@@ -121,7 +122,47 @@ def _ranks_main(rank: int, world_size: int, use_cuda: bool, quick: bool) -> dict
         for opt in opts:
             opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-    return {"flat": flat, "fp32_equal": fp32_equal, "finite": bool(torch.isfinite(flat).all())}
+    return {"flat": flat, "fp32_equal": fp32_equal, "finite": bool(torch.isfinite(flat).all()),
+            "fsdp2": _fsdp2(rank, dev, quick)}
+
+
+def _fsdp2(rank: int, dev: torch.device, quick: bool) -> dict:
+    """FSDP2 under nfab's reduce-scatter: route fp32 against plain FSDP2 (local shards bit for bit),
+    and a lossy mix (bq3 / sign / bq8: routes FSDP2 offers) finite after a few SGD steps. An error is
+    recorded, not raised."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        import nfab
+
+        def build(route: str | dict | None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Sequential(torch.nn.LayerNorm(32),
+                                        torch.nn.Linear(32, 32)), torch.nn.Linear(32, 4)).to(dev)
+            fully_shard(model[1])
+            fully_shard(model)
+            if route is not None:
+                nfab.attach(model, route=route, head_modules=("2",), cost_model=None)
+            return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+        runs = {"plain": build(None), "fp32": build("fp32"), "mixed": build({"linear": "bq3", "head": "sign",
+                                                                               "norm": "fp32", "bias": "bq8"})}
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(8, 16, generator=g).to(dev)
+            y = torch.randint(0, 4, (8,), generator=g).to(dev)
+            for model, opt in runs.values():
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+
+        def local(model: torch.nn.Module) -> torch.Tensor:
+            return torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]).cpu()
+
+        return {"fp32_equals_plain": torch.equal(local(runs["plain"][0]), local(runs["fp32"][0])),
+                "mixed_finite": bool(torch.isfinite(local(runs["mixed"][0])).all())}
+    except Exception as e:  # noqa: BLE001 - recorded in the check's results
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
 
 
 def step_ranks(out: Path, cuda: bool, quick: bool) -> dict:
@@ -129,10 +170,12 @@ def step_ranks(out: Path, cuda: bool, quick: bool) -> dict:
 
     res = run_ranks(_ranks_main, 2, cuda, quick, timeout_s=LIMITS_S["ranks"])
     replicas = torch.equal(res[0]["flat"], res[1]["flat"])
-    ok = replicas and all(r["fp32_equal"] and r["finite"] for r in res)
-    fsdp = "skipped: nfab.attach takes a DDP model only in this build"
+    fsdp = [r["fsdp2"] for r in res]
+    fsdp_ok = all(f.get("fp32_equals_plain") and f.get("mixed_finite") for f in fsdp)
+    ok = replicas and fsdp_ok and all(r["fp32_equal"] and r["finite"] for r in res)
     return {"ok": ok, "ddp": {"replicas_bit_identical": replicas, "fp32_route_equals_plain_ddp":
-                              [r["fp32_equal"] for r in res], "finite": [r["finite"] for r in res]}, "fsdp2": fsdp}
+                              [r["fp32_equal"] for r in res], "finite": [r["finite"] for r in res]},
+            "fsdp2": {"ok": fsdp_ok, "ranks": fsdp}}
 
 
 def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool) -> dict:
@@ -211,8 +254,11 @@ def _summary(env: dict, results: dict, total_s: float) -> str:
             lines.append(f"    slowest {worst:.3f}x of the device's copy bandwidth")
     rk = results.get("ranks", {})
     if "ddp" in rk:
-        lines.append(f"  2 ranks on one device: replicas bit-identical {rk['ddp']['replicas_bit_identical']}, "
-                     f"fp32 route = plain DDP {all(rk['ddp']['fp32_route_equals_plain_ddp'])}; FSDP2 {rk['fsdp2']}")
+        fs = rk["fsdp2"]["ranks"][0]
+        fsdp = fs.get("error") or (f"fp32 route = plain FSDP2 {fs['fp32_equals_plain']}, "
+                                   f"lossy mix finite {fs['mixed_finite']}")
+        lines.append(f"  2 ranks on one device: DDP replicas bit-identical {rk['ddp']['replicas_bit_identical']}, "
+                     f"fp32 route = plain DDP {all(rk['ddp']['fp32_route_equals_plain_ddp'])}; FSDP2: {fsdp}")
     hk = results.get("hook", {})
     if "step_ms" in hk:
         lines.append(f"  hook: {hk['model']}, W=2: plain {hk['step_ms']['plain']:.1f} ms/step, nfab "
