@@ -203,16 +203,18 @@ class ShardedRuntime(RuntimeState):
                 x[:, pos : pos + s.numel] = rows[:, s.offset : s.offset + s.numel]
                 pos += s.numel
         segments = comm.segments(names, padded)
+        direct = output if g.whole and output.dtype == torch.float32 else None  # decoded in place, no row buffer
         if isinstance(codec, BlockQScatter):
             res = rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
-                                                  self.rank, group)
+                                                  self.rank, group, direct)
         else:
             res = rowscatter.sign_reduce_scatter(codec, x, segments, self.rank, group)
         mean = res.mean[:numel]
         factor = _op_factor(op, w, comm.divide_factor())
+        if mean.data_ptr() != output.data_ptr():
+            _write_row(output, mean, g)
         if factor != 1.0:
-            mean = mean * factor
-        _write_row(output, mean, g)
+            _scale_row(output, factor, g)
         return res
 
     def _seeds(self, comm: NfabReduceScatter, names: tuple[str, ...], padded: int) -> np.ndarray:
@@ -304,6 +306,15 @@ def _write_row(output: torch.Tensor, values: torch.Tensor, g: Group) -> None:
     for s in g.slices:
         output[s.offset : s.offset + s.numel].copy_(values[pos : pos + s.numel])
         pos += s.numel
+
+
+def _scale_row(output: torch.Tensor, factor: float, g: Group) -> None:
+    """A group's part of the output times FSDP2's op factor (in place)."""
+    if g.whole:
+        output.mul_(factor)
+        return
+    for s in g.slices:
+        output[s.offset : s.offset + s.numel].mul_(factor)
 
 
 def _op_factor(op: Any, world_size: int, divide_factor: float | None) -> float:
