@@ -23,6 +23,7 @@ from nfab.runtime.control.optim import (
 from nfab.runtime.core.hierarchy import Hierarchy, parse
 from nfab.runtime.core.scales import QSUM_SCALES
 from nfab.runtime.frontends import fsdp as fsdp_front
+from nfab.runtime.frontends import fsdp_layout
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
 
@@ -128,9 +129,9 @@ def attach(
     module = ddp_model if sharded else ddp_model.module
     check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
     if sharded:
-        fsdp_front.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy,
+        fsdp_layout.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy,
                                  noise_moment=noise_moment)
-    group = fsdp_front.shard_group(ddp_model) if sharded else ddp_model.process_group
+    group = fsdp_layout.shard_group(ddp_model) if sharded else ddp_model.process_group
     if cost_model == "measure":
         cm = cost_mod.measure(group, device=_grad_device(ddp_model))
     elif isinstance(cost_model, str | Path):

@@ -23,7 +23,7 @@ import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.core import rowscatter  # noqa: E402
-from nfab.runtime.frontends.fsdp import codec_for, plan_layouts, step_wire_bytes  # noqa: E402
+from nfab.runtime.frontends.fsdp_layout import codec_for, plan_layouts, step_wire_bytes  # noqa: E402
 from nfab.wire import noise  # noqa: E402
 from nfab.wire.blockq.scatter import BlockQScatter  # noqa: E402
 from nfab.wire.contract import reduce_scatter_flat  # noqa: E402

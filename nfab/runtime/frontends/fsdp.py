@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from nfab.errors import NfabError
@@ -48,26 +47,14 @@ from nfab.runtime.bindings import classify
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
 from nfab.runtime.core import rowscatter
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
+from nfab.runtime.frontends.fsdp_layout import codec_for, fsdp_modules, group_entries
 from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.blockq.scatter import BlockQScatter
 from nfab.wire.contract import all_gather_flat, allgather_factor, reduce_scatter_flat
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import REDUCERS
-from nfab.wire.routes import BLOCK_ROUTES
 from nfab.wire.sign.scatter import SignScatter
-
-FSDP_ROUTES = ("fp32", "sign", *BLOCK_ROUTES)
-"""Routes the FSDP2 front end reduces as asked; q8/q4/q2 and bf16/fp16 go FP32 (fallback `fsdp`)."""
-
-
-def codec_for(route: str) -> BlockQScatter | SignScatter | None:
-    """The reduce-scatter codec of a route (None: FP32)."""
-    if route == "sign":
-        return REDUCERS["signscatter"]  # type: ignore[return-value]
-    if route in BLOCK_ROUTES:
-        return REDUCERS[f"blockqscatter-{route}"]  # type: ignore[return-value]
-    return None
 
 
 @dataclass(slots=True)
@@ -334,45 +321,6 @@ def _op_factor(op: Any, world_size: int, divide_factor: float | None) -> float:
     raise NfabError(f"FSDP2 reduce-scatter op {op} is not supported by nfab (AVG, SUM, PREMUL_SUM are)")
 
 
-def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
-    """Every `fully_shard` module under (and including) `root`."""
-    return [m for m in root.modules() if isinstance(m, FSDPModule)]
-
-
-def group_entries(module: FSDPModule, names: dict[int, str],
-                  regions: dict[str, str]) -> tuple[Any, list[tuple[str, str, int, int]]] | None:
-    """The module's one param group and its (name, region, padded shard numel, numel) in reduce order;
-    None for a module without parameters of its own. Refused with one line: several param groups,
-    HSDP, a dim other than 0 sharded, a custom reduce-scatter already installed."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    state = module._get_fsdp_state()
-    groups = state._fsdp_param_groups
-    if not groups:
-        return None
-    if len(groups) > 1:
-        raise NfabError("nfab.attach: an FSDP2 module with several param groups (per-parameter meshes) "
-                        "has no single reduce-scatter to replace")
-    pg = groups[0]
-    if getattr(pg, "_is_hsdp", False):
-        raise NfabError("nfab.attach: HSDP's replicate all-reduce cannot be customised in FSDP2; shard on "
-                        "one mesh dimension")
-    if type(pg._reduce_scatter_comm) is not DefaultReduceScatter:
-        raise NfabError(f"nfab.attach: this FSDP2 module already has a custom reduce-scatter "
-                        f"({type(pg._reduce_scatter_comm).__name__}, e.g. symmetric memory): nfab would replace it")
-    entries = []
-    for fp in pg.fsdp_params:
-        if fp.fsdp_placement.dim != 0:
-            raise NfabError(f"nfab.attach: a parameter sharded on dim {fp.fsdp_placement.dim} "
-                            "(shard_placement_fn): nfab's FSDP2 layout needs dim-0 shards")
-        name = names.get(id(fp.sharded_param))
-        if name is None:
-            raise NfabError("nfab.attach: an FSDP2 parameter is not among the root module's parameters")
-        entries.append((name, regions.get(name, "other"), fp.padded_sharded_param_size.numel(),
-                        fp._orig_size.numel()))
-    return pg, entries
-
-
 def install(runtime: ShardedRuntime, root: nn.Module) -> list[NfabReduceScatter]:
     """Derive every module's layout and install nfab's reduce-scatter on it (all checked first)."""
     names = {id(p): n for n, p in root.named_parameters()}
@@ -390,96 +338,3 @@ def install(runtime: ShardedRuntime, root: nn.Module) -> list[NfabReduceScatter]
     return comms
 
 
-def shard_group(root: nn.Module) -> dist.ProcessGroup | None:
-    """The process group FSDP2 reduce-scatters over (the root's shard group)."""
-    assert isinstance(root, FSDPModule)
-    groups = root._get_fsdp_state()._fsdp_param_groups
-    if not groups:
-        mods = [m for m in fsdp_modules(root) if m._get_fsdp_state()._fsdp_param_groups]
-        if not mods:
-            raise NfabError("nfab.attach: this FSDP2 model has no sharded parameters")
-        groups = mods[0]._get_fsdp_state()._fsdp_param_groups
-    return groups[0].mesh_info.shard_process_group
-
-
-def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | str, hierarchy: object,
-                  noise_moment: bool | str) -> None:
-    """What the FSDP2 front end refuses, one line each: error feedback, a hierarchy, the noise-corrected
-    moment (asked for explicitly), an explicit route it cannot reduce as asked."""
-    if error_feedback is True:
-        raise NfabError("error_feedback=True is not offered on FSDP2: a residual per parameter would keep a "
-                        "full-size gradient on every rank")
-    if hierarchy not in (None, "flat"):
-        raise NfabError("hierarchy= is not offered on FSDP2: its reduce-scatter is one level")
-    if noise_moment is True:
-        raise NfabError("noise_moment=True is not offered on FSDP2 yet")
-    if explicit:
-        bad = sorted(r for r in profile.routes_used() if r not in FSDP_ROUTES)
-        if bad:
-            raise NfabError(f"route {', '.join(bad)} is not offered on FSDP2 (routes: {', '.join(FSDP_ROUTES)})")
-
-
-@dataclass(frozen=True, slots=True)
-class StepBytes:
-    """Reduce-scatter bytes one rank sends per step: nfab's, and plain FSDP2's in fp32 and bf16."""
-
-    nfab: float
-    fsdp_fp32: float
-    fsdp_bf16: float
-    route_elements: dict[str, int]
-
-
-def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: bool = True, step: int = 0,
-                    cost_model: CostModel | None = None) -> StepBytes:
-    """What a step of `profile` sends per rank over `layouts` (one per FSDP2 module, at their W), with
-    no process group (`nfab inspect --parallel fsdp`, on meta): the counts `ShardedRuntime` reports."""
-    from nfab.runtime.control.controller import Controller
-
-    if not layouts:
-        return StepBytes(0.0, 0.0, 0.0, {})
-    w = layouts[0].world_size
-    ctl = Controller(profile, w, cost_model, explicit=explicit)
-    phase = ctl.phase(step)
-    nbytes, fp32, bf16, elements = 0.0, 0.0, 0.0, {}
-    for lay in layouts:
-        nbytes += allgather_factor(w) * 8.0  # the control word
-        fp32 += rowscatter.plain_bytes(lay.chunk, w, 4)
-        bf16 += rowscatter.plain_bytes(lay.chunk, w, 2)
-        real = lay.by_name()
-        for g in ctl.routes(lay.plan(), phase, frozenset()).groups:
-            codec = codec_for(REDUCERS[g.key].route)
-            label = "fp32" if codec is None else codec.route
-            elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
-            if codec is None:
-                nbytes += rowscatter.plain_bytes(g.numel, w, 4)
-                continue
-            padded = g.numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, g.numel, w)
-            names = tuple(s.name for s in g.slices)
-            segments = [row_segments(lay, names, r, padded) for r in range(w)]
-            nbytes += rowscatter.lossy_bytes(codec, segments, w)
-    return StepBytes(nbytes, fp32, bf16, elements)
-
-
-def plan_layouts(root: nn.Module, units: list[nn.Module], world_size: int,
-                 head_modules: tuple[str, ...] | None = None) -> list[ShardLayout]:
-    """The layouts `fully_shard` on each of `units` and on `root` would give at `world_size`, without
-    sharding anything (a meta model at W = 512 is fine): each unit owns its parameters not owned by a
-    unit inside it, in `named_parameters` order, each padded to ceil(d0 / W) rows per rank."""
-    regions = {n: b.region for n, b in classify(root, head_modules).items()}
-    names = {id(p): n for n, p in root.named_parameters()}
-    owned: set[int] = set()
-    out = []
-    for unit in [*units, root]:  # inner units first: as FSDP2 assigns parameters
-        entries = []
-        for p in unit.parameters():
-            if id(p) in owned or not p.requires_grad:
-                continue
-            owned.add(id(p))
-            rows = p.shape[0] if p.dim() else 1
-            per_row = p.numel() // max(rows, 1)
-            shard_rows = -(-rows // world_size)
-            name = names[id(p)]
-            entries.append((name, regions.get(name, "other"), shard_rows * per_row, p.numel()))
-        if entries:
-            out.append(build_layout(entries, world_size))
-    return out
