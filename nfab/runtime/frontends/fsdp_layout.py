@@ -121,13 +121,13 @@ class StepBytes:
 
 
 def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: bool = True, step: int = 0,
-                    cost_model: CostModel | None = None) -> StepBytes:
+                    total_steps: int | None = None, cost_model: CostModel | None = None) -> StepBytes:
     """What a step of `profile` sends per rank over `layouts` (one per FSDP2 module, at their W), with
     no process group (`nfab inspect --parallel fsdp`, on meta): the counts `ShardedRuntime` reports."""
     if not layouts:
         return StepBytes(0.0, 0.0, 0.0, {})
     w = layouts[0].world_size
-    ctl = Controller(profile, w, cost_model, explicit=explicit)
+    ctl = Controller(profile, w, cost_model, explicit=explicit, total_steps=total_steps)
     phase = ctl.phase(step)
     nbytes, fp32, bf16, elements = 0.0, 0.0, 0.0, {}
     for lay in layouts:
