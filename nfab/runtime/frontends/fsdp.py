@@ -45,6 +45,7 @@ from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
+from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.core import rowscatter
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
 from nfab.runtime.frontends.fsdp_layout import codec_for, fsdp_modules, group_entries
@@ -85,6 +86,7 @@ class ShardedRuntime(RuntimeState):
         self.regions = {n: b.region for n, b in classify(root, head_modules).items()}
         self.param_index = {n: i for i, n in enumerate(self.regions)}
         self.error_feedback = False
+        self.moment: NoiseMoment | None = None  # attach(noise_moment=): block routes' rounding noise out of v
         self.comms: list[NfabReduceScatter] = []
         self._records: list[CallRecord] = []
         self._reduced: set[int] = set()
@@ -132,7 +134,7 @@ class ShardedRuntime(RuntimeState):
                 label = "fp32"
             elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
             if codec is None:
-                nbytes += self._plain(rows, output, g, group, op)
+                nbytes += self._plain(rows, output, g, group, op, comm)
             else:
                 res = self._lossy(codec, rows, output, g, group, op, comm)
                 nbytes += res.wire_bytes
@@ -158,18 +160,20 @@ class ShardedRuntime(RuntimeState):
         work = all_gather_flat(word, mine, group=group, async_op=True)
         return word.view(self.world_size, 2), work
 
-    def _plain(self, rows: torch.Tensor, output: torch.Tensor, g: Group, group: dist.ProcessGroup,
-               op: Any) -> float:
-        """An FP32 group: `reduce_scatter_tensor` with FSDP2's own op (in place when it is the whole row)."""
+    def _plain(self, rows: torch.Tensor, output: torch.Tensor, g: Group, group: dist.ProcessGroup, op: Any,
+               comm: NfabReduceScatter) -> float:
+        """An FP32 group: `reduce_scatter_tensor` with FSDP2's own op (on the whole input when it is the
+        whole row). PREMUL_SUM(f) is sent as x * f summed (what it means; gloo has no PREMUL_SUM)."""
         w = self.world_size
-        if g.whole:
-            reduce_scatter_flat(output, rows.reshape(-1), op=op, group=group)
-            return rowscatter.plain_bytes(rows.shape[1], w, rows.element_size())
-        cols = [rows[:, s.offset : s.offset + s.numel] for s in g.slices]
-        part = torch.cat(cols, dim=1)
-        out = torch.empty(part.shape[1], dtype=part.dtype, device=part.device)
+        premul = _premul_factor(op, comm.divide_factor())
+        part = rows if g.whole else torch.cat([rows[:, s.offset : s.offset + s.numel] for s in g.slices], dim=1)
+        if premul is not None:
+            part = part.mul_(premul) if g.whole else part.mul(premul)
+            op = dist.ReduceOp.SUM
+        out = output if g.whole else torch.empty(part.shape[1], dtype=part.dtype, device=part.device)
         reduce_scatter_flat(out, part.reshape(-1), op=op, group=group)
-        _write_row(output, out, g)
+        if not g.whole:
+            _write_row(output, out, g)
         return rowscatter.plain_bytes(part.shape[1], w, part.element_size())
 
     def _lossy(self, codec: BlockQScatter | SignScatter, rows: torch.Tensor, output: torch.Tensor, g: Group,
@@ -193,11 +197,18 @@ class ShardedRuntime(RuntimeState):
         direct = output if g.whole and output.dtype == torch.float32 else None  # decoded in place, no row buffer
         if isinstance(codec, BlockQScatter):
             res = rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
-                                                  self.rank, group, direct)
+                                                  self.rank, group, direct, self.moment is not None)
         else:
             res = rowscatter.sign_reduce_scatter(codec, x, segments, self.rank, group)
         mean = res.mean[:numel]
         factor = _op_factor(op, w, comm.divide_factor())
+        if res.variance is not None and self.moment is not None:  # each parameter's real share of the row
+            var = res.variance.mul_(factor * factor) if factor != 1.0 else res.variance
+            by_name, pos, parts = comm.layout.by_name(), 0, []
+            for s in g.slices:
+                parts.append(var[pos : pos + by_name[s.name].real(self.rank)])
+                pos += s.numel
+            self.moment.record(names, [t.numel() for t in parts], torch.cat(parts))
         if mean.data_ptr() != output.data_ptr():
             _write_row(output, mean, g)
         if factor != 1.0:
@@ -304,6 +315,18 @@ def _scale_row(output: torch.Tensor, factor: float, g: Group) -> None:
         output[s.offset : s.offset + s.numel].mul_(factor)
 
 
+def _premul_factor(op: Any, divide_factor: float | None) -> float | None:
+    """f of a PREMUL_SUM(f) op (the op's own, else 1 / FSDP2's divide factor); None for other ops."""
+    if op != dist.ReduceOp.PREMUL_SUM:
+        return None
+    factor = getattr(op, "factor", None)
+    if isinstance(factor, float | int):
+        return float(factor)
+    if divide_factor is None:
+        raise NfabError("FSDP2 asked for PREMUL_SUM without a gradient divide factor")
+    return 1.0 / divide_factor
+
+
 def _op_factor(op: Any, world_size: int, divide_factor: float | None) -> float:
     """What multiplies the decoded mean for FSDP2's op: 1 for AVG, W for SUM (divides done outside,
     `set_force_sum_reduction_for_comms`), W / factor for PREMUL_SUM(1 / factor)."""
@@ -311,13 +334,9 @@ def _op_factor(op: Any, world_size: int, divide_factor: float | None) -> float:
         return 1.0
     if op == dist.ReduceOp.SUM:
         return float(world_size)
-    if op == dist.ReduceOp.PREMUL_SUM:
-        factor = getattr(op, "factor", None)
-        if factor is not None and not callable(factor):
-            return world_size * float(factor)
-        if divide_factor is None:
-            raise NfabError("FSDP2 asked for PREMUL_SUM without a gradient divide factor")
-        return world_size / divide_factor
+    premul = _premul_factor(op, divide_factor)
+    if premul is not None:
+        return world_size * premul
     raise NfabError(f"FSDP2 reduce-scatter op {op} is not supported by nfab (AVG, SUM, PREMUL_SUM are)")
 
 

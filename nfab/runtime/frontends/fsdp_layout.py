@@ -93,17 +93,14 @@ def shard_group(root: nn.Module) -> dist.ProcessGroup | None:
     return groups[0].mesh_info.shard_process_group
 
 
-def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | str, hierarchy: object,
-                  noise_moment: bool | str) -> None:
-    """What the FSDP2 front end refuses, one line each: error feedback, a hierarchy, the noise-corrected
-    moment (asked for explicitly), an explicit route it cannot reduce as asked."""
+def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | str, hierarchy: object) -> None:
+    """What the FSDP2 front end refuses, one line each: error feedback, a hierarchy, an explicit route
+    it cannot reduce as asked."""
     if error_feedback is True:
         raise NfabError("error_feedback=True is not offered on FSDP2: a residual per parameter would keep a "
                         "full-size gradient on every rank")
     if hierarchy not in (None, "flat"):
         raise NfabError("hierarchy= is not offered on FSDP2: its reduce-scatter is one level")
-    if noise_moment is True:
-        raise NfabError("noise_moment=True is not offered on FSDP2 yet")
     if explicit:
         bad = sorted(r for r in profile.routes_used() if r not in FSDP_ROUTES)
         if bad:
