@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
-from nfab.runtime.control.controller import Controller
+from nfab.runtime.control.controller import Controller, Group
 from nfab.runtime.core import rowscatter
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
 from nfab.wire.blockq.scatter import BlockQScatter
@@ -133,17 +133,24 @@ def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: b
         bf16 += rowscatter.plain_bytes(lay.chunk, w, 2)
         real = lay.by_name()
         for g in ctl.routes(lay.plan(), phase, frozenset()).groups:
-            codec = codec_for(REDUCERS[g.key].route)
-            label = "fp32" if codec is None else codec.route
+            label, b = group_bytes(lay, g, w)
             elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
-            if codec is None:
-                nbytes += rowscatter.plain_bytes(g.numel, w, 4)
-                continue
-            padded = g.numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, g.numel, w)
-            names = tuple(s.name for s in g.slices)
-            segments = [row_segments(lay, names, r, padded) for r in range(w)]
-            nbytes += rowscatter.lossy_bytes(codec, segments, w)
+            nbytes += b
     return StepBytes(nbytes, fp32, bf16, elements)
+
+
+def group_bytes(layout: ShardLayout, group: Group, world_size: int) -> tuple[str, float]:
+    """One routed group's route label and the bytes one rank sends for it (what the front end counts):
+    FP32 (or a route the front end sends FP32, fallback `fsdp`) as a plain reduce-scatter, else the
+    codec's share and its scales."""
+    codec = codec_for(REDUCERS[group.key].route)
+    if codec is None:
+        return "fp32", rowscatter.plain_bytes(group.numel, world_size, 4)
+    # block routes pad only their levels (rows as they lie); sign pads its rows to whole vote bytes
+    padded = group.numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, group.numel, world_size)
+    names = tuple(s.name for s in group.slices)
+    segments = [row_segments(layout, names, r, padded) for r in range(world_size)]
+    return codec.route, rowscatter.lossy_bytes(codec, segments, world_size)
 
 
 def plan_layouts(root: nn.Module, units: list[nn.Module], world_size: int,
