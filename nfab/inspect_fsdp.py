@@ -28,7 +28,7 @@ from nfab.profile.schema import Profile
 from nfab.runtime.control.controller import Controller
 from nfab.runtime.core import rowscatter
 from nfab.runtime.core.shards import ShardLayout
-from nfab.runtime.frontends.fsdp_layout import group_bytes, plan_layouts
+from nfab.runtime.frontends.fsdp_layout import ShardCost, group_bytes, plan_layouts
 from nfab.wire.contract import allgather_factor
 from nfab.wire.cost import CostModel, default_cost_model
 
@@ -96,7 +96,8 @@ def inspect_fsdp(name: str, model: nn.Module, profile: Profile, world_size: int,
                  ) -> FSDPInspection:
     """Plan `model`'s FSDP2 reduce-scatters under `profile` at W without running anything."""
     cm = cost_model or default_cost_model(world_size)
-    ctl = Controller(profile, world_size, cm, explicit=explicit, total_steps=total_steps)
+    # priced as the front end prices a row group (its reduce-scatter, not DDP's all-reduce)
+    ctl = Controller(profile, world_size, ShardCost(cm), explicit=explicit, total_steps=total_steps)
     phase = ctl.phase(step)
     out = FSDPInspection(name, world_size, phase.name, sum(p.numel() for p in model.parameters()))
     w = world_size

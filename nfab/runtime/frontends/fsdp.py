@@ -48,7 +48,7 @@ from nfab.runtime.control.controller import FP32, BucketRoutes, Group
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.core import rowscatter
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
-from nfab.runtime.frontends.fsdp_layout import codec_for, fsdp_modules, group_entries
+from nfab.runtime.frontends.fsdp_layout import ShardCost, codec_for, fsdp_modules, group_entries
 from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.blockq.scatter import BlockQScatter
@@ -81,7 +81,8 @@ class ShardedRuntime(RuntimeState):
                  total_steps: int | None = None, seed: int = 0, head_modules: tuple[str, ...] | None = None,
                  group: dist.ProcessGroup | None = None) -> None:
         super().__init__(profile, dist.get_world_size(group), dist.get_rank(group), explicit=explicit,
-                         cost_model=cost_model, total_steps=total_steps, seed=seed)
+                         cost_model=ShardCost(cost_model) if cost_model is not None else None,  # type: ignore[arg-type]
+                         total_steps=total_steps, seed=seed)
         self.group = group
         self.regions = {n: b.region for n, b in classify(root, head_modules).items()}
         self.param_index = {n: i for i, n in enumerate(self.regions)}

@@ -19,15 +19,15 @@ from torch.distributed.fsdp import FSDPModule
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
-from nfab.runtime.control.controller import Controller, Group
+from nfab.runtime.control.controller import FP32, Controller, Group
 from nfab.runtime.core import rowscatter
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
 from nfab.wire.blockq.scatter import BlockQScatter
-from nfab.wire.contract import allgather_factor
+from nfab.wire.contract import allgather_factor, allreduce_factor
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import REDUCERS
 from nfab.wire.routes import BLOCK_ROUTES
-from nfab.wire.sign.scatter import SignScatter
+from nfab.wire.sign.scatter import SignScatter, reduce_scatter_factor
 
 FSDP_ROUTES = ("fp32", "sign", *BLOCK_ROUTES)
 """Routes the FSDP2 front end reduces as asked; q8/q4/q2 and bf16/fp16 go FP32 (fallback `fsdp`)."""
@@ -124,7 +124,8 @@ def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: b
     if not layouts:
         return StepBytes(0.0, 0.0, 0.0, {})
     w = layouts[0].world_size
-    ctl = Controller(profile, w, cost_model, explicit=explicit, total_steps=total_steps)
+    ctl = Controller(profile, w, ShardCost(cost_model) if cost_model is not None else None, explicit=explicit,
+                     total_steps=total_steps)
     phase = ctl.phase(step)
     nbytes, fp32, bf16, elements = 0.0, 0.0, 0.0, {}
     for lay in layouts:
@@ -137,6 +138,37 @@ def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: b
             elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
             nbytes += b
     return StepBytes(nbytes, fp32, bf16, elements)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCost:
+    """A `CostModel` priced for FSDP2: the controller's pick and cost gate compare what a group of
+    `numel` elements per row costs as this front end reduces it (W rows in, one row out) -- FP32 as
+    one reduce-scatter, a block route as its code MAX all-reduce plus its all-to-all, sign as its
+    count-lane reduce-scatter plus its scales' all-gather -- not as DDP's all-reduce."""
+
+    base: CostModel
+
+    def time(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> float:
+        w = world_size or self.base.world_size
+        rs = self.base.reducescatter or self.base.allreduce
+        codec = codec_for(REDUCERS[key].route)
+        if codec is None:
+            return rs.latency_s + rowscatter.plain_bytes(numel, w, 4) / rs.bandwidth_bps
+        payload = reduce_scatter_factor(w) * codec.payload_bytes(w * rowscatter.padded_row(codec, numel, w), w)
+        t = rs.latency_s + payload / rs.bandwidth_bps
+        if isinstance(codec, BlockQScatter):  # the codes: one uint8 per block of every row, MAX all-reduced
+            ar = self.base.allreduce
+            t += ar.latency_s + allreduce_factor(w) * w * codec.blocks_for(numel, segments) / ar.bandwidth_bps
+            name = f"blockqscatter-{codec.route}"
+        else:  # every row's segment scales, all-gathered
+            ag = self.base.allgather
+            t += ag.latency_s + allgather_factor(w) * w * 2 * segments * 4 / ag.bandwidth_bps
+            name = "signscatter"
+        return t + self.base.codec_s_per_element.get(name, 0.0) * w * numel
+
+    def cheaper_than_fp32(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> bool:
+        return self.time(key, numel, world_size, segments) < self.time(FP32, numel, world_size)
 
 
 def group_bytes(layout: ShardLayout, group: Group, world_size: int) -> tuple[str, float]:
