@@ -23,6 +23,7 @@ from nfab.runtime.control.optim import (
 from nfab.runtime.core.hierarchy import Hierarchy, parse
 from nfab.runtime.core.scales import QSUM_SCALES
 from nfab.runtime.frontends import fsdp as fsdp_front
+from nfab.runtime.frontends import fsdp_layout
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
 
@@ -52,7 +53,8 @@ def attach(
     reduce-scatter is installed on every FSDP2 module and the same runtime API comes back
     (`observe_loss`, `step_stats`, `state_dict`). There the routes fp32, sign and the block routes
     run as asked (q8/q4/q2, bf16 and fp16 go FP32), error feedback is not offered (it would keep a
-    full-size gradient per rank) and `hierarchy` is refused.
+    full-size gradient per rank), `hierarchy` is refused, and `noise_moment` corrects each rank's
+    shard of Adam's second moment from its shard's agreed block scales.
 
     Give either `profile` (a path or a `Profile`) or `route` (a route for every region,
     or a dict from region class / parameter-name glob to route; unnamed regions stay
@@ -128,9 +130,8 @@ def attach(
     module = ddp_model if sharded else ddp_model.module
     check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
     if sharded:
-        fsdp_front.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy,
-                                 noise_moment=noise_moment)
-    group = fsdp_front.shard_group(ddp_model) if sharded else ddp_model.process_group
+        fsdp_layout.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy)
+    group = fsdp_layout.shard_group(ddp_model) if sharded else ddp_model.process_group
     if cost_model == "measure":
         cm = cost_mod.measure(group, device=_grad_device(ddp_model))
     elif isinstance(cost_model, str | Path):
@@ -142,6 +143,8 @@ def attach(
                                             total_steps=total_steps, seed=seed, head_modules=head_modules,
                                             group=group)
         fsdp_front.install(runtime, ddp_model)
+        if optimizer is not None and _corrects_moment(noise_moment, prof, explicit, optimizer):
+            runtime.moment = NoiseMoment(optimizer, dict(ddp_model.named_parameters()))
         return runtime
     use_ef = resolve_error_feedback(error_feedback, optimizer)
     if use_ef and optimizer is not None and error_feedback is True and is_adaptive(optimizer):
