@@ -119,7 +119,8 @@ def attach(
         explicit = False
     check_attach(prof, ddp_model.module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
     if not explicit:  # spike/jump thresholds fitted on a shorter reference run: widened for this one
-        prof = prof.model_copy(update={"health": for_run(prof.health, calibrated_steps(prof), total_steps)})
+        run_steps = total_steps or calibrated_steps(prof, "run_steps")
+        prof = prof.model_copy(update={"health": for_run(prof.health, calibrated_steps(prof), run_steps)})
     if cost_model == "measure":
         cm = cost_mod.measure(ddp_model.process_group, device=_grad_device(ddp_model))
     elif isinstance(cost_model, str | Path):
@@ -162,9 +163,10 @@ def cost_gate_line(cm: cost_mod.CostModel, world_size: int) -> str:
             "anyway pass cost_model=None, or the cost model of the target link (nfab bench wire --cost) as cost_model=")
 
 
-def calibrated_steps(prof: Profile) -> int | None:
-    """Steps of the reference run a calibrated profile's health thresholds were fitted over."""
-    steps = (prof.provenance or {}).get("calibrated", {}).get("steps")
+def calibrated_steps(prof: Profile, key: str = "steps") -> int | None:
+    """Steps of the reference run a calibrated profile's health thresholds were fitted over
+    (`run_steps`: of the training run it was calibrated for, when that was longer)."""
+    steps = (prof.provenance or {}).get("calibrated", {}).get(key)
     return int(steps) if isinstance(steps, int | float) and steps > 0 else None
 
 
