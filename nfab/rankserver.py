@@ -36,7 +36,7 @@ def warm_host_codecs(numel: int = 3000) -> None:
     g = torch.Generator().manual_seed(0)
     lengths = [numel // 3, numel - numel // 3]
     for world_size in WARM_WORLD_SIZES:
-        xs = [torch.randn(numel, generator=g) for _ in range(world_size)]
+        xs = [torch.randn(numel, generator=g, device="cpu") for _ in range(world_size)]
         for reducer in REDUCERS.values():
             if not reducer.capacity(world_size).ok:
                 continue

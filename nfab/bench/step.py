@@ -291,7 +291,7 @@ def time_runs(runs: list[Run], data: list[tuple[torch.Tensor, torch.Tensor]], cf
 
 def slowest_rank_times(runs: list[Run]) -> dict[str, list[float]]:
     """Per step, the slowest rank's time (MAX across ranks), per variant."""
-    t = torch.tensor([r.times for r in runs], dtype=torch.float64)
+    t = torch.tensor([r.times for r in runs], dtype=torch.float64, device="cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {r.name: t[i].tolist() for i, r in enumerate(runs)}
 
@@ -319,7 +319,7 @@ def nfab_info(run: Run, warmup: int) -> dict[str, Any] | None:
 
 def link_bytes_per_step(runs: list[Run], cfg: BenchConfig) -> dict[str, float]:
     """Bytes across the shaped link per timed step, per variant: every node's count, summed."""
-    t = torch.tensor([float(r.link_bytes) for r in runs], dtype=torch.float64)
+    t = torch.tensor([float(r.link_bytes) for r in runs], dtype=torch.float64, device="cpu")
     dist.all_reduce(t)
     return {r.name: float(t[i]) / cfg.steps for i, r in enumerate(runs)}
 

@@ -50,10 +50,10 @@ import torch.distributed as dist
 from nfab.wire import dispatch, host_slices, noise
 from nfab.wire.blockq import radix
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
+from nfab.wire.segments import nonfinite_sum
 
 try:
     from nfab.wire.blockq import kernels as blockkernels
@@ -64,9 +64,11 @@ DEFAULT_BLOCK = 64
 CODE_OFFSET = 160
 CODES_PER_OCTAVE = 4
 SCALES = torch.tensor(
-    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32
+    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32,
+    device="cpu",
 )
-"""The scale each uint8 code stands for (increasing; code 0 = all-zero block)."""
+"""The scale each uint8 code stands for (increasing; code 0 = all-zero block). On the CPU by name:
+made at import, it must not take the caller's default device (`torch.set_default_device`)."""
 LEVEL_BITS = (2, 3, 4, 8)
 """Bits of levels of the `bq<bits>` routes (2^bits levels), registered at every block size."""
 EXTRA_LEVELS = (5, 6)
