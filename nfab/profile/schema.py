@@ -131,6 +131,9 @@ class Health(FrozenModel):
     """Once no health event has happened for 4 probe intervals, the interval doubles, up to
     `probe_every` times this (probes are control, and control must stay a small share of the
     bytes compression saves)."""
+    probe_budget: float = Field(0.05, ge=0)
+    """Regular probes pause while the run's probe bytes exceed this share of the other bytes sent
+    so far (0: no cap). Early dense probes and shadow windows are safety, not budgeted."""
     drift_demote_after: int = Field(20, ge=0)
     """Steps before the drift monitor may demote a route to FP32, except in a region whose error
     feedback it already switched off (a confirmed suspect); switching error feedback off (no

@@ -45,3 +45,12 @@ def test_a_masked_layout_samples_only_its_regions_and_the_fold_skips_the_rest():
     params = read_params(meta, [0.0] * 7 + [2.0, 1.0, 4.0, 0, 0, 0, 0])
     cosine, regions = fold_probes(params)
     assert set(params) == {"b"} and set(regions) == {"norm"} and cosine == 1.0
+
+
+def test_regular_probes_pause_over_budget_but_shadows_and_dense_probes_do_not():
+    st = HealthState(probe_bytes=60, sent_bytes=1060)  # 60 probe bytes over 1000 others: 6% > 5%
+    assert probe_regions(10, CFG, st, LOSSY, dense=True) == frozenset()
+    assert probe_regions(2, CFG, st, LOSSY, dense=True) == {"norm"}
+    st.shadow_until = 11
+    assert probe_regions(10, CFG, st, LOSSY, dense=True) == set(LOSSY)
+    assert probe_regions(10, CFG, HealthState(probe_bytes=40, sent_bytes=1040), LOSSY, dense=False) == {"linear"}

@@ -107,6 +107,9 @@ class HealthState:
     false_alarms: int = 0
     quiet_since: int = 0
     """The step of the last health event (probes space out the longer the run stays quiet)."""
+    probe_bytes: int = 0
+    sent_bytes: int = 0
+    """Probe bytes and all bytes this rank sent so far (the same on every rank): `Health.probe_budget`."""
 
     def demoted(self) -> frozenset[str]:
         return frozenset(self.demoted_at)
@@ -129,6 +132,7 @@ class HealthState:
             "ef_off": sorted(self.ef_off),
             "probation_until": self.probation_until,
             "shadow": [self.shadow_until, self.shadow_needed, self.alarms, self.false_alarms, self.quiet_since],
+            "bytes": [self.probe_bytes, self.sent_bytes],
         }
 
     @classmethod
@@ -144,6 +148,7 @@ class HealthState:
             {str(r) for r in d.get("ef_off", [])},
             int(d.get("probation_until", 0)),
             int(until), bool(needed), int(alarms), int(false_alarms), int(quiet),
+            *(int(b) for b in d.get("bytes", [0, 0])),
         )
 
 
@@ -211,6 +216,8 @@ def observe(state: HealthState, cfg: Health, st: StepStats, fidelity: Mapping[st
     st.shadow = st.step < state.shadow_until  # this step's probe was a shadow's (decided before this fold)
     events = update(state, cfg, obs, lossy, with_ef)
     st.alarms, st.false_alarms = state.alarms, state.false_alarms
+    state.probe_bytes += st.probe_wire_bytes
+    state.sent_bytes += st.wire_bytes
     for e in events:
         log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
     return events

@@ -6,8 +6,10 @@ control, and control must stay a small share of the bytes compression saves
 10th step (and every step of the first 20) made a 10%-of-FP32 route cost 31% FP32 on probe
 steps. So a probe samples ONE lossy region, the next probe the next one (rotation), and the
 interval doubles while the run stays quiet (no health event for 4 intervals), up to
-`probe_spacing_max` times `probe_every`. An alarm's shadow window probes every lossy region:
-the shadow must answer for all of them.
+`probe_spacing_max` times `probe_every`; a regular probe is skipped while the run's probes so
+far exceed `probe_budget` (5%) of the other bytes it sent. The first `dense_probe_steps` and an
+alarm's shadow window are safety and not budgeted; a shadow probes every lossy region, since it
+must answer for all of them.
 
 Everything here is a function of the step and the health state every rank holds bit for bit,
 so every rank samples the same regions and launches the same probe collective.
@@ -31,6 +33,11 @@ def probe_interval(step: int, cfg: Health, state: HealthState) -> int:
     return cfg.probe_every * spacing
 
 
+def over_budget(cfg: Health, state: HealthState) -> bool:
+    """The run's probes so far cost more than `probe_budget` of the other bytes it sent."""
+    return cfg.probe_budget > 0 and state.probe_bytes > cfg.probe_budget * (state.sent_bytes - state.probe_bytes)
+
+
 def probe_regions(step: int, cfg: Health, state: HealthState, lossy: tuple[str, ...], dense: bool) -> frozenset[str]:
     """The regions `step` probes (empty: no probe). `lossy`: the regions the profile routes lossy
     at this step, sorted; `dense`: the drift monitor reads the optimizer's second moment, so the
@@ -41,6 +48,8 @@ def probe_regions(step: int, cfg: Health, state: HealthState, lossy: tuple[str, 
         return frozenset(lossy)
     if dense and step < max(cfg.dense_probe_steps, state.probation_until):
         turn = step
+    elif over_budget(cfg, state):
+        return frozenset()
     else:
         interval = probe_interval(step, cfg, state)
         if step % interval:
