@@ -134,7 +134,7 @@ def attach(
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
                       qsum_scale=qsum_scale, coalesce=coalesce, hierarchy=hierarchy)
-    if cm is not None and runtime.controller.gated_everywhere(
+    if cm is not None and runtime.rank == 0 and runtime.controller.gated_everywhere(
             runtime.regions, {n: p.numel() for n, p in ddp_model.module.named_parameters()}):
         log.warning(cost_gate_line(cm, runtime.controller.world_size))
     if optimizer is None and prof.noise_moment and noise_moment == "auto":
