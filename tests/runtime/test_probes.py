@@ -21,6 +21,9 @@ def test_dense_steps_rotate_then_regular_probes_rotate_every_interval():
     assert probe_regions(15, CFG, st, LOSSY, dense=True) == frozenset()
     assert probe_regions(10, CFG.model_copy(update={"probe_rotate": False}), st, LOSSY, dense=True) == set(LOSSY)
     assert probe_regions(0, CFG, st, (), dense=True) == frozenset()
+    # error feedback in a lossy region: the dense probes watch every region
+    assert probe_regions(1, CFG, st, LOSSY, dense=True, watch_all=True) == set(LOSSY)
+    assert probe_regions(10, CFG, st, LOSSY, dense=True, watch_all=True) == {"linear"}
 
 
 def test_interval_doubles_while_quiet_up_to_the_cap_and_resets_on_an_event():

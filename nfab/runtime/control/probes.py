@@ -38,15 +38,20 @@ def over_budget(cfg: Health, state: HealthState) -> bool:
     return cfg.probe_budget > 0 and state.probe_bytes > cfg.probe_budget * (state.sent_bytes - state.probe_bytes)
 
 
-def probe_regions(step: int, cfg: Health, state: HealthState, lossy: tuple[str, ...], dense: bool) -> frozenset[str]:
+def probe_regions(step: int, cfg: Health, state: HealthState, lossy: tuple[str, ...], dense: bool,
+                  watch_all: bool = False) -> frozenset[str]:
     """The regions `step` probes (empty: no probe). `lossy`: the regions the profile routes lossy
     at this step, sorted; `dense`: the drift monitor reads the optimizer's second moment, so the
-    first `dense_probe_steps` (and a probation) probe every step."""
+    first `dense_probe_steps` (and a probation) probe every step; `watch_all`: error feedback runs
+    in a lossy region, the combination that bent training within ~20 steps under Adam, so those
+    dense probes sample every region (the drift monitor needs 2 probes of a region to act)."""
     if cfg.probe_every <= 0 or not lossy:
         return frozenset()
     if step < state.shadow_until:
         return frozenset(lossy)
     if dense and step < max(cfg.dense_probe_steps, state.probation_until):
+        if watch_all:
+            return frozenset(lossy)
         turn = step
     elif over_budget(cfg, state):
         return frozenset()

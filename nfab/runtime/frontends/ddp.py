@@ -341,8 +341,9 @@ class Runtime:
         dense early probes feed the drift monitor (it reads the optimizer's 2nd moment)."""
         if self._probing is None or self._probing[0] != self.step:
             lossy = self.controller.model_lossy(phase, self.regions)
+            ef = self.error_feedback and phase.error_feedback and bool(set(lossy) - self.health.ef_off)
             self._probing = (self.step, probes.probe_regions(self.step, self.profile.health, self.health, lossy,
-                                                             dense=self.preconditioner is not None))
+                                                             dense=self.preconditioner is not None, watch_all=ef))
         return self._probing[1]
 
     def _finish_step(self) -> None:
