@@ -328,7 +328,7 @@ class BlockQSum(Reducer):
         one, _ = split_out(out)  # a contiguous fp32 bucket slice is decoded into directly
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
         digits = isinstance(layout, RadixLayout)
-        sums = radix.unpack(reduced, layout, numel) if digits else unpack(reduced, layout, numel)
+        sums = radix.unpack(reduced, layout, numel, torch.float32) if digits else unpack(reduced, layout, numel)
         mean = self.scale_blocks_(unit_values(sums, self.steps * world_size, out=direct), scale_mean, lengths)
         return mean if direct is not None else write_into(out, mean)
 
