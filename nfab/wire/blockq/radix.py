@@ -77,7 +77,7 @@ def pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
     if n < m * k:
         flat = torch.cat([flat, flat.new_zeros(m * k - n)])
     grid = flat.view(m, k)
-    acc = grid[:, k - 1].to(torch.int64)
+    acc = grid[:, k - 1].to(torch.int64, copy=True)  # a copy: never the caller's int64 values
     for j in range(k - 2, -1, -1):
         acc.mul_(layout.radix).add_(grid[:, j])
     return acc
