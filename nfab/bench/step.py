@@ -21,7 +21,8 @@ W/2 ranks, network namespaces joined by a veth pair shaped to that rate (see
 link per timed step, counted by the interfaces' tx counters, beside the bytes the cost model
 predicts for it (`nfab.bench.linkbytes`).
 
-A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route.
+A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route. With
+`parallel="fsdp"` every variant runs under FSDP2 instead (`FSDP_VARIANTS`, `nfab.bench.fsdpstep`).
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at registration.
@@ -71,16 +72,28 @@ POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo."""
 
 
+FSDP_VARIANTS: dict[str, str] = {
+    "plain": "FSDP2, FP32 reduce-scatter",
+    "bf16": "FSDP2, bf16 reduce-scatter (MixedPrecisionPolicy reduce_dtype)",
+    "floor": "FSDP2, reduce-scatter that sends nothing (no-communication floor)",
+    "nfab-fp32": "nfab on FSDP2, route fp32",
+    "nfab-sign": "nfab on FSDP2, static route sign",
+    "nfab-profile": "nfab on FSDP2, profile (cost-gated)",
+}
+"""Variant name -> what it runs under `parallel="fsdp"` (`nfab.bench.fsdpstep`)."""
+FSDP_STEP_VARIANTS: tuple[str, ...] = ("plain", "bf16", "floor", "nfab-profile")
+PARALLEL = ("ddp", "fsdp")
+
 ROUTE_VARIANT = "nfab:"
 """Prefix of a variant that runs nfab with a static route (`nfab:q8`, `nfab:sign`)."""
 COST_MODELS = ("measure", "none")
 
 
-def describe(variant: str) -> str:
-    """What a variant runs (VARIANTS, or `nfab:ROUTE`)."""
+def describe(variant: str, parallel: str = "ddp") -> str:
+    """What a variant runs (VARIANTS, FSDP_VARIANTS, or `nfab:ROUTE`)."""
     if variant.startswith(ROUTE_VARIANT):
         return f"nfab, static route {variant.removeprefix(ROUTE_VARIANT)}"
-    return VARIANTS[variant]
+    return (FSDP_VARIANTS if parallel == "fsdp" else VARIANTS)[variant]
 
 
 def test_profile() -> Profile:
@@ -127,11 +140,20 @@ class BenchConfig:
     profile: dict[str, Any] | None = None
     """The profile (as its JSON dict) for `nfab-profile`; None: `test_profile()`."""
     profile_source: str = "test profile (conv/linear/head sign)"
+    parallel: str = "ddp"
+    """`ddp`, or `fsdp`: every variant under FSDP2 (`FSDP_VARIANTS`, `nfab.bench.fsdpstep`)."""
 
     def __post_init__(self) -> None:
-        unknown = [v for v in self.variants if v not in VARIANTS and not v.startswith(ROUTE_VARIANT)]
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        known = FSDP_VARIANTS if self.parallel == "fsdp" else VARIANTS
+        if self.parallel == "fsdp" and self.variants == STEP_VARIANTS:
+            object.__setattr__(self, "variants", FSDP_STEP_VARIANTS)
+        if self.parallel == "fsdp" and self.nodes > 1:
+            raise ConfigError("--parallel fsdp runs on one emulated node (--nodes 1)")
+        unknown = [v for v in self.variants if v not in known and not v.startswith(ROUTE_VARIANT)]
         if unknown:
-            raise ConfigError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+            raise ConfigError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}")
         if "plain" not in self.variants:
             object.__setattr__(self, "variants", ("plain", *self.variants))
         if self.model != "resnet18":
@@ -187,6 +209,7 @@ class Run:
 
     name: str
     ddp: DDP
+    """The wrapped model: DDP, or the FSDP2 root under `parallel="fsdp"`."""
     opt: torch.optim.Optimizer
     runtime: Any = None
     """nfab's Runtime for nfab variants."""
@@ -390,6 +413,8 @@ def run(cfg: BenchConfig, target: str = "nfab.bench.step:_run_local_target") -> 
         assert cfg.link is not None
         return nodes.run_on_nodes("nfab.bench.step:_run_node_target", cfg.to_dict(), cfg.world_size, cfg.link,
                                   cfg.delay, timeout_s=_timeout(cfg) + 120)
+    if cfg.parallel == "fsdp":
+        target = "nfab.bench.fsdpstep:_run_local_target"
     if cfg.link is None:
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)(cfg.to_dict())
@@ -430,7 +455,7 @@ def summarize(raw: dict[str, Any]) -> list[Row]:
     for name, ts in times.items():
         ms = 1e3 * np.asarray(ts)
         rows.append(Row(
-            variant=name, description=describe(name),
+            variant=name, description=describe(name, raw.get("parallel", "ddp")),
             median_ms=float(np.median(ms)), p10_ms=float(np.percentile(ms, 10)), p90_ms=float(np.percentile(ms, 90)),
             ratio_to_plain=paired_ratio(ts, plain),
             ratio_to_floor=None if floor is None else paired_ratio(ts, floor),
@@ -453,6 +478,7 @@ def report(cfg: BenchConfig, raw: dict[str, Any], command: str = "") -> dict[str
         "nfab": raw["nfab"],
         "loss": raw["loss"],
         "params_sha256": raw.get("params_sha256", {}),
+        **{k: raw[k] for k in ("parallel", "reduce_scatter_bytes") if k in raw},
         "times_s": raw["times_s"],
         **{k: v for k, v in raw.items() if k.startswith("breakdown")},
     }
