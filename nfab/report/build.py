@@ -54,7 +54,7 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
                                      heatmap=heatmap, notes=calibration_notes(cal)))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(
-            {c: "Int64" for c in ("world_size", "steps", "fallback_steps")})  # 4, not 4.0
+            {c: "Int64" for c in ("world_size", "steps", "fallback_steps", "cost_gated_steps")})  # 4, not 4.0
         written.append(atomic_write_text(out / "summary.csv", csv.to_csv(index=False)))
     report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views),
                     images=tuple(images))
