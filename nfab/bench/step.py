@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -51,12 +50,14 @@ from nfab.fsutil import atomic_write_text
 from nfab.models import build_model
 from nfab.profile.schema import Profile
 from nfab.train.config import NFAB_BUCKET_MB
+from nfab.train.setup import loss_fn
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
 
 VARIANTS: dict[str, str] = {
     "plain": "DDP, FP32 all-reduce",
     "floor": "hook that sends nothing (no-communication floor)",
     "fp16": "torch fp16_compress_hook",
+    "bf16": "torch bf16_compress_hook (bf16 DDP: the honest baseline)",
     "allreduce-hook": "torch allreduce_hook (a Python hook, same collective as plain)",
     "powersgd": "torch powerSGD_hook, rank 2, one bucket",
     "nfab-fp32": "nfab, route fp32",
@@ -65,10 +66,12 @@ VARIANTS: dict[str, str] = {
     "nfab-profile": "nfab, profile (cost-gated)",
 }
 """Variant name -> what it runs."""
-STEP_VARIANTS: tuple[str, ...] = ("plain", "floor", "fp16", "powersgd", "nfab-sign", "nfab-profile")
+STEP_VARIANTS: tuple[str, ...] = ("plain", "floor", "bf16", "fp16", "powersgd", "nfab-sign", "nfab-profile")
 DEFAULT_PROFILE = Path("calibrations/resnet18/profile.json")
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo."""
+POWERSGD_START = 2
+"""Steps PowerSGD all-reduces uncompressed before it compresses (torch's `start_powerSGD_iter`)."""
 
 
 ROUTE_VARIANT = "nfab:"
@@ -181,6 +184,13 @@ def no_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future
     return fut
 
 
+def bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's `bf16_compress_hook` itself, under another name: DDP refuses that name unless
+    CUDA with NCCL >= 2.10 is present, though the hook (cast to bf16, all-reduce, divide, cast
+    back) runs on gloo and CPU as well."""
+    return default_hooks.bf16_compress_hook(state, bucket)  # type: ignore[arg-type]
+
+
 @dataclass(slots=True)
 class Run:
     """One variant's model, optimizer and hook state on this rank."""
@@ -198,36 +208,57 @@ class Run:
     """Bytes this node sent on the shaped link during the timed steps (node's first rank only)."""
 
 
-def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
-    """Wrap a copy of `module` in DDP and attach variant `name`'s communication."""
-    module = copy.deepcopy(module)
+def ddp_for(name: str, module: torch.nn.Module, nfab_bucket_mb: float) -> DDP:
+    """`module` (not copied) in DDP with variant `name`'s bucket cap (one bucket for PowerSGD)."""
     if name == "powersgd":
-        ddp = DDP(module, bucket_cap_mb=POWERSGD_BUCKET_MB)
-    elif name.startswith("nfab-"):
-        ddp = DDP(module, bucket_cap_mb=cfg.nfab_bucket_mb)
-    else:
-        ddp = DDP(module)
-    run = Run(name, ddp, torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9))
-    total = cfg.warmup + cfg.steps
-    cm = "measure" if cfg.cost_model == "measure" else None
+        return DDP(module, bucket_cap_mb=POWERSGD_BUCKET_MB)
+    if name.startswith("nfab-"):
+        return DDP(module, bucket_cap_mb=nfab_bucket_mb)
+    return DDP(module)
+
+
+def attach_comm(name: str, ddp: DDP, *, total_steps: int, seed: int, cost_model: str,
+                profile: dict[str, Any] | None, powersgd_rank: int = 2, powersgd_start: int = POWERSGD_START,
+                optimizer: torch.optim.Optimizer | None = None, head_modules: tuple[str, ...] | None = None,
+                ) -> tuple[Any, Any]:
+    """Register variant `name`'s communication on `ddp`: (nfab Runtime or None, torch hook state or None).
+
+    Shared by `nfab bench step` and `nfab bench tta`, so both compare the same variants.
+    `optimizer` and `head_modules` reach nfab's attach (it reads the optimizer's family).
+    """
+    cm = "measure" if cost_model == "measure" else None
+    nfab_kw: dict[str, Any] = {"total_steps": total_steps, "seed": seed, "cost_model": cm,
+                               "optimizer": optimizer, "head_modules": head_modules}
     if name == "floor":
         ddp.register_comm_hook(None, no_comm_hook)
     elif name == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "bf16":
+        ddp.register_comm_hook(None, bf16_hook)
     elif name == "allreduce-hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif name == "powersgd":
-        run.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
-        ddp.register_comm_hook(run.state, psgd.powerSGD_hook)
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
+                                   start_powerSGD_iter=powersgd_start)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return None, state
     elif name == "nfab-sign-2level":  # nodes from torchrun's LOCAL_WORLD_SIZE (W / --nodes per node)
-        run.runtime = nfab.attach(ddp, route="sign", total_steps=total, seed=cfg.seed, cost_model=cm,
-                                  hierarchy="auto")
+        return nfab.attach(ddp, route="sign", hierarchy="auto", **nfab_kw), None
     elif name in ("nfab-fp32", "nfab-sign") or name.startswith(ROUTE_VARIANT):
         route = name.removeprefix(ROUTE_VARIANT).removeprefix("nfab-")
-        run.runtime = nfab.attach(ddp, route=route, total_steps=total, seed=cfg.seed, cost_model=cm)
+        return nfab.attach(ddp, route=route, **nfab_kw), None
     elif name == "nfab-profile":
-        prof = Profile.from_dict(cfg.profile) if cfg.profile is not None else test_profile()
-        run.runtime = nfab.attach(ddp, prof, total_steps=total, seed=cfg.seed, cost_model=cm)
+        prof = Profile.from_dict(profile) if profile is not None else test_profile()
+        return nfab.attach(ddp, prof, **nfab_kw), None
+    return None, None
+
+
+def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
+    """Wrap a copy of `module` in DDP and attach variant `name`'s communication."""
+    ddp = ddp_for(name, copy.deepcopy(module), cfg.nfab_bucket_mb)
+    run = Run(name, ddp, torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9))
+    run.runtime, run.state = attach_comm(name, ddp, total_steps=cfg.warmup + cfg.steps, seed=cfg.seed,
+                                         cost_model=cfg.cost_model, profile=cfg.profile)
     return run
 
 
@@ -250,12 +281,12 @@ def prepare(rank: int, cfg: BenchConfig) -> tuple[list[Run], list[tuple[torch.Te
     return [build_run(name, spec.module, cfg) for name in cfg.variants], batches(cfg, rank)
 
 
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, task: str = "classification") -> float:
     """One timed training step (after a barrier, so ranks start together); seconds."""
     dist.barrier()
     t0 = time.perf_counter()
     run.opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(run.ddp(x), y)
+    loss = loss_fn(task, run.ddp(x), y)
     if run.runtime is not None:
         run.runtime.observe_loss(loss)
     loss.backward()
@@ -414,6 +445,8 @@ class Row:
     """Bytes that crossed the shaped link per timed step (tx counters; None without a link)."""
     modelled_wire_bytes_per_step: float | None = None
     """The cost model's prediction of the same bytes (None without a link, or no model)."""
+    ratio_to_bf16: float | None = None
+    """Median of per-step ratios against bf16 DDP, the honest baseline (None without a bf16 variant)."""
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:
@@ -424,7 +457,7 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
 def summarize(raw: dict[str, Any]) -> list[Row]:
     """Median, p10-p90 and paired ratios per variant."""
     times: dict[str, list[float]] = raw["times_s"]
-    plain, floor = times["plain"], times.get("floor")
+    plain, floor, bf16 = times["plain"], times.get("floor"), times.get("bf16")
     wire = raw.get("wire_bytes", {})
     rows = []
     for name, ts in times.items():
@@ -436,6 +469,7 @@ def summarize(raw: dict[str, Any]) -> list[Row]:
             ratio_to_floor=None if floor is None else paired_ratio(ts, floor),
             steps=len(ts),
             **wire.get(name, {}),
+            ratio_to_bf16=None if bf16 is None else paired_ratio(ts, bf16),
         ))
     return rows
 
@@ -470,3 +504,13 @@ def load_profile_dict(path: str | Path | None) -> tuple[dict[str, Any] | None, s
     if path is None:
         return None, "test profile (conv/linear/head sign)"
     return Profile.load(path).to_dict(), str(path)
+
+
+def on_bench_model(prof: dict[str, Any] | None, source: str) -> tuple[dict[str, Any] | None, str]:
+    """A profile whose routes a bench applies to its own model (another width or input than it
+    was calibrated on): the parameter layout differs by design, so attach must not refuse it."""
+    if prof is not None and prof["model"].get("signature"):
+        prof = {**prof, "model": {**prof["model"], "signature": None}}
+        source += " (routes on the bench's model)"
+    return prof, source
+
