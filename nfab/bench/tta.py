@@ -204,8 +204,10 @@ def rank_main(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]
     module0 = trainees[0].run.ddp.module
     target: float | None = None
     for i in range(limit):
-        x, y = stream.next()
         active = [t for t in trainees if not t.done]
+        if not active:
+            break
+        x, y = stream.next()
         k = i % len(active)
         for t in active[k:] + active[:k]:
             seen = t.run.runtime.step if t.run.runtime is not None else 0
