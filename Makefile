@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=20
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m 'not slow'
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m 'not slow' --durations=10
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m cuda -rs
@@ -29,9 +29,11 @@ demo: install
 lint: install
 	$(BIN)/ruff check nfab tests
 
-bench: install
-	$(BIN)/nfab bench wire --json bench/wire.json
-	$(BIN)/nfab bench hook --json bench/hook.json
+bench: install  # one run each, folded into its setting's file (bench/runs.py: runs with min/median/max)
+	$(BIN)/nfab bench wire --reducers signgather,signcount,qsum-q8 --json /tmp/nfab-wire-run.json
+	$(BIN)/python -m bench.runs bench/wire/codecs.json /tmp/nfab-wire-run.json
+	$(BIN)/nfab bench hook --json /tmp/nfab-hook-run.json
+	$(BIN)/python -m bench.runs bench/hook.json /tmp/nfab-hook-run.json
 
 study: install
 	$(BIN)/nfab bench study --out bench/study --publish

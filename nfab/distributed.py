@@ -34,9 +34,9 @@ import torch.distributed as dist
 _START: Any = mp.get_context("spawn")
 """How run_ranks starts its processes (see `fork_ranks_from_server`)."""
 
-PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo", "nfab.api")
+PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "torch._dynamo", "nfab.rankserver")
 """What a rank server imports once (torch._dynamo: DDP's constructor imports it, seconds of CPU
-per rank; nfab.api: what `nfab.attach` imports)."""
+per rank; nfab.rankserver: nfab.api and the host codecs, loaded once)."""
 
 
 def fork_ranks_from_server(preload: Sequence[str] = PRELOAD) -> None:

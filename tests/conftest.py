@@ -1,8 +1,8 @@
 """Shared test setup: one thread per process (2 cores, several gloo ranks), ranks forked from one server.
 
 The suite starts hundreds of `run_ranks` ranks; forked from a server that imported torch and
-nfab once (and loaded numba's kernels: tests/rankwarm.py), each starts in a fraction of a
-second instead of seconds of interpreter, torch and DDP start-up
+nfab once and ran every host codec once (`nfab.rankserver`), each starts in a fraction of a
+second instead of seconds of interpreter, torch, DDP and numba start-up
 (nfab.distributed.fork_ranks_from_server).
 """
 
@@ -11,4 +11,4 @@ import torch
 from nfab.distributed import PRELOAD, fork_ranks_from_server
 
 torch.set_num_threads(1)
-fork_ranks_from_server((*PRELOAD, "rankwarm"))
+fork_ranks_from_server(PRELOAD)

@@ -22,7 +22,7 @@ FLOORS: dict[str, int] = {
     "data": 5, "attach_checks": 5,
     "config": 6,
     "api": 7, "inspect": 7,
-    "calibrate": 8, "train": 8, "integrations": 8, "report": 8,
+    "calibrate": 8, "train": 8, "integrations": 8, "report": 8, "rankserver": 8,
     "bench": 9,
     "cli": 10,
 }

@@ -67,7 +67,7 @@ RISK_SHARE = 0.7
 """Tightening moves the riskiest lossy regions of a phase that together hold this share of its
 risk, not only the riskiest one: under Adam the harm of rounding noise adds up over the regions in
 proportion to their risk, so moving one leaves the others' share as a floor the gap cannot go under.
-On the second held-out model (nfab.bench.heldout2, AdamW) moving the MLP layers alone, bq2 -> bl5 ->
+On the second held-out model (bench.heldout.encoder, AdamW) moving the MLP layers alone, bq2 -> bl5 ->
 bl6 -> bq3 over three rounds, left attention's in-projection at bq2: +1.29% in the user's loop,
 where bl6 on every region gives +0.8%. Where one region holds most of the risk (resnet18's conv
 kernels) it is still the one region moved."""

@@ -41,8 +41,8 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path, typer.Option(help="Folder for study.json/.md, report.html and the Pareto PNGs.")] = Path(
             "bench/study"),
         settings: Annotated[str | None, typer.Option(
-            help="Comma-separated subset of resnet18,gpt,heldout,heldout2,heldout-w8,heldout-w8c,heldout-600 (default: "
-                 "all).", show_default=False)] = None,
+            help="Comma-separated subset of resnet18,gpt,heldout,heldout2,heldout3,heldout-w8,heldout-w8c,"
+                 "heldout-600 (default: all).", show_default=False)] = None,
         variants: Annotated[str | None, typer.Option(
             help="Comma-separated subset of fp32,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,bq3,bl6,bl5,bq2,bq2-nm,"
                  "bl5-nm,profile,profile-nm (default: all).",
@@ -52,21 +52,20 @@ def register(app: typer.Typer) -> None:
         world_size: Annotated[int | None, typer.Option(
             "--world-size", "-w", min=1, help="gloo ranks for every setting (default 4).", show_default=False)] = None,
         publish: Annotated[bool, typer.Option(
-            "--publish", help="Copy study.json to bench/study.json, regenerate bench/STUDY.md and the README "
-                              "tables from it.")] = False,
+            "--publish", help="Copy study.json to bench/study.json, regenerate docs/study.md's tables and "
+                              "the Pareto PNGs from it.")] = False,
         append: Annotated[bool, typer.Option(
             "--append", help="Merge into OUT/study.json, keeping its rows of other settings/variants/seeds.")] = False,
         seeds: Annotated[str, typer.Option(
             help="Comma-separated seeds: every setting x variant runs once per seed; the tables show the first "
                  "(an appended study's own), an across-seed table the spread.")] = "0",
         regen_docs: Annotated[bool, typer.Option(
-            "--regen-docs", help="Only regenerate bench/STUDY.md and the README tables from bench/study.json.")
+            "--regen-docs", help="Only regenerate docs/study.md's tables and the PNGs from bench/study.json.")
         ] = False,
     ) -> None:
         """Quality and gradient bytes of every variant, side by side, with a bytes-vs-quality plot."""
         from nfab.bench import studydocs
-        from nfab.bench.study import SETTINGS, StudyConfig, run_study
-        from nfab.bench.studyloop import VARIANTS
+        from nfab.bench.study import SETTINGS, VARIANTS, StudyConfig, harness, run_study
 
         root = Path.cwd()
         if regen_docs:
@@ -76,6 +75,10 @@ def register(app: typer.Typer) -> None:
                 fail(str(exc))
             console.print("regenerated " + ", ".join(str(p) for p in written))
             return
+        try:
+            harness(root)  # the loop and the held-out models live in a repository checkout
+        except NfabError as exc:
+            fail(str(exc))
         for s in _names(settings, tuple(SETTINGS), "setting") or SETTINGS:
             prof = SETTINGS[s].profile
             if prof is not None and not (root / prof).is_file() and (variants is None or "profile" in variants):
@@ -92,8 +95,6 @@ def register(app: typer.Typer) -> None:
         console.print(f"wrote {out / 'study.json'}, {out / 'study.md'}, {out / 'report.html'}")
         if publish:
             shutil.copyfile(out / "study.json", root / studydocs.STUDY_JSON)
-            for name in doc["settings"]:
-                shutil.copyfile(out / f"pareto_{name}.png", root / "bench" / f"pareto_{name}.png")
             written = studydocs.regen_docs(root)
             console.print("published " + ", ".join(str(p) for p in [root / studydocs.STUDY_JSON, *written]))
         if any(not r["ok"] for r in doc["rows"]):

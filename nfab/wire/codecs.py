@@ -13,7 +13,7 @@ from functools import cache, lru_cache
 import numpy as np
 import torch
 
-from nfab.wire import fastpath
+from nfab.wire import dispatch, host_slices
 
 BLOCK_ROUTES: tuple[str, ...] = ("bq8", "bq4", "bq3", "bl6", "bl5", "bq2", *(
     f"bq{bits}-{block}" for block in (128, 256) for bits in (8, 4, 3, 2)))
@@ -59,7 +59,7 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """
     lengths = list(lengths)
     divisors = segment_counts([max(n, 1) for n in lengths], x.device).to(torch.float32)
-    if not fastpath.on_host(x):
+    if not dispatch.on_host(x):
         parts = torch.split(x, lengths)
         sums = [torch.linalg.vector_norm(p, 1, dtype=torch.float32) if p.numel()
                 else x.new_zeros((), dtype=torch.float32) for p in parts]
@@ -87,13 +87,13 @@ _MANY_SEGMENTS = 8
 def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """max |x| over each consecutive segment of `x` (fp32; 0 for an empty segment).
 
-    On CPU one compiled pass reads fp32/bf16/fp16 as they are (`fastpath.segment_max_abs`).
+    On CPU one compiled pass reads fp32/bf16/fp16 as they are (`host_slices.segment_max_abs`).
     Elsewhere many segments (a bucket's norms and biases) are reduced in one scatter pass
     instead of one reduction each. Max is order-free, so every way gives the same bits.
     """
     lengths = list(lengths)
-    if fastpath.qsum_supports(x):
-        return fastpath.segment_max_abs(x, lengths)
+    if dispatch.supports(x) and x.dim() == 1 and x.dtype in host_slices.FLOAT_DTYPES:
+        return host_slices.segment_max_abs(x, lengths)
     if len(lengths) > _MANY_SEGMENTS:
         seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), segment_counts(lengths, x.device),
                                       output_size=x.numel())
@@ -119,7 +119,7 @@ def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int
     flat = scales.reshape(-1)
     if len(lengths) == 1:
         return x.mul_(flat[0])
-    if fastpath.on_host(scales):
+    if dispatch.on_host(scales):
         for part, s in zip(torch.split(x, lengths), flat.tolist(), strict=True):
             part.mul_(s)
     elif len(lengths) > _MANY_SEGMENTS:
@@ -135,7 +135,7 @@ def scale_segments_into(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence
     """dests[i] = segment i of `x` times scales[i]: scaling and scattering in one pass
     (each scale a host float on the CPU, a 0-d device tensor elsewhere: no host read)."""
     flat = scales.reshape(-1)
-    factors = flat.tolist() if fastpath.on_host(scales) else list(flat.unbind())
+    factors = flat.tolist() if dispatch.on_host(scales) else list(flat.unbind())
     for part, s, d in zip(torch.split(x, list(lengths)), factors, dests, strict=True):
         torch.mul(part, s, out=d)
 
@@ -145,7 +145,7 @@ def sign_bits(x: torch.Tensor) -> torch.Tensor:
 
     -0.0 votes positive and NaN negative on every path (numpy's >= is IEEE like torch's).
     """
-    if fastpath.on_host(x) and x.dtype == torch.float32:
+    if dispatch.on_host(x) and x.dtype == torch.float32:
         out = np.empty(x.numel(), dtype=np.bool_)
         np.greater_equal(x.reshape(-1).contiguous().numpy(), np.float32(0), out=out)
         return torch.from_numpy(out).view(x.shape)
@@ -162,7 +162,7 @@ def _unit_sign_table() -> np.ndarray:
 def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """This rank's own decoded contribution: +scale where the vote is positive, else -scale."""
     n = bits.numel()
-    if fastpath.on_host(bits) and n:
+    if dispatch.on_host(bits) and n:
         packed = np.packbits(bits.reshape(-1).contiguous().numpy(), bitorder="little")
         return sign_values_packed(packed, n, scales, lengths)
     local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from nfab.errors import CapacityError
 from nfab.wire import codecs
-from nfab.wire.fastpath import decode_table
+from nfab.wire.qsum.host import decode_table
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nfab.wire import fastpath
+from nfab.wire import shared_kernels
 
 GOLDEN = 0x9E3779B9
 MIX1 = 0x7FEB352D
@@ -100,10 +100,10 @@ def seeded_keys(seeds: Sequence[int] | np.ndarray) -> torch.Tensor:
     """The int64 keys (CPU) that `draw_keys` draws from one CPU generator per seed, each
     seeded with `manual_seed(seed)`: the same bits, computed without making a generator per
     segment (`kernels.first_draw_keys`; generators where numba is missing)."""
-    if fastpath.kernels is None:
+    if shared_kernels is None:
         return draw_keys([torch.Generator().manual_seed(s) for s in seeds], len(seeds), torch.device("cpu"))
     out = np.empty(len(seeds), dtype=np.uint64)
-    fastpath.kernels.first_draw_keys(np.asarray(seeds, dtype=np.uint64), out)
+    shared_kernels.first_draw_keys(np.asarray(seeds, dtype=np.uint64), out)
     return torch.from_numpy(out.view(np.int64))
 
 

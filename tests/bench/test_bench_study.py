@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from nfab.bench import study, studydocs
+from nfab.bench import study, studydocs, studyspec
 from nfab.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,18 +68,39 @@ def test_the_noise_corrected_profile_is_judged_beside_the_profile() -> None:
 
 
 def test_published_docs_match_the_study_json() -> None:
-    """bench/STUDY.md and the README's study block are exactly what the JSON renders (no hand edits)."""
+    """docs/study.md's study block is exactly what the JSON renders (no hand edits), its plots beside the JSON."""
     doc = json.loads((ROOT / studydocs.STUDY_JSON).read_text())
-    assert doc["schema"] == study.SCHEMA and doc["version"] == study.VERSION
-    assert (ROOT / studydocs.STUDY_MD).read_text() == studydocs.study_markdown(doc, images=True)
-    readme = (ROOT / studydocs.README).read_text()
-    assert studydocs.replace_block(readme, studydocs.readme_block(doc)) == readme
+    assert doc["schema"] == studyspec.SCHEMA and doc["version"] == studyspec.VERSION
+    page = (ROOT / studydocs.STUDY_DOC).read_text()
+    assert studydocs.replace_block(page, studydocs.doc_block(doc)) == page
     for name in doc["settings"]:
         assert (ROOT / "bench" / f"pareto_{name}.png").is_file()
+        assert f"]({studydocs.PNG_FROM_DOC}/pareto_{name}.png)" in page
+
+
+def test_the_study_modules_import_no_circle() -> None:
+    """studyspec <- studyverdict <- studydocs <- study: each imports only the ones before it."""
+    import ast
+
+    order = ["studyspec", "studyverdict", "studydocs", "study"]
+    for i, name in enumerate(order):
+        tree = ast.parse((ROOT / "nfab" / "bench" / f"{name}.py").read_text())
+        imported = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree)
+                    if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("nfab.bench.")}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "nfab.bench"
+                     for a in n.names}
+        assert imported <= set(order[:i]), (name, imported)
+
+
+def test_the_study_needs_a_checkout(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["bench", "study", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "runs from a repository checkout" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_replace_block_needs_the_markers() -> None:
-    text = f"a\n{studydocs.README_BEGIN}\nold\n{studydocs.README_END}\nb\n"
+    text = f"a\n{studydocs.DOC_BEGIN}\nold\n{studydocs.DOC_END}\nb\n"
     assert studydocs.replace_block(text, "NEW") == "a\nNEW\nb\n"
     with pytest.raises(Exception, match="no study block"):
         studydocs.replace_block("no markers", "NEW")
@@ -149,7 +170,7 @@ def test_cli_rejects_bad_arguments_in_one_line(tmp_path, monkeypatch, args, mess
 def test_every_profile_variant_reports_a_missing_profile(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from nfab.bench.studyloop import run_variants
+    from bench.userloop import run_variants
 
     setting = replace(study.SETTINGS["resnet18"], profile="no/such/profile.json", world_size=2, steps=1)
     rows = run_variants(setting, ("profile", "profile-nm"), seed=3, root=tmp_path)

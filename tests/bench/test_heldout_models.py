@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nfab.bench.heldout import user_gpt
-from nfab.bench.heldout2 import user_lm
-from nfab.bench.heldout3 import user_swiglu
+from bench.heldout.encoder import user_lm
+from bench.heldout.gpt import user_gpt
+from bench.heldout.swiglu import user_swiglu
 from nfab.cli.app import main
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
@@ -42,14 +42,14 @@ def test_the_second_models_regions_are_what_a_user_model_gives() -> None:
 def test_the_second_model_calibrates_as_a_user_model(tmp_path: Path, monkeypatch) -> None:
     out = tmp_path / "cal"
     monkeypatch.setattr(sys, "argv", [
-        "nfab", "calibrate", "nfab.bench.heldout2:user_lm", "--steps", "4", "--phases", "1", "--trial-steps", "1",
+        "nfab", "calibrate", "bench.heldout.encoder:user_lm", "--steps", "4", "--phases", "1", "--trial-steps", "1",
         "--routes", "fp32,bq2", "--out", str(out), "data.max_bytes=40000", "batch_size=2", "eval_samples=4",
         "ef_steps=1", "d_model=32", "n_layer=1"])
     with pytest.raises(SystemExit) as done:
         main()
     assert done.value.code in (0, None)
     profile = Profile.load(out / "profile.json")
-    assert profile.provenance["calibrated"]["model"] == "nfab.bench.heldout2:user_lm"
+    assert profile.provenance["calibrated"]["model"] == "bench.heldout.encoder:user_lm"
     assert profile.provenance["calibrated"]["optimizer"]["name"] == "adamw"
     assert (out / "calibration.parquet").is_file()
 
@@ -62,7 +62,7 @@ def test_the_third_model_ties_its_head_and_calibrates_under_plain_adam(tmp_path:
     assert regions["blocks.0.attn_norm.weight"] == "norm" and regions["blocks.0.gate.weight"] == "linear"
     out = tmp_path / "cal"
     monkeypatch.setattr(sys, "argv", [
-        "nfab", "calibrate", "nfab.bench.heldout3:user_swiglu", "--steps", "4", "--phases", "1", "--trial-steps", "2",
+        "nfab", "calibrate", "bench.heldout.swiglu:user_swiglu", "--steps", "4", "--phases", "1", "--trial-steps", "2",
         "--routes", "fp32,bq2", "--out", str(out), "data.max_bytes=40000", "batch_size=2", "eval_samples=4",
         "ef_steps=1", "d_model=32", "n_layer=1", "optim.name=adamw", "optim.weight_decay=0", "optim.betas=[0.9,0.999]"])
     with pytest.raises(SystemExit) as done:

@@ -82,7 +82,7 @@ def test_calibrate_and_train_read_the_same_config(tmp_path: Path) -> None:
 
 
 def test_a_user_model_is_calibrated_under_its_declared_optimizer() -> None:
-    cfg = make_config("nfab.bench.heldout:user_gpt")
+    cfg = make_config("bench.heldout.gpt:user_gpt")
     assert cfg.optimizer.name == "adamw" and cfg.optimizer.lr == 3e-3 and cfg.dataset == "stdlib-text"
 
 
@@ -96,7 +96,7 @@ def test_user_model_profile_round_trip(tmp_path: Path, capsys, monkeypatch) -> N
     """calibrate a `module:factory` model, then `train --profile` alone validates against it."""
     out = tmp_path / "cal"
     monkeypatch.setattr(sys, "argv", [
-        "nfab", "calibrate", "nfab.bench.heldout:user_gpt", "--steps", "4", "--phases", "1", "--trial-steps", "1",
+        "nfab", "calibrate", "bench.heldout.gpt:user_gpt", "--steps", "4", "--phases", "1", "--trial-steps", "1",
         "--routes", "fp32,sign", "--quick", "--out", str(out), "data.max_bytes=40000", "batch_size=2",
         "eval_samples=4", "ef_steps=1", "d_model=32"])
     with pytest.raises(SystemExit) as done:
@@ -104,9 +104,9 @@ def test_user_model_profile_round_trip(tmp_path: Path, capsys, monkeypatch) -> N
     assert done.value.code in (0, None)
     profile = Profile.load(out / "profile.json")
     setting = profile.provenance["calibrated"]
-    assert setting["optimizer"]["name"] == "adamw" and setting["model"] == "nfab.bench.heldout:user_gpt"
+    assert setting["optimizer"]["name"] == "adamw" and setting["model"] == "bench.heldout.gpt:user_gpt"
     cfg = resolved(tmp_path, flags=[f"comm.profile={out / 'profile.json'}"])
-    assert cfg.model.name == "nfab.bench.heldout:user_gpt" and cfg.model.options["d_model"] == 32
+    assert cfg.model.name == "bench.heldout.gpt:user_gpt" and cfg.model.options["d_model"] == 32
     assert cfg.optim.name == "adamw" and cfg.steps == 4 and cfg.data.batch_size == 2
 
 

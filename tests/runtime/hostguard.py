@@ -1,6 +1,6 @@
 """A guard that records every host read of a tensor's values, for runs on the device paths.
 
-Under `fastpath.host_paths(False)` a CPU run takes the paths every other device takes, so
+Under `dispatch.host_paths(False)` a CPU run takes the paths every other device takes, so
 within the hook body and its callbacks nothing should read a tensor's value on the host.
 `HostReads` is a `TorchFunctionMode` (thread-local: enter it on the thread that runs the
 code) that records, with the nfab line that made it:

@@ -58,7 +58,11 @@ def _train(rank: int, world_size: int, steps: int, bucket_mb: float, error_feedb
             if ROUTES.get(regions.get(n, ""), "fp32") == "fp32":
                 ref = g * (1.0 / world_size)
                 dist.all_reduce(ref)
-                ok &= torch.allclose(grads[0][n], ref, rtol=1e-6, atol=1e-9)
+                # the same sum in another order (the word's all-gather vs gloo's ring at W=3) may differ
+                # in its last bits: bound by the summands' magnitude, not the (possibly cancelled) sum
+                mag = g.abs() * (1.0 / world_size)
+                dist.all_reduce(mag)
+                ok &= bool(((grads[0][n] - ref).abs() <= world_size * torch.finfo(torch.float32).eps * mag).all())
         out["fp32_ok"].append(ok)
         out["rounds"].append((stats[0].scale_rounds, stats[1].scale_rounds))
         out["mix"] = stats[0].route_mix

@@ -19,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import twins  # noqa: E402
 
 import nfab  # noqa: E402
-from nfab.bench.userloop import health_with  # noqa: E402
-from nfab.profile.schema import Profile  # noqa: E402
+from nfab.profile.schema import Health, Profile  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
 from nfab.wire.blockq.reducer import SCALES, scale_codes  # noqa: E402
 from nfab.wire.registry import candidates  # noqa: E402
@@ -96,8 +95,8 @@ def _drift(rank: int, world_size: int, route: str, ef: bool | str, floor: float,
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=100)
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     prof = Profile.static(route)
-    prof = prof.model_copy(update={"health": health_with({"probe_every": 1, "min_trend_cosine": floor,
-                                                          "trend_min_probes": 2, "warmup_steps": 0})})
+    prof = prof.model_copy(update={"health": Health(probe_every=1, min_trend_cosine=floor, trend_min_probes=2,
+                                                     warmup_steps=0)})
     rt = nfab.attach(ddp, prof, optimizer=opt, error_feedback=ef, cost_model=None)
     events, cosines, mixes = [], [], []
     for step in range(steps):

@@ -1,6 +1,6 @@
 """No host sync in the hook body or its callbacks: every lossy route on the device paths.
 
-Under `fastpath.host_paths(False)` CPU tensors take the paths CUDA (or any device) takes:
+Under `dispatch.host_paths(False)` CPU tensors take the paths CUDA (or any device) takes:
 torch ops, no compiled kernels, no numpy, no host read of a flag. `hostguard.HostReads`
 records every read of a tensor value on the host (and every blocking host-to-device copy)
 made inside a hook body or a callback; it must record none. The step-boundary fold (one
@@ -30,7 +30,7 @@ from hostguard import HostReads  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.control.optim import Preconditioner  # noqa: E402
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook  # noqa: E402
-from nfab.wire import fastpath  # noqa: E402
+from nfab.wire import dispatch  # noqa: E402
 from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
 MIXED = {"conv": "sign", "linear": "q8", "embedding": "sign", "head": "sign", "norm": "bf16", "bias": "q4",
@@ -151,7 +151,7 @@ def _run(rank: int, world_size: int, case: str, host: bool) -> dict:
     else:
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     out: dict = {"bad": [], "skipped": [], "mix": [], "zeroed": None}
-    with fastpath.host_paths(host):
+    with dispatch.host_paths(host):
         for step in range(STEPS):
             x, y = twins.batch(rank, step)
             local = twins.local_grads(model, [(x, y)])

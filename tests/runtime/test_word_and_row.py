@@ -12,13 +12,13 @@ from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import Group
 from nfab.runtime.core import coalesce
 from nfab.runtime.core.plan import Slice
-from nfab.wire import fastpath
+from nfab.wire.dispatch import host_paths
 
 
 def _both(fn):
     """fn() on the host path, and on the path every other device takes."""
     host = fn()
-    with fastpath.host_paths(False):
+    with host_paths(False):
         device = fn()
     return host, device
 
@@ -78,7 +78,7 @@ def test_parts_read_back_as_views_of_the_gathered_rows(host):
     row, parts = coalesce.pack(tensors, torch.device("cpu"))
     rows = torch.stack([row, row.roll(0)])  # two ranks' rows (the same bytes)
     base = rows.data_ptr()
-    with fastpath.host_paths(host):
+    with host_paths(host):
         for t, p in zip(tensors, parts, strict=True):
             got = p.rows(rows)
             assert got.shape == (2, t.numel()) and got.dtype == t.dtype

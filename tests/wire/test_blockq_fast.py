@@ -1,6 +1,6 @@
 """Block-scaled qsum's compiled CPU path (`blockkernels`) against its torch reference, bit for bit.
 
-The reference runs under `fastpath.host_paths(False)` (the path every non-CPU device takes);
+The reference runs under `dispatch.host_paths(False)` (the path every non-CPU device takes);
 both paths must give the same block maxima, levels, payload, local values and decoded mean,
 for every packing (bit lanes and radix digits), block size, W and input dtype.
 """
@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from nfab.wire import fastpath, noise
+from nfab.wire import dispatch, noise
 from nfab.wire.blockq import reducer as blockq
 from nfab.wire.blockq.radix import RadixLayout, radix_layout, unpack
 from nfab.wire.blockq.reducer import BlockQSum, scale_codes
 
-pytestmark = pytest.mark.skipif(blockq.blockkernels is None or not fastpath.AVAILABLE,
+pytestmark = pytest.mark.skipif(blockq.blockkernels is None or not dispatch.AVAILABLE,
                                 reason="numba not installed: only the torch reference runs")
 
 LENGTHS = [100, 64, 1, 0, 835, 7, 4096 + 13]
@@ -36,7 +36,7 @@ def _x(rank: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def _both(fn):
     """(compiled, reference) results of `fn()`."""
     fast = fn()
-    with fastpath.host_paths(False):
+    with dispatch.host_paths(False):
         ref = fn()
     return fast, ref
 
@@ -146,7 +146,7 @@ def test_the_cpu_path_is_the_compiled_one(monkeypatch: pytest.MonkeyPatch) -> No
     red.decode(enc.payload, codes, x.numel(), LENGTHS, w)
     assert called == list(names)
     called.clear()
-    with fastpath.host_paths(False):
+    with dispatch.host_paths(False):
         red.local_scale(x, LENGTHS)
     assert called == []
 

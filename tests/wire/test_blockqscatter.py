@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nfab.distributed import run_ranks
-from nfab.wire import fastpath, noise
+from nfab.wire import dispatch, noise
 from nfab.wire.blockq import reducer as blockq
 from nfab.wire.blockq.scatter import BlockQScatter, consecutive
 from nfab.wire.contract import Reducer
@@ -100,7 +100,7 @@ def test_shard_by_shard_decode_of_multi_block_lanes(key, world_size):
     assert torch.equal(_bits(own_path(scatter, xs, [n])), _bits(independent(plain, xs, [n])))
 
 
-@pytest.mark.skipif(blockq.blockkernels is None or not fastpath.AVAILABLE, reason="numba not installed")
+@pytest.mark.skipif(blockq.blockkernels is None or not dispatch.AVAILABLE, reason="numba not installed")
 @pytest.mark.parametrize("key", KEYS + ["bq4"])
 @pytest.mark.parametrize("world_size", [2, 3, 4, 8, 16])
 def test_compiled_equals_reference(key, world_size):
@@ -117,7 +117,7 @@ def test_compiled_equals_reference(key, world_size):
         return [e.payload for e in encs], reduced, red.decode(reduced, shared, n, LENGTHS, world_size)
 
     fast = run()
-    with fastpath.host_paths(False):
+    with dispatch.host_paths(False):
         ref = run()
     assert all(torch.equal(a, b) for a, b in zip(fast[0], ref[0], strict=True))  # own levels, per shard
     assert torch.equal(fast[1], ref[1])  # the owners' packed sums
@@ -142,7 +142,7 @@ def test_torch_path_under_a_meta_default_device(key):
 
     want = run()
     for host in (False, True):
-        with torch.device("meta"), fastpath.host_paths(host):
+        with torch.device("meta"), dispatch.host_paths(host):
             got = run()
         assert got[0].device.type == "cpu" and torch.equal(_bits(got[0]), _bits(want[0]))
         assert torch.equal(got[1], want[1])

@@ -10,12 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nfab.wire import codecs, fastpath
+from nfab.wire import codecs, dispatch
+from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum import lanes
 from nfab.wire.qsum.lanes import count_lane_bits, layout_for
 from nfab.wire.registry import REDUCERS
+from nfab.wire.sign import host as sign_host
 
-pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
+pytestmark = pytest.mark.skipif(not dispatch.AVAILABLE, reason="numba not installed")
 
 SHAPES = [
     (1, [1]),
@@ -39,7 +41,7 @@ def _x(numel: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("numel,lengths", SHAPES)
 def test_sign_votes_match_reference(dtype, numel, lengths):
     x = _x(numel, numel, dtype)
-    bits, sums = fastpath.sign_votes(x, lengths)
+    bits, sums = sign_host.sign_votes(x, lengths)
     assert np.array_equal(bits, np.packbits((x >= 0).numpy(), bitorder="little"))  # -0.0 +, NaN -
     wide = x.to(torch.float64)
     expected = np.array([p.abs().sum().item() for p in torch.split(wide, lengths)])
@@ -59,7 +61,7 @@ def test_sign_votes_of_special_values_in_every_vector_lane(dtype):
     base[-77::2] = -0.0
     x = base.to(dtype)
     for lengths in ([x.numel()], [13, x.numel() - 13]):  # the second segment's words are shifted
-        bits, _ = fastpath.sign_votes(x, lengths)
+        bits, _ = sign_host.sign_votes(x, lengths)
         assert np.array_equal(bits, np.packbits((x >= 0).numpy(), bitorder="little"))
 
 
@@ -67,13 +69,13 @@ def test_sign_votes_of_special_values_in_every_vector_lane(dtype):
 def test_segment_sums_do_not_depend_on_neighbours_or_offset(numel, lengths):
     """A slice's scale is the same alone, inside a bucket, and read as a view."""
     x = _x(numel, 3)
-    _, together = fastpath.sign_votes(x, lengths)
+    _, together = sign_host.sign_votes(x, lengths)
     parts = torch.split(x, lengths)
-    alone = [fastpath.sign_votes(p.clone(), [p.numel()])[1][0] for p in parts]
-    bits_v, views = fastpath.sign_votes_views(list(parts), lengths)
+    alone = [sign_host.sign_votes(p.clone(), [p.numel()])[1][0] for p in parts]
+    bits_v, views = sign_host.sign_votes_views(list(parts), lengths)
     assert np.array_equal(together, np.array(alone), equal_nan=True)
     assert np.array_equal(together, views, equal_nan=True)
-    assert np.array_equal(bits_v, fastpath.sign_votes(x, lengths)[0])
+    assert np.array_equal(bits_v, sign_host.sign_votes(x, lengths)[0])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 31, 64, 100, 512])
@@ -81,8 +83,8 @@ def test_segment_sums_do_not_depend_on_neighbours_or_offset(numel, lengths):
 def test_votes_to_lanes_match_pack(world_size, numel):
     layout = layout_for(count_lane_bits(world_size))
     x = _x(numel, world_size)
-    bits, _ = fastpath.sign_votes(x, [numel])
-    assert torch.equal(fastpath.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout))
+    bits, _ = sign_host.sign_votes(x, [numel])
+    assert torch.equal(sign_host.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16, 31, 100])
@@ -94,7 +96,7 @@ def test_vote_spread_writes_every_container(world_size, numel):
 
     layout = layout_for(count_lane_bits(world_size))
     x = _x(numel, world_size)
-    bits, _ = fastpath.sign_votes(x, [numel])
+    bits, _ = sign_host.sign_votes(x, [numel])
     padded = np.concatenate([bits, np.zeros(2, dtype=np.uint8)])
     want = lanes.pack(x >= 0, layout).numpy()
     out = np.full(want.size + 0, -1).astype(want.dtype)  # all bits set
@@ -105,7 +107,7 @@ def test_vote_spread_writes_every_container(world_size, numel):
         lanekernels.bits_to_wide_lanes(padded, numel, layout.lane_bits, layout.lanes, out, spread)
     assert np.array_equal(out, want)
     out[:] = np.full(1, -1).astype(out.dtype)
-    fastpath._bits_to_lanes(padded, numel, layout, out)  # with the layouts' whole-group passes
+    qsum_host.bits_to_lanes(padded, numel, layout, out)  # with the layouts' whole-group passes
     assert np.array_equal(out, want)
 
 
@@ -117,7 +119,7 @@ def test_decode_bit_rows_counts_every_row(world_size, start, numel):
     rows = np.stack([np.packbits(v.numpy(), bitorder="little") for v in votes])
     table = torch.randn(world_size + 1, generator=g).numpy()
     out = np.full(numel, 7.0, dtype=np.float32)
-    fastpath.decode_bit_rows(rows, start, numel, table, out)
+    sign_host.decode_bit_rows(rows, start, numel, table, out)
     assert np.array_equal(out, table[votes.long().sum(0).numpy()[start:]])
 
 
@@ -137,7 +139,7 @@ def test_majority_bit_rows_is_the_majority_table(world_size, start, numel, scale
         table = (codecs.vote_table(world_size, "majority").numpy() * np.float32(scale)).astype(np.float32)
     expected = table[votes.long().sum(0).numpy()[start:]]
     out = np.full(numel, 7.0, dtype=np.float32)
-    fastpath.majority_bit_rows(rows, start, numel, world_size, scale, out)
+    sign_host.majority_bit_rows(rows, start, numel, world_size, scale, out)
     assert np.array_equal(out.view(np.uint32), expected.view(np.uint32))
 
 
@@ -220,16 +222,16 @@ class _reference:
     """Run the torch reference on CPU (the compiled paths switched off) inside a `with`."""
 
     def __enter__(self):
-        self._was = fastpath.AVAILABLE
-        fastpath.AVAILABLE = False
+        self._was = dispatch.AVAILABLE
+        dispatch.AVAILABLE = False
 
     def __exit__(self, *exc):
-        fastpath.AVAILABLE = self._was
+        dispatch.AVAILABLE = self._was
 
 
 def test_numba_cache_dir_falls_back_to_temp_in_a_read_only_install(monkeypatch):
     """Package dir and $HOME unwritable: the kernels' cache goes to a private temp directory."""
-    from nfab.wire import kernels
+    from nfab.wire import shared_kernels as kernels
 
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)

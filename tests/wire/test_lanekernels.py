@@ -9,11 +9,12 @@ votes sit right past their end.
 import pytest
 import torch
 
-from nfab.wire import fastpath
+from nfab.wire import dispatch
 from nfab.wire.qsum import lanes
 from nfab.wire.qsum.lanes import count_lane_bits, layout_for
+from nfab.wire.sign import host as sign_host
 
-pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
+pytestmark = pytest.mark.skipif(not dispatch.AVAILABLE, reason="numba not installed")
 
 
 def _x(numel: int, seed: int) -> torch.Tensor:
@@ -33,8 +34,8 @@ def test_wide_spread_every_remainder(world_size):
     sizes = list(range(1, 3 * group + 2)) + [k * group + d for k in (40, 41, 1000) for d in (-1, 0, 1, 17)]
     for numel in sizes:
         x = _x(numel, numel)
-        bits, _ = fastpath.sign_votes(x, [numel])
-        assert torch.equal(fastpath.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout)), numel
+        bits, _ = sign_host.sign_votes(x, [numel])
+        assert torch.equal(sign_host.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout)), numel
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8, 9, 15, 16, 17])
@@ -44,8 +45,8 @@ def test_shard_spread_is_per_shard_pack(world_size, numel):
     layout = layout_for(count_lane_bits(world_size))
     shard = -(-numel // (40 * world_size)) * 40
     x = _x(numel, world_size)
-    bits, _ = fastpath.sign_votes(x, [numel])
+    bits, _ = sign_host.sign_votes(x, [numel])
     votes = torch.zeros(world_size * shard, dtype=torch.bool)
     votes[:numel] = x >= 0
     want = torch.cat([lanes.pack(v, layout) for v in votes.view(world_size, shard)])
-    assert torch.equal(fastpath.votes_to_shard_lanes(bits, numel, shard, world_size, layout), want)
+    assert torch.equal(sign_host.votes_to_shard_lanes(bits, numel, shard, world_size, layout), want)

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from nfab.wire import codecs, fastpath, noise
+from nfab.wire import codecs, dispatch, host_slices, noise
+from nfab.wire.qsum import host as qsum_host
 from nfab.wire.registry import REDUCERS
 
-pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="compiled kernels unavailable")
+pytestmark = pytest.mark.skipif(not dispatch.AVAILABLE, reason="compiled kernels unavailable")
 
 SHAPES = [[1], [7], [4097], [3, 1, 4096, 4097, 5], [0, 9, 0, 13], [8193]]
 
@@ -43,7 +44,7 @@ def test_compiled_levels_equal_reference(lengths, dtype, bits, world_size):
     scale = torch.rand(len(lengths), generator=g) * 4 + 0.1  # some elements saturate
     keys = noise.draw_keys(torch.Generator().manual_seed(1), len(lengths), torch.device("cpu"))
     m = red.max_level(world_size)
-    levels, payload = fastpath.qsum_levels(x, keys, scale, lengths, m, red._layout)
+    levels, payload = qsum_host.qsum_levels(x, keys, scale, lengths, m, red._layout)
     ref_levels, ref_payload = red._levels_reference(x, scale, lengths, m, keys)
     assert torch.equal(levels, ref_levels) and torch.equal(payload, ref_payload)
 
@@ -55,7 +56,7 @@ def test_compiled_max_abs_equals_torch(lengths, dtype):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
     if n > 4:
         x[n // 2] = -50.0  # the max is a negative element
-    got = fastpath.segment_max_abs(x, lengths)
+    got = host_slices.segment_max_abs(x, lengths)
     want = torch.stack([p.abs().max().to(torch.float32) if p.numel() else torch.zeros(())
                         for p in torch.split(x, lengths)])
     assert torch.equal(got, want)
@@ -64,7 +65,7 @@ def test_compiled_max_abs_equals_torch(lengths, dtype):
 
 def test_max_abs_propagates_nan_and_inf():
     x = torch.tensor([1.0, float("nan"), -2.0, float("-inf"), 3.0])
-    got = fastpath.segment_max_abs(x, [3, 2])
+    got = host_slices.segment_max_abs(x, [3, 2])
     assert torch.isnan(got[0]) and got[1] == float("inf")
 
 

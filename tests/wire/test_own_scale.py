@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from nfab.wire import fastpath, noise
+from nfab.wire import dispatch, noise
 from nfab.wire.registry import REDUCERS
 from nfab.wire.slices import Slices
 
-pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
+pytestmark = pytest.mark.skipif(not dispatch.AVAILABLE, reason="numba not installed")
 
 LAYOUTS = [[5], [3, 0, 70], [32, 32, 64, 1, 9000, 17], [4097, 1, 8], [64] * 40]
 
@@ -30,7 +30,7 @@ def _reference(red, bucket: torch.Tensor, offsets: np.ndarray, lengths: list[int
                seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The path every other device takes: gathered copy, max |x|, one generator per slice."""
     x = torch.cat([bucket[o : o + n] for o, n in zip(offsets.tolist(), lengths, strict=True)])
-    with fastpath.host_paths(False):
+    with dispatch.host_paths(False):
         own = red.local_scale(x, lengths)
         enc = red.encode(x, lengths, world_size, own, [torch.Generator().manual_seed(s) for s in seeds])
     return enc.payload, own
@@ -102,5 +102,5 @@ def test_only_exact_qsum_reads_its_own_square():
     fp32 = torch.zeros(8)
     assert REDUCERS["qsum-q8"].reads_sq(fp32)
     assert not REDUCERS["qsum-q4"].reads_sq(fp32)  # lane-packed: the gathered path
-    with fastpath.host_paths(False):
+    with dispatch.host_paths(False):
         assert not REDUCERS["qsum-q8"].reads_sq(fp32)

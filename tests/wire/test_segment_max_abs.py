@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nfab.wire import codecs, fastpath
+from nfab.wire import codecs, dispatch, host_slices
 
 
 def test_segment_max_abs_many_segments_matches_one_by_one():
@@ -18,14 +18,14 @@ def test_segment_max_abs_many_segments_matches_one_by_one():
 @pytest.mark.parametrize("lengths", [[1], [5000], [3, 0, 100, 4097]])
 def test_compiled_segment_max_abs_matches_torch_for_every_input_dtype(dtype, lengths):
     """The compiled integer pass (CPU) against torch's abs().max(), with an inf and a NaN."""
-    if not fastpath.AVAILABLE:
+    if not dispatch.AVAILABLE:
         pytest.skip("numba not installed")
     x = (torch.randn(sum(lengths), generator=torch.Generator().manual_seed(sum(lengths))) * 100).to(dtype)
     if x.numel() > 10:
         x[7] = -float("inf")
     want = torch.stack([p.abs().max().float() if p.numel() else torch.zeros(()) for p in torch.split(x, lengths)])
-    assert torch.equal(fastpath.segment_max_abs(x, lengths), want)
+    assert torch.equal(host_slices.segment_max_abs(x, lengths), want)
     if x.numel() > 10:
         x[9] = float("nan")
         seg = 0 if len(lengths) == 1 else 2  # element 9 lies in segment 2 of [3, 0, 100, 4097]
-        assert torch.isnan(fastpath.segment_max_abs(x, lengths)[seg])
+        assert torch.isnan(host_slices.segment_max_abs(x, lengths)[seg])

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from nfab.distributed import run_ranks
-from nfab.wire import fastpath
+from nfab.wire import dispatch
 from nfab.wire.cost import default_cost_model
 from nfab.wire.qsum.lanes import layout_for, pack, unpack
 from nfab.wire.registry import REDUCERS, SignScatter
+from nfab.wire.sign import host as sign_host
 from nfab.wire.sign.scatter import pack_trits, unpack_trits
 
 LENGTHS = [37, 1000, 3, 513, 0, 8]
@@ -53,20 +54,20 @@ def test_replay_is_the_majority_vote(world_size):
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 7, 8, 16])
 @pytest.mark.parametrize("numel,lengths", [(1, [1]), (41, [40, 1]), (1001, [400, 601]), (9000, [4097, 4903])])
 def test_compiled_equals_reference(world_size, numel, lengths):
-    if not fastpath.AVAILABLE:
+    if not dispatch.AVAILABLE:
         pytest.skip("numba not installed")
     red = REDUCERS["signscatter"]
     xs = [rank_input(r, numel) for r in range(world_size)]
     fast = [red.encode(x, lengths, world_size) for x in xs]
-    was = fastpath.AVAILABLE
-    fastpath.AVAILABLE = False
+    was = dispatch.AVAILABLE
+    dispatch.AVAILABLE = False
     try:
         ref = [red.encode(x, lengths, world_size) for x in xs]
         reduced = red.combine([e.payload for e in fast])
         scales = torch.stack([e.scales for e in fast]).mean(0)
         want = red.decode(reduced, scales, numel, lengths, world_size)
     finally:
-        fastpath.AVAILABLE = was
+        dispatch.AVAILABLE = was
     assert all(torch.equal(a.payload, b.payload) for a, b in zip(fast, ref, strict=True))
     assert torch.equal(red.decode(reduced, scales, numel, lengths, world_size), want)
     out = torch.full((numel + 2,), 3.0)
@@ -78,7 +79,7 @@ def test_compiled_equals_reference(world_size, numel, lengths):
 def test_owner_step_compiled_equals_reference(world_size):
     """The owner's majority (bits at odd W, trits at even W) from summed count lanes: the host path
     and the torch reference give the same bytes for every count 0..W, ties included."""
-    if not fastpath.AVAILABLE:
+    if not dispatch.AVAILABLE:
         pytest.skip("numba not installed")
     red = REDUCERS["signscatter"]
     lay = red.layout(world_size)
@@ -87,7 +88,7 @@ def test_owner_step_compiled_equals_reference(world_size):
     counts = counts[torch.randperm(shard, generator=torch.Generator().manual_seed(world_size))]
     containers = pack(counts.to(lay.container), lay)
     fast = red.owner_step(containers, world_size)
-    with fastpath.host_paths(False):
+    with dispatch.host_paths(False):
         ref = red.owner_step(containers, world_size)
     assert torch.equal(fast, ref)
     majority = counts > world_size // 2
@@ -101,10 +102,10 @@ def test_trits_round_trip():
     packed = pack_trits(t)
     assert packed.numel() == 200 and int(packed.max()) <= 242
     assert torch.equal(unpack_trits(packed, 997), t[:997].to(torch.int32))
-    if fastpath.AVAILABLE:
+    if dispatch.AVAILABLE:
         table = np.array([-2.0, 0.5, 7.0], dtype=np.float32)
         out = np.empty(990, dtype=np.float32)
-        fastpath.decode_trits(packed.numpy(), 7, 990, table, out)
+        sign_host.decode_trits(packed.numpy(), 7, 990, table, out)
         assert np.array_equal(out, table[t[7:997].numpy()])
 
 
@@ -164,14 +165,14 @@ def test_a_slow_reduce_scatter_is_priced_out():
 def test_decode_trits_every_alignment(start, offset):
     """The compiled trit decode (pairs of bytes as uint64 words where `out` is 8-byte aligned,
     value by value elsewhere) gives the table's values at every start and destination offset."""
-    if not fastpath.AVAILABLE:
+    if not dispatch.AVAILABLE:
         pytest.skip("numba not installed")
     t = torch.randint(0, 3, (2000,), generator=torch.Generator().manual_seed(start)).to(torch.uint8)
     packed = pack_trits(t).numpy()
     table = np.array([-2.0, -0.0, 7.0], dtype=np.float32)
     for numel in (0, 1, 9, 10, 11, 29, 2000 - start - 3):
         buf = np.full(numel + offset + 1, 5.0, dtype=np.float32)
-        fastpath.decode_trits(packed, start, numel, table, buf[offset : offset + numel])
+        sign_host.decode_trits(packed, start, numel, table, buf[offset : offset + numel])
         want = table[t[start : start + numel].numpy()]
         assert np.array_equal(buf[offset : offset + numel].view(np.uint32), want.view(np.uint32))
         assert buf[-1] == 5.0 and (offset == 0 or buf[0] == 5.0)

@@ -1,16 +1,16 @@
 """A group's slices decoded or encoded where they lie in the bucket, in one compiled call
-(`Slices`, `fastpath.slices_span`): the same bits as the torch reference writing each slice
+(`Slices`, `host_slices.slices_span`): the same bits as the torch reference writing each slice
 through its own view, and nothing outside the slices touched."""
 
 import numpy as np
 import pytest
 import torch
 
-from nfab.wire import fastpath
+from nfab.wire import dispatch, host_slices
 from nfab.wire.registry import REDUCERS
 from nfab.wire.slices import Slices
 
-pytestmark = pytest.mark.skipif(not fastpath.AVAILABLE, reason="numba not installed")
+pytestmark = pytest.mark.skipif(not dispatch.AVAILABLE, reason="numba not installed")
 
 LAYOUTS = [[5], [3, 0, 70], [32, 32, 64, 1, 9000, 17], [4097, 1, 8]]
 
@@ -34,7 +34,7 @@ def test_gathered_q8_into_slices_is_the_reference(world_size, lengths, as_slices
     n = sum(lengths)
     rows = torch.randint(0, 256, (world_size, n), dtype=torch.uint8, generator=g)
     scales = torch.rand(world_size, len(lengths), generator=g) * 3
-    with fastpath.host_paths(False):  # the torch reference every other device runs
+    with dispatch.host_paths(False):  # the torch reference every other device runs
         expected = red.decode_gathered(list(rows), scales, n, lengths, torch.zeros(n))
     bucket, offsets = _bucket(lengths)
     out = Slices(bucket, offsets, lengths)
@@ -63,7 +63,7 @@ def test_signgather_through_slices_is_the_reference(world_size, lengths):
         enc = red.encode_views(Slices(bucket, offsets, lengths), lengths, world_size)
         ref = red.encode(flat, lengths, world_size)  # one contiguous copy, segment by segment
         assert torch.equal(enc.payload, ref.payload) and torch.equal(enc.scales, ref.scales)
-        with fastpath.host_paths(False):  # the torch reference: same votes, the mean |x| to rounding
+        with dispatch.host_paths(False):  # the torch reference: same votes, the mean |x| to rounding
             torch_ref = red.encode(flat, lengths, world_size)
         assert torch.equal(enc.payload, torch_ref.payload) and torch.allclose(enc.scales, torch_ref.scales)
         payloads.append(enc.payload)
@@ -71,7 +71,7 @@ def test_signgather_through_slices_is_the_reference(world_size, lengths):
         refs.append(ref)
     reduced = red.combine(payloads)
     scale_mean = torch.stack(scales).mean(0)
-    with fastpath.host_paths(False):
+    with dispatch.host_paths(False):
         expected = red.decode(reduced, scale_mean, n, lengths, world_size)
     bucket, offsets = _bucket(lengths)
     red.decode(reduced, scale_mean, n, lengths, world_size, out=Slices(bucket, offsets, lengths))
@@ -84,13 +84,13 @@ def test_only_slices_span_a_bucket():
     """A plain list of views is never spanned (it goes view by view: the reference bits, as the
     as_slices=False cases above check); `Slices` on the host give their bucket and offsets."""
     a, b = torch.zeros(10), torch.zeros(10)
-    assert fastpath.slices_span([a[2:4], b[0:3]]) is None
-    assert fastpath.slices_span([a[6:9], a[1:3]]) is None
+    assert host_slices.slices_span([a[2:4], b[0:3]]) is None
+    assert host_slices.slices_span([a[6:9], a[1:3]]) is None
     offsets = np.array([6, 1], dtype=np.int64)
-    span, at = fastpath.slices_span(Slices(a, offsets, [3, 2]))
+    span, at = host_slices.slices_span(Slices(a, offsets, [3, 2]))
     assert span is a and at is offsets
-    with fastpath.host_paths(False):
-        assert fastpath.slices_span(Slices(a, offsets, [3, 2])) is None
+    with dispatch.host_paths(False):
+        assert host_slices.slices_span(Slices(a, offsets, [3, 2])) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -122,10 +122,10 @@ def test_gather_is_the_concatenation_of_the_views(dtype, lengths):
     bucket = torch.randn(bucket.numel(), generator=torch.Generator().manual_seed(3)).to(dtype)
     bucket[int(offsets[0])] = float("nan")
     sl = Slices(bucket, offsets, lengths)
-    got = fastpath.gather(sl)
+    got = host_slices.gather(sl)
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), torch.cat(list(sl)).view(torch.uint8))
-    with fastpath.host_paths(False):
-        assert fastpath.gather(sl) is None  # off the host: the caller concatenates views
+    with dispatch.host_paths(False):
+        assert host_slices.gather(sl) is None  # off the host: the caller concatenates views
 
 
 @pytest.mark.parametrize("lengths", LAYOUTS)
@@ -136,14 +136,14 @@ def test_slices_sq_reads_the_slices_where_they_lie(lengths):
     bucket = torch.randn(bucket.numel(), generator=torch.Generator().manual_seed(7))
     sl = Slices(bucket, offsets, lengths)
     expected = float(torch.cat(list(sl)).double().square().sum())
-    assert float(fastpath.slices_sq(sl)) == pytest.approx(expected, rel=1e-5)
+    assert float(host_slices.slices_sq(sl)) == pytest.approx(expected, rel=1e-5)
     for bad in (float("nan"), float("inf")):
         hit = bucket.clone()
         hit[int(offsets[-1]) + lengths[-1] - 1] = bad
-        assert not bool(torch.isfinite(fastpath.slices_sq(Slices(hit, offsets, lengths))))
+        assert not bool(torch.isfinite(host_slices.slices_sq(Slices(hit, offsets, lengths))))
     gap = bucket.clone()
     gap[int(offsets[0]) - 1] = float("nan")  # between slices: not part of any
-    assert float(fastpath.slices_sq(Slices(gap, offsets, lengths))) == pytest.approx(expected, rel=1e-5)
-    assert fastpath.slices_sq(Slices(bucket.to(torch.bfloat16), offsets, lengths)) is None  # fp32 only
-    with fastpath.host_paths(False):
-        assert fastpath.slices_sq(sl) is None
+    assert float(host_slices.slices_sq(Slices(gap, offsets, lengths))) == pytest.approx(expected, rel=1e-5)
+    assert host_slices.slices_sq(Slices(bucket.to(torch.bfloat16), offsets, lengths)) is None  # fp32 only
+    with dispatch.host_paths(False):
+        assert host_slices.slices_sq(sl) is None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nfab.wire import fastpath
+from nfab.wire import dispatch
 
 
 class Head(enum.IntEnum):
@@ -51,7 +51,7 @@ class Columns:
 
     def of(self, table: torch.Tensor) -> torch.Tensor:
         """This range's columns of a (W, n) table (a view; on the host taken through numpy)."""
-        if fastpath.on_host(table):
+        if dispatch.on_host(table):
             return torch.from_numpy(table.numpy()[:, self.start : self.stop])
         return table[:, self.start : self.stop]
 
@@ -84,7 +84,7 @@ class Builder:
         """The word on `bucket_sq`'s device (`carried_sq` None: 0); no value is read back to the host (on the host,
         where reading is free, it is assembled in numpy: the same bits, a few calls fewer)."""
         carried = () if carried_sq is None else (carried_sq,)
-        if fastpath.on_host(bucket_sq, *carried, *self._cols) and (step.loss is None or fastpath.on_host(step.loss)):
+        if dispatch.on_host(bucket_sq, *carried, *self._cols) and (step.loss is None or dispatch.on_host(step.loss)):
             return self._build_host(bucket_sq, carried_sq, step)
         head = torch.zeros(HEAD_LEN, dtype=torch.float32, device=bucket_sq.device)
         for field, value in _head_fields(bucket_sq, carried_sq, step):
@@ -129,7 +129,7 @@ def table(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
 def nonfinite(table_: torch.Tensor) -> torch.Tensor | bool:
     """True when any rank saw a non-finite element in this bucket: a 0-d device tensor, or on
     the host (where reading is free) a bool."""
-    if fastpath.on_host(table_):
+    if dispatch.on_host(table_):
         return not bool(np.isfinite(table_.numpy()[:, Head.BUCKET_SQ]).all())
     return ~torch.isfinite(table_[:, Head.BUCKET_SQ]).all()
 

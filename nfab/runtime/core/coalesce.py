@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nfab.runtime.control.controller import Group
-from nfab.wire import fastpath
+from nfab.wire import dispatch
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import REDUCERS, allgather_factor
 
@@ -36,7 +36,7 @@ class Part:
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """This part of every rank's row, as a (W, numel) view of its dtype (no copy: rows are
         whole multiples of 8 bytes and parts start at one, so any dtype's view lines up)."""
-        if self.dtype in _NUMPY and fastpath.on_host(rows):  # numpy slices and views: the same memory, fewer calls
+        if self.dtype in _NUMPY and dispatch.on_host(rows):  # numpy slices and views: the same memory, fewer calls
             return torch.from_numpy(rows.numpy()[:, self.offset : self.offset + self.nbytes].view(_NUMPY[self.dtype]))
         return rows[:, self.offset : self.offset + self.nbytes].view(self.dtype)
 
@@ -64,7 +64,7 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.T
     """One uint8 row holding every tensor's bytes at 8-byte aligned offsets, and where each sits
     (zero bytes between them and to the row's end, a whole multiple of 8)."""
     parts, end = _layout(tensors)
-    if fastpath.on_host(*tensors) and all(t.dtype in _NUMPY and t.is_contiguous() for t in tensors):
+    if dispatch.on_host(*tensors) and all(t.dtype in _NUMPY and t.is_contiguous() for t in tensors):
         return _pack_host(tensors, parts, end), parts
     pieces: list[torch.Tensor] = []
     for t, p, gap_end in zip(tensors, parts, _gap_ends(parts, end), strict=True):

@@ -3,7 +3,7 @@
 Runs as a future callback (any thread, any order across buckets): it launches no
 collective, writes only the bucket buffer, and returns an `Outcome`. Host reads: on the
 CPU the non-finite flag is read directly (free there); on any other device (and on the CPU
-under `fastpath.host_paths(False)`) the bucket is decoded regardless and masked on the
+under `dispatch.host_paths(False)`) the bucket is decoded regardless and masked on the
 device, and the decoders take their torch paths, so no callback waits for the device.
 """
 
@@ -22,7 +22,7 @@ from nfab.runtime.control.controller import FP32, Group
 from nfab.runtime.control.moment import NoiseMoment, rounding_variance
 from nfab.runtime.core.encode import slices, views
 from nfab.runtime.core.handoff import Launch, Outcome, Sent
-from nfab.wire import fastpath
+from nfab.wire import dispatch
 from nfab.wire.blockq.reducer import BlockQSum
 from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.contract import write_into
@@ -136,7 +136,7 @@ def _record_variance(moment: NoiseMoment, sent: Sent, w: int) -> None:
 
 def _amax_over_ranks(cols: torch.Tensor) -> torch.Tensor:
     """Each slice's max over the W ranks' max |x| (NaN if any is): numpy on the host, the same values."""
-    if fastpath.on_host(cols):
+    if dispatch.on_host(cols):
         return torch.from_numpy(np.max(cols.numpy(), axis=0))
     return cols.amax(dim=0)
 
@@ -151,13 +151,13 @@ def _known_true(flag: torch.Tensor | bool) -> bool:
     (decode anyway) elsewhere."""
     if isinstance(flag, bool):
         return flag
-    return fastpath.on_host(flag) and bool(flag)
+    return dispatch.on_host(flag) and bool(flag)
 
 
 def _zero_if(buffer: torch.Tensor, flag: torch.Tensor | bool) -> None:
     """Zero the bucket when `flag` (a host bool, or a 0-d bool tensor) is set: read on the CPU,
     masked on the device elsewhere."""
-    if isinstance(flag, bool) or fastpath.on_host(flag):
+    if isinstance(flag, bool) or dispatch.on_host(flag):
         if bool(flag):
             buffer.zero_()
     else:

@@ -21,7 +21,7 @@ from nfab.runtime.core.agreement import Agreement
 from nfab.runtime.core.handoff import Encoded, Probe, Sent
 from nfab.runtime.core.plan import BucketPlan
 from nfab.runtime.core.scales import AmaxHistory
-from nfab.wire import fastpath, noise
+from nfab.wire import dispatch, host_slices, noise
 from nfab.wire.blockq.reducer import BlockQSum
 from nfab.wire.qsum.reducer import QSum
 from nfab.wire.registry import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
@@ -99,7 +99,7 @@ def slices(buffer: torch.Tensor, *groups: Group) -> Slices:
 def gather_slices(buffer: torch.Tensor, *groups: Group) -> torch.Tensor:
     """The groups' slices as one new tensor: one compiled copy on the host, `torch.cat` of
     their views elsewhere."""
-    return fastpath.concat(slices(buffer, *groups))
+    return host_slices.concat(slices(buffer, *groups))
 
 
 def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (),
@@ -113,14 +113,14 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (),
         return torch.linalg.vector_norm(buffer, dtype=torch.float32).square()
     if not rest:
         return None
-    sq = fastpath.slices_sq(slices(buffer, *rest))  # the rest read where it lies: no copy of a large FP32 group
+    sq = host_slices.slices_sq(slices(buffer, *rest))  # the rest read where it lies: no copy of a large FP32 group
     return sq if sq is not None else torch.linalg.vector_norm(gather_slices(buffer, *rest),
                                                               dtype=torch.float32).square()
 
 
 def add_sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b of two 0-d fp32 |x|^2 shares (in numpy on the host: the same float32 sum, no dispatch)."""
-    if fastpath.on_host(a, b):
+    if dispatch.on_host(a, b):
         return torch.from_numpy(np.array(a.numpy() + b.numpy(), dtype=np.float32))
     return a + b
 
@@ -283,7 +283,7 @@ def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: i
     tensors = ([ctrl] if ctrl is not None else []) + [e.payload for e in encoded]
     row, parts = coalesce.pack(tensors, device)
     ctrl_part = parts.pop(0) if ctrl is not None else None
-    if fastpath.host_device(device):  # numpy's allocation and shape: no dispatch
+    if dispatch.host_device(device):  # numpy's allocation and shape: no dispatch
         gathered = np.empty((w, row.numel()), dtype=np.uint8)
         rows, table = torch.from_numpy(gathered.reshape(-1)), torch.from_numpy(gathered)
     else:
@@ -319,7 +319,7 @@ def _noise(ctx: EncodeContext, group: Group, device: torch.device,
     generator made per slice."""
     who = -1 if stratified else ctx.rank
     seeds = [hash((ctx.seed, who, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF for s in group.slices]
-    if fastpath.host_device(device):
+    if dispatch.host_device(device):
         source: list[torch.Generator] | noise.Seeds = noise.Seeds(np.array(seeds, dtype=np.uint64))
     else:
         source = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire.kernels import counter, next_counter, noise_u  # also sets numba's cache directory
+from nfab.wire.shared_kernels import counter, next_counter, noise_u  # first: sets numba's cache directory
 
 
 @njit(cache=True, nogil=True)

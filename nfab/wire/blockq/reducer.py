@@ -47,11 +47,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import fastpath, noise
+from nfab.wire import dispatch, host_slices, noise
 from nfab.wire.blockq import radix
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
+from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
 
 try:
@@ -121,13 +122,13 @@ def _block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> 
 
 def _compiled(*tensors: torch.Tensor) -> bool:
     """Whether the compiled CPU kernels (`blockkernels`) may run on these 1-D tensors."""
-    return blockkernels is not None and fastpath.supports(*tensors) and all(t.dim() == 1 for t in tensors)
+    return blockkernels is not None and dispatch.supports(*tensors) and all(t.dim() == 1 for t in tensors)
 
 
 @lru_cache(maxsize=256)
 def _block_bounds(lengths: tuple[int, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
     """Start and end offsets (int64, read-only) of every block, in `_block_index`'s numbering."""
-    seg_starts, seg_ends = fastpath.segment_bounds(lengths)
+    seg_starts, seg_ends = host_slices.segment_bounds(lengths)
     per_segment = [np.arange(a, e, block, dtype=np.int64) for a, e in zip(seg_starts, seg_ends, strict=True)]
     first = np.concatenate(per_segment) if per_segment else np.empty(0, dtype=np.int64)
     last = np.minimum(first + block, np.repeat(seg_ends, [len(p) for p in per_segment]))
@@ -192,7 +193,7 @@ class BlockQSum(Reducer):
     # ---- scales -------------------------------------------------------------------
     def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """This rank's max |x| per block (fp32; non-finite when the block holds NaN/Inf)."""
-        if _compiled(x) and x.dtype in fastpath.QSUM_DTYPES:
+        if _compiled(x) and x.dtype in host_slices.FLOAT_DTYPES:
             return self._local_scale_compiled(x, tuple(lengths))
         bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
         out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
@@ -245,7 +246,7 @@ class BlockQSum(Reducer):
         assert shared_scale is not None, "block-scaled qsum needs the agreed block scales"
         lengths = list(lengths)
         stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
-        compiled = _compiled(x, shared_scale) and x.dtype in fastpath.QSUM_DTYPES
+        compiled = _compiled(x, shared_scale) and x.dtype in host_slices.FLOAT_DTYPES
         levels = (self._levels_compiled if compiled else self._levels)(x, lengths, shared_scale, stratum)
         payload = self.pack_levels(levels, world_size, compiled)
         m = self.steps
@@ -276,7 +277,7 @@ class BlockQSum(Reducer):
         """`_levels` in one compiled pass on the CPU (the noise computed there, never stored). Same bits."""
         assert blockkernels is not None
         m = self.steps
-        starts, ends = fastpath.segment_bounds(lengths)
+        starts, ends = host_slices.segment_bounds(lengths)
         levels = torch.empty(x.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
         keys = stratum.keys(len(lengths), x.device).contiguous()
         blockkernels.block_levels(x.detach().to(torch.float32).numpy(), keys.numpy(), stratum.shift, starts, ends,
@@ -299,7 +300,7 @@ class BlockQSum(Reducer):
         if isinstance(layout, RadixLayout):
             mean = values[radix.unpack(reduced, layout, numel)]
         else:
-            mean = fastpath.decode_table(reduced, layout, numel, values)  # compiled on CPU, same values
+            mean = qsum_host.decode_table(reduced, layout, numel, values)  # compiled on CPU, same values
         mean.mul_(self.element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
 
@@ -321,7 +322,7 @@ class BlockQSum(Reducer):
             blockkernels.radix_decode_blocks(reduced.numpy(), layout.radix, layout.digits, numel, values.numpy(),
                                              starts, ends, block_scale, res.numpy())
         else:
-            fastpath.decode_table(reduced, layout, numel, values, out=res)
+            qsum_host.decode_table(reduced, layout, numel, values, out=res)
             blockkernels.scale_blocks(res.numpy(), starts, ends, block_scale)
         return res
 

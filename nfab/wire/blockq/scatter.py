@@ -42,10 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import fastpath
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.blockq.reducer import BlockQSum, _block_bounds, _compiled, blockkernels, pack_any, radix
 from nfab.wire.contract import TwoPhaseReducer, allgather_factor, allreduce_factor, write_into
+from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, pack, unpack
 
 
@@ -173,7 +173,7 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         mean = torch.empty(numel, dtype=torch.float32, device=reduced.device)
         for r in range(min(world_size, -(-numel // max(shard, 1)))):
             a, b = r * shard, min((r + 1) * shard, numel)
-            fastpath.decode_table(rows[r], layout, b - a, values, out=mean[a:b])  # compiled on CPU
+            qsum_host.decode_table(rows[r], layout, b - a, values, out=mean[a:b])  # compiled on CPU
         if _compiled(mean, scale_mean):
             assert blockkernels is not None
             starts, ends = _block_bounds(tuple(lengths), self.block)

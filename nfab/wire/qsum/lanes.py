@@ -16,7 +16,7 @@ containers are one block). Block k holds lanes [l0, l1) and the element range
 sits in lane l of container j. For uint8 containers that is plain consecutive order.
 The blocking lets a CPU kernel build a block from 8 consecutive votes with one table
 lookup. This module is the reference: torch ops on any device. The compiled CPU paths
-(`fastpath.py`) produce identical containers and values, and tests hold them to it.
+(`qsum/host.py`, `sign/host.py`) produce identical containers and values, and tests hold them to it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nfab.wire import codecs, fastpath, noise
+from nfab.wire import codecs, dispatch, host_slices, noise
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -22,6 +22,7 @@ from nfab.wire.contract import (
     split_out,
     write_into,
 )
+from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import layout_for, pack
 from nfab.wire.slices import Slices
 
@@ -73,9 +74,9 @@ class QSum(Reducer):
         lengths = list(lengths)
         safe = torch.where(shared_scale > 0, shared_scale, torch.ones_like(shared_scale)).to(torch.float32)
         keys = noise.draw_keys(generator, len(lengths), x.device)  # one per segment: see nfab.wire.noise
-        if fastpath.qsum_supports(x) and fastpath.supports(safe):
+        if qsum_host.qsum_supports(x) and dispatch.supports(safe):
             # one compiled pass: divide, shift, add the noise (computed, never stored), round, clamp
-            levels, payload = fastpath.qsum_levels(x, keys, safe.reshape(-1), lengths, m, self._layout)
+            levels, payload = qsum_host.qsum_levels(x, keys, safe.reshape(-1), lengths, m, self._layout)
         else:
             levels, payload = self._levels_reference(x, safe, lengths, m, keys)
         values = self.level_values(world_size, 1, x.device)
@@ -86,7 +87,7 @@ class QSum(Reducer):
         return Encoded(payload, None, make_local=local)
 
     def reads_sq(self, buffer: torch.Tensor) -> bool:
-        return self._layout.lanes == 1 and fastpath.supports(buffer) and buffer.dtype == torch.float32
+        return self._layout.lanes == 1 and dispatch.supports(buffer) and buffer.dtype == torch.float32
 
     def encode_own_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int,
                          generator: Any = None, with_sq: bool = False) -> tuple[Encoded, torch.Tensor]:
@@ -100,7 +101,7 @@ class QSum(Reducer):
         `encode` — the same bits."""
         lengths = list(lengths)
         if isinstance(views, Slices) and isinstance(generator, noise.Seeds) and self.reads_sq(views.buffer):
-            fast = fastpath.qsum_own_levels(views, generator.values, self.max_level(world_size), with_sq)
+            fast = qsum_host.qsum_own_levels(views, generator.values, self.max_level(world_size), with_sq)
             if fast is not None:
                 levels, own, sq = fast
                 values = self.level_values(world_size, 1, levels.device)
@@ -108,7 +109,7 @@ class QSum(Reducer):
                               make_local=lambda: finish_segments(values[levels.long()], own, lengths, None))
                 enc.sq = sq
                 return enc, own
-        x = fastpath.concat(views) if isinstance(views, Slices) else torch.cat(list(views))
+        x = host_slices.concat(views) if isinstance(views, Slices) else torch.cat(list(views))
         own = self.local_scale(x, lengths)
         return self.encode(x, lengths, world_size, own, generator), own
 
@@ -133,7 +134,7 @@ class QSum(Reducer):
         one, dests = split_out(out)
         if self._layout.lanes == 1 and dests is None and numel:  # q8: computed on the CPU, no table
             m = self.max_level(world_size)
-            res = fastpath.decode_levels(reduced, float(np.float32(2.0 / (m * world_size))), scale_mean,
+            res = qsum_host.decode_levels(reduced, float(np.float32(2.0 / (m * world_size))), scale_mean,
                                          list(lengths), one)
             if res is not None:
                 return res
@@ -158,7 +159,7 @@ class QSum(Reducer):
         values = self.level_values(w, 1, payloads.device if stacked else payloads[0].device)
         if self._layout.lanes == 1 and out is not None and numel:  # one compiled pass into `out`
             rows = payloads if stacked else torch.stack(list(payloads))
-            if fastpath.gathered_levels(rows, values, scales, lengths, out):  # reads each row's first numel levels
+            if qsum_host.gathered_levels(rows, values, scales, lengths, out):  # reads each row's first numel levels
                 return out
         total = decode_scaled(payloads[0], self._layout, numel, values, scales[0], lengths)
         for r in range(1, w):

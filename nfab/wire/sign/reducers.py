@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nfab.wire import codecs, fastpath
+from nfab.wire import codecs, dispatch, host_slices
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -24,6 +24,7 @@ from nfab.wire.contract import (
     write_into,
 )
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
+from nfab.wire.sign import host as sign_host
 from nfab.wire.slices import Slices
 
 
@@ -57,8 +58,8 @@ class _SignReducer(Reducer):
         """
         lengths = list(lengths)
         n = x.numel()
-        if n and fastpath.sign_supports(x):
-            bits, sums = fastpath.sign_votes(x, lengths)
+        if n and sign_host.sign_supports(x):
+            bits, sums = sign_host.sign_votes(x, lengths)
             return self._encoded(bits, sums, n, lengths, layout)
         bits = codecs.sign_bits(x)
         scales = codecs.segment_mean_abs(x, lengths)
@@ -72,7 +73,7 @@ class _SignReducer(Reducer):
             payload = torch.from_numpy(bits)
             bits = bits.copy()  # this rank's own decode never reads the payload (an in-place collective may write it)
         else:
-            payload = fastpath.votes_to_lanes(bits, n, layout)
+            payload = sign_host.votes_to_lanes(bits, n, layout)
         return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
 
     def _vote_values(self, layout: LaneLayout, world_size: int, device: torch.device) -> torch.Tensor:
@@ -153,22 +154,22 @@ class SignGather(_SignReducer):
         return self._sign_encode(x, lengths, self._layout)
 
     def reads_sq(self, buffer: torch.Tensor) -> bool:
-        return fastpath.sign_supports(buffer)  # the compiled votes read each value once for both
+        return sign_host.sign_supports(buffer)  # the compiled votes read each value once for both
 
     def encode_views(self, views, lengths, world_size, with_sq: bool = False) -> Encoded:
         lengths = list(lengths)
         if isinstance(views, Slices):  # one check of the bucket instead of one per slice
-            fast = fastpath.sign_supports(views.buffer)
+            fast = sign_host.sign_supports(views.buffer)
         else:
             views = list(views)
-            fast = bool(views) and all(fastpath.sign_supports(v) for v in views)
+            fast = bool(views) and all(sign_host.sign_supports(v) for v in views)
         if not fast or not lengths:
             return super().encode_views(list(views), lengths, world_size)
         sqs = np.empty(len(lengths), dtype=np.float64) if with_sq else None
-        bits, sums = fastpath.sign_votes_views(views, lengths, sqs=sqs)
+        bits, sums = sign_host.sign_votes_views(views, lengths, sqs=sqs)
         enc = self._encoded(bits, sums, sum(lengths), lengths, self._layout)
         if sqs is not None:
-            enc.sq = fastpath.sq_total(sqs)
+            enc.sq = host_slices.sq_total(sqs)
         return enc
 
     def launch(self, payload, world_size, group):
@@ -186,14 +187,14 @@ class SignGather(_SignReducer):
         spaced apart (each row's bytes contiguous)."""
         rows = reduced if reduced.dim() == 2 else reduced.view(world_size, -1)
         if (numel and world_size <= 255 and self.vote == "majority" and _rows_on_host(rows)
-                and fastpath.on_host(scale_mean)):  # one compiled call for every segment
+                and dispatch.on_host(scale_mean)):  # one compiled call for every segment
             target = torch.empty(numel, dtype=torch.float32, device=reduced.device) if out is None else out
-            if fastpath.majority_into(rows.numpy(), lengths, world_size, scale_mean.numpy().reshape(-1), target):
+            if sign_host.majority_into(rows.numpy(), lengths, world_size, scale_mean.numpy().reshape(-1), target):
                 return target
         one, dests = split_out(out)
         targets = dests if dests is not None else [one] if one is not None else None
         if (numel and world_size <= 255 and _rows_on_host(rows)
-                and (targets is None or all(fastpath.supports(d) and d.dtype == torch.float32 for d in targets))):
+                and (targets is None or all(dispatch.supports(d) and d.dtype == torch.float32 for d in targets))):
             return self._decode_rows(rows.numpy(), scale_mean, numel, list(lengths), world_size, one, dests)
         counts = torch.zeros(numel, dtype=torch.uint8 if world_size <= 255 else torch.int32, device=reduced.device)
         for r in range(world_size):
@@ -213,14 +214,14 @@ class SignGather(_SignReducer):
         for i, (n, s) in enumerate(zip(lengths, scales.tolist(), strict=True)):
             dst = targets[i] if targets is not None else res[start : start + n]  # type: ignore[index]
             if self.vote == "majority":
-                fastpath.majority_bit_rows(rows, start, n, world_size, s, dst.view(-1).numpy())
+                sign_host.majority_bit_rows(rows, start, n, world_size, s, dst.view(-1).numpy())
             else:
                 table = (vals * np.float32(s)).astype(np.float32)
-                fastpath.decode_bit_rows(rows, start, n, table, dst.view(-1).numpy())
+                sign_host.decode_bit_rows(rows, start, n, table, dst.view(-1).numpy())
             start += n
         return dests if dests is not None else res
 
 
 def _rows_on_host(rows: torch.Tensor) -> bool:
     """Whether the compiled decode reads these (W, bytes) rows: on the host, each row contiguous."""
-    return fastpath.AVAILABLE and fastpath.on_host(rows) and rows.stride(-1) == 1
+    return dispatch.AVAILABLE and dispatch.on_host(rows) and rows.stride(-1) == 1

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import codecs, fastpath
+from nfab.wire import codecs, dispatch
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -40,6 +40,7 @@ from nfab.wire.contract import (
     write_into,
 )
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
+from nfab.wire.sign import host as sign_host
 from nfab.wire.sign.reducers import count_lane_capacity
 
 _SHARD_ALIGN = 40  # shard sizes are a multiple of 8 (whole vote bytes) and 5 (whole trit bytes)
@@ -104,9 +105,9 @@ class SignScatter(TwoPhaseReducer):
         n = x.numel()
         lay = self.layout(world_size)
         shard = self.shard_numel(n, world_size)
-        if n and fastpath.sign_supports(x):
-            bits, sums = fastpath.sign_votes(x, lengths)
-            payload = fastpath.votes_to_shard_lanes(bits, n, shard, world_size, lay)
+        if n and sign_host.sign_supports(x):
+            bits, sums = sign_host.sign_votes(x, lengths)
+            payload = sign_host.votes_to_shard_lanes(bits, n, shard, world_size, lay)
             scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1))
                                       .astype(np.float32))
             kept = bits.copy()
@@ -126,8 +127,8 @@ class SignScatter(TwoPhaseReducer):
         shard = lay.lanes * counts_shard.numel()
         shard -= shard % _SHARD_ALIGN
         half = world_size // 2
-        if fastpath.supports(counts_shard):
-            return fastpath.shard_majority(counts_shard, lay, shard, half, self.ternary(world_size))
+        if dispatch.supports(counts_shard):
+            return sign_host.shard_majority(counts_shard, lay, shard, half, self.ternary(world_size))
         counts = unpack(counts_shard, lay, shard).to(torch.int64)
         if not self.ternary(world_size):
             return pack(counts > half, layout_for(1))
@@ -153,8 +154,8 @@ class SignScatter(TwoPhaseReducer):
         targets = dests if dests is not None else [one] if one is not None else None
         ternary = self.ternary(world_size)
         values = np.array([-1.0, 0.0, 1.0] if ternary else [-1.0, 1.0], dtype=np.float32)
-        if numel and fastpath.supports(reduced) and (
-                targets is None or all(fastpath.supports(d) and d.dtype == torch.float32 for d in targets)):
+        if numel and dispatch.supports(reduced) and (
+                targets is None or all(dispatch.supports(d) and d.dtype == torch.float32 for d in targets)):
             res = torch.empty(numel, dtype=torch.float32, device="cpu") if one is None and dests is None else one
             packed = reduced.numpy()
             start = 0
@@ -162,9 +163,9 @@ class SignScatter(TwoPhaseReducer):
                 dst = dests[i] if dests is not None else res[start : start + n]  # type: ignore[index]
                 table = values * np.float32(s)
                 if ternary:
-                    fastpath.decode_trits(packed, start, n, table, dst.view(-1).numpy())
+                    sign_host.decode_trits(packed, start, n, table, dst.view(-1).numpy())
                 else:
-                    fastpath.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
+                    sign_host.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
                 start += n
             return dests if dests is not None else res
         if ternary:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire import kernels  # noqa: F401  (sets numba's cache directory before we compile)
+from nfab.wire import shared_kernels  # noqa: F401  (first: sets numba's cache directory)
 
 
 def trit_tables(digit: np.ndarray, lane_bits: int) -> tuple[np.ndarray, np.ndarray]:

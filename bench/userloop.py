@@ -1,0 +1,300 @@
+"""The one user-loop harness: a user's plain DDP loop, with one communication variant plugged in.
+
+`nfab bench study` trains every variant of a setting here; `python -m bench.userloop` (from the
+repository root) runs one setting with a few variants and prints their rows, e.g.
+
+    python -m bench.userloop --setting heldout --variants fp32,sign-ef,profile
+    python -m bench.userloop --setting heldout --variants route:2d=bq3 --steps 100 --world-size 2
+
+The study judges nfab where a user meets it: a hand-written loop (`DistributedDataParallel`,
+an optimizer at a constant learning rate, `loss.backward()`, `opt.step()`), on W gloo ranks
+spawned here. The variant decides only what the loop registers on DDP:
+
+| variant | what DDP communicates |
+|---|---|
+| `fp32` | plain DDP (no hook) |
+| `fp16` | PyTorch's `fp16_compress_hook` |
+| `powersgd-r2`, `powersgd-r8` | PyTorch's `powerSGD_hook`, rank 2 / 8, ONE bucket (it aborts on gloo with several) |
+| `sign` | `nfab.attach(route="sign", optimizer=opt)`: error feedback "auto" (off under Adam-style optimizers) |
+| `sign-ef` | the same with `error_feedback=True` forced: what the health monitor must catch |
+| `bq3` | `nfab.attach(route="bq3", optimizer=opt, noise_moment=False)`: block-scaled 3-bit qsum everywhere |
+| `bl6`, `bl5` | the same with 6 and 5 levels (between bq3 and bq2 in bytes and in rounding error) |
+| `bq2` | the same with 4 levels (base-13 digits at W=4: past 8x fewer bytes) |
+| `profile` | `nfab.attach(profile, optimizer=opt)`: a calibrated profile as a user runs it ("auto" moment) |
+| `bq2-nm`, `bl5-nm`, `profile-nm` | the same with `noise_moment=True` (rounding noise out of Adam's v) |
+| `route:SPEC`, `route-ef:SPEC` | any static route (route grammar, or `2d=R`: R on the 2-D weights, rest fp32) |
+
+`route-ef:` forces error feedback on.
+
+The static block routes pass `noise_moment=False` (attach's "auto" would turn it on under
+Adam) so that they measure the route itself; `-nm` measures the correction on top.
+
+Every nfab variant hands `attach` the optimizer, as docs/api.md tells users to: nfab then
+knows the optimizer family (error feedback) and its second moment (the drift monitor).
+
+nfab variants run with `cost_model=None`: on loopback a measured cost model finds FP32
+cheaper and would route every bucket to FP32; the study measures quality and bytes.
+
+Bytes are what each rank sends per step under the collective's algorithm (ring all-reduce
+sends 2(W-1)/W of its payload): FP32 and fp16 from the gradient size, PowerSGD from its
+state's public `compression_stats()` (P, Q and the uncompressed tensors), nfab from its
+runtime's `step_stats()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfab.bench.studyspec import NOISE_MOMENT, ROUTE_EF_VARIANT, ROUTE_VARIANT, SETTINGS, VARIANTS, RunResult, Setting
+from nfab.data import build_dataset, make_loader
+from nfab.data.loader import make_eval_loader
+from nfab.errors import NfabError
+from nfab.models import build_model
+from nfab.wire.registry import allreduce_factor
+
+TWO_D_REGIONS = ("linear", "embedding", "head", "other")
+"""Regions that hold the 2-D weights of a Transformer (norms, biases and small tensors stay fp32)."""
+
+POWERSGD_BUCKET_MB = 1000.0
+"""PowerSGD's single bucket on gloo (its second all-reduce is launched from a future callback)."""
+COLLECTIVE_TIMEOUT_S = 300
+"""A rank stuck in a collective this long fails the setting instead of hanging the study."""
+POWERSGD_START_ITER = 2
+"""PowerSGD runs vanilla all-reduce for this many steps first (its own warm-up)."""
+def parse_route(text: str) -> str | dict[str, str]:
+    """`R` (every region), `2d=R`, or `region=R,region=R` (the regions not named stay fp32)."""
+    if "=" not in text:
+        return text
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        key, _, route = part.partition("=")
+        out.update({r: route for r in TWO_D_REGIONS} if key == "2d" else {key: route})
+    return out
+
+
+def _custom_route(variant: str) -> tuple[str | dict[str, str], bool] | None:
+    """`route:SPEC` / `route-ef:SPEC`: the parsed route and whether error feedback is forced on."""
+    for prefix, ef in ((ROUTE_VARIANT, False), (ROUTE_EF_VARIANT, True)):
+        if variant.startswith(prefix) and variant[len(prefix):]:
+            return parse_route(variant[len(prefix):]), ef
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
+                 root: Path | None = None) -> list[RunResult]:
+    """Spawn W gloo ranks once; they train `setting` with each variant in turn (a fresh model,
+    optimizer and DDP each time, same seed). One result per variant, as rank 0 saw it."""
+    bad = [v for v in variants if v not in VARIANTS and _custom_route(v) is None]
+    if bad:
+        raise ValueError(f"unknown variant {bad[0]!r} (known: {', '.join(VARIANTS)})")
+    results: dict[str, RunResult] = {}
+    profile = None
+    with_profile = [v for v in variants if v.removesuffix(NOISE_MOMENT) == "profile"]
+    if with_profile:
+        profile = str((root or Path.cwd()) / setting.profile) if setting.profile else None
+        if profile is None or not Path(profile).is_file():
+            for v in with_profile:
+                results[v] = RunResult(setting.name, v, ok=False, seed=seed,
+                                       error=f"profile {setting.profile} not found")
+    todo = tuple(v for v in variants if v not in results)
+    with tempfile.TemporaryDirectory(prefix="nfab-study-") as tmp:
+        out = Path(tmp)
+        try:
+            mp.start_processes(_worker, args=(setting, todo, profile, seed, _free_port(), str(out)),
+                               nprocs=setting.world_size, join=True, start_method="spawn")
+        except Exception as exc:  # a rank failed: its last line; variants that finished keep their result
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            error = lines[-1] if lines else type(exc).__name__
+        else:
+            error = ""
+        for v in todo:
+            f = out / f"{v}.json"
+            results[v] = (RunResult(**json.loads(f.read_text())) if f.exists()
+                          else RunResult(setting.name, v, ok=False, seed=seed, error=error or "no result"))
+    return [results[v] for v in variants]
+
+
+def _optimizer(setting: Setting, params: Any) -> torch.optim.Optimizer:
+    if setting.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=setting.lr, momentum=setting.momentum, weight_decay=setting.weight_decay)
+    return torch.optim.AdamW(params, lr=setting.lr, betas=setting.betas, weight_decay=setting.weight_decay)
+
+
+def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if task == "lm":
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def _worker(rank: int, setting: Setting, variants: tuple[str, ...], profile: str | None, seed: int, port: int,
+            out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=setting.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        for variant in variants:
+            t0 = time.perf_counter()
+            result = _train(rank, setting, variant, profile, seed)
+            result.wall_s = time.perf_counter() - t0
+            if rank == 0:
+                Path(out, f"{variant}.json").write_text(json.dumps(asdict(result)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed: int) -> RunResult:
+    import nfab
+
+    w = setting.world_size
+    base, noise_moment = variant.removesuffix(NOISE_MOMENT), variant.endswith(NOISE_MOMENT)
+    spec = build_model(setting.model, seed=seed, **setting.model_options)
+    data_opts = dict(setting.data_options)
+    if spec.task == "lm" and "block_size" not in data_opts:
+        data_opts["block_size"] = spec.block_size
+    train = build_dataset(setting.dataset, split="train", seed=seed, **data_opts)
+    test = build_dataset(setting.dataset, split="test", seed=seed, **data_opts)
+    loader = make_loader(train, batch_size=setting.batch_size, rank=rank, world_size=w, seed=seed)
+    model = spec.module
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fp32_step = allreduce_factor(w) * 4 * numel
+    bucket = POWERSGD_BUCKET_MB if variant.startswith("powersgd") else None
+    ddp = DDP(model, **({"bucket_cap_mb": bucket} if bucket else {}))
+    runtime = state = None
+    opt = _optimizer(setting, ddp.parameters())  # before attach: nfab reads its family and second moment
+    if variant == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant.startswith("powersgd"):
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant.split("-r")[1]),
+                                   start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    elif base == "profile":
+        prof = nfab.Profile.load(profile)
+        if setting.routes_only:
+            prof = prof.model_copy(update={"model": prof.model.model_copy(update={"signature": None})})
+        runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
+                              head_modules=spec.head_modules, noise_moment=True if noise_moment else "auto")
+    elif (custom := _custom_route(variant)) is not None:  # any static route, as a user writes it
+        runtime = nfab.attach(ddp, route=custom[0], optimizer=opt, error_feedback=True if custom[1] else "auto",
+                              cost_model=None, seed=seed, total_steps=setting.steps, head_modules=spec.head_modules)
+    elif base != "fp32":  # a static route everywhere
+        runtime = nfab.attach(ddp, route=base.removesuffix("-ef"), optimizer=opt,
+                              error_feedback=True if base == "sign-ef" else "auto", cost_model=None, seed=seed,
+                              total_steps=setting.steps, head_modules=spec.head_modules, noise_moment=noise_moment)
+    wire = 0.0
+    fallback_steps = 0
+    events: list[str] = []
+    after_prev = 0
+    step, epoch = 0, 0
+    while step < setting.steps:
+        loader.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        for x, y in loader:
+            if step >= setting.steps:
+                break
+            loss = _loss(spec.task, ddp(x), y)
+            if runtime is not None:
+                runtime.observe_loss(loss)
+            loss.backward()
+            if runtime is not None:
+                stats = runtime.step_stats()
+                wire += stats.wire_bytes
+                fallback_steps += int(stats.fallback)
+                events += [f"{step}:{e}" for e in stats.events]
+            elif state is not None:
+                after = state.compression_stats()[2]
+                wire += allreduce_factor(w) * 4 * (after - after_prev) if step >= POWERSGD_START_ITER else fp32_step
+                after_prev = after
+            else:
+                wire += fp32_step / 2 if variant == "fp16" else fp32_step
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+        epoch += 1
+    loss_sum, correct, count = _evaluate(ddp.module, test, spec.task, setting, rank)
+    fp32_total = fp32_step * setting.steps
+    return RunResult(
+        setting=setting.name, variant=variant, ok=math.isfinite(loss_sum / count), seed=seed, steps=setting.steps,
+        world_size=w,
+        eval_loss=loss_sum / count, eval_accuracy=correct / count if spec.task == "classification" else None,
+        wire_mb=wire / 1e6, fp32_mb=fp32_total / 1e6, ratio=fp32_total / wire if wire else None,
+        fallback_steps=fallback_steps if runtime is not None else None, health_events=events[:20])
+
+
+@torch.no_grad()
+def _evaluate(module: torch.nn.Module, test: Any, task: str, setting: Setting, rank: int) -> tuple[float, float, float]:
+    """Loss sum, correct predictions and count over the first `eval_samples` test samples (all ranks)."""
+    module.eval()
+    n = min(setting.eval_samples, len(test))
+    subset = torch.utils.data.Subset(test, range(n))
+    loader = make_eval_loader(subset, batch_size=64, rank=rank, world_size=setting.world_size)
+    sums = torch.zeros(3, dtype=torch.float64)
+    for x, y in loader:
+        logits = module(x)
+        k = y.numel()
+        sums[0] += _loss(task, logits, y).double() * k
+        if task == "classification":
+            sums[1] += (logits.argmax(-1) == y).sum().double()
+        sums[2] += k
+    dist.all_reduce(sums)
+    return float(sums[0]), float(sums[1]), max(float(sums[2]), 1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a few variants of one study setting and print one JSON row per variant."""
+    ap = argparse.ArgumentParser(prog="python -m bench.userloop", description=main.__doc__)
+    ap.add_argument("--setting", default="heldout", help=f"one of {', '.join(SETTINGS)}")
+    ap.add_argument("--variants", default="fp32", help="comma-separated: " + ", ".join(VARIANTS)
+                    + ", route:SPEC or route-ef:SPEC")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--world-size", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    try:
+        if a.setting not in SETTINGS:
+            raise ValueError(f"unknown study setting {a.setting!r} (known: {', '.join(SETTINGS)})")
+        changes = {k: v for k, v in (("steps", a.steps), ("world_size", a.world_size)) if v is not None}
+        setting = dataclasses.replace(SETTINGS[a.setting], **changes)
+        variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
+        for v in variants:
+            custom = _custom_route(v)
+            if custom is not None:
+                import nfab
+
+                nfab.Profile.static(custom[0])  # an unknown route or region: one line here, not one per rank
+            elif v not in VARIANTS:
+                raise ValueError(f"unknown variant {v!r} (known: {', '.join(VARIANTS)}, route:SPEC, route-ef:SPEC)")
+    except (ValueError, TypeError, NfabError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for row in run_variants(setting, variants, seed=a.seed):
+        print(json.dumps(asdict(row)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""What a rank server loads once, so that no rank forked from it pays it again.
+
+`nfab.distributed.fork_ranks_from_server` starts gloo ranks by forking one server process.
+Importing this module in that server (it is in `nfab.distributed.PRELOAD`) imports torch,
+DDP's dependencies and `nfab.api`, and runs every host codec once on a small input, so that
+numba's target registries (~2 s of CPU per process) and each kernel's machine code (compiled,
+or loaded from numba's disk cache) are in memory before the first fork. Measured on the
+2-core machine: a forked rank's first DDP step with several lossy routes took 1.4-3.4 s
+without this and is dominated by the step itself with it.
+
+Why a module and not a function: a forkserver only imports its preload list (and Python 3.11's
+ignores the caller's sys.path, so the warm-up must live in the installed package, not in
+tests/). Importing it never fails: a warm-up that cannot run leaves each rank to load what it
+needs itself, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import nfab.api  # noqa: F401 - what `nfab.attach` imports, loaded once
+from nfab.wire.registry import REDUCERS
+
+log = logging.getLogger(__name__)
+
+WARM_WORLD_SIZES: tuple[int, ...] = (2, 3, 4)
+"""Lane widths and capacities depend on W; the kernels' machine code does not, but each W's
+first encode builds its cached lane layouts and tables."""
+
+
+def warm_host_codecs(numel: int = 3000) -> None:
+    """Encode, combine and decode every registered reducer once per W on a small fp32 input,
+    as W virtual ranks in this process (no process group: safe before a fork)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [numel // 3, numel - numel // 3]
+    for world_size in WARM_WORLD_SIZES:
+        xs = [torch.randn(numel, generator=g) for _ in range(world_size)]
+        for reducer in REDUCERS.values():
+            if not reducer.capacity(world_size).ok:
+                continue
+            reducer.replay_with_locals(xs, lengths)
+            if not reducer.needs_shared_scale:
+                views = [xs[0][: lengths[0]], xs[0][lengths[0]:]]
+                reducer.encode_views(views, lengths, world_size, with_sq=reducer.reads_sq(xs[0]))
+
+
+try:
+    warm_host_codecs()
+except Exception as exc:  # noqa: BLE001 - a warm-up only: a rank loads what it needs itself
+    log.debug("rank server warm-up skipped: %s", exc)
