@@ -150,13 +150,21 @@ class Trainee:
     link_bytes: int = 0
     curve: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
+    control: list[dict[str, Any]] = field(default_factory=list)
+    """nfab only: per step, its route mix and any fallback or health event (why a step was slow)."""
 
 
 def _step_bytes(t: Trainee, cfg: TtaConfig, module: torch.nn.Module, world: int, seen: int) -> float:
-    """Gradient bytes this rank sent in the step just taken (see the module docstring)."""
+    """Gradient bytes this rank sent in the step just taken (see the module docstring); for nfab,
+    also notes the step's control (route mix, fallback reason, health events) in `t.control`."""
     rt = t.run.runtime
     if rt is not None:
-        return float(rt.history[-1].wire_bytes) if rt.step > seen else 0.0
+        if rt.step <= seen:
+            return 0.0
+        st = rt.history[-1]
+        t.control.append({"step": t.steps + 1, "route_mix": st.route_mix, "fallback": st.fallback_reason or None,
+                          "events": list(st.events)})
+        return float(st.wire_bytes)
     if t.name == "powersgd" and t.steps >= cfg.powersgd_start:
         return linkbytes.powersgd_bytes(module, world, cfg.powersgd_rank)
     full = float(baseline_wire_bytes(module, world))
@@ -262,7 +270,22 @@ def variant_result(t: Trainee, target: float) -> dict[str, Any]:
         "train_time_s": last["time_s"],
         "first_step_s": t.first_step_s,
         "route_mix": None if rt is None else rt.history[-1].route_mix,
+        **({} if rt is None else control_summary(t.control)),
         "curve": t.curve,
+    }
+
+
+def control_summary(control: list[dict[str, Any]]) -> dict[str, Any]:
+    """What nfab's control did over the run: steps in fallback (by reason), steps all-FP32, health events."""
+    reasons: dict[str, int] = {}
+    for c in control:
+        if c["fallback"]:
+            reasons[c["fallback"]] = reasons.get(c["fallback"], 0) + 1
+    return {
+        "fallback_steps": sum(reasons.values()),
+        "fallback_reasons": reasons,
+        "all_fp32_steps": [c["step"] for c in control if c["route_mix"].get("fp32", 0.0) >= 1.0],
+        "health_events": [f"{c['step']}: {e}" for c in control for e in c["events"]][:50],
     }
 
 
