@@ -21,9 +21,9 @@ _SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain-DDP\nM
           "wall_time_s": "wall\ns", "accuracy_delta_pts": "Δ acc\n(pts)",
           "loss_delta_pct": "Δ loss\n(%)", "traffic_ratio": "traffic ratio\n(FP32 run/this)",
           "bits_per_element": "bits/\nelement", "error_feedback": "error\nfeedback",
-          "time_to_target_s": "to target\ns", "steps_to_target": "steps to\ntarget",
-          "speedup_vs_fp32": "sooner\nthan FP32", "speedup_vs_bf16": "sooner\nthan bf16",
-          "final_loss": "final\nloss", "wire_mb_to_target": "wire MB\nto target"}
+          "time_to_target_s": "to\ntarget s", "steps_to_target": "steps to\ntarget",
+          "speedup_vs_fp32": "×\nFP32", "speedup_vs_bf16": "×\nbf16",
+          "final_loss": "final\nloss", "wire_mb_to_target": "MB to\ntarget"}
 # Text that may wrap when space runs out; numbers and names never do.
 _WRAPPABLE = {"route", "model", "dataset", "baseline"}
 
@@ -78,6 +78,7 @@ def renderables(report: Report) -> list[RenderableType]:
             else "measurements (no profile.json yet: not fitted)")
         out.append(_table(title, view.table, columns))
         out.extend(Text(note) for note in view.notes)
-    out.append(Text(f"wrote {report.out / 'report.html'}, {report.out / 'summary.csv'} "
+    csv = f", {report.out / 'summary.csv'}" if any(p.name == "summary.csv" for p in report.files) else ""
+    out.append(Text(f"wrote {report.out / 'report.html'}{csv} "
                     f"and {sum(p.suffix == '.png' for p in report.files)} PNG plots"))
     return out

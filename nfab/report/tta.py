@@ -99,8 +99,9 @@ def tta_plot(tta: TtaArtifact) -> bytes:
                 label=name if v["time_to_target_s"] is None else f"{name} ({v['time_to_target_s']:.0f} s)")
     ax.axhline(tta.target_loss, color="black", linestyle="--", linewidth=1, label="target (FP32 final)")
     ax.set_xscale("log")
+    ax.set_yscale("log")  # the approach to the target, not the early spikes, is what the plot is for
     ax.set_xlabel("training wall time, s (log; evaluation excluded)")
-    ax.set_ylabel("validation loss")
+    ax.set_ylabel("validation loss (log)")
     ax.set_title(f"{tta.name}: time to accuracy ({tta.model}, {tta.link})")
     ax.legend(fontsize=8)
     buffer = io.BytesIO()
