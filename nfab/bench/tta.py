@@ -318,12 +318,25 @@ def ratios(variants: dict[str, dict[str, Any]], base: str) -> dict[str, float | 
             for name, v in variants.items()}
 
 
+def lower_bounds(variants: dict[str, dict[str, Any]], base: str) -> dict[str, float | None]:
+    """Where base never reached the target and a variant did: base's whole training time / the
+    variant's time to target, a lower bound on the speed-up (base would need longer still)."""
+    b = variants.get(base)
+    if b is None or b["time_to_target_s"] is not None:
+        return {name: None for name in variants}
+    return {name: (None if v["time_to_target_s"] is None else b["train_time_s"] / v["time_to_target_s"])
+            for name, v in variants.items()}
+
+
 def report(cfg: TtaConfig, raw: dict[str, Any], command: str = "") -> dict[str, Any]:
-    """The JSON document: `kind`, the target, each variant (with its curve) and its speed-ups."""
+    """The JSON document: `kind`, the target, each variant (with its curve) and its speed-ups
+    (`speedup_vs_B`, or `speedup_vs_B_at_least` where B never reached the target)."""
     variants = raw["variants"]
     for base in ("fp32", "bf16"):
         for name, r in ratios(variants, base).items():
             variants[name][f"speedup_vs_{base}"] = r
+        for name, r in lower_bounds(variants, base).items():
+            variants[name][f"speedup_vs_{base}_at_least"] = r
     return {
         "kind": "nfab.bench.tta",
         "nfab_version": nfab.__version__,
@@ -356,7 +369,8 @@ def summary_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         per_step = v["wire_bytes"] / max(v["steps_to_target"] or v["steps"], 1)
         rows.append({"variant": name, "time_to_target_s": v["time_to_target_s"],
                      "steps_to_target": v["steps_to_target"], "steps": v["steps"], "final_loss": v["final_loss"],
-                     "speedup_vs_fp32": v.get("speedup_vs_fp32"), "speedup_vs_bf16": v.get("speedup_vs_bf16"),
+                     **{k: v.get(k) for k in ("speedup_vs_fp32", "speedup_vs_bf16", "speedup_vs_fp32_at_least",
+                                              "speedup_vs_bf16_at_least")},
                      "wire_bytes": v["wire_bytes"], "step_ms": mean_step_ms(v),
                      "fewer_bytes_per_step_vs_fp32": None if per_step == 0 else float(fp32_bytes / per_step)})
     return rows

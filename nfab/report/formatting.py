@@ -57,8 +57,6 @@ _FORMATS: dict[str, Callable[[object], str]] = {
     "time_to_target_s": lambda v: "never" if v is None or (isinstance(v, float) and math.isnan(v))
     else f"{v:.1f}",
     "steps_to_target": _number(".0f"),
-    "speedup_vs_fp32": _number(".2f", "x"),
-    "speedup_vs_bf16": _number(".2f", "x"),
     "final_loss": _number(".4f"),
     "wire_mb_to_target": _number(".1f"),
 }

@@ -72,11 +72,15 @@ def load_tta(path: Path, name: str) -> TtaArtifact:
         raise NfabError(f"{path}: unreadable tta JSON ({exc})") from None
 
 
-def speedup(base: dict[str, Any] | None, variant: dict[str, Any]) -> float | None:
-    """base's time to target / the variant's (> 1: sooner than base); None when either never reached it."""
-    if base is None or base["time_to_target_s"] is None or variant["time_to_target_s"] is None:
+def speedup(base: dict[str, Any] | None, variant: dict[str, Any]) -> str | None:
+    """base's time to target / the variant's (> 1: sooner than base), as text; `>= X` when base never
+    reached the target (X: base's whole training time / the variant's time); None when the variant never did."""
+    if base is None or variant["time_to_target_s"] is None:
         return None
-    return float(base["time_to_target_s"] / variant["time_to_target_s"])
+    if base["time_to_target_s"] is None:
+        train = base.get("train_time_s")
+        return None if train is None else f">= {train / variant['time_to_target_s']:.2f}x"
+    return f"{base['time_to_target_s'] / variant['time_to_target_s']:.2f}x"
 
 
 def tta_table(tta: TtaArtifact) -> pd.DataFrame:
