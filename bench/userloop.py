@@ -256,7 +256,7 @@ def _evaluate(module: torch.nn.Module, test: Any, task: str, setting: Setting, r
     n = min(setting.eval_samples, len(test))
     subset = torch.utils.data.Subset(test, range(n))
     loader = make_eval_loader(subset, batch_size=64, rank=rank, world_size=setting.world_size)
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(3, dtype=torch.float64, device="cpu")
     for x, y in loader:
         logits = module(x)
         k = y.numel()

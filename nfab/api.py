@@ -1,4 +1,4 @@
-"""`nfab.attach`: register nfab's communication hook on any DDP model."""
+"""`nfab.attach`: register nfab's communication hook on any DDP model, or its reduce-scatter on an FSDP2 model."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from nfab.runtime.control.optim import (
 )
 from nfab.runtime.core.hierarchy import Hierarchy, parse
 from nfab.runtime.core.scales import QSUM_SCALES
+from nfab.runtime.frontends import fsdp as fsdp_front
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def attach(
-    ddp_model: DistributedDataParallel,
+    ddp_model: DistributedDataParallel | torch.nn.Module,
     profile: str | Path | Profile | None = None,
     *,
     route: str | dict[str, str] | None = None,
@@ -44,8 +45,14 @@ def attach(
     coalesce: bool = True,
     hierarchy: Hierarchy | str | int | None = None,
     noise_moment: bool | str = "auto",
-) -> Runtime:
+) -> Runtime | fsdp_front.ShardedRuntime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
+
+    `ddp_model` may instead be an FSDP2 model (`fully_shard` on each block and on the root): nfab's
+    reduce-scatter is installed on every FSDP2 module and the same runtime API comes back
+    (`observe_loss`, `step_stats`, `state_dict`). There the routes fp32, sign and the block routes
+    run as asked (q8/q4/q2, bf16 and fp16 go FP32), error feedback is not offered (it would keep a
+    full-size gradient per rank) and `hierarchy` is refused.
 
     Give either `profile` (a path or a `Profile`) or `route` (a route for every region,
     or a dict from region class / parameter-name glob to route; unnamed regions stay
@@ -106,8 +113,10 @@ def attach(
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise NfabError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     parse(hierarchy)  # a malformed spec is refused before any collective
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model")
+    sharded = _is_fsdp2(ddp_model)
+    if not sharded and not isinstance(ddp_model, DistributedDataParallel):
+        raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model or an FSDP2 "
+                        "model (torch.distributed.fsdp.fully_shard)")
     if (profile is None) == (route is None):
         raise NfabError("give exactly one of profile= or route=")
     if route is not None:
@@ -116,13 +125,24 @@ def attach(
     else:
         prof = profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
         explicit = False
-    check_attach(prof, ddp_model.module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
+    module = ddp_model if sharded else ddp_model.module
+    check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
+    if sharded:
+        fsdp_front.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy,
+                                 noise_moment=noise_moment)
+    group = fsdp_front.shard_group(ddp_model) if sharded else ddp_model.process_group
     if cost_model == "measure":
-        cm = cost_mod.measure(ddp_model.process_group, device=_grad_device(ddp_model))
+        cm = cost_mod.measure(group, device=_grad_device(ddp_model))
     elif isinstance(cost_model, str | Path):
         cm = cost_mod.CostModel.load(cost_model)
     else:
         cm = cost_model
+    if sharded:
+        runtime = fsdp_front.ShardedRuntime(ddp_model, prof, explicit=explicit, cost_model=cm,
+                                            total_steps=total_steps, seed=seed, head_modules=head_modules,
+                                            group=group)
+        fsdp_front.install(runtime, ddp_model)
+        return runtime
     use_ef = resolve_error_feedback(error_feedback, optimizer)
     if use_ef and optimizer is not None and error_feedback is True and is_adaptive(optimizer):
         log.warning("error feedback forced on under adaptive %s: it can collapse training; the health "
@@ -156,7 +176,17 @@ def _corrects_moment(noise_moment: bool | str, prof: Profile, explicit: bool,
     return bool(noise_moment)
 
 
-def _grad_device(ddp_model: DistributedDataParallel):
+def _grad_device(ddp_model: torch.nn.Module):
     """The device the model's gradients live on (the cost model measures there)."""
     param = next((p for p in ddp_model.parameters() if p.requires_grad), None)
     return param.device if param is not None else "cpu"
+
+
+def _is_fsdp2(model: object) -> bool:
+    """An FSDP2 root (`fully_shard`); FSDP1 (`FullyShardedDataParallel`) is refused with its reason."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        raise NfabError("nfab.attach supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1 "
+                        "(FullyShardedDataParallel): its flat-parameter comm hooks are not wired")
+    return isinstance(model, FSDPModule)

@@ -20,9 +20,9 @@ from nfab.runtime.bindings import classify
 from nfab.runtime.control.controller import Controller, Group, route_label
 from nfab.runtime.core.hierarchy import level_bytes
 from nfab.runtime.core.plan import BucketPlan, Slice
-from nfab.wire.codecs import ROUTES
 from nfab.wire.cost import CostModel, default_cost_model
 from nfab.wire.registry import REDUCERS, candidates
+from nfab.wire.routes import ROUTES
 
 FIRST_BUCKET_BYTES = 1 << 20
 

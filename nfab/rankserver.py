@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed.fsdp._fully_shard._fsdp_param  # noqa: F401 - what `fully_shard` imports on first use
+import torch.distributed.tensor  # noqa: F401 - FSDP2's DTensor parameters
 
 import nfab.api  # noqa: F401 - what `nfab.attach` imports, loaded once
 from nfab.wire.registry import REDUCERS
@@ -36,7 +38,7 @@ def warm_host_codecs(numel: int = 3000) -> None:
     g = torch.Generator().manual_seed(0)
     lengths = [numel // 3, numel - numel // 3]
     for world_size in WARM_WORLD_SIZES:
-        xs = [torch.randn(numel, generator=g) for _ in range(world_size)]
+        xs = [torch.randn(numel, generator=g, device="cpu") for _ in range(world_size)]
         for reducer in REDUCERS.values():
             if not reducer.capacity(world_size).ok:
                 continue
@@ -46,7 +48,25 @@ def warm_host_codecs(numel: int = 3000) -> None:
                 reducer.encode_views(views, lengths, world_size, with_sq=reducer.reads_sq(xs[0]))
 
 
+def warm_row_codecs(numel: int = 3000) -> None:
+    """The FSDP2 front end's row paths (`runtime/core/rowscatter.py`) without a process group: the
+    block codes, the per-row packing, the owner's sums and the decode, compiled once here."""
+    x = torch.randn(2 * numel, generator=torch.Generator().manual_seed(1))
+    lengths = [numel, numel]
+    for key in ("blockqscatter-bq3", "signscatter"):
+        red = REDUCERS[key]
+        if key == "signscatter":
+            enc = red.encode(x, lengths, 2)
+            red.decode(red.owner_step(red.owner_share([enc.payload, enc.payload], 0), 2), enc.scales[:1],
+                       lengths[0], lengths[:1], 2)
+            continue
+        codes = red.agree_input(red.local_scale(x, lengths))
+        enc = red.encode(x, lengths, 2, codes, None)
+        red.owner_step(red.owner_share([enc.payload, enc.payload], 0), 2)
+
+
 try:
     warm_host_codecs()
+    warm_row_codecs()
 except Exception as exc:  # noqa: BLE001 - a warm-up only: a rank loads what it needs itself
     log.debug("rank server warm-up skipped: %s", exc)

@@ -68,7 +68,7 @@ def breakdown(runs: list[Run], warmup: int, rounds: int = 20) -> dict[str, Any]:
     sizes = [p.numel for p in list(rt.plans.values())[-n_buckets:]] if n_buckets else []
     if not sizes:
         sizes = [sum(p.numel() for p in fp32.ddp.parameters())]
-    bufs = [torch.randn(n) for n in sizes]
+    bufs = [torch.randn(n, device="cpu") for n in sizes]
 
     def allreduce() -> None:
         for b in bufs:

@@ -21,7 +21,8 @@ W/2 ranks, network namespaces joined by a veth pair shaped to that rate (see
 link per timed step, counted by the interfaces' tx counters, beside the bytes the cost model
 predicts for it (`nfab.bench.linkbytes`).
 
-A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route.
+A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route. With
+`parallel="fsdp"` every variant runs under FSDP2 instead (`FSDP_VARIANTS`, `nfab.bench.fsdpstep`).
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at registration.
@@ -74,16 +75,28 @@ POWERSGD_START = 2
 """Steps PowerSGD all-reduces uncompressed before it compresses (torch's `start_powerSGD_iter`)."""
 
 
+FSDP_VARIANTS: dict[str, str] = {
+    "plain": "FSDP2, FP32 reduce-scatter",
+    "bf16": "FSDP2, bf16 reduce-scatter (MixedPrecisionPolicy reduce_dtype)",
+    "floor": "FSDP2, reduce-scatter that sends nothing (no-communication floor)",
+    "nfab-fp32": "nfab on FSDP2, route fp32",
+    "nfab-sign": "nfab on FSDP2, static route sign",
+    "nfab-profile": "nfab on FSDP2, profile (cost-gated)",
+}
+"""Variant name -> what it runs under `parallel="fsdp"` (`nfab.bench.fsdpstep`)."""
+FSDP_STEP_VARIANTS: tuple[str, ...] = ("plain", "bf16", "floor", "nfab-profile")
+PARALLEL = ("ddp", "fsdp")
+
 ROUTE_VARIANT = "nfab:"
 """Prefix of a variant that runs nfab with a static route (`nfab:q8`, `nfab:sign`)."""
 COST_MODELS = ("measure", "none")
 
 
-def describe(variant: str) -> str:
-    """What a variant runs (VARIANTS, or `nfab:ROUTE`)."""
+def describe(variant: str, parallel: str = "ddp") -> str:
+    """What a variant runs (VARIANTS, FSDP_VARIANTS, or `nfab:ROUTE`)."""
     if variant.startswith(ROUTE_VARIANT):
         return f"nfab, static route {variant.removeprefix(ROUTE_VARIANT)}"
-    return VARIANTS[variant]
+    return (FSDP_VARIANTS if parallel == "fsdp" else VARIANTS)[variant]
 
 
 def test_profile() -> Profile:
@@ -130,11 +143,20 @@ class BenchConfig:
     profile: dict[str, Any] | None = None
     """The profile (as its JSON dict) for `nfab-profile`; None: `test_profile()`."""
     profile_source: str = "test profile (conv/linear/head sign)"
+    parallel: str = "ddp"
+    """`ddp`, or `fsdp`: every variant under FSDP2 (`FSDP_VARIANTS`, `nfab.bench.fsdpstep`)."""
 
     def __post_init__(self) -> None:
-        unknown = [v for v in self.variants if v not in VARIANTS and not v.startswith(ROUTE_VARIANT)]
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        known = FSDP_VARIANTS if self.parallel == "fsdp" else VARIANTS
+        if self.parallel == "fsdp" and self.variants == STEP_VARIANTS:
+            object.__setattr__(self, "variants", FSDP_STEP_VARIANTS)
+        if self.parallel == "fsdp" and self.nodes > 1:
+            raise ConfigError("--parallel fsdp runs on one emulated node (--nodes 1)")
+        unknown = [v for v in self.variants if v not in known and not v.startswith(ROUTE_VARIANT)]
         if unknown:
-            raise ConfigError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+            raise ConfigError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}")
         if "plain" not in self.variants:
             object.__setattr__(self, "variants", ("plain", *self.variants))
         if self.model != "resnet18":
@@ -197,6 +219,7 @@ class Run:
 
     name: str
     ddp: DDP
+    """The wrapped model: DDP, or the FSDP2 root under `parallel="fsdp"`."""
     opt: torch.optim.Optimizer
     runtime: Any = None
     """nfab's Runtime for nfab variants."""
@@ -322,7 +345,7 @@ def time_runs(runs: list[Run], data: list[tuple[torch.Tensor, torch.Tensor]], cf
 
 def slowest_rank_times(runs: list[Run]) -> dict[str, list[float]]:
     """Per step, the slowest rank's time (MAX across ranks), per variant."""
-    t = torch.tensor([r.times for r in runs], dtype=torch.float64)
+    t = torch.tensor([r.times for r in runs], dtype=torch.float64, device="cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {r.name: t[i].tolist() for i, r in enumerate(runs)}
 
@@ -350,7 +373,7 @@ def nfab_info(run: Run, warmup: int) -> dict[str, Any] | None:
 
 def link_bytes_per_step(runs: list[Run], cfg: BenchConfig) -> dict[str, float]:
     """Bytes across the shaped link per timed step, per variant: every node's count, summed."""
-    t = torch.tensor([float(r.link_bytes) for r in runs], dtype=torch.float64)
+    t = torch.tensor([float(r.link_bytes) for r in runs], dtype=torch.float64, device="cpu")
     dist.all_reduce(t)
     return {r.name: float(t[i]) / cfg.steps for i, r in enumerate(runs)}
 
@@ -421,6 +444,8 @@ def run(cfg: BenchConfig, target: str = "nfab.bench.step:_run_local_target") -> 
         assert cfg.link is not None
         return nodes.run_on_nodes("nfab.bench.step:_run_node_target", cfg.to_dict(), cfg.world_size, cfg.link,
                                   cfg.delay, timeout_s=_timeout(cfg) + 120)
+    if cfg.parallel == "fsdp":
+        target = "nfab.bench.fsdpstep:_run_local_target"
     if cfg.link is None:
         module, _, name = target.partition(":")
         return getattr(importlib.import_module(module), name)(cfg.to_dict())
@@ -463,7 +488,7 @@ def summarize(raw: dict[str, Any]) -> list[Row]:
     for name, ts in times.items():
         ms = 1e3 * np.asarray(ts)
         rows.append(Row(
-            variant=name, description=describe(name),
+            variant=name, description=describe(name, raw.get("parallel", "ddp")),
             median_ms=float(np.median(ms)), p10_ms=float(np.percentile(ms, 10)), p90_ms=float(np.percentile(ms, 90)),
             ratio_to_plain=paired_ratio(ts, plain),
             ratio_to_floor=None if floor is None else paired_ratio(ts, floor),
@@ -487,6 +512,7 @@ def report(cfg: BenchConfig, raw: dict[str, Any], command: str = "") -> dict[str
         "nfab": raw["nfab"],
         "loss": raw["loss"],
         "params_sha256": raw.get("params_sha256", {}),
+        **{k: raw[k] for k in ("parallel", "reduce_scatter_bytes") if k in raw},
         "times_s": raw["times_s"],
         **{k: v for k, v in raw.items() if k.startswith("breakdown")},
     }

@@ -88,7 +88,7 @@ def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core: the figure is per rank, comparable across machines
     try:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed), device="cpu")
         dst = torch.empty_like(x)
         gb = numel * 4 / 1e9
         rows: list[WireRow] = []

@@ -24,7 +24,7 @@ from nfab.models.options import accepted_options
 from nfab.models.registry import MODELS
 from nfab.overrides import parse_kv
 from nfab.validation import StrictModel, describe
-from nfab.wire.codecs import BLOCK_ROUTES, ROUTES
+from nfab.wire.routes import BLOCK_ROUTES, ROUTES
 
 
 def _redundant(route: str) -> bool:

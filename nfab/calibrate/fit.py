@@ -34,8 +34,8 @@ import torch
 from nfab import __version__
 from nfab.calibrate.table import check_columns
 from nfab.profile.schema import REGIONS, Health, ModelRef, Phase, PhaseStart, Profile, WorldRange
-from nfab.wire.codecs import ROUTES
 from nfab.wire.registry import candidates
+from nfab.wire.routes import ROUTES
 
 TOL_COSINE = 0.3
 """Default: a route's estimate must point within ~73 degrees of the true mean gradient."""

@@ -72,7 +72,7 @@ class ShardStream:
 
 def collate(data: SpecDataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     items = [data[i] for i in indices]
-    return torch.stack([x for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items])
+    return torch.stack([x for x, _ in items]), torch.stack([torch.as_tensor(y, device="cpu") for _, y in items])
 
 
 class Task:
@@ -94,7 +94,7 @@ class Task:
         self.stream = ShardStream(self.train, cfg)
         n_eval = min(cfg.eval_samples, len(test))
         g = torch.Generator().manual_seed(cfg.seed + 17)
-        self.eval_batch = collate(test, torch.randperm(len(test), generator=g)[:n_eval].tolist())
+        self.eval_batch = collate(test, torch.randperm(len(test), generator=g, device="cpu")[:n_eval].tolist())
         self.model: nn.Module = self.spec.module
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -243,7 +243,7 @@ class Task:
             for p in self.params:
                 starts.append(pos)
                 pos += p.numel()
-            hit = torch.cat([torch.arange(starts[i], starts[i] + self.params[i].numel())
+            hit = torch.cat([torch.arange(starts[i], starts[i] + self.params[i].numel(), device="cpu")
                              for i in self.regions[region].indices])
             self._index[region] = hit
         return hit

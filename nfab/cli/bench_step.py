@@ -108,6 +108,8 @@ def register(app: typer.Typer) -> None:
             "--delay", help="One-way delay on the inter-node link (1ms; --nodes 2; needs tc netem).")] = None,
         cost_model: Annotated[str, typer.Option(
             "--cost-model", help="nfab variants: measure (at attach) or none (decide by bytes).")] = "measure",
+        parallel: Annotated[str, typer.Option(
+            "--parallel", help="ddp, or fsdp: FSDP2 with FP32 / bf16 reduce-scatter, the floor and nfab.")] = "ddp",
     ) -> None:
         """Step time per variant, side by side in one run (W=2 gloo ranks), with ratios to FP32 and bf16 DDP."""
         from nfab.bench import netns
@@ -127,12 +129,14 @@ def register(app: typer.Typer) -> None:
             cfg = step_mod.BenchConfig(model=model, width=width, batch=batch, steps=steps, warmup=warmup, data=data,
                                        image_size=image_size, link=link, profile=prof, profile_source=source,
                                        nfab_bucket_mb=nfab_bucket_mb, nodes=nodes, world_size=world_size,
-                                       delay=delay, cost_model=cost_model, **kw)
+                                       delay=delay, cost_model=cost_model, parallel=parallel, **kw)
         except NfabError as exc:
             fail(str(exc))
         console.print(f"nfab bench step: {', '.join(cfg.variants)}; profile: {source}", highlight=False)
         doc = step_mod.report(cfg, step_mod.run(cfg))
-        print_report(doc, f"nfab bench step  (resnet18 width {width}, W={world_size}, {_link(doc.get('link'))})")
+        wrapper = " FSDP2," if parallel == "fsdp" else ""
+        link_text = _link(doc.get("link"))
+        print_report(doc, f"nfab bench step  (resnet18 width {width},{wrapper} W={world_size}, {link_text})")
         if json_path is not None:
             step_mod.write_json(json_path, doc)
             console.print(f"wrote {json_path}")

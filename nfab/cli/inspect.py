@@ -33,6 +33,8 @@ def register(app: typer.Typer) -> None:
             "--json", help="Also write the plan (all buckets) as JSON.")] = None,
         hierarchy: Annotated[str | None, typer.Option(
             help="Two-level plan: NODESxLOCAL (e.g. 64x8) or ranks per node; bytes per level.")] = None,
+        parallel: Annotated[str, typer.Option(
+            help="ddp (buckets, all-reduce) or fsdp (FSDP2 per block: reduce-scatter vs its FP32 / bf16).")] = "ddp",
     ) -> None:
         """Show the plan: region classes, buckets with their routes, capacity, bytes vs FP32.
 
@@ -59,8 +61,15 @@ def register(app: typer.Typer) -> None:
                 total_steps = setting.steps
         else:
             prof, explicit = Profile.static(route or "sign"), True
-        layout = _layout(hierarchy, world_size)
+        if parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"--parallel must be ddp or fsdp, got {parallel!r}")
         cm = CostModel.load(cost) if cost else default_cost_model(world_size)
+        if parallel == "fsdp":
+            if hierarchy is not None:
+                raise ConfigError("--hierarchy plans DDP's two-level all-reduce; FSDP2's reduce-scatter is one level")
+            _print_fsdp(model, size, spec, prof, world_size, explicit, step, total_steps, cm, json_path)
+            return
+        layout = _layout(hierarchy, world_size)
         res = inspect_model(model, spec.module, prof, world_size, explicit=explicit, step=step,
                             total_steps=total_steps, cost_model=cm, bucket_cap_mb=bucket_cap_mb,
                             head_modules=spec.head_modules, hierarchy=layout)
@@ -105,6 +114,35 @@ def register(app: typer.Typer) -> None:
 
             atomic_write_json(json_path, res.to_dict(xs))
             console.print(f"wrote {json_path}")
+
+
+def _print_fsdp(model, size, spec, prof, world_size, explicit, step, total_steps, cm, json_path) -> None:  # noqa: ANN001
+    """`--parallel fsdp`: one row per `fully_shard` unit, totals against FSDP2's FP32 and bf16 reduce-scatter."""
+    from nfab.inspect_fsdp import inspect_fsdp
+
+    res = inspect_fsdp(model, spec.module, prof, world_size, explicit=explicit, shard_units=spec.shard_units,
+                       step=step, total_steps=total_steps, cost_model=cm, head_modules=spec.head_modules)
+    t = Table(title=f"{model} {size or ''} under FSDP2 — {res.total_params:,} parameters, {len(res.units)} "
+                    f"fully_shard units, W={world_size}, phase {res.phase!r}")
+    for col in ("unit", "elements", "routes", "wire MB", "fp32 MB", "bf16 MB"):
+        t.add_column(col, justify="left" if col in ("unit", "routes") else "right")
+    shown = res.units if len(res.units) <= 8 else [*res.units[:3], None, *res.units[-2:]]
+    for u in shown:
+        if u is None:
+            t.add_row("...", "", "", "", "", "")
+            continue
+        t.add_row(u.unit, f"{u.elements:,}", u.routes, f"{u.wire_bytes / 1e6:.2f}", f"{u.fp32_bytes / 1e6:.2f}",
+                  f"{u.bf16_bytes / 1e6:.2f}")
+    console.print(t)
+    mix = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(res.route_bytes.items()))
+    console.print(f"reduce-scatter per step, per rank: [bold]{res.wire_bytes / 1e6:.2f} MB[/] sent ({mix}) vs "
+                  f"FSDP2 FP32 {res.fp32_bytes / 1e6:.2f} MB ({res.fp32_bytes / res.wire_bytes:.2f}x fewer) and "
+                  f"bf16 {res.bf16_bytes / 1e6:.2f} MB ({res.bf16_bytes / res.wire_bytes:.2f}x fewer)")
+    if json_path is not None:
+        from nfab.fsutil import atomic_write_json
+
+        atomic_write_json(json_path, res.to_dict())
+        console.print(f"wrote {json_path}")
 
 
 def _layout(hierarchy: str | None, world_size: int) -> tuple[int, int] | None:

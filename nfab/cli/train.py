@@ -39,9 +39,11 @@ def register(app: typer.Typer) -> None:
                  "calibrated setting (model, data, optimizer, batch, schedule, steps).")] = None,
         route: Annotated[str | None, typer.Option(
             help="Static route: sign, q8, ... everywhere, or conv:sign,norm:fp32,*.bias:fp32.")] = None,
-        fp32: Annotated[bool, typer.Option("--fp32", help="Plain DDP, no nfab hook (the reference).")] = False,
+        fp32: Annotated[bool, typer.Option("--fp32", help="Plain DDP / FSDP2, no nfab hook (the reference).")] = False,
         model: Annotated[str | None, typer.Option(help="Model (resnet18, vit, gpt, module:factory).")] = None,
         dataset: Annotated[str | None, typer.Option(help="Data set (digits, stdlib-text, ...).")] = None,
+        parallel: Annotated[str | None, typer.Option(
+            help="Data-parallel wrapper: ddp (default) or fsdp (FSDP2, sharded per block).")] = None,
         nproc: Annotated[int | None, typer.Option(help="Ranks per node.")] = None,
         steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
         run_dir: Annotated[str | None, typer.Option(help="Artifact folder (default runs/MODEL-ROUTE-TIME).")] = None,
@@ -54,7 +56,7 @@ def register(app: typer.Typer) -> None:
         rdzv_backend: Annotated[str | None, typer.Option(help="torchrun: rendezvous backend.")] = None,
         max_restarts: Annotated[int | None, typer.Option(help="torchrun: restarts after a failure.")] = None,
     ) -> None:
-        """Train with DDP + the nfab hook under torchrun; extra KEY=VALUE args override the config."""
+        """Train with DDP or FSDP2 + the nfab hook under torchrun; extra KEY=VALUE args override the config."""
         from nfab.train.launch import WorkerError, launch, resolve_config
 
         extra = list(ctx.args)
@@ -68,7 +70,7 @@ def register(app: typer.Typer) -> None:
             if route is not None:
                 comm.append(f"comm.route={format_route(parse_route(route))}")
         flags = comm + _flags(**{
-            "launch.nproc": nproc, "steps": steps, "run_dir": run_dir,
+            "parallel": parallel, "launch.nproc": nproc, "steps": steps, "run_dir": run_dir,
             "resume": resume, "overwrite": overwrite, "quiet": quiet, "launch.nnodes": nnodes,
             "launch.node_rank": node_rank, "launch.rdzv_endpoint": rdzv_endpoint,
             "launch.rdzv_backend": rdzv_backend, "launch.max_restarts": max_restarts,

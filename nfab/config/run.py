@@ -19,6 +19,7 @@ from nfab.validation import StrictModel
 
 OptimizerName = Literal["auto", "sgd", "adamw"]
 ScheduleName = Literal["cosine", "constant"]
+ParallelName = Literal["ddp", "fsdp"]
 
 
 class _OpenSection(StrictModel):
@@ -206,6 +207,10 @@ class TrainConfig(StrictModel):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     comm: CommConfig = Field(default_factory=CommConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    parallel: ParallelName = "ddp"
+    """The data-parallel wrapper: `ddp` (replicated model, gradient all-reduce) or `fsdp` (PyTorch's
+    FSDP2: `fully_shard` per Transformer block, then the root; gradient reduce-scatter). A profile
+    or route applies unchanged: it names regions and bits, not the wrapper."""
     steps: int = Field(100, ge=1)
     """Optimizer steps."""
     accum_steps: int = Field(1, ge=1)

@@ -92,8 +92,8 @@ class _Normalise:
 
     def __init__(self, image_size: int) -> None:
         self.image_size = image_size
-        self.mean = torch.tensor(MEAN).view(3, 1, 1)
-        self.std = torch.tensor(STD).view(3, 1, 1)
+        self.mean = torch.tensor(MEAN, device="cpu").view(3, 1, 1)
+        self.std = torch.tensor(STD, device="cpu").view(3, 1, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = (x.float() / 255.0 - self.mean) / self.std

@@ -79,7 +79,7 @@ def digits(*, split: Split, seed: int, image_size: int = 8, channels: int = 1) -
     bunch = load_digits()
     images = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)  # (N,1,8,8)
     labels = torch.from_numpy(bunch.target.astype(np.int64))
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED))
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(DIGITS_SPLIT_SEED), device="cpu")
     n_test = round(DIGITS_TEST_FRACTION * len(labels))
     train_idx, test_idx = order[:-n_test], order[-n_test:]
     mean, std = images[train_idx].mean(), images[train_idx].std()
@@ -126,12 +126,14 @@ def synthetic_images(
     if noise < 0:
         raise ConfigError(f"synthetic-images: noise must be >= 0, got {noise}")
     g = torch.Generator().manual_seed(seed)
-    coarse = torch.randn(num_classes, channels, 4, 4, generator=g)
+    coarse = torch.randn(num_classes, channels, 4, 4, generator=g, device="cpu")
     templates = resize(coarse, image_size)
     templates = templates / templates.flatten(1).std(dim=1).clamp_min(1e-6)[:, None, None, None]
     g = torch.Generator().manual_seed(_split_stream(seed, split))
-    labels = (torch.arange(num_samples) % num_classes)[torch.randperm(num_samples, generator=g)]
-    images = templates[labels] + noise * torch.randn(num_samples, channels, image_size, image_size, generator=g)
+    cpu = torch.device("cpu")  # generated on the host, whatever the default device
+    labels = (torch.arange(num_samples, device=cpu) % num_classes)[torch.randperm(num_samples, generator=g, device=cpu)]
+    images = templates[labels] + noise * torch.randn(num_samples, channels, image_size, image_size, generator=g,
+                                                     device=cpu)
     spec = DataSpec(
         name="synthetic-images",
         split=split,

@@ -87,7 +87,8 @@ def _windows(
         raise ConfigError(f"{name}: stride must be >= 1, got {stride}")
     cut = len(corpus) - int(TEST_FRACTION * len(corpus))
     part = corpus[:cut] if split == "train" else corpus[cut:]
-    data = torch.frombuffer(bytearray(part), dtype=torch.uint8) if part else torch.empty(0, dtype=torch.uint8)
+    empty = torch.empty(0, dtype=torch.uint8, device="cpu")
+    data = torch.frombuffer(bytearray(part), dtype=torch.uint8) if part else empty
     n = num_windows(len(data), block_size, stride)
     if n == 0:
         raise ConfigError(

@@ -21,6 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nfab.integrations.accelerate needs Accelerate: pip install 'nfab[accelerate]'") from e
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
@@ -43,16 +44,18 @@ def attach(
     `nfab.attach` untouched. One process has no gradients to exchange, so there is nothing to
     compress: this logs one line and returns None, and the same script runs unchanged with
     `accelerate launch --num_processes 1`. With several processes `prepared_model` must be
-    the DDP model Accelerate built (not FSDP or DeepSpeed, which own their communication).
+    the DDP model Accelerate built, or the FSDP2 model its FSDP plugin built
+    (`FullyShardedDataParallelPlugin(fsdp_version=2)`, on GPUs: Accelerate builds DDP on CPU
+    whatever the plugin says); DeepSpeed owns its communication.
     """
     if (profile is None) == (route is None):
         raise NfabError("give exactly one of profile= or route=")
     if accelerator.num_processes == 1:
         log.info("nfab: one process, no gradient communication to compress; training without nfab")
         return None
-    if not isinstance(prepared_model, DistributedDataParallel):
+    if not isinstance(prepared_model, DistributedDataParallel | FSDPModule):
         raise NfabError(
-            f"nfab needs the DistributedDataParallel model from accelerator.prepare, got "
+            f"nfab needs the DistributedDataParallel or FSDP2 model from accelerator.prepare, got "
             f"{type(prepared_model).__name__} (distributed type {accelerator.distributed_type})"
         )
     from nfab.api import attach as nfab_attach

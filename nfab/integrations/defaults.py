@@ -13,7 +13,7 @@ from nfab.runtime.frontends.ddp import Runtime
 
 
 def attach_with_defaults(
-    ddp_model: DistributedDataParallel,
+    ddp_model: DistributedDataParallel | torch.nn.Module,
     profile: str | Path | Profile | None,
     route: str | dict[str, str] | None,
     attach_kwargs: dict[str, Any],
@@ -21,7 +21,7 @@ def attach_with_defaults(
     total_steps: int | None,
     optimizer: Any = None,
 ) -> Runtime:
-    """`nfab.attach` with the user's keywords as given, plus the framework's `total_steps` and optimizer.
+    """`nfab.attach` (DDP or FSDP2 model) with the user's keywords, plus the framework's `total_steps` and optimizer.
 
     A keyword the user passed always wins. The framework's optimizer is passed as
     `optimizer=` (unwrapped from Accelerate's `AcceleratedOptimizer`, whose `.optimizer` is

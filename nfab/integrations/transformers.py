@@ -3,9 +3,10 @@
 The Trainer has no setting for a communication hook, and it wraps the model in DDP only
 inside `train()`. So `attach(trainer, ...)` adds a `TrainerCallback` that, at
 `on_train_begin`, calls `nfab.attach` on `trainer.model_wrapped` (the DDP model the Trainer
-just built, before the first backward) and then puts each logged step's nfab statistics into
-the Trainer's logs through `trainer.log`, so `log_history` and every `report_to` reporter
-see them.
+just built, before the first backward; or its FSDP2 model under `fsdp="full_shard"`,
+`fsdp_config={"fsdp_version": 2}`, which Accelerate builds on GPUs only) and then puts each
+logged step's nfab statistics into the Trainer's logs through `trainer.log`, so `log_history`
+and every `report_to` reporter see them.
 
 Checkpoints: at `on_save` every rank writes its own nfab state (error-feedback residuals are
 per rank) into the checkpoint folder the Trainer just wrote, `nfab_state_rank<r>.pt`,
@@ -27,6 +28,7 @@ try:
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nfab.integrations.transformers needs Transformers: pip install 'nfab[transformers]'") from e
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
@@ -60,7 +62,7 @@ class NfabCallback(TrainerCallback):
         self.route = route
         self.attach_kwargs = attach_kwargs
         self.runtime: Runtime | None = None
-        self._ddp: DistributedDataParallel | None = None
+        self._ddp: DistributedDataParallel | FSDPModule | None = None
         self._logged_step = -1
         self.resume_from: str | Path | None = None
         """The checkpoint folder to restore nfab's state from (default: see the module doc)."""
@@ -73,9 +75,9 @@ class NfabCallback(TrainerCallback):
         if args.world_size == 1:
             log.info("nfab: one process, no gradient communication to compress; training without nfab")
             return
-        if not isinstance(model, DistributedDataParallel):
-            raise NfabError(f"nfab needs the Trainer to wrap the model in DistributedDataParallel, got "
-                            f"{type(model).__name__} (FSDP and DeepSpeed own their communication)")
+        if not isinstance(model, DistributedDataParallel | FSDPModule):
+            raise NfabError(f"nfab needs the Trainer to wrap the model in DistributedDataParallel or FSDP2, got "
+                            f"{type(model).__name__} (FSDP1 and DeepSpeed own their communication)")
         self.runtime = attach_with_defaults(model, self.profile, self.route, self.attach_kwargs,
                                             total_steps=state.max_steps, optimizer=self.trainer.optimizer)
         self._ddp = model
@@ -83,7 +85,8 @@ class NfabCallback(TrainerCallback):
         if state.global_step > 0:
             self._restore(args, state, model)
 
-    def _restore(self, args: TrainingArguments, state: TrainerState, model: DistributedDataParallel) -> None:
+    def _restore(self, args: TrainingArguments, state: TrainerState,
+                 model: DistributedDataParallel | FSDPModule) -> None:
         assert self.runtime is not None
         folder = self.resume_from
         named = args.resume_from_checkpoint

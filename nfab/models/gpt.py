@@ -138,6 +138,7 @@ def gpt(
         module=module,
         task="lm",
         head_modules=("head",),
+        shard_units=tuple(f"blocks.{i}" for i in range(shape.n_layer)),
         optimizer="adamw",
         vocab_size=vocab,
         block_size=block,

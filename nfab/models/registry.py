@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,11 +70,21 @@ def build_model(
         return builder(**options)
 
 
+def _importable_from_cwd() -> None:
+    """Let `module.path:factory` name a module under the working directory, as `python -m` would:
+    the `nfab` console script (and torchrun's workers) do not put it on sys.path. Appended, so an
+    installed package of the same name still wins."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
 def load_factory(target: str) -> Callable[..., Any]:
     """Import `module.path:factory` and return the callable it names."""
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"user model {target!r} must look like module.path:factory")
+    _importable_from_cwd()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's to fix: report it in one line

@@ -123,6 +123,7 @@ def resnet18(
         module=module,
         task="classification",
         head_modules=("fc",),
+        shard_units=("layer1", "layer2", "layer3", "layer4"),
         optimizer="sgd",
         num_classes=num_classes,
         image_size=image_size,

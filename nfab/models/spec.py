@@ -44,6 +44,9 @@ class ModelSpec:
     """LM: vocabulary size (256 for byte-level text)."""
     block_size: int | None = None
     """LM: longest sequence the position embedding covers."""
+    shard_units: tuple[str, ...] = ()
+    """Module names `fully_shard` wraps one by one under FSDP, before the root (a Transformer's
+    blocks: one block's parameters gathered at a time); empty: the root alone."""
     options: dict[str, object] = field(default_factory=dict)
     """The resolved builder options, recorded for provenance (profiles, run summaries)."""
 
@@ -54,6 +57,8 @@ class ModelSpec:
             raise ValueError(f"optimizer must be one of {OPTIMIZER_FAMILIES}, got {self.optimizer!r}")
         if not isinstance(self.head_modules, tuple) or not all(isinstance(h, str) for h in self.head_modules):
             raise ValueError(f"head_modules must be a tuple of str, got {self.head_modules!r}")
+        if not isinstance(self.shard_units, tuple) or not all(isinstance(u, str) for u in self.shard_units):
+            raise ValueError(f"shard_units must be a tuple of str, got {self.shard_units!r}")
         if self.task == "lm" and (self.vocab_size is None or self.block_size is None):
             raise ValueError("an lm ModelSpec needs vocab_size and block_size")
 

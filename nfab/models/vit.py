@@ -139,6 +139,7 @@ def vit(
         module=module,
         task="classification",
         head_modules=("head",),
+        shard_units=tuple(f"blocks.{i}" for i in range(VIT_SIZES[size].depth)),
         optimizer="adamw",
         num_classes=num_classes,
         image_size=image_size,

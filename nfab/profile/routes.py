@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from nfab.errors import ConfigError
-from nfab.wire.codecs import ROUTES
+from nfab.wire.routes import ROUTES
 
 REGIONS: tuple[str, ...] = ("conv", "linear", "embedding", "head", "norm", "bias", "small", "other")
 """Region classes a route may name (see runtime/bindings.py)."""

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 import nfab
 from nfab.data import build_dataset, make_eval_loader
@@ -27,11 +26,13 @@ from nfab.errors import NfabError
 from nfab.models import build_model, model_signature
 from nfab.profile.schema import file_sha256
 from nfab.runtime.frontends.ddp import Runtime
+from nfab.runtime.frontends.fsdp import ShardedRuntime
 from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
+from nfab.train.parallel import Wrapped, wrap
 from nfab.train.progress import ProgressBar
-from nfab.train.setup import BatchStream, baseline_wire_bytes, build_optimizer, loss_fn, lr_factor
+from nfab.train.setup import BatchStream, build_optimizer, loss_fn, lr_factor
 from nfab.wire import cost as cost_mod
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,10 @@ def mean_loss(loss: float, device: torch.device) -> float:
 
 
 def replicas_identical(module: torch.nn.Module, device: torch.device) -> bool:
-    """Collective: do all ranks hold bit-identical parameters? (a SHA-256 of every parameter, all-gathered)."""
+    """Collective: do all ranks hold bit-identical parameters? (a SHA-256 of every parameter, all-gathered).
+
+    Only for replicated (DDP) models: under FSDP each rank holds its own shard.
+    """
     digest = hashlib.sha256()
     for p in module.parameters():
         digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -105,21 +109,31 @@ def route_label(cfg: TrainConfig) -> str | None:
     return c.route
 
 
-def _cost_model(cfg: TrainConfig, ddp: DistributedDataParallel, saved: str | None) -> cost_mod.CostModel | None:
+def _cost_model(cfg: TrainConfig, wrapped: Wrapped, saved: str | None) -> cost_mod.CostModel | None:
     if saved:
         return cost_mod.CostModel.from_dict(json.loads(saved))
     choice = cfg.comm.cost_model
     if choice == "none":
         return None
     if choice == "measure":
-        return cost_mod.measure(ddp.process_group)
+        return cost_mod.measure(wrapped.group)
     return cost_mod.CostModel.load(choice)
 
 
-def _levels(runtime: Runtime | None) -> str | None:
+def _levels(runtime: Runtime | ShardedRuntime | None) -> str | None:
     """"NODESxLOCAL" when the hook reduces in two levels, else None (flat)."""
-    two = runtime.two_level if runtime is not None else None
+    two = getattr(runtime, "two_level", None)  # FSDP2's reduce-scatter is one level
     return f"{two.topology.nodes}x{two.topology.local_world}" if two is not None else None
+
+
+_COLLECTIVE = {"ddp": "all-reduce in DDP", "fsdp": "reduce-scatter in FSDP"}
+
+
+def _check_parallel(cfg: TrainConfig, shared: dict[str, Any]) -> None:
+    """A checkpoint resumes under the wrapper it was written under (its optimizer state is keyed by it)."""
+    saved = json.loads(shared.get("config") or "{}").get("parallel", "ddp")
+    if saved != cfg.parallel:
+        raise NfabError(f"the checkpoint was written under parallel={saved}; resume it with --parallel {saved}")
 
 
 def restart_history(run_dir: Path, shared: dict[str, Any], resumed: bool, start: int) -> list[dict[str, Any]]:
@@ -164,25 +178,28 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     spec = build_model(cfg.model.name, seed=cfg.seed, **cfg.model.options)
     module = spec.module.to(device)
     if shared:
+        _check_parallel(cfg, shared)
         checkpoint.check_model_state(shared["model"], module, run_dir / checkpoint.CHECKPOINT_DIR)
-        module.load_state_dict(shared["model"])
+        module.load_state_dict(shared["model"])  # the full state, before any sharding
+    signature = model_signature(module) if cfg.comm.profile else None
     train_data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
     test_data = build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)
     stream = BatchStream(train_data, batch_size=cfg.data.batch_size, rank=rank, world_size=world, seed=cfg.seed)
     eval_loader = make_eval_loader(test_data, batch_size=cfg.data.eval_batch_size, rank=rank, world_size=world)
-    _at("setup (DDP construction, cost-model measurement)")
-    ddp = DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                  bucket_cap_mb=cfg.comm.bucket_mb)
-    runtime: Runtime | None = None
+    _at(f"setup ({cfg.parallel.upper()} construction, cost-model measurement)")
+    wrapped = wrap(spec, cfg.parallel, device, cfg.comm.bucket_mb)
+    model = wrapped.model
+    runtime: Runtime | ShardedRuntime | None = None
     cost_json = shared.get("cost_model")
-    optimizer = build_optimizer(module, cfg.optim, spec.optimizer)  # before attach: nfab reads its family and state
+    # after wrapping (FSDP swaps in sharded parameters), before attach (nfab reads its family and state)
+    optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
     if not cfg.comm.fp32:
-        cm = _cost_model(cfg, ddp, cost_json)
+        cm = _cost_model(cfg, wrapped, cost_json)
         cost_json = cm.to_json() if cm is not None else None
         runtime = nfab.attach(
-            ddp, profile=cfg.comm.profile, route=cfg.comm.route, error_feedback=cfg.comm.error_feedback,
+            model, profile=cfg.comm.profile, route=cfg.comm.route, error_feedback=cfg.comm.error_feedback,
             total_steps=cfg.steps, cost_model=cm, seed=cfg.seed, head_modules=spec.head_modules,
-            model_signature=model_signature(module) if cfg.comm.profile else None,
+            model_signature=signature,
             qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer, hierarchy=cfg.comm.hierarchy,
             noise_moment=cfg.comm.noise_moment,
         )
@@ -192,17 +209,18 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     restarts = restart_history(run_dir, shared, cfg.resume or fault.restart_attempt() > 0, start)
     wall_before = float(shared.get("wall_time_s", 0.0))
     if shared:
-        optimizer.load_state_dict(shared["optimizer"])
+        wrapped.load_optimizer_state(optimizer, shared["optimizer"])
         scheduler.load_state_dict(shared["scheduler"])
         stream.load_state_dict(shared["data"])
         checkpoint.set_rng_state(own["rng"])
         if runtime is not None:
             runtime.load_state_dict(own["hook"])
-    plain_bytes = baseline_wire_bytes(module, world)
+    plain_bytes = wrapped.baseline_wire_bytes(world)
     identity = {
-        "model": spec.name, "dataset": cfg.data.name, "world_size": world, "route": route_label(cfg),
+        "model": spec.name, "dataset": cfg.data.name, "world_size": world, "parallel": cfg.parallel,
+        "route": route_label(cfg),
         "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb, "hierarchy": _levels(runtime),
-        "noise_moment": runtime is not None and runtime.moment is not None,  # comm.noise_moment as resolved
+        "noise_moment": getattr(runtime, "moment", None) is not None,  # comm.noise_moment as resolved
         "profile": {"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)} if cfg.comm.profile else None,
         "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
     }
@@ -211,8 +229,10 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         return wall_before + time.perf_counter() - session_start
 
     def save_checkpoint(step: int) -> None:
+        _at(f"step {step - 1}: checkpoint (model and optimizer state gathered to rank 0)")
+        model_state, optimizer_state = wrapped.model_state(), wrapped.optimizer_state(optimizer)
         state = {
-            "step": step, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
+            "step": step, "model": model_state, "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "rows": rows,
             "wall_time_s": wall(), "cost_model": cost_json, "config": cfg.to_json(), "restarts": restarts,
         } if master else None
@@ -225,8 +245,9 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     def write(complete: bool) -> None:
         if complete:
             _at("end of run (replica checksum all-gather)")
-            final["replicas_identical"] = replicas_identical(module, device)
-            if not final["replicas_identical"]:
+            # under FSDP each rank holds its own shard: no replicas to compare
+            final["replicas_identical"] = replicas_identical(module, device) if cfg.parallel == "ddp" else None
+            if final["replicas_identical"] is False:
                 log.warning("rank %d: the replicas' parameters differ at the end of the run", rank)
         if master:
             write_metrics(run_dir / METRICS_FILE, rows)
@@ -242,27 +263,27 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         write(complete=False)  # the restart is on record before the next checkpoint
 
     # ---- loop -------------------------------------------------------------------------
-    ddp.train()
+    model.train()
     try:
         for step in range(start, cfg.steps):
             fault.inject(faults, step, rank)
             factor = fault.loss_factor(faults, step, rank)
-            _at(f"step {step}: forward/backward (gradient all-reduce in DDP)")
+            _at(f"step {step}: forward/backward (gradient {_COLLECTIVE[cfg.parallel]})")
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
             loss_sum = 0.0
             for micro in range(cfg.accum_steps):
                 x, y = (t.to(device) for t in stream.next())
                 last = micro == cfg.accum_steps - 1
-                with contextlib.nullcontext() if last else ddp.no_sync():
-                    loss = loss_fn(spec.task, ddp(x), y)
+                with wrapped.sync(last):
+                    loss = loss_fn(spec.task, model(x), y)
                     if factor is not None:  # injected NaN / Inf / spike (NFAB_FAULT)
                         loss = loss * factor
                     loss_sum += float(loss.detach())
                     if runtime is not None and last:
                         runtime.observe_loss(loss_sum / cfg.accum_steps)
                     (loss / cfg.accum_steps).backward()
-            row = _step_row(runtime, step, lr, plain_bytes, module)
+            row = _step_row(runtime, step, lr, plain_bytes, wrapped, device)
             _at(f"step {step}: loss all-gather")
             row["loss"] = mean_loss(loss_sum / cfg.accum_steps, device)
             if cfg.optim.grad_clip is not None:
@@ -296,12 +317,11 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     return json.loads((run_dir / SUMMARY_FILE).read_text())
 
 
-def _step_row(runtime: Runtime | None, step: int, lr: float, plain_bytes: int, module: torch.nn.Module,
-              ) -> dict[str, Any]:
+def _step_row(runtime: Runtime | ShardedRuntime | None, step: int, lr: float, plain_bytes: int, wrapped: Wrapped,
+              device: torch.device) -> dict[str, Any]:
     """The metrics row of a step that just finished its backward (loss and times are filled by the caller)."""
     if runtime is None:
-        grads = [p.grad.detach().double().norm() ** 2 for p in module.parameters() if p.grad is not None]
-        norm = float(torch.stack(grads).sum().sqrt()) if grads else 0.0
+        norm = wrapped.grad_norm(device)
         # the reduced gradient is the same on every rank, so is this decision: skip, never step on NaN/Inf
         bad = not math.isfinite(norm)
         return make_row(step=step, phase="fp32", loss=float("nan"), lr=lr, grad_norm=norm,

@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import default_collate
 
 from nfab.config.optim import build_optimizer, lr_factor
 from nfab.config.pairing import check_pairing
 from nfab.data import SpecDataset, make_loader
 
-__all__ = ["BatchStream", "baseline_wire_bytes", "build_optimizer", "check_pairing", "loss_fn", "lr_factor"]
+__all__ = ["BatchStream", "build_optimizer", "check_pairing", "loss_fn", "lr_factor"]
 
 
 def loss_fn(task: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -58,9 +57,3 @@ class BatchStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.index, self._order = int(state["epoch"]), int(state["index"]), None
 
-
-def baseline_wire_bytes(module: nn.Module, world_size: int) -> int:
-    """Bytes one rank sends per step in plain DDP's ring all-reduce of all trainable gradients,
-    each in its own dtype (2 bytes per element for a bf16/fp16 model)."""
-    nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    return int(round(2 * (world_size - 1) / world_size * nbytes))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.errors import CapacityError
-from nfab.wire import codecs
+from nfab.wire import segments
 from nfab.wire.qsum.host import decode_table
 
 
@@ -227,7 +227,7 @@ class Reducer(ABC):
     # ---- shared scales (qsum) -----------------------------------------------------
     def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """This rank's candidate for the shared scale (reduced with MAX across ranks)."""
-        return codecs.segment_max_abs(x, lengths)
+        return segments.segment_max_abs(x, lengths)
 
     def agree_input(self, local: torch.Tensor) -> torch.Tensor:
         """What the agreement MAX all-reduces for `local_scale`'s values (the hook batches a
@@ -382,9 +382,9 @@ def finish_segments(unit: torch.Tensor, scales: torch.Tensor, lengths: Sequence[
     """Scale a decode's unit values per segment, in place or into per-segment destinations."""
     _, dests = split_out(out)
     if dests is not None:
-        codecs.scale_segments_into(unit, scales, lengths, dests)
+        segments.scale_segments_into(unit, scales, lengths, dests)
         return dests
-    return codecs.scale_segments_(unit, scales, lengths)
+    return segments.scale_segments_(unit, scales, lengths)
 
 
 def decode_scaled(containers, layout, numel, values, scales, lengths, out: Out = None) -> Any:

@@ -1,4 +1,7 @@
-"""NfabDDPStrategy on 2 real gloo ranks (CPU): the hook runs, its stats are logged, replicas stay identical."""
+"""NfabDDPStrategy (lightning.pytorch) on 2 real gloo ranks (CPU): the hook runs, stats are logged, replicas agree.
+
+The classic `pytorch_lightning` namespace: test_pytorch_lightning_dist.py.
+"""
 
 from __future__ import annotations
 

@@ -141,3 +141,16 @@ def test_model_signature_depends_on_names_and_shapes_only() -> None:
     assert len(sig) == 64 and int(sig, 16) >= 0
     assert sig == model_signature(b) == model_signature(meta)
     assert sig != model_signature(other)
+
+
+def test_user_model_under_the_working_directory_is_importable(tmp_path, monkeypatch):
+    """`nfab calibrate mymodels.net:build` from the folder that holds mymodels/, as `python -m` would find it."""
+    import sys
+
+    from nfab.models.registry import load_factory
+
+    (tmp_path / "cwdmodels_probe").mkdir()
+    (tmp_path / "cwdmodels_probe" / "__init__.py").write_text("def build():\n    return 'built'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_factory("cwdmodels_probe:build")() == "built"

@@ -1,4 +1,4 @@
-"""The non-finite check of FP32-only buckets and blockq's reference (`codecs.nonfinite_sum`), element-wise checked."""
+"""The non-finite check of FP32-only buckets and blockq's reference (`segments.nonfinite_sum`), element-wise checked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nfab.wire.codecs import nonfinite_sum
+from nfab.wire.segments import nonfinite_sum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -37,7 +37,8 @@ def gpt_profile(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("case", ["bad-yaml", "unknown-key", "unknown-option", "no-route", "missing-profile",
-                                  "other-model-profile", "bad-fault", "resume-nothing"])
+                                  "other-model-profile", "bad-fault", "resume-nothing",
+                                  "unknown-parallel"])
 def test_user_errors_are_one_line_exit_2_nothing_written(
     case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -53,6 +54,7 @@ def test_user_errors_are_one_line_exit_2_nothing_written(
         "other-model-profile": [*RESNET, "--profile", str(gpt_profile(tmp_path))],
         "bad-fault": [*RESNET, "--fp32"],
         "resume-nothing": [*RESNET, "--fp32", "--resume"],
+        "unknown-parallel": [*RESNET, "--fp32", "--parallel", "zero"],
     }[case]
     if case == "bad-fault":
         monkeypatch.setenv("NFAB_FAULT", "crash@rank=1")

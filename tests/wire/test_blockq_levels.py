@@ -17,8 +17,8 @@ import torch
 from nfab.calibrate.config import DEFAULT_ROUTES
 from nfab.profile.routes import parse_route
 from nfab.wire.blockq.reducer import BlockQSum, levels_route_name
-from nfab.wire.codecs import BLOCK_ROUTES
 from nfab.wire.registry import REDUCERS, candidates
+from nfab.wire.routes import BLOCK_ROUTES
 
 LENGTHS = [100, 64, 1, 835, 7]
 ORDERED = ["bq2", "bl5", "bl6", "bq3"]

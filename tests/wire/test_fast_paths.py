@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from nfab.wire import codecs
+from nfab.wire import segments
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum import lanes
 from nfab.wire.qsum.lanes import count_lane_bits, layout_for, pack, unpack
+from nfab.wire.sign import codec as sign_codec
 
 SIZES = [0, 1, 7, 8, 21, 22, 63, 1001]
 
@@ -40,20 +41,20 @@ def test_decode_table_matches_unpack_and_gather(world_size, numel):
 
 def test_sign_fast_paths_on_zeros_nan_and_strided_input():
     x = torch.tensor([0.0, -0.0, 1.5, -2.0, float("nan"), float("-inf"), 3.0] * 5)
-    assert torch.equal(codecs.sign_bits(x), x >= 0)  # -0.0 votes positive, NaN negative
+    assert torch.equal(sign_codec.sign_bits(x), x >= 0)  # -0.0 votes positive, NaN negative
     strided = torch.randn(2 * 1001)[::2]
-    assert torch.equal(codecs.sign_bits(strided), strided >= 0)
+    assert torch.equal(sign_codec.sign_bits(strided), strided >= 0)
     lengths = [400, 601]
-    scales = codecs.segment_mean_abs(strided, lengths)
+    scales = segments.segment_mean_abs(strided, lengths)
     expected = torch.stack([p.abs().mean() for p in torch.split(strided, lengths)])
     assert torch.allclose(scales, expected, rtol=1e-5)
     bits = strided >= 0
-    local = codecs.sign_values(bits, scales, lengths)
+    local = sign_codec.sign_values(bits, scales, lengths)
     ref = torch.where(bits, 1.0, -1.0) * torch.repeat_interleave(scales, torch.tensor(lengths))
     assert torch.equal(local, ref)
-    one = codecs.sign_values(bits, scales[:1], [1001])  # one segment: the scale rides in the table
+    one = sign_codec.sign_values(bits, scales[:1], [1001])  # one segment: the scale rides in the table
     assert torch.equal(one, torch.where(bits, 1.0, -1.0) * scales[0])
-    assert codecs.sign_values(torch.zeros(0, dtype=torch.bool), scales[:1], [0]).numel() == 0
+    assert sign_codec.sign_values(torch.zeros(0, dtype=torch.bool), scales[:1], [0]).numel() == 0
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 9])

@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nfab.wire import codecs, dispatch
+from nfab.wire import dispatch
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum import lanes
 from nfab.wire.qsum.lanes import count_lane_bits, layout_for
 from nfab.wire.registry import REDUCERS
+from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import host as sign_host
 
 pytestmark = pytest.mark.skipif(not dispatch.AVAILABLE, reason="numba not installed")
@@ -136,7 +137,7 @@ def test_majority_bit_rows_is_the_majority_table(world_size, start, numel, scale
         votes[:, start + 64 : start + 80] = 1
     rows = np.stack([np.packbits(v.numpy(), bitorder="little") for v in votes])
     with np.errstate(invalid="ignore"):
-        table = (codecs.vote_table(world_size, "majority").numpy() * np.float32(scale)).astype(np.float32)
+        table = (sign_codec.vote_table(world_size, "majority").numpy() * np.float32(scale)).astype(np.float32)
     expected = table[votes.long().sum(0).numpy()[start:]]
     out = np.full(numel, 7.0, dtype=np.float32)
     sign_host.majority_bit_rows(rows, start, numel, world_size, scale, out)
@@ -163,7 +164,7 @@ def test_sign_reducers_fast_equal_reference(lengths, world_size, seed):
             assert torch.equal(a.payload, b.payload)
             assert torch.allclose(a.scales, b.scales, rtol=1e-5)
         for x, a in zip(xs, fast, strict=True):
-            assert torch.equal(a.local, codecs.sign_values(x >= 0, a.scales, lengths))
+            assert torch.equal(a.local, sign_codec.sign_values(x >= 0, a.scales, lengths))
         reduced = red.combine([e.payload for e in fast])
         scales = torch.stack([e.scales for e in fast]).mean(0)
         got = red.decode(reduced.clone(), scales, n, lengths, world_size)

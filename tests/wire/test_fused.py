@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from nfab.wire import codecs
+from nfab.wire import segments
 from nfab.wire.qsum.lanes import layout_for, pack
 from nfab.wire.registry import REDUCERS, Encoded
+from nfab.wire.sign import codec as sign_codec
 
 SHAPES = [
     (1, [1]),
@@ -27,9 +28,9 @@ def test_sign_encode_local_is_lazy_and_exact(name, world_size, numel, lengths):
     assert enc._local is None  # nothing computed until asked for
     payload = enc.payload.clone()
     enc.payload.fill_(0)  # an in-place collective must not change this rank's own decode
-    assert torch.equal(enc.local, codecs.sign_values(x >= 0, enc.scales, lengths))
+    assert torch.equal(enc.local, sign_codec.sign_values(x >= 0, enc.scales, lengths))
     assert enc.local is enc.local
-    ref = codecs.segment_mean_abs(x, lengths)
+    ref = segments.segment_mean_abs(x, lengths)
     assert torch.allclose(enc.scales, ref, rtol=1e-5)
     layout = red.layout(world_size) if name == "signcount" else layout_for(1)
     assert torch.equal(payload, pack(x >= 0, layout))
@@ -44,7 +45,7 @@ def test_qsum_local_read_before_launch_is_exact(bits, world_size, numel, lengths
     red = REDUCERS[f"qsum-q{bits}"]
     g = torch.Generator().manual_seed(numel)
     x = torch.randn(numel, generator=g)
-    shared = codecs.segment_max_abs(x, lengths)
+    shared = segments.segment_max_abs(x, lengths)
     keys = torch.randint(-(1 << 63), (1 << 63) - 1, (len(lengths),), generator=g, dtype=torch.int64)
     enc = red.encode(x, lengths, world_size, shared, keys)
     local = enc.local
@@ -77,7 +78,7 @@ def test_signgather_decode_matches_counted_votes(vote, world_size, numel, length
     reduced = torch.cat([pack(v, layout_for(1)) for v in votes])
     scales = torch.rand(len(lengths), generator=g) + 0.5
     counts = torch.stack(votes).long().sum(0)
-    expected = codecs.vote_table(world_size, vote)[counts] * torch.repeat_interleave(scales, torch.tensor(lengths))
+    expected = sign_codec.vote_table(world_size, vote)[counts] * torch.repeat_interleave(scales, torch.tensor(lengths))
     got = red.decode(reduced, scales, numel, lengths, world_size)
     assert torch.equal(got, expected)
     out = torch.full((numel,), 7.0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from nfab.wire import codecs, dispatch, host_slices, noise
+from nfab.wire import dispatch, host_slices, noise, segments
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.registry import REDUCERS
 
@@ -60,7 +60,7 @@ def test_compiled_max_abs_equals_torch(lengths, dtype):
     want = torch.stack([p.abs().max().to(torch.float32) if p.numel() else torch.zeros(())
                         for p in torch.split(x, lengths)])
     assert torch.equal(got, want)
-    assert torch.equal(codecs.segment_max_abs(x, lengths), want)
+    assert torch.equal(segments.segment_max_abs(x, lengths), want)
 
 
 def test_max_abs_propagates_nan_and_inf():
@@ -98,7 +98,7 @@ def test_stochastic_rounding_is_unbiased_over_seeds():
     red = REDUCERS["qsum-q4"]
     w = 2
     x = torch.linspace(-1, 1, 257)
-    shared = codecs.segment_max_abs(x, [257])
+    shared = segments.segment_max_abs(x, [257])
     seeds = 400
     total = torch.zeros_like(x, dtype=torch.float64)
     for seed in range(seeds):

@@ -24,10 +24,10 @@ from nfab.runtime.core.encode import slices, views
 from nfab.runtime.core.handoff import Launch, Outcome, Sent
 from nfab.wire import dispatch
 from nfab.wire.blockq.reducer import BlockQSum
-from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.contract import write_into
 from nfab.wire.qsum.reducer import QSum
 from nfab.wire.registry import REDUCERS, mean_of_ranks
+from nfab.wire.segments import nonfinite_sum
 
 
 def finish_bucket(launch: Launch, world_size: int,

@@ -43,7 +43,6 @@ rank holds bit for bit.
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
 # against dist.GradBucket and torch.futures.Future at registration.
 import time
-from collections import deque
 from functools import partial
 from typing import Any
 
@@ -55,7 +54,7 @@ from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
 from nfab.runtime.control import health as health_mod
 from nfab.runtime.control import word as control
-from nfab.runtime.control.controller import BucketRoutes, Controller
+from nfab.runtime.control.controller import BucketRoutes
 from nfab.runtime.control.fidelity import RegionFidelity
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.control.optim import Preconditioner
@@ -67,17 +66,18 @@ from nfab.runtime.core.handoff import HOOK_PHASES, Encoded, Launch, Outcome
 from nfab.runtime.core.hierarchy import Hierarchy
 from nfab.runtime.core.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.core.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
+from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import allreduce_factor
 
 __all__ = ["AMAX_HISTORY", "HOOK_PHASES", "QSUM_SCALES", "Runtime", "nfab_hook"]
 
-HISTORY_STEPS = 4096
 
 
-class Runtime:
-    """nfab's hook state: routes, residuals, health, statistics. One per DDP model and rank."""
+class Runtime(RuntimeState):
+    """nfab's hook state: routes, residuals, health, statistics. One per DDP model and rank (the
+    front-end-neutral part, `observe_loss` and the step's health, is `RuntimeState`)."""
 
     def __init__(
         self,
@@ -94,16 +94,14 @@ class Runtime:
         coalesce: bool = True,
         hierarchy: Hierarchy | str | int | None = None,
     ) -> None:
-        self.scales = AmaxHistory(qsum_scale)
-        self.profile = profile
-        self.coalesce = coalesce  # send a bucket with a signgather group as one all-gather when cheaper
         self.group = getattr(ddp, "process_group", None)
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.error_feedback = error_feedback
         self.two_level = twolevel.setup(hierarchy, self.group)  # with a hierarchy, routes are decided at W = nodes
-        self.controller = Controller(profile, self.two_level.nodes if self.two_level else self.world_size, cost_model,
-                                     explicit=explicit, total_steps=total_steps)
+        super().__init__(profile, dist.get_world_size(self.group), dist.get_rank(self.group), explicit=explicit,
+                         cost_model=cost_model, total_steps=total_steps, seed=seed,
+                         route_world_size=self.two_level.nodes if self.two_level else None)
+        self.scales = AmaxHistory(qsum_scale)
+        self.coalesce = coalesce  # send a bucket with a signgather group as one all-gather when cheaper
+        self.error_feedback = error_feedback
         module = ddp.module
         self.bindings = classify(module, head_modules)
         self.names = {id(p): n for n, p in module.named_parameters()}
@@ -112,11 +110,6 @@ class Runtime:
         self.plans: dict[tuple[int, ...], BucketPlan] = {}
         self._gathered: dict[int, tuple[BucketRoutes, bool]] = {}  # the coalescing decision per routes
         self.residuals: dict[str, torch.Tensor] = {}
-        self.health = health_mod.HealthState()
-        self.seed = seed
-        self.step = 0
-        self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)  # bounded: a run of days must not grow
-        self.events: list[health_mod.HealthEvent] = []
         self.preconditioner: Preconditioner | None = None  # attach(optimizer=): probes compare where Adam acts
         self.moment: NoiseMoment | None = None  # attach(noise_moment=): rounding noise out of Adam's v
         # the step in progress: launches written by the hook, outcomes by the callbacks
@@ -131,7 +124,6 @@ class Runtime:
         self._pending: tuple[encode.Opened, torch.futures.Future] | None = None
         self._step_open = False
         self._saw_last = False
-        self._loss_local: torch.Tensor | float | None = None
         # this rank's last probe (plain cosine and its regions; per-region fidelity): the next first word carries it
         self._cosine_next: tuple[float, frozenset[str]] | None = None
         self._fidelity_next: dict[str, RegionFidelity] = {}
@@ -141,10 +133,6 @@ class Runtime:
         return self.scales.mode
 
     # ---- public ---------------------------------------------------------------------
-    def observe_loss(self, loss: torch.Tensor | float) -> None:
-        """Report this rank's loss; it rides with the next control word (stays on its device)."""
-        self._loss_local = loss.detach().reshape(()) if isinstance(loss, torch.Tensor) else float(loss)
-
     def step_stats(self) -> StepStats | None:
         """Statistics of the last finished step (call after backward; None before any)."""
         if self._step_open and self._saw_last:
@@ -155,21 +143,16 @@ class Runtime:
         """Everything needed to continue exactly: residuals, step and health (noise is seeded per step)."""
         self.step_stats()
         return {
-            "version": 1,
-            "step": self.step,
+            **self.base_state(),
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
-            "health": self.health.to_dict(),
             "amax": self.scales.state_dict(),
             # the last probe's values ride the next step's first word: a resumed run sends them too
             "carried_probe": carried_state(self._cosine_next, self._fidelity_next),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
-            raise ValueError(f"unsupported runtime state version {state.get('version')!r}")
-        self.step = int(state["step"])
+        self.load_base_state(state)
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
-        self.health = health_mod.HealthState.from_dict(state["health"])
         # absent in states saved before delayed scaling: those slices agree exactly once
         self.scales.load_state_dict(state.get("amax", {}))
         self._cosine_next, self._fidelity_next = load_carried(state.get("carried_probe"))
@@ -319,7 +302,7 @@ class Runtime:
         """The step's first word carries this rank's loss and the previous probe's cosine."""
         if not first:
             return control.StepValues()
-        loss, self._loss_local = self._loss_local, None  # consumed here: a step boundary must not drop it
+        loss = self.take_loss()  # consumed here: a step boundary must not drop it
         if isinstance(loss, float):
             loss = torch.full((), loss, dtype=torch.float32, device=device)
         return control.StepValues(loss, self._cosine_next[0] if self._cosine_next is not None else None)

@@ -50,10 +50,10 @@ import torch.distributed as dist
 from nfab.wire import dispatch, host_slices, noise
 from nfab.wire.blockq import radix
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.codecs import nonfinite_sum
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
+from nfab.wire.segments import nonfinite_sum
 
 try:
     from nfab.wire.blockq import kernels as blockkernels
@@ -64,9 +64,11 @@ DEFAULT_BLOCK = 64
 CODE_OFFSET = 160
 CODES_PER_OCTAVE = 4
 SCALES = torch.tensor(
-    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32
+    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32,
+    device="cpu",
 )
-"""The scale each uint8 code stands for (increasing; code 0 = all-zero block)."""
+"""The scale each uint8 code stands for (increasing; code 0 = all-zero block). On the CPU by name:
+made at import, it must not take the caller's default device (`torch.set_default_device`)."""
 LEVEL_BITS = (2, 3, 4, 8)
 """Bits of levels of the `bq<bits>` routes (2^bits levels), registered at every block size."""
 EXTRA_LEVELS = (5, 6)
@@ -243,11 +245,8 @@ class BlockQSum(Reducer):
         """Levels of `x` against the agreed block scales (`shared_scale`: uint8 codes, or the
         MAX-agreed fp32 block max, which maps to the same codes). `generator` is this rank's
         `noise.Stratum` (stratified rounding); plain generators round independently."""
-        assert shared_scale is not None, "block-scaled qsum needs the agreed block scales"
         lengths = list(lengths)
-        stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
-        compiled = _compiled(x, shared_scale) and x.dtype in host_slices.FLOAT_DTYPES
-        levels = (self._levels_compiled if compiled else self._levels)(x, lengths, shared_scale, stratum)
+        levels, compiled = self.round_levels(x, lengths, shared_scale, generator)
         payload = self.pack_levels(levels, world_size, compiled)
         m = self.steps
         unit = torch.arange(m + 1, dtype=torch.float32, device=x.device) * (2.0 / m) - 1.0
@@ -256,6 +255,15 @@ class BlockQSum(Reducer):
             return unit[levels.long()] * self.element_scales(shared_scale, lengths)
 
         return Encoded(payload, None, make_local=local)
+
+    def round_levels(self, x: torch.Tensor, lengths: Sequence[int], shared_scale: torch.Tensor | None,
+               generator: Any = None) -> tuple[torch.Tensor, bool]:
+        """`encode`'s stochastically rounded levels (uint8, one per element) before packing, and whether
+        the compiled host path made them (then pack them compiled too). FSDP2's rows pack them per row."""
+        assert shared_scale is not None, "block-scaled qsum needs the agreed block scales"
+        stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
+        compiled = _compiled(x, shared_scale) and x.dtype in host_slices.FLOAT_DTYPES
+        return (self._levels_compiled if compiled else self._levels)(x, list(lengths), shared_scale, stratum), compiled
 
     def pack_levels(self, levels: torch.Tensor, world_size: int, compiled: bool) -> torch.Tensor:
         """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`)."""

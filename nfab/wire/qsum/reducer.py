@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nfab.wire import codecs, dispatch, host_slices, noise
+from nfab.wire import dispatch, host_slices, noise, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -119,7 +119,7 @@ class QSum(Reducer):
             t = torch.div(x.to(torch.float32), safe.reshape(-1)[0])
         else:  # one division for all segments (a bucket's norms and biases are many small ones)
             t = torch.div(x.to(torch.float32),
-                          torch.repeat_interleave(safe, codecs.segment_counts(lengths, x.device),
+                          torch.repeat_interleave(safe, segments.segment_counts(lengths, x.device),
                                                   output_size=x.numel()))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
         t.add_(noise.uniform(keys, lengths))

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nfab.wire import codecs, dispatch, host_slices
+from nfab.wire import dispatch, host_slices, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -24,6 +24,7 @@ from nfab.wire.contract import (
     write_into,
 )
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
+from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import host as sign_host
 from nfab.wire.slices import Slices
 
@@ -47,7 +48,7 @@ class _SignReducer(Reducer):
     route = "sign"
 
     def __init__(self, vote: str = "majority") -> None:
-        codecs.vote_table(2, vote)  # validate early
+        sign_codec.vote_table(2, vote)  # validate early
         self.vote = vote
 
     def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int], layout: LaneLayout) -> Encoded:
@@ -61,9 +62,9 @@ class _SignReducer(Reducer):
         if n and sign_host.sign_supports(x):
             bits, sums = sign_host.sign_votes(x, lengths)
             return self._encoded(bits, sums, n, lengths, layout)
-        bits = codecs.sign_bits(x)
-        scales = codecs.segment_mean_abs(x, lengths)
-        return Encoded(pack(bits, layout), scales, make_local=lambda: codecs.sign_values(bits, scales, lengths))
+        bits = sign_codec.sign_bits(x)
+        scales = segments.segment_mean_abs(x, lengths)
+        return Encoded(pack(bits, layout), scales, make_local=lambda: sign_codec.sign_values(bits, scales, lengths))
 
     @staticmethod
     def _encoded(bits: np.ndarray, sums: np.ndarray, n: int, lengths: list[int], layout: LaneLayout) -> Encoded:
@@ -74,12 +75,12 @@ class _SignReducer(Reducer):
             bits = bits.copy()  # this rank's own decode never reads the payload (an in-place collective may write it)
         else:
             payload = sign_host.votes_to_lanes(bits, n, layout)
-        return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(bits, n, scales, lengths))
+        return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(bits, n, scales, lengths))
 
     def _vote_values(self, layout: LaneLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Vote per lane value, padded with 0 to the lane's range (sums above W never occur)."""
         table = torch.zeros(layout.max_value + 1, dtype=torch.float32, device=device)
-        table[: world_size + 1] = codecs.vote_table(world_size, self.vote, device)
+        table[: world_size + 1] = sign_codec.vote_table(world_size, self.vote, device)
         return table
 
     def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size, out=None):
@@ -89,7 +90,7 @@ class _SignReducer(Reducer):
                               scale_mean, lengths, out)
 
     def _decode_counts(self, counts, scale_mean, lengths, world_size, out: Out = None) -> Any:
-        table = codecs.vote_table(world_size, self.vote, counts.device)
+        table = sign_codec.vote_table(world_size, self.vote, counts.device)
         one, dests = split_out(out)
         res = table[counts.to(torch.int64)]
         assert scale_mean is not None
@@ -209,7 +210,7 @@ class SignGather(_SignReducer):
         res = torch.empty(numel, dtype=torch.float32, device="cpu") if one is None and dests is None else one
         targets = dests if dests is not None else None
         scales = scale_mean.reshape(-1)
-        vals = codecs.vote_table(world_size, self.vote, torch.device("cpu")).numpy()
+        vals = sign_codec.vote_table(world_size, self.vote, torch.device("cpu")).numpy()
         start = 0
         for i, (n, s) in enumerate(zip(lengths, scales.tolist(), strict=True)):
             dst = targets[i] if targets is not None else res[start : start + n]  # type: ignore[index]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import codecs, dispatch
+from nfab.wire import dispatch, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -40,6 +40,7 @@ from nfab.wire.contract import (
     write_into,
 )
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
+from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import host as sign_host
 from nfab.wire.sign.reducers import count_lane_capacity
 
@@ -111,13 +112,13 @@ class SignScatter(TwoPhaseReducer):
             scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1))
                                       .astype(np.float32))
             kept = bits.copy()
-            return Encoded(payload, scales, make_local=lambda: codecs.sign_values_packed(kept, n, scales, lengths))
+            return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(kept, n, scales, lengths))
         votes = torch.zeros(world_size * shard, dtype=torch.bool, device=x.device)
-        votes[:n] = codecs.sign_bits(x.reshape(-1))
+        votes[:n] = sign_codec.sign_bits(x.reshape(-1))
         payload = torch.cat([pack(v, lay) for v in votes.view(world_size, shard)])
-        scales = codecs.segment_mean_abs(x, lengths)
+        scales = segments.segment_mean_abs(x, lengths)
         own = votes[:n]
-        return Encoded(payload, scales, make_local=lambda: codecs.sign_values(own, scales, lengths))
+        return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(own, scales, lengths))
 
     # ---- the owner's step ---------------------------------------------------------------------
     def owner_step(self, counts_shard: torch.Tensor, world_size: int) -> torch.Tensor:

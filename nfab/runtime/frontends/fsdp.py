@@ -1,0 +1,474 @@
+"""nfab's FSDP2 front end: a `ReduceScatter` comm on every `fully_shard` module, over one runtime.
+
+FSDP2 reduces each param group's gradients with one reduce-scatter per module per step, calling
+`FSDPModule.set_custom_reduce_scatter`'s comm with the group's flat gradient viewed (W, C) and this
+rank's output shard (C,). Per call:
+
+1. route: the controller's groups over the module's row layout (`core/shards.py`): the same
+   regions, globs, phases and demotions as on DDP, a pure function of agreed state;
+2. a control word ([local |g|^2, loss]) is all-gathered, launched first (asynchronous);
+3. FP32 groups go through `reduce_scatter_tensor` with FSDP2's own op (the whole input when the
+   module is all FP32: exactly plain FSDP2's collective); lossy groups through the exact low-bit
+   reduce-scatters of `core/rowscatter.py`, each rank decoding only its own row;
+4. a non-finite |g|^2 on any rank zeroes the output on every rank (decided on the device from the
+   gathered word: no host read in the comm).
+
+The step boundary is the first reduce-scatter of a module that already reduced this step (FSDP2
+calls each module once per synced backward), or `step_stats()`: there the step's words are read
+to the host once and folded into statistics and health, so the next step's routes are host
+decisions made from values every rank holds bit for bit.
+
+Error feedback is not offered here: a residual per parameter would be a full-size unsharded
+gradient on every rank, what sharding was chosen to avoid. nfab keeps no per-rank copy of any
+gradient between calls; within a call it allocates at most the group's padded rows (one flat
+gradient of the group) plus their packed levels.
+
+Reading the layout needs FSDP2's parameter records (`FSDPParam`'s padded shard size and
+unsharded size): torch exposes no public accessor, so `group_entries` is the one place that
+reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from nfab.errors import NfabError
+from nfab.profile.schema import Profile
+from nfab.runtime.bindings import classify
+from nfab.runtime.control.controller import FP32, BucketRoutes, Group
+from nfab.runtime.core import rowscatter
+from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
+from nfab.runtime.state import RuntimeState
+from nfab.runtime.stats import StepStats
+from nfab.wire.blockq.scatter import BlockQScatter
+from nfab.wire.contract import all_gather_flat, allgather_factor, reduce_scatter_flat
+from nfab.wire.cost import CostModel
+from nfab.wire.registry import REDUCERS
+from nfab.wire.routes import BLOCK_ROUTES
+from nfab.wire.sign.scatter import SignScatter
+
+FSDP_ROUTES = ("fp32", "sign", *BLOCK_ROUTES)
+"""Routes the FSDP2 front end reduces as asked; q8/q4/q2 and bf16/fp16 go FP32 (fallback `fsdp`)."""
+
+
+def codec_for(route: str) -> BlockQScatter | SignScatter | None:
+    """The reduce-scatter codec of a route (None: FP32)."""
+    if route == "sign":
+        return REDUCERS["signscatter"]  # type: ignore[return-value]
+    if route in BLOCK_ROUTES:
+        return REDUCERS[f"blockqscatter-{route}"]  # type: ignore[return-value]
+    return None
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One reduce-scatter of a step, as the fold reads it."""
+
+    layout: ShardLayout
+    routes: BucketRoutes
+    word: torch.Tensor
+    """The gathered control words, (W, 2): each rank's [|g|^2, loss]."""
+    wire_bytes: float
+    baseline: float
+    collectives: int
+    elements: dict[str, int] = field(default_factory=dict)
+    fallbacks: tuple[tuple[str, str], ...] = ()
+    seconds: float = 0.0
+
+
+class ShardedRuntime(RuntimeState):
+    """nfab's state for an FSDP2 model on one rank: `observe_loss`, `step_stats`, `state_dict` as on DDP."""
+
+    def __init__(self, root: nn.Module, profile: Profile, *, explicit: bool, cost_model: CostModel | None,
+                 total_steps: int | None = None, seed: int = 0, head_modules: tuple[str, ...] | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(profile, dist.get_world_size(group), dist.get_rank(group), explicit=explicit,
+                         cost_model=cost_model, total_steps=total_steps, seed=seed)
+        self.group = group
+        self.regions = {n: b.region for n, b in classify(root, head_modules).items()}
+        self.param_index = {n: i for i, n in enumerate(self.regions)}
+        self.error_feedback = False
+        self.comms: list[NfabReduceScatter] = []
+        self._records: list[CallRecord] = []
+        self._reduced: set[int] = set()
+
+    # ---- public -------------------------------------------------------------------------
+    def step_stats(self) -> StepStats | None:
+        """Statistics of the last finished step (call after backward; None before any)."""
+        if self._records:
+            self._finish_step()
+        return self.history[-1] if self.history else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: the step (noise is seeded per step) and health.
+        Per rank: nothing here is a gradient, so every rank's state is the same few numbers."""
+        self.step_stats()
+        return self.base_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_base_state(state)
+
+    # ---- the comm -----------------------------------------------------------------------
+    def reduce_scatter(self, comm: NfabReduceScatter, output: torch.Tensor, inp: torch.Tensor,
+                       group: dist.ProcessGroup, op: Any) -> None:
+        """One module's reduce-scatter: `output` gets this rank's row of the op over the W ranks' `inp`."""
+        if id(comm) in self._reduced:  # a module reduces once per synced backward: a new step began
+            self._finish_step()
+        self._reduced.add(id(comm))
+        t0 = time.thread_time()
+        w, lay = self.world_size, comm.layout
+        if inp.numel() != lay.numel:
+            raise NfabError(f"FSDP2 reduce-scatter input of {inp.numel()} elements, layout of {lay.numel}: "
+                            "a parameter without a gradient changes the group's layout (unsupported)")
+        rows = inp.view(w, lay.chunk)
+        routes = self.controller.routes(comm.plan, self.controller.phase(self.step), self.health.demoted())
+        word, word_fut = self._launch_word(inp, group)
+        nbytes, collectives = allgather_factor(w) * 8.0, 1
+        elements: dict[str, int] = {}
+        fallbacks = list(routes.fallbacks)
+        real = lay.by_name()
+        for g in routes.groups:
+            label = REDUCERS[g.key].route  # sign, bq3, ...: the codec family, whichever DDP reducer won
+            codec = codec_for(label)
+            if g.key != FP32 and codec is None:
+                fallbacks.extend(("fsdp", s.region) for s in g.slices)
+                label = "fp32"
+            elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
+            if codec is None:
+                nbytes += self._plain(rows, output, g, group, op)
+            else:
+                res = self._lossy(codec, rows, output, g, group, op, comm)
+                nbytes += res.wire_bytes
+                collectives += res.collectives - 1
+            collectives += 1
+        word_fut.wait()
+        # a non-finite |g|^2 on any rank: zero the output everywhere (on the device, no host read)
+        output.masked_fill_(~torch.isfinite(word[:, 0].sum()), 0)
+        baseline = rowscatter.plain_bytes(lay.chunk, w, inp.element_size())
+        self._records.append(CallRecord(lay, routes, word, nbytes, baseline, collectives, elements,
+                                        tuple(sorted(set(fallbacks))), time.thread_time() - t0))
+
+    def _launch_word(self, inp: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
+        """All-gather this rank's [|g|^2 of the input, loss] (loss: NaN but in the step's first call)."""
+        sq = torch.linalg.vector_norm(inp, dtype=torch.float32).square()
+        loss = self.take_loss() if not self._records else None
+        if isinstance(loss, torch.Tensor):
+            loss_t = loss.to(device=inp.device, dtype=torch.float32).reshape(())
+        else:
+            loss_t = torch.full((), math.nan if loss is None else loss, dtype=torch.float32, device=inp.device)
+        mine = torch.stack([sq, loss_t])
+        word = torch.empty(self.world_size * 2, dtype=torch.float32, device=inp.device)
+        work = all_gather_flat(word, mine, group=group, async_op=True)
+        return word.view(self.world_size, 2), work
+
+    def _plain(self, rows: torch.Tensor, output: torch.Tensor, g: Group, group: dist.ProcessGroup,
+               op: Any) -> float:
+        """An FP32 group: `reduce_scatter_tensor` with FSDP2's own op (in place when it is the whole row)."""
+        w = self.world_size
+        if g.whole:
+            reduce_scatter_flat(output, rows.reshape(-1), op=op, group=group)
+            return rowscatter.plain_bytes(rows.shape[1], w, rows.element_size())
+        cols = [rows[:, s.offset : s.offset + s.numel] for s in g.slices]
+        part = torch.cat(cols, dim=1)
+        out = torch.empty(part.shape[1], dtype=part.dtype, device=part.device)
+        reduce_scatter_flat(out, part.reshape(-1), op=op, group=group)
+        _write_row(output, out, g)
+        return rowscatter.plain_bytes(part.shape[1], w, part.element_size())
+
+    def _lossy(self, codec: BlockQScatter | SignScatter, rows: torch.Tensor, output: torch.Tensor, g: Group,
+               group: dist.ProcessGroup, op: Any, comm: NfabReduceScatter) -> rowscatter.RowResult:
+        """A lossy group: the exact low-bit reduce-scatter of its rows (read where they lie when the group
+        is the whole chunk of a block route; else its columns copied), this rank's row written back,
+        scaled for FSDP2's op."""
+        w, numel = self.world_size, g.numel
+        names = tuple(s.name for s in g.slices)
+        # block routes pad only their levels; sign pads its rows to whole vote bytes
+        padded = numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, numel, w)
+        if g.whole and padded == rows.shape[1]:
+            x = rows  # read where it lies: no copy
+        else:
+            x = rows.new_zeros(w, padded)
+            pos = 0
+            for s in g.slices:
+                x[:, pos : pos + s.numel] = rows[:, s.offset : s.offset + s.numel]
+                pos += s.numel
+        segments = comm.segments(names, padded)
+        if isinstance(codec, BlockQScatter):
+            res = rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
+                                                  self.rank, group)
+        else:
+            res = rowscatter.sign_reduce_scatter(codec, x, segments, self.rank, group)
+        mean = res.mean[:numel]
+        factor = _op_factor(op, w, comm.divide_factor())
+        if factor != 1.0:
+            mean = mean * factor
+        _write_row(output, mean, g)
+        return res
+
+    def _seeds(self, comm: NfabReduceScatter, names: tuple[str, ...], padded: int) -> np.ndarray:
+        """One rounding-noise seed per segment of every row, from (seed, step, parameter, row, part):
+        the same on every rank (stratified rounding shifts by the rank), independent of the module."""
+        out = []
+        by_name = comm.layout.by_name()
+        for r in range(self.world_size):
+            total = 0
+            for name in names:
+                p = by_name[name]
+                real = p.real(r)
+                idx = self.param_index.get(name, -1)
+                out.extend(hash((self.seed, -1, self.step, idx, r, part)) & 0x7FFF_FFFF_FFFF
+                           for part, n in enumerate((real, p.shard_numel - real)) if n)
+                total += p.shard_numel
+            if padded > total:
+                out.append(hash((self.seed, -1, self.step, -1, r, 2)) & 0x7FFF_FFFF_FFFF)
+        return np.array(out, dtype=np.uint64)
+
+    def _finish_step(self) -> None:
+        """Fold the step's gathered words into statistics and health (one host read of them all)."""
+        if not self._records:
+            return
+        t0 = time.thread_time()
+        phase = self.controller.phase(self.step)
+        words = torch.stack([r.word for r in self._records]).cpu().numpy().astype(np.float64)  # (calls, W, 2)
+        per_rank_sq = words[:, :, 0].sum(axis=0)
+        skipped = not bool(np.isfinite(per_rank_sq).all())
+        first_loss = words[0, :, 1]
+        st = StepStats(self.step, phase.name)
+        st.wire_bytes = int(sum(r.wire_bytes for r in self._records))
+        st.baseline_wire_bytes = int(sum(r.baseline for r in self._records))
+        for r in self._records:
+            for k, v in r.elements.items():
+                st.route_elements[k] = st.route_elements.get(k, 0) + v
+        reasons = sorted({f"{why}({region})" for r in self._records for why, region in r.fallbacks})
+        st.fallback = bool(reasons) or skipped
+        st.fallback_reason = "; ".join(reasons)
+        st.skipped = skipped
+        st.grad_norm = 0.0 if skipped else float(math.sqrt(per_rank_sq.mean()))
+        st.loss = float(first_loss.mean()) if np.isfinite(first_loss).all() else None
+        st.buckets = len(self._records)
+        st.collectives = sum(r.collectives for r in self._records)
+        lossy = frozenset().union(*(self.controller.lossy_regions(r.layout.plan(), phase) for r in self._records))
+        events = self.observe_health(st, lossy)
+        st.events = [f"{e.kind}:{e.reason}:{','.join(e.regions)}" for e in events]
+        st.hook_phases = {"reduce_scatter": sum(r.seconds for r in self._records), "fold": time.thread_time() - t0}
+        st.hook_time_s = sum(st.hook_phases.values())
+        self.history.append(st)
+        self.step += 1
+        self._records, self._reduced = [], set()
+
+
+class NfabReduceScatter(ReduceScatter):
+    """The comm nfab installs on one FSDP2 module (`set_custom_reduce_scatter`)."""
+
+    def __init__(self, runtime: ShardedRuntime, layout: ShardLayout, param_group: Any) -> None:
+        self.runtime = runtime
+        self.layout = layout
+        self.plan = layout.plan()
+        self._param_group = param_group
+        self._segments: dict[tuple[tuple[str, ...], int], list[list[int]]] = {}
+
+    def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201 - FSDP2's signature
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN201
+        self.runtime.reduce_scatter(self, output_tensor, input_tensor, group, op)
+        return None
+
+    def divide_factor(self) -> float | None:
+        """FSDP2's gradient divide factor for this module (`set_gradient_divide_factor`), if set."""
+        return getattr(self._param_group, "gradient_divide_factor", None)
+
+    def segments(self, names: tuple[str, ...], padded: int) -> list[list[int]]:
+        """Every row's segment table for a group of parameters (cached: the layout is fixed)."""
+        key = (names, padded)
+        seg = self._segments.get(key)
+        if seg is None:
+            seg = self._segments[key] = [row_segments(self.layout, names, r, padded)
+                                         for r in range(self.layout.world_size)]
+        return seg
+
+
+def _write_row(output: torch.Tensor, values: torch.Tensor, g: Group) -> None:
+    """A group's part of this rank's row, written where its slices lie in the output."""
+    pos = 0
+    for s in g.slices:
+        output[s.offset : s.offset + s.numel].copy_(values[pos : pos + s.numel])
+        pos += s.numel
+
+
+def _op_factor(op: Any, world_size: int, divide_factor: float | None) -> float:
+    """What multiplies the decoded mean for FSDP2's op: 1 for AVG, W for SUM (divides done outside,
+    `set_force_sum_reduction_for_comms`), W / factor for PREMUL_SUM(1 / factor)."""
+    if op == dist.ReduceOp.AVG:
+        return 1.0
+    if op == dist.ReduceOp.SUM:
+        return float(world_size)
+    if op == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is not None and not callable(factor):
+            return world_size * float(factor)
+        if divide_factor is None:
+            raise NfabError("FSDP2 asked for PREMUL_SUM without a gradient divide factor")
+        return world_size / divide_factor
+    raise NfabError(f"FSDP2 reduce-scatter op {op} is not supported by nfab (AVG, SUM, PREMUL_SUM are)")
+
+
+def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
+    """Every `fully_shard` module under (and including) `root`."""
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+def group_entries(module: FSDPModule, names: dict[int, str],
+                  regions: dict[str, str]) -> tuple[Any, list[tuple[str, str, int, int]]] | None:
+    """The module's one param group and its (name, region, padded shard numel, numel) in reduce order;
+    None for a module without parameters of its own. Refused with one line: several param groups,
+    HSDP, a dim other than 0 sharded, a custom reduce-scatter already installed."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    state = module._get_fsdp_state()
+    groups = state._fsdp_param_groups
+    if not groups:
+        return None
+    if len(groups) > 1:
+        raise NfabError("nfab.attach: an FSDP2 module with several param groups (per-parameter meshes) "
+                        "has no single reduce-scatter to replace")
+    pg = groups[0]
+    if getattr(pg, "_is_hsdp", False):
+        raise NfabError("nfab.attach: HSDP's replicate all-reduce cannot be customised in FSDP2; shard on "
+                        "one mesh dimension")
+    if type(pg._reduce_scatter_comm) is not DefaultReduceScatter:
+        raise NfabError(f"nfab.attach: this FSDP2 module already has a custom reduce-scatter "
+                        f"({type(pg._reduce_scatter_comm).__name__}, e.g. symmetric memory): nfab would replace it")
+    entries = []
+    for fp in pg.fsdp_params:
+        if fp.fsdp_placement.dim != 0:
+            raise NfabError(f"nfab.attach: a parameter sharded on dim {fp.fsdp_placement.dim} "
+                            "(shard_placement_fn): nfab's FSDP2 layout needs dim-0 shards")
+        name = names.get(id(fp.sharded_param))
+        if name is None:
+            raise NfabError("nfab.attach: an FSDP2 parameter is not among the root module's parameters")
+        entries.append((name, regions.get(name, "other"), fp.padded_sharded_param_size.numel(),
+                        fp._orig_size.numel()))
+    return pg, entries
+
+
+def install(runtime: ShardedRuntime, root: nn.Module) -> list[NfabReduceScatter]:
+    """Derive every module's layout and install nfab's reduce-scatter on it (all checked first)."""
+    names = {id(p): n for n, p in root.named_parameters()}
+    found = []
+    for module in fsdp_modules(root):
+        got = group_entries(module, names, runtime.regions)
+        if got is not None:
+            found.append((module, *got))
+    comms = []
+    for module, pg, entries in found:
+        comm = NfabReduceScatter(runtime, build_layout(entries, runtime.world_size), pg)
+        module.set_custom_reduce_scatter(comm)
+        comms.append(comm)
+    runtime.comms = comms
+    return comms
+
+
+def shard_group(root: nn.Module) -> dist.ProcessGroup | None:
+    """The process group FSDP2 reduce-scatters over (the root's shard group)."""
+    assert isinstance(root, FSDPModule)
+    groups = root._get_fsdp_state()._fsdp_param_groups
+    if not groups:
+        mods = [m for m in fsdp_modules(root) if m._get_fsdp_state()._fsdp_param_groups]
+        if not mods:
+            raise NfabError("nfab.attach: this FSDP2 model has no sharded parameters")
+        groups = mods[0]._get_fsdp_state()._fsdp_param_groups
+    return groups[0].mesh_info.shard_process_group
+
+
+def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | str, hierarchy: object,
+                  noise_moment: bool | str) -> None:
+    """What the FSDP2 front end refuses, one line each: error feedback, a hierarchy, the noise-corrected
+    moment (asked for explicitly), an explicit route it cannot reduce as asked."""
+    if error_feedback is True:
+        raise NfabError("error_feedback=True is not offered on FSDP2: a residual per parameter would keep a "
+                        "full-size gradient on every rank")
+    if hierarchy not in (None, "flat"):
+        raise NfabError("hierarchy= is not offered on FSDP2: its reduce-scatter is one level")
+    if noise_moment is True:
+        raise NfabError("noise_moment=True is not offered on FSDP2 yet")
+    if explicit:
+        bad = sorted(r for r in profile.routes_used() if r not in FSDP_ROUTES)
+        if bad:
+            raise NfabError(f"route {', '.join(bad)} is not offered on FSDP2 (routes: {', '.join(FSDP_ROUTES)})")
+
+
+@dataclass(frozen=True, slots=True)
+class StepBytes:
+    """Reduce-scatter bytes one rank sends per step: nfab's, and plain FSDP2's in fp32 and bf16."""
+
+    nfab: float
+    fsdp_fp32: float
+    fsdp_bf16: float
+    route_elements: dict[str, int]
+
+
+def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: bool = True, step: int = 0,
+                    cost_model: CostModel | None = None) -> StepBytes:
+    """What a step of `profile` sends per rank over `layouts` (one per FSDP2 module, at their W), with
+    no process group (`nfab inspect --parallel fsdp`, on meta): the counts `ShardedRuntime` reports."""
+    from nfab.runtime.control.controller import Controller
+
+    if not layouts:
+        return StepBytes(0.0, 0.0, 0.0, {})
+    w = layouts[0].world_size
+    ctl = Controller(profile, w, cost_model, explicit=explicit)
+    phase = ctl.phase(step)
+    nbytes, fp32, bf16, elements = 0.0, 0.0, 0.0, {}
+    for lay in layouts:
+        nbytes += allgather_factor(w) * 8.0  # the control word
+        fp32 += rowscatter.plain_bytes(lay.chunk, w, 4)
+        bf16 += rowscatter.plain_bytes(lay.chunk, w, 2)
+        real = lay.by_name()
+        for g in ctl.routes(lay.plan(), phase, frozenset()).groups:
+            codec = codec_for(REDUCERS[g.key].route)
+            label = "fp32" if codec is None else codec.route
+            elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
+            if codec is None:
+                nbytes += rowscatter.plain_bytes(g.numel, w, 4)
+                continue
+            padded = g.numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, g.numel, w)
+            names = tuple(s.name for s in g.slices)
+            segments = [row_segments(lay, names, r, padded) for r in range(w)]
+            nbytes += rowscatter.lossy_bytes(codec, segments, w)
+    return StepBytes(nbytes, fp32, bf16, elements)
+
+
+def plan_layouts(root: nn.Module, units: list[nn.Module], world_size: int,
+                 head_modules: tuple[str, ...] | None = None) -> list[ShardLayout]:
+    """The layouts `fully_shard` on each of `units` and on `root` would give at `world_size`, without
+    sharding anything (a meta model at W = 512 is fine): each unit owns its parameters not owned by a
+    unit inside it, in `named_parameters` order, each padded to ceil(d0 / W) rows per rank."""
+    regions = {n: b.region for n, b in classify(root, head_modules).items()}
+    names = {id(p): n for n, p in root.named_parameters()}
+    owned: set[int] = set()
+    out = []
+    for unit in [*units, root]:  # inner units first: as FSDP2 assigns parameters
+        entries = []
+        for p in unit.parameters():
+            if id(p) in owned or not p.requires_grad:
+                continue
+            owned.add(id(p))
+            rows = p.shape[0] if p.dim() else 1
+            per_row = p.numel() // max(rows, 1)
+            shard_rows = -(-rows // world_size)
+            name = names[id(p)]
+            entries.append((name, regions.get(name, "other"), shard_rows * per_row, p.numel()))
+        if entries:
+            out.append(build_layout(entries, world_size))
+    return out

@@ -1,0 +1,75 @@
+"""The sign codec's torch reference: one vote per element (x >= 0), this rank's own decoded
+votes, and the table from a count of positive votes to the decoded value.
+
+Runs on any device; on the host (`nfab.wire.dispatch.on_host`) the votes and values go
+through numpy. The compiled CPU path (`nfab.wire.sign.host`) gives the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+
+import numpy as np
+import torch
+
+from nfab.wire import dispatch
+from nfab.wire.segments import scale_segments_
+
+
+def sign_bits(x: torch.Tensor) -> torch.Tensor:
+    """One vote per element: True where x >= 0 (a zero votes positive, as in signSGD).
+
+    -0.0 votes positive and NaN negative on every path (numpy's >= is IEEE like torch's).
+    """
+    if dispatch.on_host(x) and x.dtype == torch.float32:
+        out = np.empty(x.numel(), dtype=np.bool_)
+        np.greater_equal(x.reshape(-1).contiguous().numpy(), np.float32(0), out=out)
+        return torch.from_numpy(out).view(x.shape)
+    return x >= 0
+
+
+@cache
+def _unit_sign_table() -> np.ndarray:
+    """256 entries: 8 packed vote bits -> their 8 fp32 values (+1 / -1) as one void item."""
+    bits = (np.arange(256)[:, None] >> np.arange(8)[None, :]) & 1
+    return np.ascontiguousarray(np.where(bits == 1, 1.0, -1.0).astype(np.float32)).view("V32").reshape(-1)
+
+
+def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """This rank's own decoded contribution: +scale where the vote is positive, else -scale."""
+    n = bits.numel()
+    if dispatch.on_host(bits) and n:
+        packed = np.packbits(bits.reshape(-1).contiguous().numpy(), bitorder="little")
+        return sign_values_packed(packed, n, scales, lengths)
+    local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)
+    return scale_segments_(local, scales, lengths)
+
+
+def sign_values_packed(packed: np.ndarray, n: int, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """`sign_values` from votes packed 1 bit per element (little-endian bit order), on CPU
+    only (the CPU encoders' path: it reads the scale on the host)."""
+    lengths = list(lengths)
+    out = np.empty(packed.size * 8, dtype=np.float32)
+    table = _unit_sign_table()
+    if len(lengths) == 1:  # fold the one scale into the table: fl(+-1 * s) either way
+        table = (table.view(np.float32) * scales.reshape(-1)[0].item()).astype(np.float32).view("V32")
+        np.take(table, packed, mode="clip", out=out.view("V32"))
+        return torch.from_numpy(out)[:n]
+    np.take(table, packed, mode="clip", out=out.view("V32"))
+    return scale_segments_(torch.from_numpy(out)[:n], scales, lengths)
+
+
+def vote_table(world_size: int, vote: str, device: torch.device | None = None) -> torch.Tensor:
+    """Decode table from a positive count c in [0, W] to a vote value.
+
+    `majority`: sign(2c - W), a tie (even W, c = W/2) decodes to 0.
+    `mean`: (2c - W) / W, the average of the ranks' +-1 votes.
+    """
+    c = torch.arange(world_size + 1, dtype=torch.float32, device=device)
+    diff = 2 * c - world_size
+    if vote == "majority":
+        return torch.sign(diff)
+    if vote == "mean":
+        return diff / world_size
+    raise ValueError(f"unknown vote {vote!r}: use 'majority' or 'mean'")

@@ -1,0 +1,116 @@
+"""A tiny FSDP2 model and a user's loop for the FSDP2 front end's tests (importable by forked ranks)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import nfab
+from nfab.runtime.frontends.fsdp import NfabReduceScatter
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class Tiny(nn.Module):
+    """Two blocks, an embedding-like input layer and a head: 5 FSDP2 param groups' worth of regions."""
+
+    def __init__(self, d: int = 24, classes: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, d)
+        self.blocks = nn.ModuleList([Block(d), Block(d)])
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def shard(model: Tiny, reduce_dtype: torch.dtype | None = None) -> Tiny:
+    """`fully_shard` per block and on the root, as torchtitan does."""
+    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype) if reduce_dtype is not None else MixedPrecisionPolicy()
+    for b in model.blocks:
+        fully_shard(b, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def batch(rank: int, step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, 7, generator=g)
+    y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+    return x, y
+
+
+def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 1, clip: float | None = 1.0,
+          reduce_dtype: torch.dtype | None = None, resume_at: int | None = None, inf_step: int | None = None,
+          meta: bool = False) -> dict:
+    """A user's FSDP2 loop: accumulation via set_requires_gradient_sync, clipping, AdamW. With
+    `resume_at`, everything (model shards, optimizer, nfab) is saved there and a fresh copy continues;
+    at `inf_step` rank 0's loss is infinite; `meta`: nfab's comms run with the meta device as default."""
+    def build() -> tuple[Tiny, torch.optim.Optimizer, object]:
+        torch.manual_seed(0)
+        model = shard(Tiny(), reduce_dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        rt = nfab.attach(model, route=route, optimizer=opt, cost_model=None) if route is not None else None
+        for comm in rt.comms if meta and rt is not None else ():
+            comm.__class__ = MetaDefaultComm
+        return model, opt, rt
+
+    model, opt, rt = build()
+    losses, stats = [], []
+    for step in range(steps):
+        if resume_at is not None and step == resume_at:
+            saved = ({k: v.to_local().clone() for k, v in model.state_dict().items()},
+                     _clone(opt.state_dict()), rt.state_dict() if rt is not None else None)
+            model, opt, rt = build()
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    v.to_local().copy_(saved[0][k])
+            opt.load_state_dict(saved[1])
+            if rt is not None:
+                rt.load_state_dict(saved[2])
+        opt.zero_grad()
+        for micro in range(accumulate):
+            model.set_requires_gradient_sync(micro == accumulate - 1)
+            x, y = batch(rank, step * accumulate + micro)
+            loss = nn.functional.cross_entropy(model(x), y) / accumulate
+            if step == inf_step and rank == 0:
+                loss = loss * float("inf")
+            if rt is not None and micro == accumulate - 1:
+                rt.observe_loss(loss)
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+        assert all(p.grad is None or bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
+        if rt is not None:
+            stats.append(rt.step_stats())
+    params = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    return {"losses": losses, "params": params, "stats": stats}
+
+
+class MetaDefaultComm(NfabReduceScatter):
+    """nfab's comm run with the meta device as the default: an allocation that does not name the
+    gradient's device fails (as a default-device allocation would on CUDA)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001, ANN201
+        with torch.device("meta"):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def _clone(obj):  # noqa: ANN001, ANN202 - an optimizer state dict, deep-copied (DTensors included)
+    import copy
+
+    return copy.deepcopy(obj)

@@ -1,0 +1,110 @@
+"""FSDP2 front end's control on real gloo ranks: resume, a non-finite step, the meta-device habit,
+bf16 reduce, and what attach refuses."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fsdpmodels  # noqa: E402
+
+import nfab  # noqa: E402
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.errors import NfabError  # noqa: E402
+
+
+def _run(rank: int, world_size: int, route, steps: int, kwargs: dict) -> dict:
+    return fsdpmodels.train(rank, steps, route, **kwargs)
+
+
+def _rows(stats) -> list:
+    return [(s.step, s.route_mix, s.skipped, s.loss, s.grad_norm, s.wire_bytes, s.fallback_reason, s.events)
+            for s in stats]
+
+
+@pytest.mark.world_size(2)
+def test_resume_equals_uninterrupted_and_meta_default_device_gives_the_same_bits():
+    """Saved at step 3 (model shards, AdamW, nfab's state) and continued by a fresh copy: the same
+    shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device."""
+    whole = run_ranks(_run, 2, "bq3", 6, {})
+    resumed = run_ranks(_run, 2, "bq3", 6, {"resume_at": 3})
+    meta = run_ranks(_run, 2, "bq3", 6, {"meta": True})
+    for r in range(2):
+        assert torch.equal(whole[r]["params"], resumed[r]["params"])
+        assert torch.equal(whole[r]["params"], meta[r]["params"])
+        assert whole[r]["losses"] == resumed[r]["losses"]
+    assert _rows(whole[0]["stats"][3:]) == _rows(resumed[0]["stats"][3:])
+
+
+@pytest.mark.world_size(2)
+def test_nonfinite_step_is_skipped_and_demoted_on_every_rank():
+    """Rank 0's loss is infinite at step 2: every rank zeroes that step's gradients (the loop checks
+    they stay finite), reports it skipped, and demotes the lossy regions alike (agreed words)."""
+    out = run_ranks(_run, 2, "bq3", 5, {"inf_step": 2})
+    rows = [_rows(o["stats"]) for o in out]
+    assert rows[0] == rows[1]
+    st = out[0]["stats"]
+    assert [s.skipped for s in st] == [False, False, True, False, False]
+    assert st[3].route_mix == {"fp32": 1.0} and "health" in st[3].fallback_reason
+    assert all(torch.isfinite(o["params"]).all() for o in out)
+
+
+@pytest.mark.world_size(2)
+def test_bf16_reduce_dtype():
+    """MixedPrecisionPolicy(reduce_dtype=bf16): route fp32 is FSDP2's own bf16 reduce-scatter (the same
+    shards), its baseline counts 2 bytes per element, and bq3 reduces the bf16 input."""
+    kw = {"reduce_dtype": torch.bfloat16}
+    plain = run_ranks(_run, 2, None, 3, kw)
+    fp32 = run_ranks(_run, 2, "fp32", 3, kw)
+    bq3 = run_ranks(_run, 2, "bq3", 3, kw)
+    assert torch.equal(plain[0]["params"], fp32[0]["params"])
+    st = fp32[0]["stats"][-1]
+    assert st.baseline_wire_bytes == st.wire_bytes - 3 * 8  # the three modules' control words aside
+    layout_elements = sum(c for c in bq3[0]["stats"][-1].route_elements.values())
+    assert st.baseline_wire_bytes < 4 * layout_elements  # 2 bytes each (+ FSDP2's padding), not 4
+    assert bq3[0]["stats"][-1].route_mix == {"bq3": 1.0} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
+
+
+def _refusals(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    msgs = []
+
+    def refused(fn) -> None:  # noqa: ANN001
+        try:
+            fn()
+        except NfabError as e:
+            msgs.append(str(e))
+        else:
+            msgs.append("accepted")
+
+    model = fsdpmodels.shard(fsdpmodels.Tiny())
+    refused(lambda: nfab.attach(model, route="q8", cost_model=None))
+    refused(lambda: nfab.attach(model, route="bq3", error_feedback=True, cost_model=None))
+    refused(lambda: nfab.attach(model, route="bq3", hierarchy=2, cost_model=None))
+    refused(lambda: nfab.attach(model, cost_model=None))
+    refused(lambda: nfab.attach(nn.Linear(3, 3), route="bq3", cost_model=None))
+
+    class Custom(DefaultReduceScatter):
+        pass
+
+    model.blocks[0].set_custom_reduce_scatter(Custom())
+    refused(lambda: nfab.attach(model, route="bq3", cost_model=None))
+    return msgs
+
+
+@pytest.mark.world_size(2)
+def test_attach_refuses_what_fsdp2_cannot_do_with_one_line():
+    msgs = run_ranks(_refusals, 2)[0]
+    assert "route q8 is not offered on FSDP2" in msgs[0]
+    assert "error_feedback=True is not offered on FSDP2" in msgs[1]
+    assert "hierarchy= is not offered on FSDP2" in msgs[2]
+    assert msgs[3] == "give exactly one of profile= or route="
+    assert "DistributedDataParallel model or an FSDP2 model" in msgs[4]
+    assert "already has a custom reduce-scatter (Custom" in msgs[5]
+    assert all("\n" not in m for m in msgs)

@@ -1,0 +1,131 @@
+"""FSDP2 front end: nfab's reduce-scatter against independent computations from all ranks' inputs.
+
+Each module's comm is called on real gloo ranks with random inputs laid out as FSDP2 lays out a
+param group (padding zero); the reference gathers every rank's input and computes the mean of each
+rank's row another way: block routes by `BlockQSum`'s replay (the all-reduce arithmetic, the same
+stratified keys), sign by a majority count in torch, FP32 slices by plain `reduce_scatter_tensor`
+of the same input (bit for bit).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import fsdpmodels  # noqa: E402
+
+import nfab  # noqa: E402
+from nfab.distributed import run_ranks  # noqa: E402
+from nfab.profile.schema import Profile  # noqa: E402
+from nfab.runtime.core import rowscatter  # noqa: E402
+from nfab.runtime.frontends.fsdp import codec_for, plan_layouts, step_wire_bytes  # noqa: E402
+from nfab.wire import noise  # noqa: E402
+from nfab.wire.blockq.scatter import BlockQScatter  # noqa: E402
+from nfab.wire.contract import reduce_scatter_flat  # noqa: E402
+from nfab.wire.registry import REDUCERS  # noqa: E402
+
+MIXED = {"blocks.0.fc.*": "bq3", "head.*": "sign", "bias": "bq2"}  # the rest (norms, inp.weight) fp32
+
+
+def _input(layout, rank: int, step: int) -> torch.Tensor:
+    """Random gradients where FSDP2 puts real elements, zeros in its padding."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.zeros(layout.world_size, layout.chunk)
+    for p in layout.params:
+        for r in range(layout.world_size):
+            n = p.real(r)
+            x[r, p.offset : p.offset + n] = torch.randn(n, generator=g) * (1 + p.offset % 3)
+    return x.reshape(-1)
+
+
+def _reference(rt, comm, group_slices, key: str, xs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """This rank's row of the group's mean, from all ranks' inputs, computed without the comm's path."""
+    w, lay = rt.world_size, comm.layout
+    codec = codec_for(REDUCERS[key].route)
+    numel = sum(s.numel for s in group_slices)
+    padded = numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, numel, w)
+    rows = []
+    for x in xs:
+        r = torch.zeros(w, padded)
+        r[:, :numel] = torch.cat([x.view(w, lay.chunk)[:, s.offset : s.offset + s.numel] for s in group_slices], 1)
+        rows.append(r)
+    names = tuple(s.name for s in group_slices)
+    segments = comm.segments(names, padded)
+    lengths = [n for seg in segments for n in seg]
+    if isinstance(codec, BlockQScatter):
+        keys = noise.seeded_keys(rt._seeds(comm, names, padded))
+        plain = REDUCERS[f"blockq-{codec.route}"]  # the all-reduce reducer's replay
+        mean = plain.replay_mean([r.reshape(-1) for r in rows], lengths, noise.stratified(keys, w))
+        return mean.view(w, padded)[rank, :numel]
+    stacked = torch.stack([r[rank] for r in rows])  # (W ranks, padded): every rank's copy of my row
+    positive = (stacked >= 0).sum(0)
+    unit = torch.where(positive * 2 > w, 1.0, torch.where(positive * 2 < w, -1.0, 0.0))
+    seg = segments[rank]
+    scale = torch.zeros(len(seg))
+    for r in rows:
+        scale += torch.stack([p.abs().mean() for p in r[rank].split(seg)])
+    scale /= w
+    return (unit * torch.repeat_interleave(scale, torch.tensor(seg)))[:numel]
+
+
+def _exact(rank: int, world_size: int, route, op_name: str) -> list[str]:
+    torch.manual_seed(0)
+    model = fsdpmodels.shard(fsdpmodels.Tiny())
+    rt = nfab.attach(model, route=route, cost_model=None)
+    op = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}[op_name]
+    factor = 1.0 if op_name == "avg" else float(world_size)
+    checked = []
+    for step in range(2):
+        for comm in rt.comms:
+            lay = comm.layout
+            x = _input(lay, rank, step)
+            xs = [torch.empty_like(x) for _ in range(world_size)]
+            dist.all_gather(xs, x)
+            out = torch.empty(lay.chunk)
+            routes = rt.controller.routes(comm.plan, rt.controller.phase(rt.step), rt.health.demoted())
+            rt.reduce_scatter(comm, out, x.clone(), dist.group.WORLD, op)
+            plain = torch.empty(lay.chunk)
+            reduce_scatter_flat(plain, x.clone(), op=op, group=dist.group.WORLD)
+            for g in routes.groups:
+                got = torch.cat([out[s.offset : s.offset + s.numel] for s in g.slices])
+                if g.key == "allreduce-fp32":
+                    want = torch.cat([plain[s.offset : s.offset + s.numel] for s in g.slices])
+                else:
+                    want = _reference(rt, comm, g.slices, g.key, xs, rank) * factor
+                if g.key.startswith("sign"):  # the votes exactly; the scale's float sum in another order
+                    assert torch.equal(torch.sign(got), torch.sign(want)), g.key
+                    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+                else:
+                    assert torch.equal(got, want), (g.key, (got - want).abs().max())
+                checked.append(g.key)
+        st = rt.step_stats()
+        # what inspect counts without a process group is what the runtime sent
+        counted = step_wire_bytes([c.layout for c in rt.comms], Profile.static(route))
+        assert int(counted.nfab) == st.wire_bytes, (counted, st.wire_bytes)
+        assert counted.route_elements == st.route_elements
+    bare = fsdpmodels.Tiny()
+    planned = plan_layouts(bare, list(bare.blocks), world_size)
+    assert sorted(planned, key=str) == sorted((c.layout for c in rt.comms), key=str)
+    return checked
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(("route", "op"), [("bq3", "avg"), ("sign", "sum"), (MIXED, "avg")])
+def test_reduce_scatter_matches_independent_reference(route, op):
+    checked = run_ranks(_exact, 2, route, op)
+    assert checked[0] == checked[1] and checked[0]
+    keys = set(checked[0])
+    if isinstance(route, dict):
+        assert {"allreduce-fp32"} < keys and any(k.startswith("blockq") for k in keys), keys
+        assert any(k.startswith("sign") for k in keys), keys
+
+
+@pytest.mark.world_size(4)
+def test_reduce_scatter_exact_at_four_ranks():
+    checked = run_ranks(_exact, 4, MIXED, "avg")
+    assert all(c == checked[0] for c in checked)
