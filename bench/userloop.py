@@ -65,8 +65,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfab.bench.step import bf16_hook
 from nfab.bench.studyspec import NOISE_MOMENT, ROUTE_EF_VARIANT, ROUTE_VARIANT, SETTINGS, VARIANTS, RunResult, Setting
+from nfab.bench.variants import bf16_hook
 from nfab.data import build_dataset, make_loader
 from nfab.data.loader import make_eval_loader
 from nfab.errors import NfabError

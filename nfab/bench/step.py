@@ -38,12 +38,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
 from nfab.bench import linkbytes, netns, nodes
+from nfab.bench.variants import (  # noqa: F401 - re-exported: fsdpstep and the CLIs read them here
+    POWERSGD_BUCKET_MB,
+    POWERSGD_START,
+    ROUTE_VARIANT,
+    attach_comm,
+    bf16_hook,
+    ddp_for,
+    no_comm_hook,
+    on_bench_model,
+    test_profile,
+)
 from nfab.data import build_dataset, make_loader
 from nfab.distributed import run_ranks
 from nfab.errors import ConfigError
@@ -69,10 +78,6 @@ VARIANTS: dict[str, str] = {
 """Variant name -> what it runs."""
 STEP_VARIANTS: tuple[str, ...] = ("plain", "floor", "bf16", "fp16", "powersgd", "nfab-sign", "nfab-profile")
 DEFAULT_PROFILE = Path("calibrations/resnet18/profile.json")
-POWERSGD_BUCKET_MB = 1000.0
-"""PowerSGD's single bucket on gloo."""
-POWERSGD_START = 2
-"""Steps PowerSGD all-reduces uncompressed before it compresses (torch's `start_powerSGD_iter`)."""
 
 
 FSDP_VARIANTS: dict[str, str] = {
@@ -87,8 +92,6 @@ FSDP_VARIANTS: dict[str, str] = {
 FSDP_STEP_VARIANTS: tuple[str, ...] = ("plain", "bf16", "floor", "nfab-profile")
 PARALLEL = ("ddp", "fsdp")
 
-ROUTE_VARIANT = "nfab:"
-"""Prefix of a variant that runs nfab with a static route (`nfab:q8`, `nfab:sign`)."""
 COST_MODELS = ("measure", "none")
 
 
@@ -97,11 +100,6 @@ def describe(variant: str, parallel: str = "ddp") -> str:
     if variant.startswith(ROUTE_VARIANT):
         return f"nfab, static route {variant.removeprefix(ROUTE_VARIANT)}"
     return (FSDP_VARIANTS if parallel == "fsdp" else VARIANTS)[variant]
-
-
-def test_profile() -> Profile:
-    """A stand-in profile when none is calibrated: sign on conv/linear/head, fp32 elsewhere."""
-    return Profile.static({"conv": "sign", "linear": "sign", "head": "sign"}, model_name="resnet18")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,20 +197,6 @@ class BenchConfig:
 
 
 # ---- variants -----------------------------------------------------------------------
-def no_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The no-communication floor: a completed future of the unchanged bucket."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-def bf16_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's `bf16_compress_hook` itself, under another name: DDP refuses that name unless
-    CUDA with NCCL >= 2.10 is present, though the hook (cast to bf16, all-reduce, divide, cast
-    back) runs on gloo and CPU as well."""
-    return default_hooks.bf16_compress_hook(state, bucket)  # type: ignore[arg-type]
-
-
 @dataclass(slots=True)
 class Run:
     """One variant's model, optimizer and hook state on this rank."""
@@ -229,51 +213,6 @@ class Run:
     loss: float = float("nan")
     link_bytes: int = 0
     """Bytes this node sent on the shaped link during the timed steps (node's first rank only)."""
-
-
-def ddp_for(name: str, module: torch.nn.Module, nfab_bucket_mb: float) -> DDP:
-    """`module` (not copied) in DDP with variant `name`'s bucket cap (one bucket for PowerSGD)."""
-    if name == "powersgd":
-        return DDP(module, bucket_cap_mb=POWERSGD_BUCKET_MB)
-    if name.startswith("nfab-"):
-        return DDP(module, bucket_cap_mb=nfab_bucket_mb)
-    return DDP(module)
-
-
-def attach_comm(name: str, ddp: DDP, *, total_steps: int, seed: int, cost_model: str,
-                profile: dict[str, Any] | None, powersgd_rank: int = 2, powersgd_start: int = POWERSGD_START,
-                optimizer: torch.optim.Optimizer | None = None, head_modules: tuple[str, ...] | None = None,
-                ) -> tuple[Any, Any]:
-    """Register variant `name`'s communication on `ddp`: (nfab Runtime or None, torch hook state or None).
-
-    Shared by `nfab bench step` and `nfab bench tta`, so both compare the same variants.
-    `optimizer` and `head_modules` reach nfab's attach (it reads the optimizer's family).
-    """
-    cm = "measure" if cost_model == "measure" else None
-    nfab_kw: dict[str, Any] = {"total_steps": total_steps, "seed": seed, "cost_model": cm,
-                               "optimizer": optimizer, "head_modules": head_modules}
-    if name == "floor":
-        ddp.register_comm_hook(None, no_comm_hook)
-    elif name == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name == "bf16":
-        ddp.register_comm_hook(None, bf16_hook)
-    elif name == "allreduce-hook":
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif name == "powersgd":
-        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                   start_powerSGD_iter=powersgd_start)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        return None, state
-    elif name == "nfab-sign-2level":  # nodes from torchrun's LOCAL_WORLD_SIZE (W / --nodes per node)
-        return nfab.attach(ddp, route="sign", hierarchy="auto", **nfab_kw), None
-    elif name in ("nfab-fp32", "nfab-sign") or name.startswith(ROUTE_VARIANT):
-        route = name.removeprefix(ROUTE_VARIANT).removeprefix("nfab-")
-        return nfab.attach(ddp, route=route, **nfab_kw), None
-    elif name == "nfab-profile":
-        prof = Profile.from_dict(profile) if profile is not None else test_profile()
-        return nfab.attach(ddp, prof, **nfab_kw), None
-    return None, None
 
 
 def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
@@ -530,13 +469,3 @@ def load_profile_dict(path: str | Path | None) -> tuple[dict[str, Any] | None, s
     if path is None:
         return None, "test profile (conv/linear/head sign)"
     return Profile.load(path).to_dict(), str(path)
-
-
-def on_bench_model(prof: dict[str, Any] | None, source: str) -> tuple[dict[str, Any] | None, str]:
-    """A profile whose routes a bench applies to its own model (another width or input than it
-    was calibrated on): the parameter layout differs by design, so attach must not refuse it."""
-    if prof is not None and prof["model"].get("signature"):
-        prof = {**prof, "model": {**prof["model"], "signature": None}}
-        source += " (routes on the bench's model)"
-    return prof, source
-

@@ -26,7 +26,7 @@ ring all-reduce, PowerSGD's P/Q all-reduces after its uncompressed start, nfab's
 probes and control words); on a shaped link `link_bytes` adds what the link's tx counter saw.
 """
 
-# No `from __future__ import annotations`: the hooks step.attach_comm registers are checked by DDP.
+# No `from __future__ import annotations`: the hooks `attach_comm` registers are checked by DDP.
 import copy
 import sys
 from dataclasses import asdict, dataclass, field
@@ -38,6 +38,7 @@ import torch.distributed as dist
 import nfab
 from nfab.bench import linkbytes, netns
 from nfab.bench import step as step_mod
+from nfab.bench.variants import POWERSGD_START, attach_comm, ddp_for
 from nfab.config.shipped import resolve_config
 from nfab.data import build_dataset, make_eval_loader
 from nfab.distributed import run_ranks
@@ -45,7 +46,7 @@ from nfab.errors import ConfigError
 from nfab.models import build_model
 from nfab.train.config import NFAB_BUCKET_MB, TrainConfig, load_config
 from nfab.train.loop import evaluate
-from nfab.train.setup import BatchStream, baseline_wire_bytes, build_optimizer, lr_factor
+from nfab.train.setup import BatchStream, build_optimizer, lr_factor
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
 
 TTA_VARIANTS: tuple[str, ...] = ("fp32", "bf16", "powersgd", "nfab-profile")
@@ -86,10 +87,10 @@ class TtaConfig:
     cost_model: str = "measure"
     """nfab's cost model: `measure` (at attach) or `none`."""
     profile: dict[str, Any] | None = None
-    """The profile (JSON dict) for `nfab-profile`; None: `step.test_profile()`."""
+    """The profile (JSON dict) for `nfab-profile`; None: `variants.test_profile()`."""
     profile_source: str = "test profile"
     powersgd_rank: int = POWERSGD_RANK
-    powersgd_start: int = step_mod.POWERSGD_START
+    powersgd_start: int = POWERSGD_START
     eval_batches: int | None = None
     """Cap on validation batches per rank (None: the config's `eval_batches`, else all)."""
 
@@ -167,8 +168,9 @@ def _step_bytes(t: Trainee, cfg: TtaConfig, module: torch.nn.Module, world: int,
         return float(st.wire_bytes)
     if t.name == "powersgd" and t.steps >= cfg.powersgd_start:
         return linkbytes.powersgd_bytes(module, world, cfg.powersgd_rank)
-    full = float(baseline_wire_bytes(module, world))
-    return full / 2 if t.name == "bf16" else full
+    if t.name == "powersgd":  # its uncompressed first steps
+        return linkbytes.per_rank_bytes("plain", module, world, None)
+    return linkbytes.per_rank_bytes(STEP_NAMES.get(t.name, t.name), module, world, None)
 
 
 def build_trainees(cfg: TtaConfig, tc: TrainConfig, module: torch.nn.Module, spec: Any, fp32_steps: int,
@@ -177,10 +179,10 @@ def build_trainees(cfg: TtaConfig, tc: TrainConfig, module: torch.nn.Module, spe
     out = []
     for name in cfg.variants:
         sname = STEP_NAMES.get(name, name)
-        ddp = step_mod.ddp_for(sname, copy.deepcopy(module), NFAB_BUCKET_MB)
+        ddp = ddp_for(sname, copy.deepcopy(module), NFAB_BUCKET_MB)
         opt = build_optimizer(ddp.module, tc.optim, spec.optimizer)
         run = step_mod.Run(name, ddp, opt)
-        run.runtime, run.state = step_mod.attach_comm(
+        run.runtime, run.state = attach_comm(
             sname, ddp, total_steps=fp32_steps, seed=tc.seed, cost_model=cfg.cost_model, profile=cfg.profile,
             powersgd_rank=cfg.powersgd_rank, powersgd_start=cfg.powersgd_start, optimizer=opt,
             head_modules=spec.head_modules)
