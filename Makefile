@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-gpu demo lint bench study clean
+.PHONY: install test test-fast test-gpu device-check demo lint bench study clean
 
 install: $(STAMP)
 
@@ -22,6 +22,11 @@ test-fast: install
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m cuda -rs
+
+# the one prepared command for a lent GPU (no venv there: its python3 holds torch); on CPU a quick run
+DEVICE_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+device-check:
+	PYTHONPATH=$(CURDIR) $(DEVICE_PY) bench/device_check.py
 
 demo: install
 	$(BIN)/nfab demo

@@ -45,6 +45,7 @@ runtime's `step_stats()`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -141,10 +142,23 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
     return [results[v] for v in variants]
 
 
-def _optimizer(setting: Setting, params: Any) -> torch.optim.Optimizer:
+def _optimizer(setting: Setting, model: torch.nn.Module) -> torch.optim.Optimizer:
+    params: Any = [p for p in model.parameters() if p.requires_grad]
+    if setting.decay_matrices_only:  # as nanoGPT's configure_optimizers: no decay on norms, biases, tokens
+        params = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": setting.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if setting.optimizer == "sgd":
         return torch.optim.SGD(params, lr=setting.lr, momentum=setting.momentum, weight_decay=setting.weight_decay)
     return torch.optim.AdamW(params, lr=setting.lr, betas=setting.betas, weight_decay=setting.weight_decay)
+
+
+def _batches(loader: Any) -> Any:
+    """The loader's batches, epoch after epoch (each epoch its own seeded order)."""
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
 
 
 def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -188,7 +202,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     bucket = POWERSGD_BUCKET_MB if variant.startswith("powersgd") else None
     ddp = DDP(model, **({"bucket_cap_mb": bucket} if bucket else {}))
     runtime = state = None
-    opt = _optimizer(setting, ddp.parameters())  # before attach: nfab reads its family and second moment
+    opt = _optimizer(setting, ddp.module)  # before attach: nfab reads its family and second moment
     if variant == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif variant == "bf16":  # torch's bf16_compress_hook (DDP refuses its own name without NCCL)
@@ -210,35 +224,38 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         runtime = nfab.attach(ddp, route=base.removesuffix("-ef"), optimizer=opt,
                               error_feedback=True if base == "sign-ef" else "auto", cost_model=None, seed=seed,
                               total_steps=setting.steps, head_modules=spec.head_modules, noise_moment=noise_moment)
-    wire = 0.0
+    wire = probe = 0.0
     fallback_steps = 0
     events: list[str] = []
     after_prev = 0
-    step, epoch = 0, 0
-    while step < setting.steps:
-        loader.sampler.set_epoch(epoch)  # type: ignore[union-attr]
-        for x, y in loader:
-            if step >= setting.steps:
-                break
-            loss = _loss(spec.task, ddp(x), y)
-            if runtime is not None:
-                runtime.observe_loss(loss)
-            loss.backward()
-            if runtime is not None:
-                stats = runtime.step_stats()
-                wire += stats.wire_bytes
-                fallback_steps += int(stats.fallback)
-                events += [f"{step}:{e}" for e in stats.events]
-            elif state is not None:
-                after = state.compression_stats()[2]
-                wire += allreduce_factor(w) * 4 * (after - after_prev) if step >= POWERSGD_START_ITER else fp32_step
-                after_prev = after
-            else:
-                wire += fp32_step / 2 if variant in ("fp16", "bf16") else fp32_step
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-        epoch += 1
+    batches = _batches(loader)
+    accum = setting.accum_steps
+    for step in range(setting.steps):
+        for group in opt.param_groups:
+            group["lr"] = setting.lr_at(step)
+        for micro in range(accum):  # every micro-batch but the last accumulates locally (no all-reduce)
+            x, y = next(batches)
+            with ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                loss = _loss(spec.task, ddp(x), y)
+                if runtime is not None and micro == accum - 1:
+                    runtime.observe_loss(loss)
+                (loss / accum).backward()
+        if runtime is not None:
+            stats = runtime.step_stats()
+            wire += stats.wire_bytes
+            probe += stats.probe_wire_bytes
+            fallback_steps += int(stats.fallback)
+            events += [f"{step}:{e}" for e in stats.events]
+        elif state is not None:
+            after = state.compression_stats()[2]
+            wire += allreduce_factor(w) * 4 * (after - after_prev) if step >= POWERSGD_START_ITER else fp32_step
+            after_prev = after
+        else:
+            wire += fp32_step / 2 if variant in ("fp16", "bf16") else fp32_step
+        if setting.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), setting.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     loss_sum, correct, count = _evaluate(ddp.module, test, spec.task, setting, rank)
     fp32_total = fp32_step * setting.steps
     return RunResult(
@@ -246,7 +263,10 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         world_size=w,
         eval_loss=loss_sum / count, eval_accuracy=correct / count if spec.task == "classification" else None,
         wire_mb=wire / 1e6, fp32_mb=fp32_total / 1e6, ratio=fp32_total / wire if wire else None,
-        fallback_steps=fallback_steps if runtime is not None else None, health_events=events[:20])
+        fallback_steps=fallback_steps if runtime is not None else None, health_events=events[:20],
+        probe_mb=probe / 1e6 if runtime is not None else None,
+        alarms=runtime.health.alarms if runtime is not None else None,
+        false_alarms=runtime.health.false_alarms if runtime is not None else None)
 
 
 @torch.no_grad()
@@ -277,11 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--world-size", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default=None,
+                    help="the profile the `profile` variants attach (default: the setting's)")
     a = ap.parse_args(argv)
     try:
         if a.setting not in SETTINGS:
             raise ValueError(f"unknown study setting {a.setting!r} (known: {', '.join(SETTINGS)})")
-        changes = {k: v for k, v in (("steps", a.steps), ("world_size", a.world_size)) if v is not None}
+        changes = {k: v for k, v in (("steps", a.steps), ("world_size", a.world_size), ("profile", a.profile))
+                   if v is not None}
         setting = dataclasses.replace(SETTINGS[a.setting], **changes)
         variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
         for v in variants:

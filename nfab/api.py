@@ -12,6 +12,7 @@ from nfab.attach_checks import check_attach
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
+from nfab.runtime.control.health import for_run
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.control.optim import (
     ERROR_FEEDBACK_CHOICES,
@@ -23,6 +24,7 @@ from nfab.runtime.control.optim import (
 from nfab.runtime.core.hierarchy import Hierarchy, parse
 from nfab.runtime.core.scales import QSUM_SCALES
 from nfab.runtime.frontends import fsdp as fsdp_front
+from nfab.runtime.frontends import fsdp_layout
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
 
@@ -52,7 +54,8 @@ def attach(
     reduce-scatter is installed on every FSDP2 module and the same runtime API comes back
     (`observe_loss`, `step_stats`, `state_dict`). There the routes fp32, sign and the block routes
     run as asked (q8/q4/q2, bf16 and fp16 go FP32), error feedback is not offered (it would keep a
-    full-size gradient per rank) and `hierarchy` is refused.
+    full-size gradient per rank), `hierarchy` is refused, and `noise_moment` corrects each rank's
+    shard of Adam's second moment from its shard's agreed block scales.
 
     Give either `profile` (a path or a `Profile`) or `route` (a route for every region,
     or a dict from region class / parameter-name glob to route; unnamed regions stay
@@ -127,10 +130,12 @@ def attach(
         explicit = False
     module = ddp_model if sharded else ddp_model.module
     check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
+    if not explicit:  # spike/jump thresholds fitted on a shorter reference run: widened for this one
+        run_steps = total_steps or calibrated_steps(prof, "run_steps")
+        prof = prof.model_copy(update={"health": for_run(prof.health, calibrated_steps(prof), run_steps)})
     if sharded:
-        fsdp_front.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy,
-                                 noise_moment=noise_moment)
-    group = fsdp_front.shard_group(ddp_model) if sharded else ddp_model.process_group
+        fsdp_layout.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy)
+    group = fsdp_layout.shard_group(ddp_model) if sharded else ddp_model.process_group
     if cost_model == "measure":
         cm = cost_mod.measure(group, device=_grad_device(ddp_model))
     elif isinstance(cost_model, str | Path):
@@ -142,6 +147,8 @@ def attach(
                                             total_steps=total_steps, seed=seed, head_modules=head_modules,
                                             group=group)
         fsdp_front.install(runtime, ddp_model)
+        if optimizer is not None and _corrects_moment(noise_moment, prof, explicit, optimizer):
+            runtime.moment = NoiseMoment(optimizer, dict(ddp_model.named_parameters()))
         return runtime
     use_ef = resolve_error_feedback(error_feedback, optimizer)
     if use_ef and optimizer is not None and error_feedback is True and is_adaptive(optimizer):
@@ -150,6 +157,9 @@ def attach(
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
                       qsum_scale=qsum_scale, coalesce=coalesce, hierarchy=hierarchy)
+    if cm is not None and runtime.rank == 0 and runtime.controller.gated_everywhere(
+            runtime.regions, {n: p.numel() for n, p in ddp_model.module.named_parameters()}):
+        log.warning(cost_gate_line(cm, runtime.controller.world_size))
     if optimizer is None and prof.noise_moment and noise_moment == "auto":
         log.warning("this profile was calibrated with the noise-corrected second moment: pass optimizer= "
                     "to run it as calibrated")
@@ -165,6 +175,22 @@ def attach(
             runtime.moment = NoiseMoment(optimizer, dict(ddp_model.module.named_parameters()))
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
+
+
+def cost_gate_line(cm: cost_mod.CostModel, world_size: int) -> str:
+    """The one line attach logs when the cost model keeps FP32 everywhere: the link figure and the override."""
+    link = cm.allreduce
+    return (f"nfab: the {cm.source} cost model keeps FP32 on every region (all-reduce "
+            f"{link.bandwidth_bps * 8 / 1e9:.2f} Gbit/s, {link.latency_s * 1e6:.0f} us latency at W={world_size}): "
+            "compression does not pay on this link, so nothing is compressed (StepStats.cost_gated). To compress "
+            "anyway pass cost_model=None, or the cost model of the target link (nfab bench wire --cost) as cost_model=")
+
+
+def calibrated_steps(prof: Profile, key: str = "steps") -> int | None:
+    """Steps of the reference run a calibrated profile's health thresholds were fitted over
+    (`run_steps`: of the training run it was calibrated for, when that was longer)."""
+    steps = (prof.provenance or {}).get("calibrated", {}).get(key)
+    return int(steps) if isinstance(steps, int | float) and steps > 0 else None
 
 
 def _corrects_moment(noise_moment: bool | str, prof: Profile, explicit: bool,

@@ -27,11 +27,10 @@ from torch import nn
 from nfab.profile.schema import Profile
 from nfab.runtime.control.controller import Controller
 from nfab.runtime.core import rowscatter
-from nfab.runtime.core.shards import ShardLayout, row_segments
-from nfab.runtime.frontends.fsdp import codec_for, plan_layouts
+from nfab.runtime.core.shards import ShardLayout
+from nfab.runtime.frontends.fsdp_layout import ShardCost, group_bytes, plan_layouts
 from nfab.wire.contract import allgather_factor
 from nfab.wire.cost import CostModel, default_cost_model
-from nfab.wire.registry import REDUCERS
 
 WORD_BYTES = 8
 """The control word each rank all-gathers per reduce-scatter: [|g|^2, loss] in fp32."""
@@ -97,7 +96,8 @@ def inspect_fsdp(name: str, model: nn.Module, profile: Profile, world_size: int,
                  ) -> FSDPInspection:
     """Plan `model`'s FSDP2 reduce-scatters under `profile` at W without running anything."""
     cm = cost_model or default_cost_model(world_size)
-    ctl = Controller(profile, world_size, cm, explicit=explicit, total_steps=total_steps)
+    # priced as the front end prices a row group (its reduce-scatter, not DDP's all-reduce)
+    ctl = Controller(profile, world_size, ShardCost(cm), explicit=explicit, total_steps=total_steps)
     phase = ctl.phase(step)
     out = FSDPInspection(name, world_size, phase.name, sum(p.numel() for p in model.parameters()))
     w = world_size
@@ -105,15 +105,7 @@ def inspect_fsdp(name: str, model: nn.Module, profile: Profile, world_size: int,
         routes = ctl.routes(layout.plan(), phase, frozenset())
         wire, labels = allgather_factor(w) * WORD_BYTES, []
         for g in routes.groups:
-            label = REDUCERS[g.key].route
-            codec = codec_for(label)
-            if codec is None:  # FP32 (or a route the front end sends FP32: fallback `fsdp`)
-                label = "fp32"
-                b = rowscatter.plain_bytes(g.numel, w, 4)
-            else:  # the codec's share and its scales, as the front end counts them
-                padded = rowscatter.padded_row(codec, g.numel, w)
-                names = tuple(s.name for s in g.slices)
-                b = rowscatter.lossy_bytes(codec, [row_segments(layout, names, r, padded) for r in range(w)], w)
+            label, b = group_bytes(layout, g, w)  # as the front end counts them
             wire += b
             out.route_bytes[label] = out.route_bytes.get(label, 0.0) + b
             labels.append(f"{label}:{g.numel / layout.chunk:.0%}")

@@ -13,6 +13,7 @@ and the first one at W=8 and over 600 steps.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,17 @@ class Setting:
     world_size: int = 4
     eval_samples: int = 1024
     """Held-out samples evaluated at the end (the first ones of the test split, every rank a shard)."""
+    accum_steps: int = 1
+    """Micro-batches per optimizer step; all but the last run under `ddp.no_sync()` (one all-reduce a step)."""
+    grad_clip: float | None = None
+    """`clip_grad_norm_` to this before `opt.step()` (None: no clipping)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps, then `schedule`."""
+    schedule: str = "constant"
+    """After the warm-up: `constant`, or `cosine` down to `min_lr_ratio` x lr at the last step."""
+    min_lr_ratio: float = 0.1
+    decay_matrices_only: bool = False
+    """Weight decay on tensors of 2 and more dimensions only (norms, biases and tokens get none)."""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -62,8 +74,19 @@ class Setting:
             raise ValueError(f"metric must be 'loss' or 'accuracy', got {self.metric!r}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
-        if min(self.steps, self.world_size, self.batch_size, self.eval_samples) < 1:
-            raise ValueError("steps, world_size, batch_size and eval_samples must be >= 1")
+        if min(self.steps, self.world_size, self.batch_size, self.eval_samples, self.accum_steps) < 1:
+            raise ValueError("steps, world_size, batch_size, eval_samples and accum_steps must be >= 1")
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of `step`: linear warm-up, then constant or cosine (nanoGPT's get_lr)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.steps - 1 - self.warmup_steps))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass(slots=True)
@@ -87,6 +110,12 @@ class RunResult:
     """fp32_mb / wire_mb."""
     fallback_steps: int | None = None
     """nfab variants: steps with a safety fallback (health, capacity, non-finite)."""
+    probe_mb: float | None = None
+    """nfab variants: of `wire_mb`, the fidelity probes' FP32 samples."""
+    alarms: int | None = None
+    """nfab variants: loss-spike / grad-norm-jump alarms (each opened an FP32 shadow window)."""
+    false_alarms: int | None = None
+    """nfab variants: alarms whose shadow found every region faithful (no demotion)."""
     health_events: list[str] = field(default_factory=list)
     """nfab variants: the health monitor's events (first 20)."""
     wall_s: float = 0.0
@@ -130,6 +159,26 @@ SETTINGS["heldout-w8c"] = dataclasses.replace(SETTINGS["heldout"], name="heldout
                                               note="the held-out GPT at W=8, its profile calibrated at W=8")
 SETTINGS["heldout-600"] = dataclasses.replace(SETTINGS["heldout"], name="heldout-600", steps=600,
                                               note="the held-out GPT over 600 steps, its profile calibrated over 300")
+# recipe-style held-out models (issue 31): clipping, accumulation, warm-up + cosine, decay on matrices
+# only; each profile calibrated over 100 steps of its 300-step run (bench/heldout/recipe_*.yaml)
+_RECIPE = {"accum_steps": 2, "grad_clip": 1.0, "schedule": "cosine", "min_lr_ratio": 0.1, "decay_matrices_only": True,
+           "steps": 300}
+SETTINGS["recipe-gpt"] = Setting(
+    name="recipe-gpt", model="bench.heldout.recipe_gpt:recipe_gpt", dataset="stdlib-text", metric="loss",
+    data_options={"max_bytes": 2_000_000}, optimizer="adamw", lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95),
+    batch_size=16, warmup_steps=20, profile="bench/calibrations/recipe-gpt/profile.json", **_RECIPE,
+    note="nanoGPT-style recipe (bias-free LayerNorm, fused qkv, SDPA, tied head), AdamW (0.9, 0.95) wd 0.1, "
+         "warm-up 20 + cosine, 2 micro-batches, clip 1.0")
+SETTINGS["recipe-vit"] = Setting(
+    name="recipe-vit", model="bench.heldout.recipe_vit:recipe_vit", dataset="digits", metric="loss",
+    optimizer="adamw", lr=2e-3, weight_decay=0.05, betas=(0.9, 0.95), batch_size=16, warmup_steps=20,
+    eval_samples=360, profile="bench/calibrations/recipe-vit/profile.json", **_RECIPE,
+    note="a small ViT on digits, AdamW (0.9, 0.95) wd 0.05, warm-up 20 + cosine, 2 micro-batches, clip 1.0")
+SETTINGS["recipe-cnn"] = Setting(
+    name="recipe-cnn", model="bench.heldout.recipe_cnn:recipe_cnn", dataset="digits", metric="loss",
+    optimizer="sgd", lr=0.05, weight_decay=5e-4, batch_size=16, warmup_steps=10, eval_samples=360,
+    profile="bench/calibrations/recipe-cnn/profile.json", **_RECIPE,
+    note="ResNet-style CNN with BatchNorm on digits, SGD momentum 0.9, warm-up 10 + cosine, 2 micro-batches, clip 1.0")
 MIN_RATIO = 8.0
 """Target: nfab's profile sends at least this many times fewer gradient bytes than FP32."""
 MAX_LOSS_RISE = 0.01

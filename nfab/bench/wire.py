@@ -11,6 +11,12 @@ first encode+decode at that W in this process: it includes compiling the CPU ker
 (`time.process_time`, one thread): on a shared machine they leave out the time spent
 waiting for a core, which wall time would charge to whichever side it hit. Copy and codec
 are timed alternately (best of 15 each), so both see the same moments of the machine.
+
+`impl` chooses the codec path: "host" (the compiled CPU kernels, what CPU tensors take),
+"torch" (the torch reference every other device takes, run here with
+`dispatch.host_paths(False)`), or "auto" (whatever the device takes). On CUDA the times are
+wall seconds around a device synchronisation, and the copy is the device's own copy
+bandwidth: the ratio is the codec's speed against what the device can move.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from nfab.errors import ConfigError
 from nfab.fsutil import atomic_write_json
+from nfab.wire import dispatch
 from nfab.wire.cost import best_time, codec_work
 from nfab.wire.registry import REDUCERS, Reducer
 
@@ -47,22 +55,55 @@ class WireRow:
     ratio_to_copy: float | None
     first_call_s: float | None
     numel: int
+    device: str = "cpu"
+    impl: str = "host"
+    """"host" (compiled CPU kernels) or "torch" (the path CUDA and every other device take)."""
 
 
-def _best_pair(copy: Callable[[], object], run: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Best CPU seconds of `copy` and of `run`, timed alternately `reps` times each: both sample
+def _best_pair(copy: Callable[[], object], run: Callable[[], object], reps: int,
+               clock: Callable[[], float] = time.process_time) -> tuple[float, float]:
+    """Best seconds of `copy` and of `run`, timed alternately `reps` times each: both sample
     the same moments of a shared machine (memory bandwidth taken by other jobs shows in CPU
     time too), so drift cancels in their ratio."""
     copy()
     best_copy = best_run = float("inf")
     for _ in range(reps):
-        t0 = time.process_time()
+        t0 = clock()
         copy()
-        t1 = time.process_time()
+        t1 = clock()
         run()
-        t2 = time.process_time()
+        t2 = clock()
         best_copy, best_run = min(best_copy, t1 - t0), min(best_run, t2 - t1)
     return best_copy, best_run
+
+
+IMPLS = ("auto", "host", "torch")
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """CPU seconds of this process on the CPU; wall seconds after the device's queued work on an
+    accelerator (its kernels run asynchronously: CPU time would measure only the launches)."""
+    if device.type == "cpu":
+        return time.process_time
+    sync = getattr(torch, device.type).synchronize
+
+    def clock() -> float:
+        sync()
+        return time.perf_counter()
+
+    return clock
+
+
+def _impl(impl: str, device: torch.device) -> str:
+    """The path `impl` names on `device` ("auto": what the device takes); a clear error when it cannot run."""
+    if impl not in IMPLS:
+        raise ConfigError(f"unknown impl {impl!r}: choose from {', '.join(IMPLS)}")
+    if impl == "auto":
+        return "host" if dispatch.host_device(device) and dispatch.AVAILABLE else "torch"
+    if impl == "host" and (device.type != "cpu" or not dispatch.AVAILABLE):
+        raise ConfigError(f"impl 'host' runs the compiled CPU kernels: not on {device.type}"
+                          + ("" if device.type != "cpu" else " (numba is not installed)"))
+    return impl
 
 
 def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
@@ -76,9 +117,13 @@ def _capacity_text(red: Reducer, world_size: int) -> tuple[bool, str]:
 
 
 def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
-               reducers: Sequence[str] | None = None) -> list[WireRow]:
+               reducers: Sequence[str] | None = None, device: torch.device | str = "cpu", impl: str = "auto",
+               world_sizes: Sequence[int] = WORLD_SIZES) -> list[WireRow]:
     """Time every reducer's (or the named reducers') encode+decode at W = 2, 4, 8, 16 beside a
-    copy; bits per element."""
+    copy on `device`, by the path `impl` names; bits per element."""
+    device = torch.device(device)
+    impl = _impl(impl, device)
+    clock = _clock(device)
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
     keys = list(REDUCERS) if reducers is None else list(reducers)
@@ -88,25 +133,26 @@ def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core: the figure is per rank, comparable across machines
     try:
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed), device="cpu")
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(seed), device="cpu").to(device)
         dst = torch.empty_like(x)
         gb = numel * 4 / 1e9
         rows: list[WireRow] = []
         fp32 = REDUCERS["allreduce-fp32"]
         for key in keys:
             red = REDUCERS[key]
-            for w in WORLD_SIZES:
+            for w in world_sizes:
                 ok, text = _capacity_text(red, w)
                 ed_gbps = first = None
                 if ok:
-                    run = codec_work(red, x, w)
-                    t0 = time.process_time()
-                    run()
-                    first = time.process_time() - t0
-                    copy_s, run_s = _best_pair(lambda: dst.copy_(x), run, reps)
+                    with dispatch.host_paths(impl == "host"):
+                        run = codec_work(red, x, w)
+                        t0 = clock()
+                        run()
+                        first = clock() - t0
+                        copy_s, run_s = _best_pair(lambda: dst.copy_(x), run, reps, clock)
                     ed_gbps = gb / run_s
                 else:
-                    copy_s = best_time(lambda: dst.copy_(x), reps, time.process_time)
+                    copy_s = best_time(lambda: dst.copy_(x), reps, clock)
                 copy_gbps = gb / copy_s
                 rows.append(WireRow(
                     reducer=key,
@@ -120,6 +166,8 @@ def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
                     ratio_to_copy=ed_gbps / copy_gbps if ed_gbps is not None else None,
                     first_call_s=first,
                     numel=numel,
+                    device=str(device),
+                    impl=impl,
                 ))
         return rows
     finally:

@@ -70,6 +70,10 @@ class CalibrationConfig(StrictModel):
     """Held-out samples in the fixed batch that scores the trials."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads for the sweep (1: robust on a shared 2-core machine)."""
+    run_steps: int | None = Field(None, ge=1)
+    """Steps of the training run the profile is for when the calibration is shorter (the config's
+    `steps` before `--steps` shortened it). The profile records it: `attach` widens the loss-spike and
+    grad-norm-jump thresholds, fitted on the shorter reference, for the longer run."""
     noise_moment: bool = True
     """Under an adaptive optimizer, trials and validation take block-scaled rounding noise out of
     its second moment as `attach` does by default (runtime/moment.py); the profile records it."""
@@ -192,6 +196,7 @@ def make_config(model: str, *, dataset: str | None = None, config: str | None = 
     if model not in MODELS and ":" not in model:
         raise ConfigError(f"unknown model {model!r}; choose one of {sorted(MODELS)} or give module.path:factory")
     setting = _setting_base(model, config, dataset)
+    configured_steps = setting.get("steps")
     sweep: dict[str, Any] = {}
     given = {k: v for k, v in fields_.items() if v is not None}
     for key, value in given.items():
@@ -217,6 +222,8 @@ def make_config(model: str, *, dataset: str | None = None, config: str | None = 
                 setting["model"][key] = value
             if to_data:
                 setting["data"][key] = value
+    if isinstance(configured_steps, int) and configured_steps > int(setting.get("steps", configured_steps)):
+        sweep.setdefault("run_steps", configured_steps)
     if sweep.get("quick"):
         explicit = set(given) | set(overrides or {})
         sweep.update({k: v for k, v in QUICK.items() if k not in explicit})

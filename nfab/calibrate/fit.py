@@ -242,7 +242,8 @@ def fit_profile(
         "bits_slack": BITS_SLACK,
         "calibrated": {k: meta[k] for k in ("model", "model_options", "dataset", "data_options", "world_size",
                                             "optimizer", "schedule",
-                                            "steps", "trial_steps", "ef_steps", "batch_size", "seed", "command",
+                                            "steps", "run_steps", "trial_steps", "ef_steps", "batch_size", "seed",
+                                            "command",
                                             "nfab_version", "torch_version", "created") if k in meta},
         **(provenance or {}),
     }

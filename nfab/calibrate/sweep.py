@@ -182,6 +182,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
         "schedule": cfg.schedule.model_dump(mode="json"),
         "batch_size": cfg.batch_size,
         "steps": cfg.steps,
+        "run_steps": cfg.run_steps,
         "trial_steps": cfg.trial_steps,
         "ef_steps": cfg.ef_steps,
         "quick": cfg.quick,

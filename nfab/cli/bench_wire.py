@@ -20,9 +20,17 @@ def register(app: typer.Typer) -> None:
             "--cost", help="Also measure the cost model on 2 gloo ranks and save its JSON here.")] = None,
         reducers: Annotated[str | None, typer.Option(
             "--reducers", help="Comma-separated reducer keys to time (default: every reducer).")] = None,
+        device: Annotated[str, typer.Option("--device", help="Where the codecs run: cpu, cuda, cuda:1, ...")] = "cpu",
+        impl: Annotated[str, typer.Option(
+            "--impl", help="auto (what the device takes), host (compiled CPU kernels) or torch (the path CUDA "
+                           "takes, run on this device).")] = "auto",
+        world_sizes: Annotated[str, typer.Option(
+            "--world-sizes", help="Comma-separated world sizes to time.")] = "2,4,8,16",
     ) -> None:
         """Encode+decode GB/s beside a plain copy (one core), and bits per element at W=2,4,8,16."""
-        from nfab.bench.wire import WORLD_SIZES, bench_wire, measure_cost, write_rows
+        import torch
+
+        from nfab.bench.wire import bench_wire, measure_cost, write_rows
         from nfab.errors import ConfigError
         from nfab.fsutil import atomic_write_json
         from nfab.wire.registry import REDUCERS
@@ -31,10 +39,18 @@ def register(app: typer.Typer) -> None:
         unknown = [k for k in keys or [] if k not in REDUCERS]
         if unknown:
             raise ConfigError(f"unknown reducer(s) {', '.join(unknown)}: choose from {', '.join(REDUCERS)}")
-        rows = bench_wire(numel, reducers=keys)
-        table = Table(title=f"nfab bench wire  (numel={numel:,}, one core)")
+        sizes = _world_sizes(world_sizes)
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise ConfigError(f"--device {device!r}: {e}") from e
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: no CUDA device here")
+        rows = bench_wire(numel, reducers=keys, device=dev, impl=impl, world_sizes=sizes)
+        where = "one core" if dev.type == "cpu" else str(dev)
+        table = Table(title=f"nfab bench wire  (numel={numel:,}, {where}, {rows[0].impl if rows else impl} path)")
         table.add_column("reducer")
-        for w in WORLD_SIZES:
+        for w in sizes:
             table.add_column(f"W={w} enc+dec/copy", justify="right")
             table.add_column(f"W={w} bits/el", justify="right")
         by_key: dict[str, list] = {}
@@ -63,3 +79,16 @@ def register(app: typer.Typer) -> None:
 
             atomic_write_json(cost, json.loads(model))
             console.print(f"wrote {cost}")
+
+
+def _world_sizes(text: str) -> list[int]:
+    """--world-sizes as ints >= 2; a clear error otherwise."""
+    from nfab.errors import ConfigError
+
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(w < 2 for w in sizes):
+        raise ConfigError(f"--world-sizes {text!r}: give comma-separated integers >= 2, e.g. 2,4")
+    return sizes

@@ -131,6 +131,11 @@ def register(app: typer.Typer) -> None:
             console.print(f"calibrating [bold]{cfg.model}[/] on {cfg.dataset}, W={cfg.world_size}, "
                           f"{cfg.steps} steps, {cfg.phases} phases, trials of {cfg.trial_steps} steps"
                           f"{' (quick)' if cfg.quick else ''}", highlight=False)
+            if cfg.run_steps:
+                console.print(f"[yellow]warning:[/] calibrating {cfg.steps} steps of a {cfg.run_steps}-step run: "
+                              "the spike/jump thresholds are fitted on the shorter run and widened for the "
+                              f"longer one at attach; calibrate with --steps {cfg.run_steps} to fit them on "
+                              "the whole run", highlight=False)
             with SweepProgress(console) as progress:
                 result = run(cfg, target, progress=progress, command=command, tol_cosine=tol_cosine,
                              tol_loss=tol_loss, validate=validate, tol_validate=tol_validate)

@@ -117,6 +117,23 @@ class Health(FrozenModel):
     bent the held-out GPT for good within its first ~20 steps, before probes every
     `probe_every` steps could see a trend. Also for this many steps after a route that drifted is
     re-admitted (probation)."""
+    shadow_steps: int = Field(3, ge=0)
+    """A loss spike or gradient-norm jump is an alarm, not a verdict: it opens an FP32 shadow
+    window, this many steps on which every lossy region is probed, and only a region the shadow
+    finds below `min_fidelity_cosine` is demoted. A window that finds every region faithful was a
+    false alarm (counted in `StepStats.false_alarms`). Under clipping and a decaying learning
+    rate the norm moves for healthy reasons: on issue 31's GPT recipe one jump demoted every
+    region for 30 steps. 0: an alarm demotes every lossy region at once (the old behaviour)."""
+    probe_rotate: bool = True
+    """A probe samples one lossy region, the next probe the next (sorted order), so each probe
+    costs about 1/regions of a full one; shadow windows still probe every region."""
+    probe_spacing_max: int = Field(4, ge=1)
+    """Once no health event has happened for 4 probe intervals, the interval doubles, up to
+    `probe_every` times this (probes are control, and control must stay a small share of the
+    bytes compression saves)."""
+    probe_budget: float = Field(0.05, ge=0)
+    """Regular probes pause while the run's probe bytes exceed this share of the other bytes sent
+    so far (0: no cap). Early dense probes and shadow windows are safety, not budgeted."""
     drift_demote_after: int = Field(20, ge=0)
     """Steps before the drift monitor may demote a route to FP32, except in a region whose error
     feedback it already switched off (a confirmed suspect); switching error feedback off (no

@@ -24,7 +24,7 @@ MB = 1e6  # report traffic in MB = 10^6 bytes
 RUN_COLUMNS = (
     "run", "status", "model", "dataset", "world_size", "route", "steps",
     "accuracy", "loss", "perplexity", "wire_mb", "baseline_mb", "compression_ratio",
-    "fallback_steps", "wall_time_s", "fp32_reference",
+    "fallback_steps", "cost_gated_steps", "wall_time_s", "fp32_reference",
 )
 COMPARISON_COLUMNS = ("run", "baseline", "accuracy_delta_pts", "loss_delta_pct", "traffic_ratio")
 CALIBRATION_COLUMNS = ("calibration", "phase", "region", "route", "error_feedback",
@@ -96,6 +96,9 @@ def run_row(run: RunArtifacts) -> dict[str, object]:
         "baseline_mb": _nan(fp32) / MB,
         "compression_ratio": compression_ratio(fp32, wire),
         "fallback_steps": fallbacks,
+        # steps on which the cost gate kept lossy routes on FP32 (the link makes compression not pay)
+        "cost_gated_steps": int(m["cost_gated"].astype(bool).sum()) if m is not None and "cost_gated" in m
+        else math.nan,
         "wall_time_s": _nan(wall),
         "fp32_reference": bool(s and s.is_fp32),
     }

@@ -17,6 +17,9 @@ class StepStats:
     baseline_wire_bytes: int = 0
     """Bytes plain DDP would have sent for the same buckets, in each bucket's own dtype
     (2 bytes per element for a bf16/fp16 bucket): the base every compression ratio uses."""
+    probe_wire_bytes: int = 0
+    """Of `wire_bytes`: the fidelity probes' FP32 samples (reported apart: control must stay a
+    small share of what compression saves; `Health.probe_budget`)."""
     intra_node_bytes: int = 0
     """Of `wire_bytes`: the two-level path's node-local reduce-scatter + all-gather (the fast
     link; 0 without a hierarchy)."""
@@ -29,6 +32,17 @@ class StepStats:
     """A safety fallback this step: health demotion, reducer capacity or a non-finite gradient."""
     fallback_reason: str = ""
     """Every reason a slice left its profile route, e.g. `health(conv); cost(norm)`."""
+    cost_gated: bool = False
+    """The cost gate kept at least one slice the profile routes lossy on FP32 this step (the
+    measured link makes compression not pay there; `fallback_reason` names the regions as
+    `cost(...)`). Not a safety fallback: `fallback` stays False for it."""
+    shadow: bool = False
+    """The step was in an FP32 shadow window: a loss spike or gradient-norm jump raised an alarm,
+    and every lossy region is probed until the window says whether a demotion is needed."""
+    alarms: int = 0
+    """Loss-spike / gradient-norm-jump alarms so far in the run (each opens a shadow window)."""
+    false_alarms: int = 0
+    """Of `alarms`: those whose shadow window found every region faithful (no demotion)."""
     skipped: bool = False
     """A non-finite gradient on some rank: the step's gradients were zeroed everywhere."""
     fidelity_cosine: float | None = None

@@ -30,10 +30,15 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("baseline_wire_bytes", pa.int64()),
     ("intra_node_bytes", pa.int64()),
     ("inter_node_bytes", pa.int64()),
+    ("probe_wire_bytes", pa.int64()),
     ("route_mix", pa.string()),
     ("fallback", pa.bool_()),
     ("fallback_reason", pa.string()),
     ("skipped", pa.bool_()),
+    ("cost_gated", pa.bool_()),
+    ("shadow", pa.bool_()),
+    ("alarms", pa.int64()),
+    ("false_alarms", pa.int64()),
     ("fidelity_cosine", pa.float64()),
     ("region_cosine", pa.string()),
     ("hook_time_s", pa.float64()),
@@ -50,7 +55,8 @@ NAN = float("nan")
 
 
 _COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0, "region_cosine": "{}",
-                    "intra_node_bytes": 0, "inter_node_bytes": 0}
+                    "intra_node_bytes": 0, "inter_node_bytes": 0, "probe_wire_bytes": 0, "cost_gated": False,
+                    "shadow": False, "alarms": 0, "false_alarms": 0}
 
 
 def _nan(value: float | None) -> float:
@@ -80,6 +86,11 @@ def make_row(
     inter_node_bytes: int = 0,
     step_time_s: float = 0.0,
     events: str = "",
+    probe_wire_bytes: int = 0,
+    cost_gated: bool = False,
+    shadow: bool = False,
+    alarms: int = 0,
+    false_alarms: int = 0,
 ) -> dict[str, Any]:
     """One metrics row with every column typed; eval columns start as NaN."""
     return {
@@ -88,6 +99,8 @@ def make_row(
         "intra_node_bytes": int(intra_node_bytes), "inter_node_bytes": int(inter_node_bytes),
         "route_mix": json.dumps(route_mix, sort_keys=True), "fallback": bool(fallback),
         "fallback_reason": fallback_reason or "", "skipped": bool(skipped),
+        "probe_wire_bytes": int(probe_wire_bytes), "cost_gated": bool(cost_gated), "shadow": bool(shadow),
+        "alarms": int(alarms), "false_alarms": int(false_alarms),  # run totals so far
         "fidelity_cosine": _nan(fidelity_cosine),
         "region_cosine": json.dumps(region_cosine or {}, sort_keys=True),  # drift monitor's per-region probe
         "hook_time_s": float(hook_time_s),
@@ -111,8 +124,12 @@ class Totals:
     baseline_wire_bytes: int = 0
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
+    probe_wire_bytes: int = 0
     fallback_steps: int = 0
     skipped_steps: int = 0
+    cost_gated_steps: int = 0
+    alarms: int = 0
+    false_alarms: int = 0
     final_eval: dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -123,6 +140,9 @@ class Totals:
             t.baseline_wire_bytes += r["baseline_wire_bytes"]
             t.intra_node_bytes += r.get("intra_node_bytes", 0)
             t.inter_node_bytes += r.get("inter_node_bytes", 0)
+            t.probe_wire_bytes += r.get("probe_wire_bytes", 0)
+            t.cost_gated_steps += bool(r.get("cost_gated", False))
+            t.alarms, t.false_alarms = r.get("alarms", 0), r.get("false_alarms", 0)  # running totals
             t.fallback_steps += bool(r["fallback"])
             t.skipped_steps += bool(r["skipped"])
         evals = [r for r in rows if not math.isnan(r["eval_loss"])]
@@ -153,8 +173,12 @@ def write_summary(path: str | Path, identity: dict[str, Any], rows: list[dict[st
         "compression_ratio": t.baseline_wire_bytes / t.wire_bytes if t.wire_bytes else 1.0,
         "intra_node_bytes_total": t.intra_node_bytes,
         "inter_node_bytes_total": t.inter_node_bytes,
+        "probe_wire_bytes_total": t.probe_wire_bytes,
         "fallback_steps": t.fallback_steps,
         "skipped_steps": t.skipped_steps,
+        "cost_gated_steps": t.cost_gated_steps,
+        "alarms": t.alarms,
+        "false_alarms": t.false_alarms,
         "wall_time_s": wall_time_s,
         **(extra or {}),
         **{k: v for k, v in identity.items() if k not in ("model", "dataset", "world_size")},

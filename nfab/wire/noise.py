@@ -37,11 +37,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
 
-from nfab.wire import shared_kernels
+try:
+    from nfab.wire import shared_kernels
+except ImportError:  # numba missing: keys come from generators (the same bits)
+    shared_kernels = None  # type: ignore[assignment]
 
 GOLDEN = 0x9E3779B9
 MIX1 = 0x7FEB352D
@@ -132,22 +136,57 @@ def stratified(keys: torch.Tensor, world_size: int) -> list[Stratum]:
     return [Stratum(keys, r, world_size) for r in range(world_size)]
 
 
+_FEW_SEGMENTS = 8
+"""Up to this many segments the hash adds each segment's key to its slice; more take a gather."""
+
+
+def _as_i32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words < 2**32 as int32 with the same low 32 bits (two's complement)."""
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # exact: the value lies in int32's range
+
+
+def _mix32_(c: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of 32-bit words held in int32, in place: products wrap mod 2**32 (as on every
+    backend), logical shifts are arithmetic shifts masked to the bits a logical one keeps. In
+    place with one scratch buffer: each fresh full-size temporary costs page faults on the
+    CPU (a chain of out-of-place ops ran 5x slower than its ops alone)."""
+    t = torch.empty_like(c)
+    for shift, keep, mul in ((16, 0xFFFF, MIX1), (15, 0x1FFFF, MIX2 - (1 << 32)), (16, 0xFFFF, None)):
+        c.bitwise_xor_(torch.bitwise_right_shift(c, shift, out=t).bitwise_and_(keep))
+        if mul is not None:
+            c.mul_(mul)  # MIX2 enters as its residue below 0: an int32 constant
+    return c
+
+
 def uniform(keys: torch.Tensor, lengths: Sequence[int], shift: int = 0) -> torch.Tensor:
     """The reference: float32 u for every element of the concatenated segments (on keys' device),
-    shifted by `shift`/2^24 mod 1 (0: plain independent noise; see Stratum)."""
+    shifted by `shift`/2^24 mod 1 (0: plain independent noise; see Stratum).
+
+    Per element the hash runs in int32 lanes (wrapping products, masked shifts): the same bits
+    as the 64-bit statement (`_mix`, `uniform_scalar`) in about a dozen 4-byte passes instead
+    of 8-byte ones (int64 bitwise ops are 10x slower than int32 ones on CPU torch)."""
     lengths = list(lengths)
     n = sum(lengths)
     dev = keys.device
-    counts = torch.tensor(lengths, dtype=torch.int64, device="cpu").to(dev, non_blocking=True)  # no wait for the device
-    starts = torch.cumsum(counts, 0) - counts
-    seg_key = torch.repeat_interleave(keys, counts, output_size=n)
-    index = torch.arange(n, dtype=torch.int64, device=dev) - torch.repeat_interleave(starts, counts, output_size=n)
-    key_lo, key_hi = seg_key & _MASK32, (seg_key >> 32) & _MASK32
-    step = ((index + 1) & _MASK32) * (GOLDEN - (1 << 32))  # GOLDEN's residue below 0: no overflow
-    u24 = _mix(((key_lo + step) & _MASK32) ^ key_hi) >> 8
+    key_lo, key_hi = _as_i32(keys & _MASK32), _as_i32((keys >> 32) & _MASK32)
+    # element i of the bucket (segment s from start_s) hashes key_lo[s] + (i - start_s + 1) * golden:
+    # per segment, base[s] = key_lo[s] - start_s * golden, added to (i + 1) * golden
+    starts = torch.tensor([0, *accumulate(lengths[:-1])], dtype=torch.int64, device="cpu")
+    base = _as_i32((key_lo.to(torch.int64) - starts.to(dev, non_blocking=True) * (GOLDEN - (1 << 32))) & _MASK32)
+    c = torch.arange(1, n + 1, dtype=torch.int32, device=dev).mul_(GOLDEN - (1 << 32))
+    if len(lengths) <= _FEW_SEGMENTS:  # a slice per segment, its key a 0-d device tensor: no gather pass
+        at = 0
+        for s, m in enumerate(lengths):
+            c[at : at + m].add_(base[s]).bitwise_xor_(key_hi[s])
+            at += m
+    else:  # many small segments: one gather of each key word per element
+        counts = torch.tensor(lengths, dtype=torch.int64, device="cpu").to(dev, non_blocking=True)  # no wait
+        c.add_(torch.repeat_interleave(base, counts, output_size=n))
+        c.bitwise_xor_(torch.repeat_interleave(key_hi, counts, output_size=n))
+    u24 = _mix32_(c).bitwise_right_shift_(8).bitwise_and_(_MASK24)
     if shift:
-        u24 = (u24 + shift) & _MASK24
-    return u24.to(torch.float32) * _U24
+        u24.add_(shift).bitwise_and_(_MASK24)
+    return u24.to(torch.float32).mul_(_U24)
 
 
 def uniform_scalar(key: int, index: int, shift: int = 0) -> float:

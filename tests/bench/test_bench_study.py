@@ -11,7 +11,8 @@ from nfab.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb",
-            "fp32_mb", "ratio", "fallback_steps", "health_events", "wall_s", "error"}
+            "fp32_mb", "ratio", "fallback_steps", "probe_mb", "alarms", "false_alarms", "health_events", "wall_s",
+            "error"}
 
 
 def _doc(rows: list[dict], metric: str = "loss") -> dict:
@@ -125,6 +126,7 @@ def test_study_runs_every_variant_in_a_user_loop(tmp_path: Path) -> None:
     assert 1.0 < by["powersgd-r2"]["ratio"] and by["powersgd-r8"]["ratio"] < by["powersgd-r2"]["ratio"]
     assert by["sign"]["ratio"] > 2 and by["sign-ef"]["ratio"] > 2 and by["profile"]["ratio"] > 1
     assert by["fp32"]["fallback_steps"] is None and by["sign"]["fallback_steps"] is not None
+    assert by["fp32"]["probe_mb"] is None and 0 < by["sign"]["probe_mb"] < by["sign"]["wire_mb"]
     saved = json.loads((cfg.out / "study.json").read_text())
     assert saved["rows"] == doc["rows"] and saved["verdicts"] == doc["verdicts"]
     assert (cfg.out / "pareto_resnet18.png").read_bytes()[:4] == b"\x89PNG"

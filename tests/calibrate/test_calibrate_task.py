@@ -31,3 +31,12 @@ def test_region_runs_gather_and_scatter_match_the_index(by_index: bool, monkeypa
         b.index_copy_(0, idx, values)
         assert torch.equal(a, b)
     assert len(task.region_runs("conv")) > 1  # runs merge neighbours only: conv is interleaved with norms
+
+
+def test_a_calibration_shorter_than_its_config_records_the_run_it_is_for() -> None:
+    """`--steps` below the config's `steps`: the profile is for the longer run (attach widens its
+    spike and jump thresholds for it); without `--steps` nothing is recorded."""
+    shipped = make_config("resnet18")
+    assert shipped.run_steps is None
+    short = make_config("resnet18", steps=shipped.steps // 3)
+    assert (short.steps, short.run_steps) == (shipped.steps // 3, shipped.steps)

@@ -95,6 +95,10 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 
     model.blocks[0].set_custom_reduce_scatter(Custom())
     refused(lambda: nfab.attach(model, route="bq3", cost_model=None))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    refused(lambda: nfab.attach(FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu")),
+                                route="bq3", cost_model=None))
     return msgs
 
 
@@ -107,4 +111,5 @@ def test_attach_refuses_what_fsdp2_cannot_do_with_one_line():
     assert msgs[3] == "give exactly one of profile= or route="
     assert "DistributedDataParallel model or an FSDP2 model" in msgs[4]
     assert "already has a custom reduce-scatter (Custom" in msgs[5]
+    assert "supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1" in msgs[6]
     assert all("\n" not in m for m in msgs)

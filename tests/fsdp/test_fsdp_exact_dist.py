@@ -22,8 +22,9 @@ import fsdpmodels  # noqa: E402
 import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
+from nfab.runtime.control.moment import replay_variance  # noqa: E402
 from nfab.runtime.core import rowscatter  # noqa: E402
-from nfab.runtime.frontends.fsdp import codec_for, plan_layouts, step_wire_bytes  # noqa: E402
+from nfab.runtime.frontends.fsdp_layout import codec_for, plan_layouts, step_wire_bytes  # noqa: E402
 from nfab.wire import noise  # noqa: E402
 from nfab.wire.blockq.scatter import BlockQScatter  # noqa: E402
 from nfab.wire.contract import reduce_scatter_flat  # noqa: E402
@@ -76,9 +77,13 @@ def _reference(rt, comm, group_slices, key: str, xs: list[torch.Tensor], rank: i
 def _exact(rank: int, world_size: int, route, op_name: str) -> list[str]:
     torch.manual_seed(0)
     model = fsdpmodels.shard(fsdpmodels.Tiny())
-    rt = nfab.attach(model, route=route, cost_model=None)
-    op = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}[op_name]
-    factor = 1.0 if op_name == "avg" else float(world_size)
+    moment = route == "bq3"  # and the rounding variance each rank records for its shard of Adam's v
+    opt = torch.optim.AdamW(model.parameters()) if moment else None
+    rt = nfab.attach(model, route=route, cost_model=None, optimizer=opt, noise_moment=moment)
+    assert (rt.moment is not None) == moment
+    op = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM,
+          "premul": dist._make_nccl_premul_sum(0.25)}.get(op_name)  # set_gradient_divide_factor(4)
+    factor = {"avg": 1.0, "sum": float(world_size), "premul": world_size * 0.25}[op_name]
     checked = []
     for step in range(2):
         for comm in rt.comms:
@@ -90,7 +95,10 @@ def _exact(rank: int, world_size: int, route, op_name: str) -> list[str]:
             routes = rt.controller.routes(comm.plan, rt.controller.phase(rt.step), rt.health.demoted())
             rt.reduce_scatter(comm, out, x.clone(), dist.group.WORLD, op)
             plain = torch.empty(lay.chunk)
-            reduce_scatter_flat(plain, x.clone(), op=op, group=dist.group.WORLD)
+            if op_name == "premul":  # PREMUL_SUM(f) is x * f summed (gloo has no PREMUL_SUM)
+                reduce_scatter_flat(plain, x * 0.25, op=dist.ReduceOp.SUM, group=dist.group.WORLD)
+            else:
+                reduce_scatter_flat(plain, x.clone(), op=op, group=dist.group.WORLD)
             for g in routes.groups:
                 got = torch.cat([out[s.offset : s.offset + s.numel] for s in g.slices])
                 if g.key == "allreduce-fp32":
@@ -103,6 +111,11 @@ def _exact(rank: int, world_size: int, route, op_name: str) -> list[str]:
                 else:
                     assert torch.equal(got, want), (g.key, (got - want).abs().max())
                 checked.append(g.key)
+                for s in g.slices if moment else ():  # from all ranks' inputs: their codes' variance
+                    real = lay.by_name()[s.name].real(rank)
+                    mine = [x.view(world_size, lay.chunk)[rank, s.offset : s.offset + real] for x in xs]
+                    want_var = replay_variance(REDUCERS[g.key], mine, [real], None)
+                    assert torch.equal(rt.moment._pending[s.name], want_var), s.name
         st = rt.step_stats()
         # what inspect counts without a process group is what the runtime sent
         counted = step_wire_bytes([c.layout for c in rt.comms], Profile.static(route))
@@ -115,7 +128,7 @@ def _exact(rank: int, world_size: int, route, op_name: str) -> list[str]:
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize(("route", "op"), [("bq3", "avg"), ("sign", "sum"), (MIXED, "avg")])
+@pytest.mark.parametrize(("route", "op"), [("bq3", "avg"), ("sign", "sum"), (MIXED, "premul")])
 def test_reduce_scatter_matches_independent_reference(route, op):
     checked = run_ranks(_exact, 2, route, op)
     assert checked[0] == checked[1] and checked[0]

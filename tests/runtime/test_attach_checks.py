@@ -140,9 +140,13 @@ def test_a_route_on_probation_is_probed_every_step(group) -> None:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     rt = nfab.attach(ddp, route="sign", cost_model=None, optimizer=opt)
     h = rt.profile.health
+    def probed() -> frozenset[str]:
+        return rt._probe_regions(rt.controller.phase(rt.step))
+
     rt.step = h.dense_probe_steps + 1  # past the early dense probes, between two regular ones
-    assert rt.step % h.probe_every != 0 and not rt._probe_step()
+    assert rt.step % h.probe_every != 0 and not probed()
     rt.health.probation_until = rt.step + 3
-    assert rt._probe_step()
-    rt.step += 3
-    assert rt._probe_step() is (rt.step % h.probe_every == 0)
+    rt.step += 1  # the regions are decided once per step
+    assert len(probed()) == 1  # one region per probe, in rotation
+    rt.step += 2
+    assert bool(probed()) is (rt.step % h.probe_every == 0)

@@ -31,6 +31,19 @@ def test_torch_reference_is_the_python_definition():
     assert noise.uniform_scalar(0x9E3779B9 << 32, 0) == 0.0
 
 
+def test_int32_hash_is_the_python_definition_on_both_layouts():
+    """`uniform` hashes in int32 lanes: a slice per segment up to `_FEW_SEGMENTS` segments, one
+    gather past them; both with a stratum's shift, against the plain-integer statement."""
+    g = torch.Generator().manual_seed(3)
+    for count in (noise._FEW_SEGMENTS, noise._FEW_SEGMENTS + 5):
+        keys = torch.randint(-(1 << 63), (1 << 63) - 1, (count,), generator=g, dtype=torch.int64)
+        lengths = torch.randint(0, 40, (count,), generator=g).tolist()
+        shift = (1 << 24) - 7
+        want = [noise.uniform_scalar(k, i, shift) for k, n in zip(keys.tolist(), lengths, strict=True)
+                for i in range(n)]
+        assert noise.uniform(keys, lengths, shift).tolist() == want
+
+
 @pytest.mark.parametrize("lengths", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bits,world_size", [(8, 2), (8, 3), (4, 2), (2, 1)])

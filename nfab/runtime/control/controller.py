@@ -98,6 +98,7 @@ class Controller:
         self._routes_cached = functools.cache(self._routes)
         self._lossy_cached = functools.cache(self._lossy_regions)
         self._last_phase: tuple[int, Phase] | None = None
+        self._model_lossy: dict[int, tuple[str, ...]] = {}
         self.admitted: dict[str, list[str]] = {}
         self.capacity_notes: dict[str, str] = {}
         for route in sorted(profile.routes_used() | {"fp32"}):
@@ -125,14 +126,54 @@ class Controller:
 
     def wanted_route(self, phase: Phase, s: Slice) -> str:
         """The route the profile asks for: a name glob beats the region class."""
+        return self._wanted(phase, s.name, s.region)
+
+    def _wanted(self, phase: Phase, name: str, region: str) -> str:
         for glob, route in self.profile.overrides.items():
-            if fnmatchcase(s.name, glob):
+            if fnmatchcase(name, glob):
                 return route
-        return phase.route_for(s.region)
+        return phase.route_for(region)
 
     def lossy_regions(self, plan: BucketPlan, phase: Phase) -> frozenset[str]:
         """Regions of a bucket whose profile route (before any fallback) is not fp32 (cached)."""
         return self._lossy_cached(plan, id(phase))
+
+    def model_lossy(self, phase: Phase, regions: dict[str, str]) -> tuple[str, ...]:
+        """The regions (sorted) holding a parameter the profile routes lossy at `phase`, of a model
+        whose parameters have `regions` (name -> region); kept per phase (the probes rotate over them)."""
+        key = id(phase)
+        if key not in self._model_lossy:
+            self._model_lossy[key] = tuple(sorted({r for n, r in regions.items()
+                                                   if self._wanted(phase, n, r) != "fp32"}))
+        return self._model_lossy[key]
+
+    def gated_everywhere(self, regions: dict[str, str], numels: dict[str, int]) -> bool:
+        """Whether the cost gate keeps FP32 for every lossy route of every phase, even with all of
+        the model's elements on that route in one bucket (the size most favourable to compression:
+        a collective's latency is paid once). `regions`, `numels`: per parameter name. False
+        without a cost model, with an explicit route, the gate off, or nothing lossy."""
+        fb = self.profile.fallback
+        if self.cost_model is None or self.explicit or not fb.cost_gate:
+            return False
+        lossy_any = False
+        for phase in self.profile.phases:
+            by_route: dict[str, tuple[int, int]] = {}
+            for name, region in regions.items():
+                route = self._wanted(phase, name, region)
+                if route == "fp32":
+                    continue
+                if region in fb.pinned:
+                    return False
+                n, k = by_route.get(route, (0, 0))
+                by_route[route] = (n + numels[name], k + 1)
+            for route, (numel, segments) in by_route.items():
+                key = self._pick(route, numel, segments)
+                if key is None or key == FP32:
+                    continue
+                lossy_any = True
+                if self.cost_model.cheaper_than_fp32(key, numel, self.world_size, segments):
+                    return False
+        return lossy_any
 
     def _lossy_regions(self, plan: BucketPlan, phase_id: int) -> frozenset[str]:
         phase = self._phases[phase_id]

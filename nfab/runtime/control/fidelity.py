@@ -85,15 +85,24 @@ def param_stride(numel: int) -> int:
     return max(1, -(-numel // PARAM_SAMPLES))
 
 
+def probe_mask(regions_of_slices: Sequence[str], probed: frozenset[str]) -> tuple[bool, ...] | None:
+    """Which slices of a group (given their regions, in group order) a probe of the regions
+    `probed` samples; None when it samples none of them (the group sends no probe part)."""
+    mask = tuple(r in probed for r in regions_of_slices)
+    return mask if any(mask) else None
+
+
 @lru_cache(maxsize=1024)
-def sample_layout(lengths: tuple[int, ...], device: torch.device) -> SampleLayout:
-    """The probe sample of a group whose slices have `lengths` (cached: a plan's groups repeat)."""
+def sample_layout(lengths: tuple[int, ...], device: torch.device, mask: tuple[bool, ...] | None = None) -> SampleLayout:
+    """The probe sample of a group whose slices have `lengths` (cached: a plan's groups repeat).
+    `mask`: sample only the slices marked True (the others count 0 samples); None: all of them."""
     src, dst, strides, counts, pos = [], [], [], [], 0
     for i, n in enumerate(lengths):
         k = param_stride(n)
-        c = -(-n // k)
-        src.append(torch.arange(pos, pos + n, k, dtype=torch.int64, device=device))
-        dst.append(torch.arange(i * PARAM_SAMPLES, i * PARAM_SAMPLES + c, dtype=torch.int64, device=device))
+        c = -(-n // k) if mask is None or mask[i] else 0
+        if c:
+            src.append(torch.arange(pos, pos + n, k, dtype=torch.int64, device=device))
+            dst.append(torch.arange(i * PARAM_SAMPLES, i * PARAM_SAMPLES + c, dtype=torch.int64, device=device))
         strides.append(k)
         counts.append(c)
         pos += n
@@ -123,7 +132,7 @@ def probe_stats(est: torch.Tensor, ref: torch.Tensor, layout: SampleLayout,
     f = torch.zeros(n * PARAM_SAMPLES, dtype=dt, device=dev).index_copy_(0, layout.dst, ref.to(dt)).view(n, -1)
     w = torch.ones(n, PARAM_SAMPLES, dtype=dt, device=dev)
     for i, (wi, k, c) in enumerate(zip(weights, layout.strides, layout.counts, strict=True)):
-        if wi is not None:
+        if wi is not None and c:
             w[i, :c] = wi[::k].to(dt)
     pe, pf = e * w, f * w
     cols = (e * f, e * e, f * f, pe * pf, pe * pe, pf * pf, (pe - pf).square())
@@ -145,7 +154,8 @@ def bucket_probe(est: torch.Tensor, ref: torch.Tensor, slices: Sequence[tuple[st
                  inverse_rms: Callable[[str], torch.Tensor | None] | None) -> tuple[tuple, torch.Tensor]:
     """A probed group's per-parameter sums: ((name, region, preconditioned, samples), ...) and
     the (slices, fields) device tensor. `slices`: (name, region) in group order."""
-    weights = [inverse_rms(name) if inverse_rms is not None else None for name, _ in slices]
+    weights = [inverse_rms(name) if inverse_rms is not None and c else None
+               for (name, _), c in zip(slices, layout.counts, strict=True)]
     meta = tuple((name, region, w is not None, c)
                  for (name, region), w, c in zip(slices, weights, layout.counts, strict=True))
     return meta, probe_stats(est, ref, layout, weights)
@@ -155,7 +165,7 @@ def read_params(meta: Sequence[tuple[str, str, bool, int]], flat: Sequence[float
     """`bucket_probe`'s tensor read to the host (flat, row after row), keyed by parameter name."""
     k = len(STAT_FIELDS)
     return {name: ParamProbe(region, pre, samples, tuple(flat[i * k : (i + 1) * k]))
-            for i, (name, region, pre, samples) in enumerate(meta)}
+            for i, (name, region, pre, samples) in enumerate(meta) if samples}  # unprobed slices: no entry
 
 
 def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, RegionFidelity]]:

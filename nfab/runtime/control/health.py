@@ -9,6 +9,16 @@ demotes the affected region classes to FP32 for at least `cooldown_steps`; a dem
 region is re-admitted after `readmit_after` consecutive healthy steps past the
 cool-down (hysteresis, so a borderline region does not flap).
 
+Alarms and shadows. Non-finite gradients demote every lossy region at once. A loss spike or a
+gradient-norm jump is only an alarm: under clipping, accumulation and a decaying learning rate
+the norm moves for healthy reasons. An alarm opens an FP32 shadow window (`Health.shadow_steps`
+steps on which every lossy region is probed against its FP32 mean); the region the shadow finds
+unfaithful is demoted, the others keep their route, and a window that finds every region
+faithful is counted a false alarm. The spike and jump thresholds were fitted on the calibration's
+reference run; for a longer run they are widened as the largest of more samples grows
+(`horizon_threshold`). While a window is open the baselines keep learning, so a healthy level
+shift does not raise the alarm again.
+
 Slow divergence. Low-bit training rarely fails with a spike: it drifts (on the held-out
 GPT under AdamW, sign + error feedback ended +56% with no spike, no norm jump and a plain
 probe cosine far above any floor). So every probe also gives a per-region fidelity in
@@ -88,6 +98,18 @@ class HealthState:
     probation_until: int = 0
     """Probe every step before this step: a route re-admitted after a drift demotion is watched
     closely (every `probe_every` steps it took ~20 steps to see it drift again, each time on the wire)."""
+    shadow_until: int = 0
+    """An alarm's FP32 shadow: steps before this one probe every lossy region; the window closes
+    at the fold of this step (where the last shadow probe's fidelity arrives)."""
+    shadow_needed: bool = False
+    """The open window demoted a region (the alarm was not false)."""
+    alarms: int = 0
+    false_alarms: int = 0
+    quiet_since: int = 0
+    """The step of the last health event (probes space out the longer the run stays quiet)."""
+    probe_bytes: int = 0
+    sent_bytes: int = 0
+    """Probe bytes and all bytes this rank sent so far (the same on every rank): `Health.probe_budget`."""
 
     def demoted(self) -> frozenset[str]:
         return frozenset(self.demoted_at)
@@ -109,10 +131,13 @@ class HealthState:
             "strikes": dict(self.strikes),
             "ef_off": sorted(self.ef_off),
             "probation_until": self.probation_until,
+            "shadow": [self.shadow_until, self.shadow_needed, self.alarms, self.false_alarms, self.quiet_since],
+            "bytes": [self.probe_bytes, self.sent_bytes],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> HealthState:
+        until, needed, alarms, false_alarms, quiet = d.get("shadow", [0, False, 0, 0, 0])  # absent before shadows
         return cls(
             d["loss_baseline"], d["norm_baseline"], int(d["steps_seen"]),
             {str(k): int(v) for k, v in d["demoted_at"].items()},
@@ -122,6 +147,8 @@ class HealthState:
             {str(k): int(v) for k, v in d.get("strikes", {}).items()},
             {str(r) for r in d.get("ef_off", [])},
             int(d.get("probation_until", 0)),
+            int(until), bool(needed), int(alarms), int(false_alarms), int(quiet),
+            *(int(b) for b in d.get("bytes", [0, 0])),
         )
 
 
@@ -129,8 +156,32 @@ def _ema(old: float | None, new: float, beta: float) -> float:
     return new if old is None else beta * old + (1 - beta) * new
 
 
+def horizon_threshold(ratio: float, fitted_steps: int | None, run_steps: int | None) -> float:
+    """A spike/jump threshold fitted as the largest ratio over `fitted_steps`, for a run of
+    `run_steps`: the largest of n roughly log-normal ratios grows like sqrt(2 ln n) standard
+    deviations, so the log of the threshold grows by sqrt(ln run / ln fitted). Unchanged when
+    either length is unknown or the run is not longer (a 100-step fit of 2.0 reads 2.16 at 300
+    steps, 2.37 at 1,000)."""
+    if not fitted_steps or not run_steps or run_steps <= fitted_steps or fitted_steps < 2:
+        return ratio
+    return math.exp(math.log(ratio) * math.sqrt(math.log(run_steps) / math.log(fitted_steps)))
+
+
+def for_run(cfg: Health, fitted_steps: int | None, run_steps: int | None) -> Health:
+    """`cfg` with its spike and jump thresholds widened for a run of `run_steps` (fitted over
+    `fitted_steps`: `horizon_threshold`); `cfg` itself when nothing changes."""
+    spike = horizon_threshold(cfg.loss_spike_ratio, fitted_steps, run_steps)
+    jump = horizon_threshold(cfg.grad_norm_jump, fitted_steps, run_steps)
+    if (spike, jump) == (cfg.loss_spike_ratio, cfg.grad_norm_jump):
+        return cfg
+    log.info("health thresholds fitted over %d steps, widened for a %d-step run: loss spike x%.3f, "
+             "grad-norm jump x%.3f", fitted_steps, run_steps, spike, jump)
+    return cfg.model_copy(update={"loss_spike_ratio": spike, "grad_norm_jump": jump})
+
+
 def global_reasons(state: HealthState, cfg: Health, obs: Observation) -> list[str]:
-    """Reasons that make the whole step unhealthy (empty when healthy)."""
+    """Reasons that make the whole step unhealthy (empty when healthy); `cfg` holds the thresholds
+    for this run's length (`horizon_threshold`, applied once at attach)."""
     reasons = []
     if obs.nonfinite:
         reasons.append("nonfinite")
@@ -144,12 +195,29 @@ def global_reasons(state: HealthState, cfg: Health, obs: Observation) -> list[st
     return reasons
 
 
+def unfaithful(cfg: Health, obs: Observation, candidates: frozenset[str]) -> tuple[str, ...]:
+    """Regions among `candidates` the step's probe found below `min_fidelity_cosine`: each probed
+    region by its own cosine (so one bad region does not demote the others); the step's cosine
+    stands for all of them only when the probe carried no per-region fidelity."""
+    if obs.probe_cosine is None:
+        return ()
+    probed = candidates & obs.probe_regions
+    if obs.fidelity:
+        return tuple(sorted(r for r in probed if r in obs.fidelity
+                            and obs.fidelity[r].cosine < cfg.min_fidelity_cosine))
+    return tuple(sorted(probed)) if obs.probe_cosine < cfg.min_fidelity_cosine else ()
+
+
 def observe(state: HealthState, cfg: Health, st: StepStats, fidelity: Mapping[str, RegionFidelity],
             probe_regions: frozenset[str], lossy: frozenset[str], with_ef: frozenset[str]) -> list[HealthEvent]:
     """Fold a finished step's agreed statistics into the monitor; the events it decided (logged)."""
     obs = Observation(st.step, st.loss, st.grad_norm, st.skipped, st.fidelity_cosine,
                       probe_regions if st.fidelity_cosine is not None else frozenset(), fidelity)
+    st.shadow = st.step < state.shadow_until  # this step's probe was a shadow's (decided before this fold)
     events = update(state, cfg, obs, lossy, with_ef)
+    st.alarms, st.false_alarms = state.alarms, state.false_alarms
+    state.probe_bytes += st.probe_wire_bytes
+    state.sent_bytes += st.wire_bytes
     for e in events:
         log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
     return events
@@ -164,26 +232,29 @@ def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
     events: list[HealthEvent] = []
     reasons = global_reasons(state, cfg, obs)
     healthy = not reasons
-    # demote: whole-step reasons hit every lossy region; a bad probe hits its regions
-    if reasons:
+    # demote every lossy region on a non-finite gradient (or on any alarm without shadows);
+    # a spike or jump opens a shadow window instead: its probes decide which region, if any
+    if "nonfinite" in reasons or (reasons and cfg.shadow_steps == 0):
         hit = tuple(sorted(lossy_regions - state.demoted()))
         events.append(HealthEvent(obs.step, "fallback", "+".join(reasons), hit))
         for r in hit:
             state.demoted_at[r] = obs.step
             state.healthy_streak[r] = 0
+    if reasons:  # a demoted region waits for healthy steps, whatever the alarm turns out to be
         for r in state.demoted():
             state.healthy_streak[r] = 0
     # the floor waits out the warm-up: Adam's first second moments rest on a few squared
     # gradients, and a probe read through them is noise (healthy bq2 read 0.25 at step 2)
-    if (obs.probe_cosine is not None and obs.probe_cosine < cfg.min_fidelity_cosine
-            and state.steps_seen >= cfg.warmup_steps):
-        hit = tuple(sorted((obs.probe_regions & lossy_regions) - state.demoted()))
+    if state.steps_seen >= cfg.warmup_steps:
+        hit = unfaithful(cfg, obs, lossy_regions - state.demoted())
         if hit:
-            events.append(HealthEvent(obs.step, "fallback", f"fidelity({obs.probe_cosine:.3f})", hit))
+            cos = min((obs.fidelity[r].cosine for r in hit if r in obs.fidelity), default=obs.probe_cosine)
+            events.append(HealthEvent(obs.step, "fallback", f"fidelity({cos:.3f})", hit))
             for r in hit:
                 state.demoted_at[r] = obs.step
                 state.healthy_streak[r] = 0
     events.extend(_drift(state, cfg, obs, lossy_regions, ef_regions - state.ef_off))
+    events.extend(_shadow(state, cfg, obs, reasons, lossy_regions, any(e.kind == "fallback" for e in events)))
     # re-admit after cool-down and a healthy streak
     if healthy:
         back = []
@@ -201,13 +272,38 @@ def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
             state.probes.pop(r, None)
         if back:
             events.append(HealthEvent(obs.step, "readmit", "healthy", tuple(back)))
-    # baselines learn only from healthy, finite steps (a spike must not poison them)
-    if healthy:
+    # baselines learn only from healthy, finite steps (a spike must not poison them), and while
+    # an alarm is under review (a healthy level shift must not alarm again when the window closes)
+    reviewing = state.shadow_until > obs.step and "nonfinite" not in reasons
+    if any(e.kind != "readmit" for e in events):
+        state.quiet_since = obs.step
+    if healthy or reviewing:
         if obs.loss is not None and math.isfinite(obs.loss):
             state.loss_baseline = _ema(state.loss_baseline, obs.loss, cfg.baseline_beta)
         if math.isfinite(obs.grad_norm):
             state.norm_baseline = _ema(state.norm_baseline, obs.grad_norm, cfg.baseline_beta)
     state.steps_seen += 1
+    return events
+
+
+def _shadow(state: HealthState, cfg: Health, obs: Observation, reasons: list[str], lossy_regions: frozenset[str],
+            demoted_now: bool) -> list[HealthEvent]:
+    """Close a shadow window whose last probe has been read (false alarm when it demoted no
+    region), then open one on a new spike or jump alarm (while none is open)."""
+    events = []
+    if state.shadow_until:
+        state.shadow_needed |= demoted_now
+        if obs.step >= state.shadow_until:
+            false = not state.shadow_needed
+            state.false_alarms += false
+            events.append(HealthEvent(obs.step, "shadow", "false alarm" if false else "demotion needed", ()))
+            state.shadow_until, state.shadow_needed = 0, False
+    if reasons and "nonfinite" not in reasons and cfg.shadow_steps > 0 and not state.shadow_until:
+        watched = tuple(sorted(lossy_regions - state.demoted()))
+        if watched:
+            state.shadow_until, state.shadow_needed = obs.step + 1 + cfg.shadow_steps, False
+            state.alarms += 1
+            events.append(HealthEvent(obs.step, "alarm", "+".join(reasons), watched))
     return events
 
 

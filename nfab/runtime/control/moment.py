@@ -125,6 +125,8 @@ class NoiseMoment:
                 var = pending.get(self._names.get(id(p)))
                 state = self.optimizer.state.get(p)
                 v = state.get("exp_avg_sq") if state else None
+                if hasattr(v, "to_local"):  # FSDP2: this rank's shard of v, corrected in place
+                    v = v.to_local()
                 if var is None or not isinstance(v, torch.Tensor) or v.numel() != var.numel():
                     continue
                 var = var.view_as(v).to(v.dtype)

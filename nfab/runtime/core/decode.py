@@ -69,12 +69,18 @@ def _probe_sums(launch: Launch, probed: list[tuple[Group, torch.Tensor]],
     ref = launch.probe.future.value()
     out, pos = [], 0
     for group, decoded in probed:
-        layout = fidelity.sample_layout(group.lengths, decoded.device)
+        layout = fidelity.sample_layout(group.lengths, decoded.device, _mask(launch, group))
         est = fidelity.sample(decoded, layout)
         out.append(fidelity.bucket_probe(est, ref[pos : pos + layout.numel], [(s.name, s.region) for s in group.slices],
                                          layout, inverse_rms))
         pos += layout.numel
     return tuple(out)
+
+
+def _mask(launch: Launch, group: Group) -> tuple[bool, ...] | None:
+    """The slices of a lossy group the bucket's probe sampled (as `encode.prepare_group` chose them)."""
+    assert launch.probe is not None
+    return fidelity.probe_mask([s.region for s in group.slices], launch.probe.regions)
 
 
 def _control_table(launch: Launch, w: int) -> torch.Tensor | None:
@@ -110,7 +116,7 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
             return None
         scale_mean = mean_of_ranks(enc.scale_cols.of(table)) if enc.scale_cols is not None else enc.shared
         decode = partial(red.decode, reduced, scale_mean, group.numel, group.lengths, w)
-    probed = launch.probe is not None and group.lossy
+    probed = launch.probe is not None and group.lossy and _mask(launch, group) is not None
     if enc.weights is not None:  # decoded in the preconditioned space: scale back, then write
         out = decode(out=None).mul_(enc.weights)
         write_into(buffer if group.whole else views(buffer, group), out)

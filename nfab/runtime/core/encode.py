@@ -39,7 +39,8 @@ class EncodeContext:
     rank: int
     param_index: dict[str, int]
     error_feedback: bool
-    probing: bool
+    probing: frozenset[str]
+    """Regions this step's probe samples (empty: no probe; `control/probes.py` rotates them)."""
     gathered: bool
     """The bucket goes out as one all-gather: qsum encodes with this rank's own scale."""
     residuals: dict[str, torch.Tensor]
@@ -131,7 +132,9 @@ def _in_place(ctx: EncodeContext, buffer: torch.Tensor, group: Group) -> bool:
     A group that needs a shared scale only in a gathered bucket, where qsum rounds in its own
     scale (`QSum.encode_own_views`): no agreement to wait for."""
     red = REDUCERS[group.key]
-    if group.key == FP32 or ctx.probing or ctx.error_feedback:
+    if group.key == FP32 or ctx.error_feedback:
+        return False
+    if ctx.probing and fidelity.probe_mask([s.region for s in group.slices], ctx.probing) is not None:
         return False
     if red.needs_shared_scale:
         return ctx.gathered and isinstance(red, QSum) and not group.whole
@@ -180,9 +183,10 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
         return Prepared(group)
     # a whole-bucket group works on the bucket itself: it is overwritten by the result
     x = buffer if group.whole else gather_slices(buffer, group)
-    if ctx.probing:
+    mask = fidelity.probe_mask([s.region for s in group.slices], ctx.probing) if ctx.probing else None
+    if mask is not None:
         # before EF; per parameter, so a parameter's sample does not depend on its bucket
-        probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device)))
+        probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device, mask)))
     if ctx.error_feedback:
         add_residuals(ctx.residuals, x, group, ctx.ef_off)
     raw, weights, local, shared = x, None, None, None
@@ -294,12 +298,13 @@ def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: i
     return sent, ctrl_part, table, [fut], allgather_factor(w) * row.numel()
 
 
-def launch_probe(parts: list[torch.Tensor], w: int, pg: dist.ProcessGroup | None) -> Probe | None:
-    """The bucket's probe samples (every lossy group's), FP32-mean all-reduced beside it."""
+def launch_probe(parts: list[torch.Tensor], w: int, pg: dist.ProcessGroup | None,
+                 regions: frozenset[str] = frozenset()) -> Probe | None:
+    """The bucket's probe samples (its lossy groups' slices in `regions`), FP32-mean all-reduced beside it."""
     if not parts:
         return None
     sample = torch.cat(parts).mul_(1.0 / w)
-    return Probe(REDUCERS[FP32].launch(sample, w, pg), sample.numel())
+    return Probe(REDUCERS[FP32].launch(sample, w, pg), sample.numel(), regions)
 
 
 def _cols(word: control.Builder, scales: torch.Tensor | None) -> control.Columns | None:

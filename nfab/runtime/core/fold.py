@@ -21,6 +21,7 @@ from nfab.runtime.control.fidelity import RegionFidelity
 from nfab.runtime.control.health import HealthEvent
 from nfab.runtime.core.handoff import Launch, Outcome
 from nfab.runtime.stats import StepStats
+from nfab.wire.registry import allreduce_factor
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class Folded:
         # `fallback` flags a safety event (health, capacity, non-finite); the cost gate's
         # steady routing to FP32 where compression does not pay is named in the reason only
         st.fallback = any(why != "cost" for why in self.reasons)
+        st.cost_gated = "cost" in self.reasons
         st.fallback_reason = "; ".join(
             f"{why}({','.join(sorted(regs))})" if regs else why for why, regs in sorted(self.reasons.items()))
 
@@ -133,7 +135,7 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
         amax = [(names, next(host)) for names, _ in o.amax]
         st.saturated_slices += sum(int(next(host)[0]) for _ in o.saturated)
         probed = [(meta, next(host)) for meta, _ in o.probe]
-        _account(st, la, o)
+        _account(st, la, o, world_size)
         for why, region in la.routes.fallbacks:
             out.reasons.setdefault(why, set()).add(region)
         if not bad:
@@ -156,8 +158,10 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
     return out
 
 
-def _account(st: StepStats, la: Launch, o: Outcome) -> None:
+def _account(st: StepStats, la: Launch, o: Outcome, world_size: int) -> None:
     st.wire_bytes += int(round(la.wire_bytes))
+    if la.probe is not None:  # sent as one FP32 all-reduce of its samples (counted in wire_bytes too)
+        st.probe_wire_bytes += int(round(allreduce_factor(world_size) * la.probe.numel * 4))
     st.baseline_wire_bytes += int(round(la.baseline_bytes))
     if la.levels is not None:
         st.intra_node_bytes += int(round(la.levels.intra_bytes))

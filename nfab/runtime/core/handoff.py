@@ -63,6 +63,8 @@ class Probe:
 
     future: torch.futures.Future
     numel: int
+    regions: frozenset[str] = frozenset()
+    """The regions this probe samples (a group's slices outside them send no sample)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,9 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nfab.runtime.control.moment import rounding_variance
 from nfab.wire import noise
 from nfab.wire.blockq.reducer import BlockQSum
-from nfab.wire.blockq.scatter import BlockQScatter
+from nfab.wire.blockq.scatter import BlockQScatter, consecutive
 from nfab.wire.contract import allgather_factor, allreduce_factor, gather_scales
 from nfab.wire.sign.scatter import SignScatter, reduce_scatter_factor
 
@@ -40,6 +41,8 @@ class RowResult:
     mean: torch.Tensor
     wire_bytes: float
     collectives: int
+    variance: torch.Tensor | None = None
+    """Block routes: the rounding variance of each element of the row's mean (`control/moment.py`)."""
 
 
 def padded_row(red: BlockQScatter | SignScatter, numel: int, world_size: int) -> int:
@@ -48,10 +51,13 @@ def padded_row(red: BlockQScatter | SignScatter, numel: int, world_size: int) ->
 
 
 def block_reduce_scatter(red: BlockQScatter, rows: torch.Tensor, segments: Sequence[Sequence[int]],
-                         seeds: np.ndarray, rank: int, group: dist.ProcessGroup | None) -> RowResult:
+                         seeds: np.ndarray, rank: int, group: dist.ProcessGroup | None,
+                         out: torch.Tensor | None = None, with_variance: bool = False) -> RowResult:
     """Mean of row `rank` over the W ranks' `rows` (W, C), block-scaled: `segments[r]` is row r's
     segment table (summing to C), `seeds` one noise seed per segment of all rows (the same on every
-    rank). The rows are read where they lie; only their uint8 levels are padded to whole containers."""
+    rank). The rows are read where they lie; only their uint8 levels are padded to whole containers.
+    `out` (C fp32 elements): decoded into directly (no row buffer) where the sums' packing is consecutive.
+    `with_variance`: also the row's rounding variance per element, from its agreed codes."""
     w, c = rows.shape
     padded = padded_row(red, c, w)
     flat_lengths = [n for seg in segments for n in seg]
@@ -68,13 +74,16 @@ def block_reduce_scatter(red: BlockQScatter, rows: torch.Tensor, segments: Seque
     before = sum(red.blocks_for(n) for seg in segments[:rank] for n in seg)
     row_lengths = list(segments[rank])
     row_codes = codes[before : before + sum(red.blocks_for(n) for n in row_lengths)]
-    if padded != c:  # the tail decodes with code 0 (an all-zero block): 0
+    variance = rounding_variance(red, row_codes, row_lengths, w, None) if with_variance else None
+    if padded == c or consecutive(red.layout(w)):  # the row's first C sums are its elements: decode those
+        mean = BlockQSum.decode(red, sums, row_codes, c, row_lengths, w, out)
+    else:  # bit lanes of several blocks: decode the padded row; the tail (code 0, all-zero block) is 0
         row_lengths.append(padded - c)
         row_codes = torch.cat([row_codes, row_codes.new_zeros(red.blocks_for(padded - c))])
-    mean = BlockQSum.decode(red, sums, row_codes, padded, row_lengths, w)[:c]
+        mean = BlockQSum.decode(red, sums, row_codes, padded, row_lengths, w)[:c]
     nbytes = (reduce_scatter_factor(w) * payload.numel() * payload.element_size()
               + allreduce_factor(w) * codes.numel())
-    return RowResult(mean, nbytes, 2)
+    return RowResult(mean, nbytes, 2, variance)
 
 
 def sign_reduce_scatter(red: SignScatter, rows: torch.Tensor, segments: Sequence[Sequence[int]], rank: int,

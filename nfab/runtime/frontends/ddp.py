@@ -50,9 +50,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from nfab.profile.schema import Profile
+from nfab.profile.schema import Phase, Profile
 from nfab.runtime.bindings import classify
 from nfab.runtime.control import health as health_mod
+from nfab.runtime.control import probes
 from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import BucketRoutes
 from nfab.runtime.control.fidelity import RegionFidelity
@@ -127,6 +128,7 @@ class Runtime(RuntimeState):
         # this rank's last probe (plain cosine and its regions; per-region fidelity): the next first word carries it
         self._cosine_next: tuple[float, frozenset[str]] | None = None
         self._fidelity_next: dict[str, RegionFidelity] = {}
+        self._probing: tuple[int, frozenset[str]] | None = None
 
     @property
     def qsum_scale(self) -> str:
@@ -243,8 +245,8 @@ class Runtime(RuntimeState):
         phase = self.controller.phase(self.step)
         routes = self.controller.routes(plan, phase, self.health.demoted())
         w, pre = self.world_size, self.preconditioner
-        # every lossy bucket on a probe step: each region's drift trend needs its own samples
-        probing = routes.has_lossy and self._probe_step()
+        # a probe step samples its regions (`control/probes.py`) in every lossy bucket
+        probing = self._probe_regions(phase) if routes.has_lossy else frozenset()
         gathered = self._gathered.get(id(routes))
         if gathered is None or gathered[0] is not routes:  # a pure function of the (cached) routes
             gathered = self._gathered[id(routes)] = (routes, not self.two_level and coalesce.should_coalesce(
@@ -271,7 +273,7 @@ class Runtime(RuntimeState):
         else:
             sent, recv, futs, nbytes, collectives = encode.launch_each(encoded, ctrl, w, pg)
             ctrl_part, rows = None, None
-        probe = encode.launch_probe(probe_parts, w, pg)
+        probe = encode.launch_probe(probe_parts, w, pg, ctx.probing)
         if probe is not None:
             futs.append(probe.future)
             nbytes += allreduce_factor(w) * probe.numel * 4
@@ -317,10 +319,15 @@ class Runtime(RuntimeState):
             self.plans[key] = plan
         return plan
 
-    def _probe_step(self) -> bool:
-        h = self.profile.health  # dense early probes feed the drift monitor (it reads the optimizer's 2nd moment)
-        dense = self.preconditioner is not None and self.step < max(h.dense_probe_steps, self.health.probation_until)
-        return h.probe_every > 0 and (self.step % h.probe_every == 0 or dense)
+    def _probe_regions(self, phase: Phase) -> frozenset[str]:
+        """The regions this step's probe samples (asked by every bucket: the step's answer is kept);
+        dense early probes feed the drift monitor (it reads the optimizer's 2nd moment)."""
+        if self._probing is None or self._probing[0] != self.step:
+            lossy = self.controller.model_lossy(phase, self.regions)
+            ef = self.error_feedback and phase.error_feedback and bool(set(lossy) - self.health.ef_off)
+            self._probing = (self.step, probes.probe_regions(self.step, self.profile.health, self.health, lossy,
+                                                             dense=self.preconditioner is not None, watch_all=ef))
+        return self._probing[1]
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""

@@ -39,35 +39,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
+from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.core import rowscatter
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
+from nfab.runtime.frontends.fsdp_layout import ShardCost, codec_for, fsdp_modules, group_entries
 from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.blockq.scatter import BlockQScatter
 from nfab.wire.contract import all_gather_flat, allgather_factor, reduce_scatter_flat
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import REDUCERS
-from nfab.wire.routes import BLOCK_ROUTES
 from nfab.wire.sign.scatter import SignScatter
-
-FSDP_ROUTES = ("fp32", "sign", *BLOCK_ROUTES)
-"""Routes the FSDP2 front end reduces as asked; q8/q4/q2 and bf16/fp16 go FP32 (fallback `fsdp`)."""
-
-
-def codec_for(route: str) -> BlockQScatter | SignScatter | None:
-    """The reduce-scatter codec of a route (None: FP32)."""
-    if route == "sign":
-        return REDUCERS["signscatter"]  # type: ignore[return-value]
-    if route in BLOCK_ROUTES:
-        return REDUCERS[f"blockqscatter-{route}"]  # type: ignore[return-value]
-    return None
 
 
 @dataclass(slots=True)
@@ -93,11 +81,13 @@ class ShardedRuntime(RuntimeState):
                  total_steps: int | None = None, seed: int = 0, head_modules: tuple[str, ...] | None = None,
                  group: dist.ProcessGroup | None = None) -> None:
         super().__init__(profile, dist.get_world_size(group), dist.get_rank(group), explicit=explicit,
-                         cost_model=cost_model, total_steps=total_steps, seed=seed)
+                         cost_model=ShardCost(cost_model) if cost_model is not None else None,  # type: ignore[arg-type]
+                         total_steps=total_steps, seed=seed)
         self.group = group
         self.regions = {n: b.region for n, b in classify(root, head_modules).items()}
         self.param_index = {n: i for i, n in enumerate(self.regions)}
         self.error_feedback = False
+        self.moment: NoiseMoment | None = None  # attach(noise_moment=): block routes' rounding noise out of v
         self.comms: list[NfabReduceScatter] = []
         self._records: list[CallRecord] = []
         self._reduced: set[int] = set()
@@ -145,7 +135,7 @@ class ShardedRuntime(RuntimeState):
                 label = "fp32"
             elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
             if codec is None:
-                nbytes += self._plain(rows, output, g, group, op)
+                nbytes += self._plain(rows, output, g, group, op, comm)
             else:
                 res = self._lossy(codec, rows, output, g, group, op, comm)
                 nbytes += res.wire_bytes
@@ -171,18 +161,20 @@ class ShardedRuntime(RuntimeState):
         work = all_gather_flat(word, mine, group=group, async_op=True)
         return word.view(self.world_size, 2), work
 
-    def _plain(self, rows: torch.Tensor, output: torch.Tensor, g: Group, group: dist.ProcessGroup,
-               op: Any) -> float:
-        """An FP32 group: `reduce_scatter_tensor` with FSDP2's own op (in place when it is the whole row)."""
+    def _plain(self, rows: torch.Tensor, output: torch.Tensor, g: Group, group: dist.ProcessGroup, op: Any,
+               comm: NfabReduceScatter) -> float:
+        """An FP32 group: `reduce_scatter_tensor` with FSDP2's own op (on the whole input when it is the
+        whole row). PREMUL_SUM(f) is sent as x * f summed (what it means; gloo has no PREMUL_SUM)."""
         w = self.world_size
-        if g.whole:
-            reduce_scatter_flat(output, rows.reshape(-1), op=op, group=group)
-            return rowscatter.plain_bytes(rows.shape[1], w, rows.element_size())
-        cols = [rows[:, s.offset : s.offset + s.numel] for s in g.slices]
-        part = torch.cat(cols, dim=1)
-        out = torch.empty(part.shape[1], dtype=part.dtype, device=part.device)
+        premul = _premul_factor(op, comm.divide_factor())
+        part = rows if g.whole else torch.cat([rows[:, s.offset : s.offset + s.numel] for s in g.slices], dim=1)
+        if premul is not None:
+            part = part.mul_(premul) if g.whole else part.mul(premul)
+            op = dist.ReduceOp.SUM
+        out = output if g.whole else torch.empty(part.shape[1], dtype=part.dtype, device=part.device)
         reduce_scatter_flat(out, part.reshape(-1), op=op, group=group)
-        _write_row(output, out, g)
+        if not g.whole:
+            _write_row(output, out, g)
         return rowscatter.plain_bytes(part.shape[1], w, part.element_size())
 
     def _lossy(self, codec: BlockQScatter | SignScatter, rows: torch.Tensor, output: torch.Tensor, g: Group,
@@ -203,16 +195,25 @@ class ShardedRuntime(RuntimeState):
                 x[:, pos : pos + s.numel] = rows[:, s.offset : s.offset + s.numel]
                 pos += s.numel
         segments = comm.segments(names, padded)
+        direct = output if g.whole and output.dtype == torch.float32 else None  # decoded in place, no row buffer
         if isinstance(codec, BlockQScatter):
             res = rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
-                                                  self.rank, group)
+                                                  self.rank, group, direct, self.moment is not None)
         else:
             res = rowscatter.sign_reduce_scatter(codec, x, segments, self.rank, group)
         mean = res.mean[:numel]
         factor = _op_factor(op, w, comm.divide_factor())
+        if res.variance is not None and self.moment is not None:  # each parameter's real share of the row
+            var = res.variance.mul_(factor * factor) if factor != 1.0 else res.variance
+            by_name, pos, parts = comm.layout.by_name(), 0, []
+            for s in g.slices:
+                parts.append(var[pos : pos + by_name[s.name].real(self.rank)])
+                pos += s.numel
+            self.moment.record(names, [t.numel() for t in parts], torch.cat(parts))
+        if mean.data_ptr() != output.data_ptr():
+            _write_row(output, mean, g)
         if factor != 1.0:
-            mean = mean * factor
-        _write_row(output, mean, g)
+            _scale_row(output, factor, g)
         return res
 
     def _seeds(self, comm: NfabReduceScatter, names: tuple[str, ...], padded: int) -> np.ndarray:
@@ -306,6 +307,27 @@ def _write_row(output: torch.Tensor, values: torch.Tensor, g: Group) -> None:
         pos += s.numel
 
 
+def _scale_row(output: torch.Tensor, factor: float, g: Group) -> None:
+    """A group's part of the output times FSDP2's op factor (in place)."""
+    if g.whole:
+        output.mul_(factor)
+        return
+    for s in g.slices:
+        output[s.offset : s.offset + s.numel].mul_(factor)
+
+
+def _premul_factor(op: Any, divide_factor: float | None) -> float | None:
+    """f of a PREMUL_SUM(f) op (the op's own, else 1 / FSDP2's divide factor); None for other ops."""
+    if op != dist.ReduceOp.PREMUL_SUM:
+        return None
+    factor = getattr(op, "factor", None)
+    if isinstance(factor, float | int):
+        return float(factor)
+    if divide_factor is None:
+        raise NfabError("FSDP2 asked for PREMUL_SUM without a gradient divide factor")
+    return 1.0 / divide_factor
+
+
 def _op_factor(op: Any, world_size: int, divide_factor: float | None) -> float:
     """What multiplies the decoded mean for FSDP2's op: 1 for AVG, W for SUM (divides done outside,
     `set_force_sum_reduction_for_comms`), W / factor for PREMUL_SUM(1 / factor)."""
@@ -313,53 +335,10 @@ def _op_factor(op: Any, world_size: int, divide_factor: float | None) -> float:
         return 1.0
     if op == dist.ReduceOp.SUM:
         return float(world_size)
-    if op == dist.ReduceOp.PREMUL_SUM:
-        factor = getattr(op, "factor", None)
-        if factor is not None and not callable(factor):
-            return world_size * float(factor)
-        if divide_factor is None:
-            raise NfabError("FSDP2 asked for PREMUL_SUM without a gradient divide factor")
-        return world_size / divide_factor
+    premul = _premul_factor(op, divide_factor)
+    if premul is not None:
+        return world_size * premul
     raise NfabError(f"FSDP2 reduce-scatter op {op} is not supported by nfab (AVG, SUM, PREMUL_SUM are)")
-
-
-def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
-    """Every `fully_shard` module under (and including) `root`."""
-    return [m for m in root.modules() if isinstance(m, FSDPModule)]
-
-
-def group_entries(module: FSDPModule, names: dict[int, str],
-                  regions: dict[str, str]) -> tuple[Any, list[tuple[str, str, int, int]]] | None:
-    """The module's one param group and its (name, region, padded shard numel, numel) in reduce order;
-    None for a module without parameters of its own. Refused with one line: several param groups,
-    HSDP, a dim other than 0 sharded, a custom reduce-scatter already installed."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
-    state = module._get_fsdp_state()
-    groups = state._fsdp_param_groups
-    if not groups:
-        return None
-    if len(groups) > 1:
-        raise NfabError("nfab.attach: an FSDP2 module with several param groups (per-parameter meshes) "
-                        "has no single reduce-scatter to replace")
-    pg = groups[0]
-    if getattr(pg, "_is_hsdp", False):
-        raise NfabError("nfab.attach: HSDP's replicate all-reduce cannot be customised in FSDP2; shard on "
-                        "one mesh dimension")
-    if type(pg._reduce_scatter_comm) is not DefaultReduceScatter:
-        raise NfabError(f"nfab.attach: this FSDP2 module already has a custom reduce-scatter "
-                        f"({type(pg._reduce_scatter_comm).__name__}, e.g. symmetric memory): nfab would replace it")
-    entries = []
-    for fp in pg.fsdp_params:
-        if fp.fsdp_placement.dim != 0:
-            raise NfabError(f"nfab.attach: a parameter sharded on dim {fp.fsdp_placement.dim} "
-                            "(shard_placement_fn): nfab's FSDP2 layout needs dim-0 shards")
-        name = names.get(id(fp.sharded_param))
-        if name is None:
-            raise NfabError("nfab.attach: an FSDP2 parameter is not among the root module's parameters")
-        entries.append((name, regions.get(name, "other"), fp.padded_sharded_param_size.numel(),
-                        fp._orig_size.numel()))
-    return pg, entries
 
 
 def install(runtime: ShardedRuntime, root: nn.Module) -> list[NfabReduceScatter]:
@@ -379,96 +358,3 @@ def install(runtime: ShardedRuntime, root: nn.Module) -> list[NfabReduceScatter]
     return comms
 
 
-def shard_group(root: nn.Module) -> dist.ProcessGroup | None:
-    """The process group FSDP2 reduce-scatters over (the root's shard group)."""
-    assert isinstance(root, FSDPModule)
-    groups = root._get_fsdp_state()._fsdp_param_groups
-    if not groups:
-        mods = [m for m in fsdp_modules(root) if m._get_fsdp_state()._fsdp_param_groups]
-        if not mods:
-            raise NfabError("nfab.attach: this FSDP2 model has no sharded parameters")
-        groups = mods[0]._get_fsdp_state()._fsdp_param_groups
-    return groups[0].mesh_info.shard_process_group
-
-
-def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | str, hierarchy: object,
-                  noise_moment: bool | str) -> None:
-    """What the FSDP2 front end refuses, one line each: error feedback, a hierarchy, the noise-corrected
-    moment (asked for explicitly), an explicit route it cannot reduce as asked."""
-    if error_feedback is True:
-        raise NfabError("error_feedback=True is not offered on FSDP2: a residual per parameter would keep a "
-                        "full-size gradient on every rank")
-    if hierarchy not in (None, "flat"):
-        raise NfabError("hierarchy= is not offered on FSDP2: its reduce-scatter is one level")
-    if noise_moment is True:
-        raise NfabError("noise_moment=True is not offered on FSDP2 yet")
-    if explicit:
-        bad = sorted(r for r in profile.routes_used() if r not in FSDP_ROUTES)
-        if bad:
-            raise NfabError(f"route {', '.join(bad)} is not offered on FSDP2 (routes: {', '.join(FSDP_ROUTES)})")
-
-
-@dataclass(frozen=True, slots=True)
-class StepBytes:
-    """Reduce-scatter bytes one rank sends per step: nfab's, and plain FSDP2's in fp32 and bf16."""
-
-    nfab: float
-    fsdp_fp32: float
-    fsdp_bf16: float
-    route_elements: dict[str, int]
-
-
-def step_wire_bytes(layouts: list[ShardLayout], profile: Profile, *, explicit: bool = True, step: int = 0,
-                    cost_model: CostModel | None = None) -> StepBytes:
-    """What a step of `profile` sends per rank over `layouts` (one per FSDP2 module, at their W), with
-    no process group (`nfab inspect --parallel fsdp`, on meta): the counts `ShardedRuntime` reports."""
-    from nfab.runtime.control.controller import Controller
-
-    if not layouts:
-        return StepBytes(0.0, 0.0, 0.0, {})
-    w = layouts[0].world_size
-    ctl = Controller(profile, w, cost_model, explicit=explicit)
-    phase = ctl.phase(step)
-    nbytes, fp32, bf16, elements = 0.0, 0.0, 0.0, {}
-    for lay in layouts:
-        nbytes += allgather_factor(w) * 8.0  # the control word
-        fp32 += rowscatter.plain_bytes(lay.chunk, w, 4)
-        bf16 += rowscatter.plain_bytes(lay.chunk, w, 2)
-        real = lay.by_name()
-        for g in ctl.routes(lay.plan(), phase, frozenset()).groups:
-            codec = codec_for(REDUCERS[g.key].route)
-            label = "fp32" if codec is None else codec.route
-            elements[label] = elements.get(label, 0) + sum(real[s.name].numel for s in g.slices)
-            if codec is None:
-                nbytes += rowscatter.plain_bytes(g.numel, w, 4)
-                continue
-            padded = g.numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, g.numel, w)
-            names = tuple(s.name for s in g.slices)
-            segments = [row_segments(lay, names, r, padded) for r in range(w)]
-            nbytes += rowscatter.lossy_bytes(codec, segments, w)
-    return StepBytes(nbytes, fp32, bf16, elements)
-
-
-def plan_layouts(root: nn.Module, units: list[nn.Module], world_size: int,
-                 head_modules: tuple[str, ...] | None = None) -> list[ShardLayout]:
-    """The layouts `fully_shard` on each of `units` and on `root` would give at `world_size`, without
-    sharding anything (a meta model at W = 512 is fine): each unit owns its parameters not owned by a
-    unit inside it, in `named_parameters` order, each padded to ceil(d0 / W) rows per rank."""
-    regions = {n: b.region for n, b in classify(root, head_modules).items()}
-    names = {id(p): n for n, p in root.named_parameters()}
-    owned: set[int] = set()
-    out = []
-    for unit in [*units, root]:  # inner units first: as FSDP2 assigns parameters
-        entries = []
-        for p in unit.parameters():
-            if id(p) in owned or not p.requires_grad:
-                continue
-            owned.add(id(p))
-            rows = p.shape[0] if p.dim() else 1
-            per_row = p.numel() // max(rows, 1)
-            shard_rows = -(-rows // world_size)
-            name = names[id(p)]
-            entries.append((name, regions.get(name, "other"), shard_rows * per_row, p.numel()))
-        if entries:
-            out.append(build_layout(entries, world_size))
-    return out
