@@ -37,7 +37,9 @@ def _rows(run: Any) -> list[tuple[str, dict[str, Any]]]:
     if "variants" in run:  # nfab bench tta (a variant that never reached the target has no time: left out)
         return list(run["variants"].items())
     nfab = run.get("nfab", {})  # the hook's own numbers per nfab variant (hook_ms_median, bytes)
-    return [(r["variant"], {**nfab.get(r["variant"], {}), **r}) for r in run["rows"]]
+    bucket = run.get("config", {}).get("nfab_bucket_mb")  # a bucket-size sweep shares its setting's file
+    tag = f"@{bucket:g}MB" if isinstance(bucket, (int, float)) else ""
+    return [(r["variant"] + tag, {**nfab.get(r["variant"], {}), **r}) for r in run["rows"]]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
