@@ -130,11 +130,11 @@ def attach(
         explicit = False
     module = ddp_model if sharded else ddp_model.module
     check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
-    if sharded:
-        fsdp_layout.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy)
     if not explicit:  # spike/jump thresholds fitted on a shorter reference run: widened for this one
         run_steps = total_steps or calibrated_steps(prof, "run_steps")
         prof = prof.model_copy(update={"health": for_run(prof.health, calibrated_steps(prof), run_steps)})
+    if sharded:
+        fsdp_layout.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy)
     group = fsdp_layout.shard_group(ddp_model) if sharded else ddp_model.process_group
     if cost_model == "measure":
         cm = cost_mod.measure(group, device=_grad_device(ddp_model))

@@ -46,6 +46,8 @@ class CalibratedSetting(FrozenModel):
     optimizer: CalibratedOptimizer
     schedule: ScheduleConfig | None = None
     steps: int = Field(ge=1)
+    run_steps: int | None = Field(None, ge=1)
+    """Steps of the training run the profile is for, when the calibration (`steps`) was shorter."""
     batch_size: int = Field(ge=1)
     seed: int = 0
     trial_steps: int | None = None

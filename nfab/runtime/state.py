@@ -54,8 +54,11 @@ class RuntimeState:
         return loss
 
     def observe_health(self, st: StepStats, lossy: frozenset[str]) -> list[health_mod.HealthEvent]:
-        """Fold a finished step's agreed statistics into the health monitor (no probes)."""
-        events = health_mod.observe(self.health, self.profile.health, st, {}, frozenset(), lossy, frozenset())
+        """Fold a finished step's agreed statistics into the health monitor (no probes: a shadow window
+        could not answer, so a spike or jump demotes every lossy region, as `shadow_steps: 0` says)."""
+        cfg = self.profile.health
+        cfg = cfg.model_copy(update={"shadow_steps": 0}) if cfg.shadow_steps else cfg
+        events = health_mod.observe(self.health, cfg, st, {}, frozenset(), lossy, frozenset())
         self.events.extend(events)
         return events
 

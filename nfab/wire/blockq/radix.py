@@ -66,19 +66,54 @@ def _powers(radix: int, digits: int, device: torch.device) -> torch.Tensor:
 
 
 def pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
-    """int64 containers holding `values` (each in 0..radix-1) as base-R digits."""
+    """int64 containers holding `values` (each in 0..radix-1) as base-R digits.
+
+    Horner's rule over the (containers, digits) view, in place on one int64 column: k - 1
+    multiply-adds on a container each, not an int64 copy of every digit times its power
+    (the same integers: every partial sum stays below R^k <= 2^63)."""
     n, k = values.numel(), layout.digits
     m = layout.containers_for(n)
-    v = torch.zeros(m * k, dtype=torch.int64, device=values.device)
-    v[:n] = values.reshape(-1)
-    return (v.view(m, k) * _powers(layout.radix, k, values.device)).sum(1)
+    flat = values.reshape(-1)
+    if n < m * k:
+        flat = torch.cat([flat, flat.new_zeros(m * k - n)])
+    grid = flat.view(m, k)
+    acc = grid[:, k - 1].to(torch.int64, copy=True)  # a copy: never the caller's int64 values
+    for j in range(k - 2, -1, -1):
+        acc.mul_(layout.radix).add_(grid[:, j])
+    return acc
 
 
-def unpack(containers: torch.Tensor, layout: RadixLayout, numel: int) -> torch.Tensor:
-    """The first `numel` digits of the (summed) containers, int64, in element order."""
-    c = containers.reshape(-1).clone()
-    out = torch.empty(c.numel(), layout.digits, dtype=torch.int64, device=c.device)
-    for j in range(layout.digits):
-        torch.remainder(c, layout.radix, out=out[:, j])
-        c.floor_divide_(layout.radix)
+_EXACT_RADIX = 1 << 20
+"""Below this radix the digits come out of float64 arithmetic exactly (see `unpack`)."""
+
+
+def unpack(containers: torch.Tensor, layout: RadixLayout, numel: int,
+           dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """The first `numel` digits of the (summed) containers, in element order (`dtype`: int64, or
+    a float type that holds R - 1 exactly).
+
+    Each container is split once in int64 into two halves below 2^33 (c = hi * R^h + lo); their
+    digits then come from float64 division, which vectorises where integer division does not
+    (torch's int64 remainder ran one scalar `idiv` per digit). Exact: for p < 2^33 and R < 2^20,
+    fl(p / R) lies within half an ulp (< 2^-20 < 1/R) of p/R, whose fraction is at most
+    1 - 1/R, so its floor is the true quotient; products and differences of whole numbers
+    below 2^53 are exact."""
+    c = containers.reshape(-1)
+    m, k, r = c.numel(), layout.digits, layout.radix
+    out = torch.empty(m, k, dtype=dtype, device=c.device)
+    if r >= _EXACT_RADIX:  # never chosen by any layout in use: the integer path, kept exact
+        rest = c.clone()
+        for j in range(k):
+            out[:, j] = torch.remainder(rest, r)
+            rest.floor_divide_(r)
+        return out.view(-1)[:numel]
+    h = (k + 1) // 2
+    hi = torch.div(c, r**h, rounding_mode="floor")
+    lo = (c - hi * r**h).to(torch.float64)
+    for part, first, count in ((lo, 0, h), (hi.to(torch.float64), h, k - h)):
+        q = torch.empty_like(part)
+        for j in range(first, first + count):
+            torch.div(part, r, out=q).floor_()
+            out[:, j].copy_(part.sub_(q, alpha=r))  # the digit: part - R * floor(part / R)
+            part, q = q, part
     return out.view(-1)[:numel]

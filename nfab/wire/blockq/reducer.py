@@ -48,11 +48,11 @@ import torch
 import torch.distributed as dist
 
 from nfab.wire import dispatch, host_slices, noise
-from nfab.wire.blockq import radix
+from nfab.wire.blockq import grid, radix
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
+from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
 from nfab.wire.segments import nonfinite_sum
 
 try:
@@ -197,9 +197,13 @@ class BlockQSum(Reducer):
         """This rank's max |x| per block (fp32; non-finite when the block holds NaN/Inf)."""
         if _compiled(x) and x.dtype in host_slices.FLOAT_DTYPES:
             return self._local_scale_compiled(x, tuple(lengths))
-        bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
-        out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
-        out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 buckets too
+        parts = grid.pieces(tuple(lengths), self.block)
+        if parts is not None:  # row maxima of block views: no per-element index
+            out = grid.block_amax(x, parts, self.blocks_in(lengths))
+        else:
+            bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
+            out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
+            out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 too
         # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
         out[:1] = torch.where(nonfinite_sum(x), torch.full_like(out[:1], math.nan), out[:1])
         return out
@@ -229,6 +233,18 @@ class BlockQSum(Reducer):
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
         return codes
 
+    def blocks_in(self, lengths: Sequence[int]) -> int:
+        """Blocks (scale codes) of a bucket of segments `lengths` (blocks restart per segment)."""
+        return sum(-(-n // self.block) for n in lengths)
+
+    def scale_blocks_(self, flat: torch.Tensor, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """flat (fp32, one value per element) times its block's agreed scale, in place: broadcast over
+        block views where the layout allows (`grid`), else a gathered per-element scale. Same bits."""
+        parts = grid.pieces(tuple(lengths), self.block)
+        if parts is None:
+            return flat.mul_(self.element_scales(shared, lengths))
+        return grid.mul_blocks_(flat, self._block_scales(shared), parts)
+
     def element_scales(self, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """The agreed scale of every element (its block's)."""
         bid, nblocks = _block_index(tuple(lengths), self.block, shared.device)
@@ -249,10 +265,9 @@ class BlockQSum(Reducer):
         levels, compiled = self.round_levels(x, lengths, shared_scale, generator)
         payload = self.pack_levels(levels, world_size, compiled)
         m = self.steps
-        unit = torch.arange(m + 1, dtype=torch.float32, device=x.device) * (2.0 / m) - 1.0
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
-            return unit[levels.long()] * self.element_scales(shared_scale, lengths)
+            return self.scale_blocks_(unit_values(levels, m), shared_scale, lengths)
 
         return Encoded(payload, None, make_local=local)
 
@@ -273,9 +288,14 @@ class BlockQSum(Reducer):
                 stratum: noise.Stratum) -> torch.Tensor:
         """The reference (torch ops, any device): stochastically rounded levels, uint8."""
         m = self.steps
-        scale = self.element_scales(shared, lengths)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        t = torch.div(x.to(torch.float32), safe)
+        parts = grid.pieces(tuple(lengths), self.block)
+        if parts is None:
+            scale = self.element_scales(shared, lengths)
+            t = torch.div(x.to(torch.float32), torch.where(scale > 0, scale, torch.ones_like(scale)))
+        else:  # the safe divisor per block, broadcast over block views
+            scale = self._block_scales(shared)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            t = grid.div_blocks(x, safe, parts, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
         t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
         return t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
@@ -299,18 +319,18 @@ class BlockQSum(Reducer):
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:
         assert scale_mean is not None, "block-scaled qsum decodes with the agreed block scales"
         layout = self.layout(world_size)
-        values = self.sum_values(layout, world_size, reduced.device)
         if _compiled(reduced, scale_mean):
+            values = self.sum_values(layout, world_size, reduced.device)
             one, _ = split_out(out)  # a bucket slice is decoded into directly; slices or bf16 by a copy
             direct = one if one is not None and _compiled(one) and one.dtype == torch.float32 else None
             mean = self._decode_compiled(reduced, scale_mean, numel, tuple(lengths), layout, values, direct)
             return mean if direct is not None else write_into(out, mean)
-        if isinstance(layout, RadixLayout):
-            mean = values[radix.unpack(reduced, layout, numel)]
-        else:
-            mean = qsum_host.decode_table(reduced, layout, numel, values)  # compiled on CPU, same values
-        mean.mul_(self.element_scales(scale_mean, list(lengths)))
-        return write_into(out, mean)
+        one, _ = split_out(out)  # a contiguous fp32 bucket slice is decoded into directly
+        direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
+        digits = isinstance(layout, RadixLayout)
+        sums = radix.unpack(reduced, layout, numel, torch.float32) if digits else unpack(reduced, layout, numel)
+        mean = self.scale_blocks_(unit_values(sums, self.steps * world_size, out=direct), scale_mean, lengths)
+        return mean if direct is not None else write_into(out, mean)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Unit mean of every W-rank sum of levels S: 2 * S / (M * W) - 1 (fp32 table)."""
@@ -426,6 +446,15 @@ def _strata_noise(keys: torch.Tensor, lengths: tuple[int, ...], shifts: tuple[in
             _NOISE_CACHE.pop(next(iter(_NOISE_CACHE)))
         _NOISE_CACHE[tag] = u
     return u
+
+
+def unit_values(ints: torch.Tensor, steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """2 * v / steps - 1 for every whole number v (fp32; into `out` when given): the entries of the
+    table `torch.arange(steps + 1) * (2 / steps) - 1` (`sum_values`, the compiled decode's) computed
+    by the same fp32 ops per element instead of gathered, so the same bits without an index pass."""
+    res = out.view(-1) if out is not None else torch.empty(ints.numel(), dtype=torch.float32, device=ints.device)
+    res.copy_(ints.reshape(-1))  # exact: small whole numbers
+    return res.mul_(2.0 / steps).sub_(1.0)
 
 
 def pack_any(values: torch.Tensor, layout: LaneLayout | RadixLayout, compiled: bool) -> torch.Tensor:
