@@ -1,4 +1,4 @@
-"""The one user-loop harness: a user's plain DDP loop, with one communication variant plugged in.
+"""The one user-loop harness: a user's plain DDP (or FSDP2) loop, with one communication variant plugged in.
 
 `nfab bench study` trains every variant of a setting here; `python -m bench.userloop` (from the
 repository root) runs one setting with a few variants and prints their rows, e.g.
@@ -40,6 +40,16 @@ Bytes are what each rank sends per step under the collective's algorithm (ring a
 sends 2(W-1)/W of its payload): FP32, bf16 and fp16 from the gradient size, PowerSGD from its
 state's public `compression_stats()` (P, Q and the uncompressed tensors), nfab from its
 runtime's `step_stats()`.
+
+`--parallel fsdp` (a setting's `parallel`) runs the same loop under FSDP2 instead of DDP:
+`fully_shard` on every block of the model's `nn.ModuleList`s, then on the root; accumulation
+with `set_requires_gradient_sync(False)` on all but the last micro-batch; `clip_grad_norm_` on
+the DTensor gradients; evaluation on the full weights gathered to every rank. There `fp32` is
+plain FSDP2 and `fp32_mb` its FP32 reduce-scatter (each rank sends (W-1)/W of every padded
+group), nfab variants attach to the FSDP2 root (`route:fp32`, `profile`, block routes, `sign`),
+and each row carries rank 0's per-step training loss (`train_losses`):
+
+    python -m bench.userloop --setting recipe-gpt --parallel fsdp --variants fp32,route:fp32,profile
 """
 
 from __future__ import annotations
