@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.wire import dispatch, host_slices, noise
-from nfab.wire.blockq import grid, radix
+from nfab.wire.blockq import fused, grid, radix
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
@@ -295,6 +295,10 @@ class BlockQSum(Reducer):
         else:  # the safe divisor per block, broadcast over block views
             scale = self._block_scales(shared)
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            if fused.active(x):  # one compiled kernel per view: the same bits
+                got = fused.levels(x, safe, lengths, self.block, parts, stratum, m)
+                if got is not None:
+                    return got
             t = grid.div_blocks(x, safe, parts, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
         t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
@@ -329,7 +333,11 @@ class BlockQSum(Reducer):
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
         digits = isinstance(layout, RadixLayout)
         sums = radix.unpack(reduced, layout, numel, torch.float32) if digits else unpack(reduced, layout, numel)
-        mean = self.scale_blocks_(unit_values(sums, self.steps * world_size, out=direct), scale_mean, lengths)
+        parts = grid.pieces(tuple(lengths), self.block) if fused.active(reduced) else None
+        mean = None if parts is None else fused.unit_scaled(sums, self._block_scales(scale_mean), parts,
+                                                             self.steps * world_size, direct)
+        if mean is None:
+            mean = self.scale_blocks_(unit_values(sums, self.steps * world_size, out=direct), scale_mean, lengths)
         return mean if direct is not None else write_into(out, mean)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
