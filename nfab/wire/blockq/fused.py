@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -45,10 +45,11 @@ _MIX2_I32 = noise.MIX2 - (1 << 32)
 
 
 def levels_rows(x: torch.Tensor, safe: torch.Tensor, base: torch.Tensor, hi: torch.Tensor,
-                shift: torch.Tensor, half_m: float, m: int) -> torch.Tensor:
+                shift: torch.Tensor, half_m: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Stochastically rounded levels (uint8) of a (blocks, width) view `x`: `safe` (fp32), `base`
     and `hi` (int32: the counter at the row's first element, the key's high word) are (blocks, 1)
-    columns, `shift` a 1-element int32 tensor (the stratum's offset on the 24-bit grid)."""
+    columns, `shift` a 1-element int32 tensor (the stratum's offset on the 24-bit grid), `half_m`
+    and `m` 0-d fp32 tensors (M / 2 and M: tensors, so one graph serves every route)."""
     col = torch.arange(x.shape[1], dtype=torch.int32, device=x.device)
     c = (base + col * _GOLDEN_I32) ^ hi  # the keyed Weyl counter, wrapping mod 2^32
     c = c ^ ((c >> 16) & 0xFFFF)  # logical shifts: arithmetic ones masked (see noise._mix32_)
@@ -59,26 +60,36 @@ def levels_rows(x: torch.Tensor, safe: torch.Tensor, base: torch.Tensor, hi: tor
     u24 = (((c >> 8) & 0xFFFFFF) + shift) & 0xFFFFFF
     u = u24.to(torch.float32) * 2.0**-24
     t = (x.to(torch.float32) / safe + 1.0) * half_m + u
-    return t.floor().clamp(0, m).to(torch.uint8)
+    return torch.minimum(t.floor().clamp(min=0), m).to(torch.uint8)
 
 
-def unit_scaled_rows(sums: torch.Tensor, scale: torch.Tensor, total: int) -> torch.Tensor:
-    """(2 * S / total - 1) * scale (fp32) of a (blocks, width) view of W-rank sums `sums`, `scale`
-    a (blocks, 1) fp32 column: `unit_values` then `scale_blocks_`, in one pass."""
-    return (sums.to(torch.float32) * (2.0 / total) - 1.0) * scale
+def unit_scaled_rows(sums: torch.Tensor, scale: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """(S * unit - 1) * scale (fp32) of a (blocks, width) view of W-rank sums `sums`, `scale` a
+    (blocks, 1) fp32 column, `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`."""
+    return (sums.to(torch.float32) * unit - 1.0) * scale
+
+
+@lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 tensor on `device`, made once (fp32 as eager torch rounds a Python scalar)."""
+    return torch.tensor(value, dtype=torch.float32, device="cpu").to(device, non_blocking=True)
 
 
 _failed = False
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def _run(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor | None:
-    """`fn` compiled, on `args`; None (and eager from then on) when compiling fails."""
+def _run(fn: Callable[..., torch.Tensor], piece: grid.Piece, *args: Any) -> torch.Tensor | None:
+    """`fn` compiled, on `args`; None (and eager from then on) when compiling fails. A one-row
+    view (a segment's tail block) runs `fn` eagerly: the same ops, and compiling it would
+    specialise a graph on the size 1."""
     global _failed
+    if piece.rows == 1:
+        return fn(*args)
     try:
         return _compiled(fn)(*args)
     except Exception as err:  # noqa: BLE001  (any compiler failure: the eager path is exact)
@@ -119,11 +130,12 @@ def levels(x: torch.Tensor, safe: torch.Tensor, lengths: Sequence[int], block: i
     base = noise._as_i32((lo + first * _GOLDEN_I32) & 0xFFFFFFFF).unsqueeze(1)  # exact in int64: |first * G| < 2^63
     hi = noise._as_i32(hi).unsqueeze(1)
     shift = torch.tensor([stratum.shift], dtype=torch.int32, device="cpu").to(dev, non_blocking=True)
+    half_m, top = _constant(0.5 * m, dev), _constant(float(m), dev)
     flat = x.reshape(-1)
     out = torch.empty(flat.numel(), dtype=torch.uint8, device=dev) if len(parts) > 1 else None
     for p in parts:
         b = slice(p.first_block, p.first_block + p.rows)
-        got = _run(levels_rows, grid.rows(flat, p), safe[b].unsqueeze(1), base[b], hi[b], shift, 0.5 * m, m)
+        got = _run(levels_rows, p, grid.rows(flat, p), safe[b].unsqueeze(1), base[b], hi[b], shift, half_m, top)
         if got is None:
             return None
         if out is None:
@@ -137,10 +149,11 @@ def unit_scaled(sums: torch.Tensor, scale: torch.Tensor, parts: tuple[grid.Piece
     """The decoded mean (fp32) of the W-rank sums `sums` against the block scales, by the compiled
     chain (into `out` when given), the same bits as `unit_values` then `scale_blocks_`; None when
     compiling failed."""
+    unit = _constant(2.0 / total, sums.device)
     flat = sums.reshape(-1)
     res = out.view(-1) if out is not None else torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
     for p in parts:
-        got = _run(unit_scaled_rows, grid.rows(flat, p), grid.column(scale, p), total)
+        got = _run(unit_scaled_rows, p, grid.rows(flat, p), grid.column(scale, p), unit)
         if got is None:
             return None
         if out is None and len(parts) == 1:
