@@ -1,6 +1,6 @@
 """One results file per benchmark setting: repeated runs inside it, with min / median / max.
 
-`nfab bench step|wire --json RUN.json` writes one run; fold it into its setting's file with
+`nfab bench step|wire|tta --json RUN.json` writes one run; fold it into its setting's file with
 
     python -m bench.runs bench/step/100mbit-w32.json RUN.json [RUN.json ...]
 
@@ -21,6 +21,8 @@ SCHEMA = "nfab.bench.runs"
 STEP_KEYS = ("median_ms", "ratio_to_floor", "ratio_to_plain", "hook_ms_median", "wire_bytes_per_step",
              "measured_wire_bytes_per_step", "modelled_wire_bytes_per_step")
 WIRE_KEYS = ("ratio_to_copy", "encode_decode_gbps", "copy_gbps", "bits_per_element")
+TTA_KEYS = ("time_to_target_s", "steps_to_target", "final_loss", "wire_bytes", "speedup_vs_fp32", "speedup_vs_bf16",
+            "speedup_vs_bf16_at_least")
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -28,11 +30,16 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def _rows(run: Any) -> list[tuple[str, dict[str, Any]]]:
-    """(key, row) per row of one run: `nfab bench step` rows by variant, `nfab bench wire` rows by reducer@W."""
+    """(key, row) per row of one run: `nfab bench step` and `nfab bench tta` rows by variant, `nfab bench wire`
+    rows by reducer@W."""
     if isinstance(run, list):  # nfab bench wire
         return [(f"{r['reducer']}@W={r['world_size']}", r) for r in run]
+    if "variants" in run:  # nfab bench tta (a variant that never reached the target has no time: left out)
+        return list(run["variants"].items())
     nfab = run.get("nfab", {})  # the hook's own numbers per nfab variant (hook_ms_median, bytes)
-    return [(r["variant"], {**nfab.get(r["variant"], {}), **r}) for r in run["rows"]]
+    bucket = run.get("config", {}).get("nfab_bucket_mb")  # a bucket-size sweep shares its setting's file
+    tag = f"@{bucket:g}MB" if isinstance(bucket, (int, float)) else ""
+    return [(r["variant"] + tag, {**nfab.get(r["variant"], {}), **r}) for r in run["rows"]]
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -40,7 +47,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float
     values: dict[str, dict[str, list[float]]] = {}
     for entry in runs:
         for key, row in _rows(entry["run"]):
-            for k in (*STEP_KEYS, *WIRE_KEYS):
+            for k in (*STEP_KEYS, *WIRE_KEYS, *TTA_KEYS):
                 v = row.get(k)
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     values.setdefault(key, {}).setdefault(k, []).append(float(v))

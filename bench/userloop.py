@@ -13,6 +13,7 @@ spawned here. The variant decides only what the loop registers on DDP:
 | variant | what DDP communicates |
 |---|---|
 | `fp32` | plain DDP (no hook) |
+| `bf16` | PyTorch's `bf16_compress_hook` (bf16 DDP: the honest baseline) |
 | `fp16` | PyTorch's `fp16_compress_hook` |
 | `powersgd-r2`, `powersgd-r8` | PyTorch's `powerSGD_hook`, rank 2 / 8, ONE bucket (it aborts on gloo with several) |
 | `sign` | `nfab.attach(route="sign", optimizer=opt)`: error feedback "auto" (off under Adam-style optimizers) |
@@ -36,7 +37,7 @@ nfab variants run with `cost_model=None`: on loopback a measured cost model find
 cheaper and would route every bucket to FP32; the study measures quality and bytes.
 
 Bytes are what each rank sends per step under the collective's algorithm (ring all-reduce
-sends 2(W-1)/W of its payload): FP32 and fp16 from the gradient size, PowerSGD from its
+sends 2(W-1)/W of its payload): FP32, bf16 and fp16 from the gradient size, PowerSGD from its
 state's public `compression_stats()` (P, Q and the uncompressed tensors), nfab from its
 runtime's `step_stats()`.
 """
@@ -66,6 +67,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfab.bench.studyspec import NOISE_MOMENT, ROUTE_EF_VARIANT, ROUTE_VARIANT, SETTINGS, VARIANTS, RunResult, Setting
+from nfab.bench.variants import bf16_hook
 from nfab.data import build_dataset, make_loader
 from nfab.data.loader import make_eval_loader
 from nfab.errors import NfabError
@@ -203,6 +205,8 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     opt = _optimizer(setting, ddp.module)  # before attach: nfab reads its family and second moment
     if variant == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif variant == "bf16":  # torch's bf16_compress_hook (DDP refuses its own name without NCCL)
+        ddp.register_comm_hook(None, bf16_hook)
     elif variant.startswith("powersgd"):
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant.split("-r")[1]),
                                    start_powerSGD_iter=POWERSGD_START_ITER, random_seed=seed)
@@ -247,7 +251,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
             wire += allreduce_factor(w) * 4 * (after - after_prev) if step >= POWERSGD_START_ITER else fp32_step
             after_prev = after
         else:
-            wire += fp32_step / 2 if variant == "fp16" else fp32_step
+            wire += fp32_step / 2 if variant in ("fp16", "bf16") else fp32_step
         if setting.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), setting.grad_clip)
         opt.step()

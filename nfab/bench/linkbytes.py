@@ -65,7 +65,7 @@ def buffer_bytes(module: torch.nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
-def powersgd_bytes(module: torch.nn.Module, world_size: int) -> float:
+def powersgd_bytes(module: torch.nn.Module, world_size: int, rank: int = POWERSGD_RANK) -> float:
     """Bytes each rank sends per step under torch's powerSGD_hook (after its warm-up).
 
     Its rule: a gradient viewed as (shape[0], rest) is compressed to P (n x r) and Q (m x r)
@@ -76,7 +76,7 @@ def powersgd_bytes(module: torch.nn.Module, world_size: int) -> float:
     for p in module.parameters():
         n = p.shape[0] if p.dim() else 1
         m = p.numel() // max(n, 1)
-        r = min(n, m, POWERSGD_RANK)
+        r = min(n, m, rank)
         compressed = (n + m) * r
         elements += compressed if compressed * POWERSGD_MIN_COMPRESSION_RATE < n * m else n * m
     return allreduce_factor(world_size) * 4.0 * elements
@@ -88,7 +88,7 @@ def per_rank_bytes(variant: str, module: torch.nn.Module, world_size: int, nfab_
     numel = sum(p.numel() for p in module.parameters())
     if variant in ("plain", "allreduce-hook"):
         return allreduce_factor(world_size) * 4.0 * numel
-    if variant == "fp16":
+    if variant in ("fp16", "bf16"):
         return allreduce_factor(world_size) * 2.0 * numel
     if variant == "floor":
         return 0.0

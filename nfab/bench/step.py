@@ -38,13 +38,21 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
 from nfab.bench import linkbytes, netns, nodes
+from nfab.bench.variants import (  # noqa: F401 - re-exported: fsdpstep and the CLIs read them here
+    POWERSGD_BUCKET_MB,
+    POWERSGD_START,
+    ROUTE_VARIANT,
+    attach_comm,
+    bf16_hook,
+    ddp_for,
+    no_comm_hook,
+    on_bench_model,
+    test_profile,
+)
 from nfab.data import build_dataset, make_loader
 from nfab.distributed import run_ranks
 from nfab.errors import ConfigError
@@ -52,12 +60,14 @@ from nfab.fsutil import atomic_write_text
 from nfab.models import build_model
 from nfab.profile.schema import Profile
 from nfab.train.config import NFAB_BUCKET_MB
+from nfab.train.setup import loss_fn
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
 
 VARIANTS: dict[str, str] = {
     "plain": "DDP, FP32 all-reduce",
     "floor": "hook that sends nothing (no-communication floor)",
     "fp16": "torch fp16_compress_hook",
+    "bf16": "torch bf16_compress_hook (bf16 DDP: the honest baseline)",
     "allreduce-hook": "torch allreduce_hook (a Python hook, same collective as plain)",
     "powersgd": "torch powerSGD_hook, rank 2, one bucket",
     "nfab-fp32": "nfab, route fp32",
@@ -66,10 +76,8 @@ VARIANTS: dict[str, str] = {
     "nfab-profile": "nfab, profile (cost-gated)",
 }
 """Variant name -> what it runs."""
-STEP_VARIANTS: tuple[str, ...] = ("plain", "floor", "fp16", "powersgd", "nfab-sign", "nfab-profile")
+STEP_VARIANTS: tuple[str, ...] = ("plain", "floor", "bf16", "fp16", "powersgd", "nfab-sign", "nfab-profile")
 DEFAULT_PROFILE = Path("calibrations/resnet18/profile.json")
-POWERSGD_BUCKET_MB = 1000.0
-"""PowerSGD's single bucket on gloo."""
 
 
 FSDP_VARIANTS: dict[str, str] = {
@@ -84,8 +92,6 @@ FSDP_VARIANTS: dict[str, str] = {
 FSDP_STEP_VARIANTS: tuple[str, ...] = ("plain", "bf16", "floor", "nfab-profile")
 PARALLEL = ("ddp", "fsdp")
 
-ROUTE_VARIANT = "nfab:"
-"""Prefix of a variant that runs nfab with a static route (`nfab:q8`, `nfab:sign`)."""
 COST_MODELS = ("measure", "none")
 
 
@@ -94,11 +100,6 @@ def describe(variant: str, parallel: str = "ddp") -> str:
     if variant.startswith(ROUTE_VARIANT):
         return f"nfab, static route {variant.removeprefix(ROUTE_VARIANT)}"
     return (FSDP_VARIANTS if parallel == "fsdp" else VARIANTS)[variant]
-
-
-def test_profile() -> Profile:
-    """A stand-in profile when none is calibrated: sign on conv/linear/head, fp32 elsewhere."""
-    return Profile.static({"conv": "sign", "linear": "sign", "head": "sign"}, model_name="resnet18")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,13 +197,6 @@ class BenchConfig:
 
 
 # ---- variants -----------------------------------------------------------------------
-def no_comm_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The no-communication floor: a completed future of the unchanged bucket."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
 @dataclass(slots=True)
 class Run:
     """One variant's model, optimizer and hook state on this rank."""
@@ -223,34 +217,10 @@ class Run:
 
 def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
     """Wrap a copy of `module` in DDP and attach variant `name`'s communication."""
-    module = copy.deepcopy(module)
-    if name == "powersgd":
-        ddp = DDP(module, bucket_cap_mb=POWERSGD_BUCKET_MB)
-    elif name.startswith("nfab-"):
-        ddp = DDP(module, bucket_cap_mb=cfg.nfab_bucket_mb)
-    else:
-        ddp = DDP(module)
+    ddp = ddp_for(name, copy.deepcopy(module), cfg.nfab_bucket_mb)
     run = Run(name, ddp, torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9))
-    total = cfg.warmup + cfg.steps
-    cm = "measure" if cfg.cost_model == "measure" else None
-    if name == "floor":
-        ddp.register_comm_hook(None, no_comm_hook)
-    elif name == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name == "allreduce-hook":
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    elif name == "powersgd":
-        run.state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
-        ddp.register_comm_hook(run.state, psgd.powerSGD_hook)
-    elif name == "nfab-sign-2level":  # nodes from torchrun's LOCAL_WORLD_SIZE (W / --nodes per node)
-        run.runtime = nfab.attach(ddp, route="sign", total_steps=total, seed=cfg.seed, cost_model=cm,
-                                  hierarchy="auto")
-    elif name in ("nfab-fp32", "nfab-sign") or name.startswith(ROUTE_VARIANT):
-        route = name.removeprefix(ROUTE_VARIANT).removeprefix("nfab-")
-        run.runtime = nfab.attach(ddp, route=route, total_steps=total, seed=cfg.seed, cost_model=cm)
-    elif name == "nfab-profile":
-        prof = Profile.from_dict(cfg.profile) if cfg.profile is not None else test_profile()
-        run.runtime = nfab.attach(ddp, prof, total_steps=total, seed=cfg.seed, cost_model=cm)
+    run.runtime, run.state = attach_comm(name, ddp, total_steps=cfg.warmup + cfg.steps, seed=cfg.seed,
+                                         cost_model=cfg.cost_model, profile=cfg.profile)
     return run
 
 
@@ -273,12 +243,12 @@ def prepare(rank: int, cfg: BenchConfig) -> tuple[list[Run], list[tuple[torch.Te
     return [build_run(name, spec.module, cfg) for name in cfg.variants], batches(cfg, rank)
 
 
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, task: str = "classification") -> float:
     """One timed training step (after a barrier, so ranks start together); seconds."""
     dist.barrier()
     t0 = time.perf_counter()
     run.opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(run.ddp(x), y)
+    loss = loss_fn(task, run.ddp(x), y)
     if run.runtime is not None:
         run.runtime.observe_loss(loss)
     loss.backward()
@@ -439,6 +409,8 @@ class Row:
     """Bytes that crossed the shaped link per timed step (tx counters; None without a link)."""
     modelled_wire_bytes_per_step: float | None = None
     """The cost model's prediction of the same bytes (None without a link, or no model)."""
+    ratio_to_bf16: float | None = None
+    """Median of per-step ratios against bf16 DDP, the honest baseline (None without a bf16 variant)."""
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:
@@ -449,7 +421,7 @@ def paired_ratio(a: list[float], b: list[float]) -> float:
 def summarize(raw: dict[str, Any]) -> list[Row]:
     """Median, p10-p90 and paired ratios per variant."""
     times: dict[str, list[float]] = raw["times_s"]
-    plain, floor = times["plain"], times.get("floor")
+    plain, floor, bf16 = times["plain"], times.get("floor"), times.get("bf16")
     wire = raw.get("wire_bytes", {})
     rows = []
     for name, ts in times.items():
@@ -461,6 +433,7 @@ def summarize(raw: dict[str, Any]) -> list[Row]:
             ratio_to_floor=None if floor is None else paired_ratio(ts, floor),
             steps=len(ts),
             **wire.get(name, {}),
+            ratio_to_bf16=None if bf16 is None else paired_ratio(ts, bf16),
         ))
     return rows
 

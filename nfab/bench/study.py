@@ -1,4 +1,4 @@
-"""The study: nfab against FP32, fp16 and PowerSGD, quality per byte, in a user's training loop.
+"""The study: nfab against FP32, bf16 DDP, fp16 and PowerSGD, quality per byte, in a user's training loop.
 
 Every setting runs every variant (`studyspec.VARIANTS`) with the same model, data, seed,
 optimizer and steps, one after another on this machine, then writes:

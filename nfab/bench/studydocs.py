@@ -26,6 +26,7 @@ PNG_FROM_DOC = "../bench"
 
 LABELS: dict[str, str] = {
     "fp32": "FP32 DDP",
+    "bf16": "bf16 DDP (`bf16_compress_hook`)",
     "fp16": "fp16 (`fp16_compress_hook`)",
     "powersgd-r2": "PowerSGD rank 2 (one bucket)",
     "powersgd-r8": "PowerSGD rank 8 (one bucket)",
@@ -47,7 +48,7 @@ def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
 
 
 def _delta(setting: dict[str, Any], row: dict[str, Any], fp32: dict[str, Any] | None) -> str:
-    if fp32 is None or row["variant"] == "fp32":
+    if fp32 is None or row["variant"] == fp32["variant"]:
         return "–"
     d = quality_delta(setting, row, fp32)
     if d is None:
@@ -61,18 +62,23 @@ def setting_table(doc: dict[str, Any], name: str) -> list[str]:
     rows = main_rows(doc, name)
     fp32 = next((r for r in rows if r["variant"] == "fp32" and r["ok"]), None)
     metric = "accuracy" if setting["metric"] == "accuracy" else "val loss"
-    out = [f"| variant | {metric} | vs FP32 | MB sent per rank | fewer bytes | fallback steps |",
-           "|---|---:|---:|---:|---:|---:|"]
+    bf16 = next((r for r in rows if r["variant"] == "bf16" and r["ok"]), None)
+    out = [f"| variant | {metric} | vs FP32 | vs bf16 | MB sent per rank | fewer bytes than FP32 | than bf16 "
+           "| fallback steps |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         label = LABELS.get(r["variant"], r["variant"])
         if not r["ok"]:
-            out.append(f"| {label} | failed: {r['error']} | | | | |")
+            out.append(f"| {label} | failed: {r['error']} | | | | | | |")
             continue
         value = (_fmt(None if r["eval_accuracy"] is None else r["eval_accuracy"] * 100, ".2f", "%")
                  if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], ".3f"))
         fb = "–" if r["fallback_steps"] is None else str(r["fallback_steps"])
-        out.append(f"| {label} | {value} | {_delta(setting, r, fp32)} | {_fmt(r['wire_mb'], '.1f')} | "
-                   f"{_fmt(r['ratio'], '.1f', 'x')} | {fb} |")
+        # bf16 DDP sends exactly half of FP32's bytes: fewer than bf16 = fewer than FP32 / 2
+        vs_bf16 = None if r["ratio"] is None else r["ratio"] / 2
+        out.append(f"| {label} | {value} | {_delta(setting, r, fp32)} | {_delta(setting, r, bf16)} | "
+                   f"{_fmt(r['wire_mb'], '.1f')} | {_fmt(r['ratio'], '.1f', 'x')} | {_fmt(vs_bf16, '.1f', 'x')} "
+                   f"| {fb} |")
     return out
 
 
@@ -115,7 +121,9 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
                 dtext = (f"{v[prefix + 'profile_delta_mean'] * 100:+.2f}{unit} ± "
                          f"{v[prefix + 'profile_delta_sd'] * 100:.2f} (mean ± sd over seeds "
                          f"{', '.join(map(str, v[prefix + 'profile_seeds']))}; seed {doc['seed']}: {dtext})")
-            parts.append(f"{what} {dtext} at {_fmt(v[prefix + 'profile_ratio'], '.1f', 'x')}: target (within "
+            ratio = v[prefix + "profile_ratio"]
+            parts.append(f"{what} {dtext} at {_fmt(ratio, '.1f', 'x')} fewer bytes than FP32 "
+                         f"({_fmt(None if ratio is None else ratio / 2, '.1f', 'x')} than bf16): target (within "
                          f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt of FP32 at >= {MIN_RATIO:.0f}x) "
                          f"{'MET' if v[prefix + 'met'] else 'MISSED'}")
         if "monitor_ok" in v:
@@ -131,7 +139,7 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
 
 def study_markdown(doc: dict[str, Any], *, images: bool = False) -> str:
     """OUT/study.md (images beside it): every setting's table and the verdicts."""
-    lines = ["# The study: nfab against FP32, fp16 and PowerSGD", "",
+    lines = ["# The study: nfab against FP32, bf16, fp16 and PowerSGD", "",
              f"Generated from study.json; produced by `{doc['command']}` "
              f"({doc['total_s']:.0f} s). Do not edit by hand.", "", f"How: {doc['note']}.", ""]
     for name, s in doc["settings"].items():

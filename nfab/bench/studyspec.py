@@ -19,8 +19,8 @@ from typing import Any
 
 SCHEMA = "nfab.bench.study"
 VERSION = 2
-VARIANTS: tuple[str, ...] = ("fp32", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6", "bl5",
-                             "bq2", "bq2-nm", "bl5-nm", "profile", "profile-nm")
+VARIANTS: tuple[str, ...] = ("fp32", "bf16", "fp16", "powersgd-r2", "powersgd-r8", "sign", "sign-ef", "bq3", "bl6",
+                             "bl5", "bq2", "bq2-nm", "bl5-nm", "profile", "profile-nm")
 NOISE_MOMENT = "-nm"
 """Variant suffix: the same attach with `noise_moment=True` (the runtime's noise-corrected moment)."""
 ROUTE_VARIANT = "route:"

@@ -21,28 +21,46 @@ def _routes(info: dict[str, Any] | None) -> str:
     return mix + (f" [dim](fallback: {falls})[/]" if falls else "")
 
 
+def _wire_ratios(r: dict[str, Any], info: dict[str, Any] | None) -> tuple[str, str]:
+    """Gradient bytes per step against FP32 and against bf16 DDP (bf16 sends half of FP32)."""
+    if info:
+        vs_fp32 = info["wire_bytes_per_step"] / info["baseline_wire_bytes_per_step"]
+    elif r["variant"] in WIRE_VS_FP32:
+        vs_fp32 = WIRE_VS_FP32[r["variant"]]
+    else:
+        return "", ""
+    return f"{vs_fp32:.3f}", f"{2 * vs_fp32:.3f}"
+
+
+WIRE_VS_FP32 = {"plain": 1.0, "allreduce-hook": 1.0, "bf16": 0.5, "fp16": 0.5, "floor": 0.0}
+"""Gradient bytes against FP32 of the torch variants whose bytes do not depend on the model."""
+
+
 def print_report(doc: dict[str, Any], title: str) -> None:
-    """The summary rows as a rich table (median, p10-p90, paired ratios, nfab routes and bytes)."""
+    """The summary rows as a rich table (median, p10-p90, paired ratios to FP32, the floor and bf16,
+    bytes against FP32 and bf16, nfab routes)."""
     has_floor = any(r["ratio_to_floor"] is not None for r in doc["rows"])
+    has_bf16 = any(r.get("ratio_to_bf16") is not None for r in doc["rows"])
     has_link = any(r.get("measured_wire_bytes_per_step") is not None for r in doc["rows"])
     table = Table(title=title)
-    for col in ("variant", "median ms", "p10–p90 ms", "× plain", *(["× floor"] if has_floor else []),
-                "wire / fp32", *(["link MB/step measured", "modelled"] if has_link else []), "nfab routes"):
+    for col in ("variant", "median ms", "p10–p90 ms", "× plain", *(["× bf16"] if has_bf16 else []),
+                *(["× floor"] if has_floor else []), "wire / fp32", "wire / bf16",
+                *(["link MB/step measured", "modelled"] if has_link else []), "nfab routes"):
         table.add_column(col, justify="left" if col in ("variant", "nfab routes") else "right")
     for r in doc["rows"]:
         info = doc["nfab"].get(r["variant"])
-        wire = f"{info['wire_bytes_per_step'] / info['baseline_wire_bytes_per_step']:.3f}" if info else ""
         cells = [r["variant"], f"{r['median_ms']:.1f}", f"{r['p10_ms']:.1f}–{r['p90_ms']:.1f}",
                  f"{r['ratio_to_plain']:.3f}"]
+        if has_bf16:
+            cells.append("" if r.get("ratio_to_bf16") is None else f"{r['ratio_to_bf16']:.3f}")
         if has_floor:
             cells.append("" if r["ratio_to_floor"] is None else f"{r['ratio_to_floor']:.3f}")
+        cells.extend(_wire_ratios(r, info))
         if has_link:
             measured, modelled = r.get("measured_wire_bytes_per_step"), r.get("modelled_wire_bytes_per_step")
-            wire_cells = [f"{wire}", "" if measured is None else f"{measured / 1e6:.3f}",
-                          "" if modelled is None else f"{modelled / 1e6:.3f}"]
-        else:
-            wire_cells = [wire]
-        table.add_row(*cells, *wire_cells, _routes(info))
+            cells += ["" if measured is None else f"{measured / 1e6:.3f}",
+                      "" if modelled is None else f"{modelled / 1e6:.3f}"]
+        table.add_row(*cells, _routes(info))
     console.print(table)
     cfg, link = doc["config"], doc.get("link")
     console.print(
@@ -77,7 +95,7 @@ def register(app: typer.Typer) -> None:
             "--profile", help="Profile for nfab-profile (default calibrations/resnet18/profile.json, "
                               "else a test profile: conv/linear/head sign).")] = None,
         variants: Annotated[str | None, typer.Option(
-            "--variants", help="Comma-separated subset of: plain, floor, fp16, powersgd, nfab-fp32, "
+            "--variants", help="Comma-separated subset of: plain, floor, bf16, fp16, powersgd, nfab-fp32, "
                                "nfab-sign, nfab-sign-2level, nfab-profile, allreduce-hook.")] = None,
         nfab_bucket_mb: Annotated[float, typer.Option(
             "--nfab-bucket-mb", min=0.1,
@@ -93,7 +111,7 @@ def register(app: typer.Typer) -> None:
         parallel: Annotated[str, typer.Option(
             "--parallel", help="ddp, or fsdp: FSDP2 with FP32 / bf16 reduce-scatter, the floor and nfab.")] = "ddp",
     ) -> None:
-        """Step time per variant, side by side in one run (W=2 gloo ranks), with ratios to FP32 DDP."""
+        """Step time per variant, side by side in one run (W=2 gloo ranks), with ratios to FP32 and bf16 DDP."""
         from nfab.bench import netns
         from nfab.bench import nodes as nodes_mod
         from nfab.bench import step as step_mod
@@ -103,12 +121,7 @@ def register(app: typer.Typer) -> None:
             why = netns.unavailable() if nodes == 1 else nodes_mod.unavailable()
             if why is not None:
                 fail(why)
-        prof, source = step_mod.load_profile_dict(profile)
-        if prof is not None and prof["model"].get("signature"):
-            # the bench applies the profile's routes to its own model (another width and input):
-            # the parameter layout differs by design, so attach must not refuse it
-            prof["model"]["signature"] = None
-            source += " (routes on the bench's model)"
+        prof, source = step_mod.on_bench_model(*step_mod.load_profile_dict(profile))
         kw: dict[str, Any] = {}
         if variants is not None:
             kw["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())

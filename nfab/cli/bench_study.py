@@ -44,7 +44,7 @@ def register(app: typer.Typer) -> None:
             help="Comma-separated subset of resnet18,gpt,heldout,heldout2,heldout3,heldout-w8,heldout-w8c,"
                  "heldout-600 (default: all).", show_default=False)] = None,
         variants: Annotated[str | None, typer.Option(
-            help="Comma-separated subset of fp32,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,bq3,bl6,bl5,bq2,bq2-nm,"
+            help="Comma-separated subset of fp32,bf16,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,bq3,bl6,bl5,bq2,bq2-nm,"
                  "bl5-nm,profile,profile-nm (default: all).",
             show_default=False)] = None,
         steps: Annotated[int | None, typer.Option(min=1, help="Steps for every setting (default: each its own).",

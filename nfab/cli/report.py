@@ -15,7 +15,7 @@ def register(app: typer.Typer) -> None:
     @app.command("report")
     def report(
         paths: Annotated[list[str], typer.Argument(
-            metavar="PATH", help="Run dirs and calibration dirs (globs allowed).",
+            metavar="PATH", help="Run dirs, calibration dirs and nfab bench tta JSON files (globs allowed).",
             show_default=False)],
         out: Annotated[Path, typer.Option(
             "--out", help="Directory for report.html, summary.csv and the PNG plots.")

@@ -16,8 +16,9 @@ from nfab.fsutil import atomic_write_bytes, atomic_write_text
 from nfab.report import plots
 from nfab.report.discover import discover
 from nfab.report.html import render_html
-from nfab.report.model import CalibrationView, Report
+from nfab.report.model import CalibrationView, Report, TtaView
 from nfab.report.tables import calibration_notes, calibration_table, comparison_table, run_table
+from nfab.report.tta import tta_plot, tta_table
 
 
 def _slug(name: str) -> str:
@@ -52,11 +53,19 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
                                               plots.calibration_heatmap(cal.name, table)))
         views.append(CalibrationView(name=cal.name, table=table, fitted=cal.profile is not None,
                                      heatmap=heatmap, notes=calibration_notes(cal)))
+    ttas = []
+    for tta in inputs.ttas:
+        plot = f"tta_{_slug(tta.name)}.png"
+        written.append(atomic_write_bytes(out / plot, tta_plot(tta)))
+        ttas.append(TtaView(name=tta.name, target_loss=tta.target_loss, table=tta_table(tta), plot=plot,
+                            note=f"{tta.model} on a {tta.link} link; target: FP32's final validation loss "
+                                 f"{tta.target_loss:.4f}; '×' (sooner than) = the base's time to target / this "
+                                 "variant's; wall time counts training steps only, evaluation excluded"))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(
             {c: "Int64" for c in ("world_size", "steps", "fallback_steps", "cost_gated_steps")})  # 4, not 4.0
         written.append(atomic_write_text(out / "summary.csv", csv.to_csv(index=False)))
-    report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views),
+    report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views), ttas=tuple(ttas),
                     images=tuple(images))
     written.append(atomic_write_text(out / "report.html", render_html(report)))
     return replace(report, files=tuple(written))

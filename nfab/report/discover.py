@@ -3,8 +3,9 @@
 Globs are expanded here too, because a shell may pass `runs/*` through unexpanded
 (quoted, or on Windows). A dir is a run dir when it holds summary.json or
 metrics.parquet (checked first: a run dir may carry a copy of its profile.json), and a
-calibration dir when it holds calibration.parquet or profile.json. Anything else is a
-user error, named in one line.
+calibration dir when it holds calibration.parquet or profile.json. A JSON file whose `kind`
+is `nfab.bench.tta` is a time-to-accuracy result. Anything else is a user error, named in
+one line.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nfab.report.artifacts import (
     load_calibration,
     load_run,
 )
+from nfab.report.tta import TtaArtifact, is_tta, load_tta
 
 _RUN_FILES = (SUMMARY_FILE, METRICS_FILE)
 _CALIBRATION_FILES = (CALIBRATION_FILE, PROFILE_FILE)
@@ -38,6 +40,8 @@ class Inputs:
 
     runs: tuple[RunArtifacts, ...]
     calibrations: tuple[CalibrationArtifacts, ...]
+    ttas: tuple[TtaArtifact, ...] = ()
+    """Time-to-accuracy results (`nfab bench tta --json` files)."""
 
 
 def expand_paths(args: Iterable[str]) -> list[Path]:
@@ -61,16 +65,18 @@ def expand_paths(args: Iterable[str]) -> list[Path]:
             seen.add(key)
             unique.append(path)
     if not unique:
-        raise NfabError("nothing to report: give at least one run or calibration dir")
+        raise NfabError("nothing to report: give at least one run or calibration dir, or a bench tta JSON")
     return unique
 
 
 def kind_of(path: Path) -> str:
-    """'run' or 'calibration'; raises for a missing or foreign path."""
+    """'run', 'calibration' or 'tta'; raises for a missing or foreign path."""
     if not path.exists():
         raise NfabError(f"{path} does not exist")
+    if is_tta(path):
+        return "tta"
     if not path.is_dir():
-        raise NfabError(f"{path} is not a run dir or a calibration dir (it is a file)")
+        raise NfabError(f"{path} is not a run dir, a calibration dir or an nfab bench tta JSON (it is a file)")
     if any((path / f).is_file() for f in _RUN_FILES):
         return "run"
     if any((path / f).is_file() for f in _CALIBRATION_FILES):
@@ -93,9 +99,12 @@ def discover(args: Iterable[str]) -> Inputs:
     kinds = [kind_of(p) for p in paths]  # classify all before loading any: fail fast
     runs: list[RunArtifacts] = []
     calibrations: list[CalibrationArtifacts] = []
+    ttas: list[TtaArtifact] = []
     for path, kind, name in zip(paths, kinds, display_names(paths), strict=True):
         if kind == "run":
             runs.append(load_run(path, name))
+        elif kind == "tta":
+            ttas.append(load_tta(path, name.removesuffix(".json")))
         else:
             calibrations.append(load_calibration(path, name))
-    return Inputs(runs=tuple(runs), calibrations=tuple(calibrations))
+    return Inputs(runs=tuple(runs), calibrations=tuple(calibrations), ttas=tuple(ttas))

@@ -20,6 +20,9 @@ HEADERS = {
     "calibration": "calibration", "phase": "phase", "region": "region",
     "error_feedback": "error feedback", "bits_per_element": "bits/element",
     "cosine": "cosine", "loss_delta": "loss delta",
+    "variant": "variant", "time_to_target_s": "time to target s", "steps_to_target": "steps to target",
+    "speedup_vs_fp32": "sooner than FP32", "speedup_vs_bf16": "sooner than bf16", "final_loss": "final loss",
+    "wire_mb_to_target": "wire MB to target",
 }
 
 
@@ -52,6 +55,11 @@ _FORMATS: dict[str, Callable[[object], str]] = {
     "cosine": _number(".4f"),
     "loss_delta": _number("+.4f"),
     "error_feedback": lambda v: "yes" if v is True or v == 1 else "no",
+    "time_to_target_s": lambda v: "never" if v is None or (isinstance(v, float) and math.isnan(v))
+    else f"{v:.1f}",
+    "steps_to_target": _number(".0f"),
+    "final_loss": _number(".4f"),
+    "wire_mb_to_target": _number(".1f"),
 }
 
 

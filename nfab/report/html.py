@@ -29,7 +29,7 @@ img { max-width: 100%; border: 1px solid #eee; }
 """
 
 _TEXT_COLUMNS = {"run", "status", "model", "dataset", "route", "baseline", "calibration",
-                 "phase", "region", "error_feedback"}
+                 "phase", "region", "error_feedback", "variant"}
 
 
 _NUM = ' class="num"'
@@ -68,6 +68,11 @@ def render_html(report: Report) -> str:
             parts.append("<h2>Against the FP32 run</h2>")
             parts.append(table_html(report.comparison, list(report.comparison.columns)))
         parts.extend(_figure(title, name) for title, name in report.images)
+    for tta in report.ttas:
+        parts.append(f"<h2>Time to accuracy: {escape(tta.name)}</h2>")
+        parts.append(table_html(tta.table, list(tta.table.columns)))
+        parts.append(f"<p class='note'>{escape(tta.note)}</p>")
+        parts.append(_figure(f"{tta.name}: validation loss against training wall time", tta.plot))
     for view in report.calibrations:
         parts.append(f"<h2>{escape(calibration_heading(view.name))}</h2>")
         if not view.fitted:

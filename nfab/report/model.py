@@ -25,6 +25,18 @@ class CalibrationView:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TtaView:
+    """One time-to-accuracy result's table and its loss-against-wall-time plot."""
+
+    name: str
+    target_loss: float
+    table: pd.DataFrame
+    plot: str
+    """File name of the PNG, relative to the report dir."""
+    note: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Report:
     """Everything `nfab report` produced."""
 
@@ -32,6 +44,7 @@ class Report:
     runs: pd.DataFrame
     comparison: pd.DataFrame
     calibrations: tuple[CalibrationView, ...]
+    ttas: tuple[TtaView, ...] = ()
     images: tuple[tuple[str, str], ...] = ()
     """(title, file name relative to `out`) per run plot, in page order."""
     files: tuple[Path, ...] = field(default_factory=tuple)

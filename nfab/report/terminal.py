@@ -12,7 +12,7 @@ from nfab.report.formatting import calibration_heading, cell, header
 from nfab.report.model import Report, visible_columns
 
 _LEFT = {"run", "status", "model", "dataset", "route", "baseline", "calibration", "phase",
-         "region", "error_feedback"}
+         "region", "error_feedback", "variant"}
 
 
 # Shorter headers than the page's: an 80-column terminal must hold the run table.
@@ -21,7 +21,10 @@ _SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain-DDP\nM
           "cost_gated_steps": "cost-\ngated",
           "wall_time_s": "wall\ns", "accuracy_delta_pts": "Δ acc\n(pts)",
           "loss_delta_pct": "Δ loss\n(%)", "traffic_ratio": "traffic ratio\n(FP32 run/this)",
-          "bits_per_element": "bits/\nelement", "error_feedback": "error\nfeedback"}
+          "bits_per_element": "bits/\nelement", "error_feedback": "error\nfeedback",
+          "time_to_target_s": "to\ntarget s", "steps_to_target": "steps to\ntarget",
+          "speedup_vs_fp32": "×\nFP32", "speedup_vs_bf16": "×\nbf16",
+          "final_loss": "final\nloss", "wire_mb_to_target": "MB to\ntarget"}
 # Text that may wrap when space runs out; numbers and names never do.
 _WRAPPABLE = {"route", "model", "dataset", "baseline"}
 
@@ -66,6 +69,9 @@ def renderables(report: Report) -> list[RenderableType]:
                               list(report.comparison.columns)))
         elif not report.runs["fp32_reference"].any():
             out.append(Text("no FP32 run among these runs: no comparison table", style="dim"))
+    for tta in report.ttas:
+        out.append(_table(f"Time to accuracy: {tta.name}", tta.table, list(tta.table.columns)))
+        out.append(Text(tta.note))
     for view in report.calibrations:
         columns = [c for c in view.table.columns if c != "calibration"]
         title = f"{calibration_heading(view.name)}: " + (
@@ -73,6 +79,7 @@ def renderables(report: Report) -> list[RenderableType]:
             else "measurements (no profile.json yet: not fitted)")
         out.append(_table(title, view.table, columns))
         out.extend(Text(note) for note in view.notes)
-    out.append(Text(f"wrote {report.out / 'report.html'}, {report.out / 'summary.csv'} "
+    csv = f", {report.out / 'summary.csv'}" if any(p.name == "summary.csv" for p in report.files) else ""
+    out.append(Text(f"wrote {report.out / 'report.html'}{csv} "
                     f"and {sum(p.suffix == '.png' for p in report.files)} PNG plots"))
     return out

@@ -39,6 +39,9 @@ def test_every_variant_runs_on_loopback(tmp_path):
     _check_doc(doc, variants, 3)
     assert doc["link"] is None
     assert doc["nfab"]["nfab-fp32"]["route_mix"] == {"fp32": 1.0}
+    by = {r["variant"]: r for r in doc["rows"]}  # every row also paired against bf16 DDP
+    assert by["bf16"]["ratio_to_bf16"] == 1.0 and all(r["ratio_to_bf16"] > 0 for r in doc["rows"])
+    assert doc["loss"]["bf16"] != doc["loss"]["plain"]  # the bf16 hook really rounded
     assert "fp32" not in doc["nfab"]["nfab-sign"]["route_mix"]  # an explicit route is honoured
     path = step_mod.write_json(tmp_path / "step.json", doc)
     assert json.loads(path.read_text())["config"]["variants"] == list(variants)

@@ -121,6 +121,7 @@ def test_study_runs_every_variant_in_a_user_loop(tmp_path: Path) -> None:
         assert r["steps"] == 3 and r["world_size"] == 2 and r["eval_accuracy"] is not None
         assert r["fp32_mb"] == pytest.approx(by["fp32"]["fp32_mb"])  # the same gradients every time
     assert by["fp32"]["ratio"] == pytest.approx(1.0) and by["fp16"]["ratio"] == pytest.approx(2.0)
+    assert by["bf16"]["ratio"] == pytest.approx(2.0) and by["bf16"]["eval_loss"] != by["fp32"]["eval_loss"]
     # PowerSGD runs vanilla all-reduce for its first 2 steps, then P/Q: the third step is cheaper
     assert 1.0 < by["powersgd-r2"]["ratio"] and by["powersgd-r8"]["ratio"] < by["powersgd-r2"]["ratio"]
     assert by["sign"]["ratio"] > 2 and by["sign-ef"]["ratio"] > 2 and by["profile"]["ratio"] > 1

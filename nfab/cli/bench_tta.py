@@ -1,0 +1,98 @@
+"""`nfab bench tta`: time to FP32's final validation loss, per communication variant, on an emulated link."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from nfab.cli.output import console, fail
+from nfab.errors import NfabError
+
+
+def _x(v: float | None, at_least: float | None = None) -> str:
+    if v is None:
+        return "never" if at_least is None else f">= {at_least:.2f}x"
+    return f"{v:.2f}x"
+
+
+def print_report(doc: dict[str, Any]) -> None:
+    """Time and steps to target, speed-ups against FP32 and bf16 DDP, bytes to target."""
+    from nfab.bench.tta import summary_rows
+
+    link = doc.get("link")
+    table = Table(title=f"nfab bench tta  ({doc['config']['model']}, W={doc['config']['world_size']}, "
+                        f"{link['rate'] + ' loopback' if link else 'loopback (unshaped)'}; "
+                        f"target: FP32's final val loss {doc['target_loss']:.4f})")
+    for col in ("variant", "time to target s", "steps to target", "× fp32", "× bf16", "final loss",
+                "ms/step", "MB to target", "fewer bytes/step"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for r in summary_rows(doc):
+        t = r["time_to_target_s"]
+        fewer = r["fewer_bytes_per_step_vs_fp32"]
+        table.add_row(r["variant"], "never" if t is None else f"{t:.1f}",
+                      f"{r['steps_to_target'] or '-'} / {r['steps']}",
+                      _x(r["speedup_vs_fp32"], r["speedup_vs_fp32_at_least"]),
+                      _x(r["speedup_vs_bf16"], r["speedup_vs_bf16_at_least"]), f"{r['final_loss']:.4f}",
+                      f"{r['step_ms']:.0f}", f"{r['wire_bytes'] / 1e6:.1f}", "" if fewer is None else f"{fewer:.1f}x")
+    console.print(table)
+    console.print(f"{doc['parameters']:,} parameters; FP32 {doc['fp32_steps']} steps, others up to "
+                  f"{doc['max_steps']}; evaluated every {doc['config']['eval_every']} steps; clock: {doc['clock']}; "
+                  "× = time to target of the base / the variant's (>1: sooner)", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("tta")
+    def bench_tta(
+        link: Annotated[str | None, typer.Option(
+            "--link", help="Shape the ranks' loopback to a tc rate (100mbit); needs root + iproute2.")] = None,
+        model: Annotated[str, typer.Option(
+            "--model", help="resnet18 (width 32, digits) or gpt (nano, stdlib text).")] = "resnet18",
+        steps: Annotated[int | None, typer.Option(
+            "--steps", min=1, help="FP32's steps (default: the model's shipped config).")] = None,
+        eval_every: Annotated[int, typer.Option("--eval-every", min=1, help="Validation cadence in steps.")] = 10,
+        profile: Annotated[Path | None, typer.Option(
+            "--profile", help="Profile for nfab-profile (default: the shipped calibrations/<model>/profile.json).")
+        ] = None,
+        variants: Annotated[str | None, typer.Option(
+            "--variants", help="Comma-separated subset of: fp32, bf16, powersgd, nfab-profile (fp32 always runs).")
+        ] = None,
+        world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks (W).")] = 2,
+        cost_model: Annotated[str, typer.Option(
+            "--cost-model", help="nfab: measure (at attach) or none (decide by bytes).")] = "measure",
+        json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
+        overrides: Annotated[list[str] | None, typer.Argument(
+            help="key=value overrides on the model's training config (optim.lr=0.1).")] = None,
+    ) -> None:
+        """Time to FP32's final validation loss: FP32, bf16 and PowerSGD DDP and nfab's profile, side by side."""
+        from nfab.bench import netns, tta
+        from nfab.bench import step as step_mod
+        from nfab.config.shipped import resolve_profile
+        from nfab.profile.schema import Profile
+
+        if link is not None:
+            netns.check_rate(link)
+            why = netns.unavailable()
+            if why is not None:
+                fail(why)
+        try:
+            path = profile if profile is not None else resolve_profile(model)
+            prof, source = step_mod.on_bench_model(Profile.load(path).to_dict(), str(path))
+            kw: dict[str, Any] = {}
+            if variants is not None:
+                kw["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())
+            cfg = tta.TtaConfig(model=model, overrides=tuple(overrides or ()), steps=steps, eval_every=eval_every,
+                                world_size=world_size, link=link, cost_model=cost_model, profile=prof,
+                                profile_source=source, **kw)
+        except NfabError as exc:
+            fail(str(exc))
+        console.print(f"nfab bench tta: {', '.join(cfg.variants)}; profile: {source}", highlight=False)
+        doc = tta.report(cfg, tta.run(cfg), command=shlex.join(["nfab", *sys.argv[1:]]))
+        print_report(doc)
+        if json_path is not None:
+            tta.write_json(json_path, doc)
+            console.print(f"wrote {json_path}")

@@ -1,0 +1,68 @@
+"""`nfab bench tta`: a tiny real run (W=2 gloo, loopback) gives the JSON the issue asks for, its
+target logic holds, and `nfab report` renders it. No timing assertions: the machine is shared."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nfab.bench import tta
+from nfab.cli.app import app
+from nfab.errors import NfabError
+
+VARIANT_KEYS = {"time_to_target_s", "steps_to_target", "steps", "final_loss", "wire_bytes", "curve",
+                "speedup_vs_fp32", "speedup_vs_bf16", "speedup_vs_bf16_at_least", "first_step_s", "fallback_steps"}
+
+
+def test_reached_is_the_first_evaluation_at_or_below_the_target():
+    curve = [{"step": 2, "val_loss": 2.0}, {"step": 4, "val_loss": 1.5}, {"step": 6, "val_loss": 1.4}]
+    assert tta.reached(curve, 1.5)["step"] == 4
+    assert tta.reached(curve, 1.0) is None
+    variants = {"fp32": {"time_to_target_s": 8.0}, "bf16": {"time_to_target_s": 4.0},
+                "nfab-profile": {"time_to_target_s": None}}
+    assert tta.ratios(variants, "fp32") == {"fp32": 1.0, "bf16": 2.0, "nfab-profile": None}
+    never = {"bf16": {"time_to_target_s": None, "train_time_s": 20.0}, "nfab-profile": {"time_to_target_s": 4.0}}
+    assert tta.lower_bounds(never, "bf16") == {"bf16": None, "nfab-profile": 5.0}  # bf16 would need > 20 s
+
+
+def test_config_errors_are_one_line():
+    with pytest.raises(NfabError, match="unknown variant"):
+        tta.TtaConfig(variants=("fp32", "zip"))
+    with pytest.raises(NfabError, match="model must be one of"):
+        tta.TtaConfig(model="mlp")
+    assert tta.TtaConfig(variants=("nfab-profile", "bf16")).variants == ("fp32", "bf16", "nfab-profile")
+
+
+@pytest.mark.world_size(2)
+def test_tiny_run_reaches_targets_by_the_rule_and_report_renders_it(tmp_path):
+    cfg = tta.TtaConfig(steps=4, eval_every=2, overrides=("model.width=4", "data.batch_size=8"),
+                        cost_model="none", eval_batches=1)
+    doc = tta.report(cfg, tta.run(cfg), command="test")
+    n, target = doc["fp32_steps"], doc["target_loss"]
+    assert n == 4 and doc["max_steps"] == 8 and list(doc["variants"]) == list(tta.TTA_VARIANTS)
+    fp32 = doc["variants"]["fp32"]
+    assert fp32["steps"] == n and target == fp32["curve"][-1]["val_loss"] == fp32["final_loss"]
+    for name, v in doc["variants"].items():
+        assert (VARIANT_KEYS - {"fallback_steps"} if name != "nfab-profile" else VARIANT_KEYS) <= set(v), name
+        steps = [p["step"] for p in v["curve"]]
+        assert steps == sorted(steps) and all(s % 2 == 0 for s in steps)
+        hit = next((p for p in v["curve"] if p["val_loss"] <= target), None)
+        if hit is None:  # never reached: trained to the limit, null time
+            assert v["time_to_target_s"] is None and v["steps"] == doc["max_steps"]
+        else:  # stopped at the first evaluation that reached it (or at FP32's end, before it was known)
+            assert v["time_to_target_s"] == hit["time_s"] and v["steps_to_target"] == hit["step"]
+            assert v["steps"] == max(hit["step"], n if name != "fp32" else hit["step"]) or name == "fp32"
+        assert all(b > 0 for b in (v["wire_bytes"], *(p["time_s"] for p in v["curve"])))
+    assert doc["variants"]["bf16"]["speedup_vs_bf16"] in (1.0, None)
+    path = tta.write_json(tmp_path / "tta.json", doc)
+
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["report", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Time to accuracy" in result.output and "sooner" in result.output
+    html = (out / "report.html").read_text()
+    assert "Time to accuracy: tta" in html and (out / "tta_tta.png").stat().st_size > 1000
+    doc["variants"].pop("fp32")
+    path.write_text(json.dumps(doc))
+    result = CliRunner().invoke(app, ["report", str(path), "--out", str(out)])
+    assert result.exit_code == 2 and "no fp32 variant" in result.output
