@@ -121,7 +121,9 @@ def _row_counters(lengths: tuple[int, ...], block: int) -> tuple[torch.Tensor, t
 def levels(x: torch.Tensor, safe: torch.Tensor, lengths: Sequence[int], block: int, parts: tuple[grid.Piece, ...],
            stratum: noise.Stratum, m: int) -> torch.Tensor | None:
     """blockq's levels of the bucket `x` (uint8, one per element) by the compiled chain, the same
-    bits as `BlockQSum._levels`; None when compiling failed (the caller runs eager)."""
+    bits as `BlockQSum._levels`; None when not `active` or compiling failed (the caller runs eager)."""
+    if not active(x):
+        return None
     dev = x.device
     keys = stratum.keys(len(lengths), dev)
     seg, first = (t.to(dev, non_blocking=True) for t in _row_counters(tuple(lengths), block))
@@ -144,11 +146,16 @@ def levels(x: torch.Tensor, safe: torch.Tensor, lengths: Sequence[int], block: i
     return out
 
 
-def unit_scaled(sums: torch.Tensor, scale: torch.Tensor, parts: tuple[grid.Piece, ...], total: int,
-                out: torch.Tensor | None) -> torch.Tensor | None:
-    """The decoded mean (fp32) of the W-rank sums `sums` against the block scales, by the compiled
-    chain (into `out` when given), the same bits as `unit_values` then `scale_blocks_`; None when
-    compiling failed."""
+def unit_scaled(sums: torch.Tensor, block_scales: Callable[[], torch.Tensor], lengths: Sequence[int], block: int,
+                total: int, out: torch.Tensor | None) -> torch.Tensor | None:
+    """The decoded mean (fp32) of the W-rank sums `sums` against the block scales (`block_scales()`,
+    asked only when the chain runs), by the compiled chain (into `out` when given), the same bits as
+    `unit_values` then `scale_blocks_`; None when not `active`, the layout needs a gather
+    (`grid.pieces`), or compiling failed."""
+    parts = grid.pieces(tuple(lengths), block) if active(sums) else None
+    if parts is None:
+        return None
+    scale = block_scales()
     unit = _constant(2.0 / total, sums.device)
     flat = sums.reshape(-1)
     res = out.view(-1) if out is not None else torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
