@@ -177,6 +177,39 @@ def test_a_reference_noisier_than_the_tolerance_is_judged_against_its_noise() ->
     assert judged_tolerance(0.01, math.nan) == 0.01 and judged_tolerance(-1.0, 0.0) == -1.0
 
 
+def test_a_gap_under_one_held_out_predictions_worth_is_judged_at_the_resolution() -> None:
+    from nfab.calibrate.validate import gap_denominator, judged_tolerance, resolution
+
+    # the CNN recipe: 256 held-out digits, FP32 at ~0.036 late, denominator floored at 0.385
+    nats = resolution(10, 256)
+    assert nats == pytest.approx(math.log(10) / 256)
+    ref = {0: 2.44, 8: 1.54, 72: 0.0473, 80: 0.0399, 88: 0.0369, 96: 0.0346, 100: 0.0337}
+    denominator = gap_denominator(ref, 100, floor=0.385)
+    assert denominator == 0.385  # the final window's mean (0.036) is under the floor
+    judged = judged_tolerance(0.01, 0.003, nats / denominator)
+    assert judged == pytest.approx(0.02335, abs=1e-4) and 0.0145 < judged  # its failed +1.45% is one digit's worth
+    # a language model's held-out loss (256 x 64 byte tokens, ~2.4 nats) resolves far under 1 %: unchanged
+    gpt = resolution(256, 256 * 64) / gap_denominator({250: 2.4, 275: 2.39, 300: 2.38}, 300, floor=0.6)
+    assert gpt < 2e-4 and judged_tolerance(0.01, 0.004, gpt) == 0.01
+    # noise above both still wins; no prediction (or one class) resolves nothing
+    assert judged_tolerance(0.01, 0.305, 0.0233) == pytest.approx(3 * 0.305)
+    assert resolution(1, 256) == 0.0 and resolution(10, 0) == 0.0 and judged_tolerance(0.01, 0.0, math.nan) == 0.01
+    assert math.isinf(gap_denominator({0: 2.0}, 100, floor=0.5))  # no eval in the final window
+
+
+def test_describe_validation_says_when_the_resolution_judged() -> None:
+    from nfab.calibrate.validate import Round, Validation
+    from nfab.profile.evidence import describe_validation
+
+    v = Validation(tolerance=0.01, steps=100, resolution=0.009, resolved=0.0234, judged=0.0234)
+    v.rounds.append(Round(start_step=0, stopped_at=None, gap=0.0145, passed=True, seconds=1.0))
+    ev = v.to_evidence()
+    assert v.judged_by == "resolution" and ev["judged_by"] == "resolution" and ev["resolution"] == 0.009
+    assert "one held-out prediction moves the loss by 0.0090 nats, so judged at 2.3%" in describe_validation(ev)
+    noisy = Validation(tolerance=0.01, steps=100, noise=0.3, resolved=0.0234, judged=0.9)
+    assert noisy.judged_by == "noise"
+
+
 def _noisy(ref_eval: dict[int, float], val: list[float], steps: list[int], gap: float, rise: float) -> dict[int, float]:
     """A synthetic FP32 held-out curve: `val` lowered by `gap` (so the profile sits about `gap` above
     it), with one late rise of `rise` between steps 4 and 5 of 8 (noise, not training); without a
