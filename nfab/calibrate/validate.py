@@ -226,17 +226,19 @@ def validate_profile(
     max_rounds: int = MAX_ROUNDS,
     step_budget: int | None = None,
     tick: Tick | None = None,
+    held_out_resolution: float | None = None,
 ) -> tuple[Profile, Validation]:
     """Validate `profile` over the reference window; tighten and re-validate while the gap is too large.
 
     `step_budget` caps the simulated steps of all rounds (the first round always runs): a
     tightening round that would not fit is not run, and its change is marked unvalidated.
+    `held_out_resolution` (nats) replaces the held-out batch's own (`resolution`); 0 judges every gap.
     """
     steps = task.cfg.steps
     evals = set(eval_points(steps))
     floor = loss_floor(ref.eval_loss)
     noise = reference_noise(ref.eval_loss, steps, floor)
-    nats = resolution(*task.eval_predictions)
+    nats = resolution(*task.eval_predictions) if held_out_resolution is None else held_out_resolution
     resolved = nats / gap_denominator(ref.eval_loss, steps, floor)
     result = Validation(tolerance=tolerance, steps=steps, eval_steps=sorted(evals), noise=noise,
                         resolution=nats, resolved=resolved, judged=judged_tolerance(tolerance, noise, resolved))
