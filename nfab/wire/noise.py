@@ -197,3 +197,29 @@ def uniform_scalar(key: int, index: int, shift: int = 0) -> float:
     c = ((c ^ (c >> 15)) * MIX2) & m
     c ^= c >> 16
     return (((c >> 8) + shift) & _MASK24) * _U24
+
+
+_NOISE_CACHE: dict[tuple, torch.Tensor] = {}
+_NOISE_CACHE_SIZE = 4
+
+
+def strata_uniform(keys: torch.Tensor, lengths: tuple[int, ...], shifts: tuple[int, ...]) -> torch.Tensor:
+    """The W strata's uniforms (W x n float32): the shared u shifted by each rank's offset on the
+    24-bit grid, mod 1 -- `uniform(keys, lengths, shift)` for every shift, hashed once.
+
+    On the host the last four are kept: replay draws the same keys again for the EF-off and EF-on
+    windows of a step and for every block route of a region (same seed, `ef_steps` steps), so the
+    hash runs once per step and region."""
+    host = keys.device.type == "cpu"
+    tag = (tuple(keys.tolist()), lengths, shifts) if host else None
+    hit = _NOISE_CACHE.get(tag) if tag is not None else None
+    if hit is not None:
+        return hit
+    u24 = uniform(keys, lengths).mul_(1 << 24).to(torch.int32)  # exact: u is a multiple of 2^-24
+    shift = torch.tensor(shifts, dtype=torch.int32, device=keys.device).unsqueeze(1)
+    u = ((u24 + shift) & ((1 << 24) - 1)).to(torch.float32).mul_(2.0**-24)
+    if tag is not None:
+        if len(_NOISE_CACHE) >= _NOISE_CACHE_SIZE:
+            _NOISE_CACHE.pop(next(iter(_NOISE_CACHE)))
+        _NOISE_CACHE[tag] = u
+    return u

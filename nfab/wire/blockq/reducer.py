@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from nfab.wire import dispatch, host_slices, noise
-from nfab.wire.blockq import grid, radix
+from nfab.wire.blockq import fused, grid, radix
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
@@ -295,6 +295,8 @@ class BlockQSum(Reducer):
         else:  # the safe divisor per block, broadcast over block views
             scale = self._block_scales(shared)
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            if (got := fused.levels(x, safe, lengths, self.block, parts, stratum, m)) is not None:
+                return got  # compiled when switched on (`fused`): the same bits
             t = grid.div_blocks(x, safe, parts, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
         t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
@@ -329,7 +331,10 @@ class BlockQSum(Reducer):
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
         digits = isinstance(layout, RadixLayout)
         sums = radix.unpack(reduced, layout, numel, torch.float32) if digits else unpack(reduced, layout, numel)
-        mean = self.scale_blocks_(unit_values(sums, self.steps * world_size, out=direct), scale_mean, lengths)
+        total = self.steps * world_size  # compiled when switched on (`fused`), else eager: the same bits
+        mean = fused.unit_scaled(sums, lambda: self._block_scales(scale_mean), lengths, self.block, total, direct)
+        if mean is None:
+            mean = self.scale_blocks_(unit_values(sums, total, out=direct), scale_mean, lengths)
         return mean if direct is not None else write_into(out, mean)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
@@ -412,7 +417,7 @@ class BlockQSum(Reducer):
         m = self.steps
         t = torch.div(flat, safe)
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m], as `encode`
-        u = _strata_noise(keys.to(flat.device), tuple(lengths), tuple(g.shift for g in gens))
+        u = noise.strata_uniform(keys.to(flat.device), tuple(lengths), tuple(g.shift for g in gens))
         levels = t.add_(u).floor_().clamp_(0, m)  # W x n, whole numbers in [0, m] as float32
         total = levels.sum(0)  # exact: small whole numbers
         mean = total.mul_(2.0 / (m * w)).sub_(1.0).mul_(scale)  # values[sum] of `decode`, times the scales
@@ -420,32 +425,6 @@ class BlockQSum(Reducer):
             return mean, [None] * w
         locals_ = levels.mul_(2.0 / m).sub_(1.0).mul_(scale)  # unit[levels] * scale of `encode`'s local
         return mean, list(locals_.unbind(0))
-
-
-_NOISE_CACHE: dict[tuple, torch.Tensor] = {}
-_NOISE_CACHE_SIZE = 4
-
-
-def _strata_noise(keys: torch.Tensor, lengths: tuple[int, ...], shifts: tuple[int, ...]) -> torch.Tensor:
-    """The W strata's uniforms (W x n float32): the shared u shifted by each rank's offset on the
-    24-bit grid, mod 1 -- `noise.uniform(keys, lengths, shift)` for every shift, hashed once.
-
-    On the host the last four are kept: replay draws the same keys again for the EF-off and EF-on
-    windows of a step and for every block route of a region (same seed, `ef_steps` steps), so the
-    hash runs once per step and region."""
-    host = keys.device.type == "cpu"
-    tag = (tuple(keys.tolist()), lengths, shifts) if host else None
-    hit = _NOISE_CACHE.get(tag) if tag is not None else None
-    if hit is not None:
-        return hit
-    u24 = noise.uniform(keys, lengths).mul_(1 << 24).to(torch.int32)  # exact: u is a multiple of 2^-24
-    shift = torch.tensor(shifts, dtype=torch.int32, device=keys.device).unsqueeze(1)
-    u = ((u24 + shift) & ((1 << 24) - 1)).to(torch.float32).mul_(2.0**-24)
-    if tag is not None:
-        if len(_NOISE_CACHE) >= _NOISE_CACHE_SIZE:
-            _NOISE_CACHE.pop(next(iter(_NOISE_CACHE)))
-        _NOISE_CACHE[tag] = u
-    return u
 
 
 def unit_values(ints: torch.Tensor, steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
