@@ -1,4 +1,4 @@
-"""The one user-loop harness: a user's plain DDP loop, with one communication variant plugged in.
+"""The one user-loop harness: a user's plain DDP (or FSDP2) loop, with one communication variant plugged in.
 
 `nfab bench study` trains every variant of a setting here; `python -m bench.userloop` (from the
 repository root) runs one setting with a few variants and prints their rows, e.g.
@@ -40,6 +40,16 @@ Bytes are what each rank sends per step under the collective's algorithm (ring a
 sends 2(W-1)/W of its payload): FP32, bf16 and fp16 from the gradient size, PowerSGD from its
 state's public `compression_stats()` (P, Q and the uncompressed tensors), nfab from its
 runtime's `step_stats()`.
+
+`--parallel fsdp` (a setting's `parallel`) runs the same loop under FSDP2 instead of DDP:
+`fully_shard` on every block of the model's `nn.ModuleList`s, then on the root; accumulation
+with `set_requires_gradient_sync(False)` on all but the last micro-batch; `clip_grad_norm_` on
+the DTensor gradients; evaluation on the full weights gathered to every rank. There `fp32` is
+plain FSDP2 and `fp32_mb` its FP32 reduce-scatter (each rank sends (W-1)/W of every padded
+group), nfab variants attach to the FSDP2 root (`route:fp32`, `profile`, block routes, `sign`),
+and each row carries rank 0's per-step training loss (`train_losses`):
+
+    python -m bench.userloop --setting recipe-gpt --parallel fsdp --variants fp32,route:fp32,profile
 """
 
 from __future__ import annotations
@@ -66,7 +76,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfab.bench.studyspec import NOISE_MOMENT, ROUTE_EF_VARIANT, ROUTE_VARIANT, SETTINGS, VARIANTS, RunResult, Setting
+from nfab.bench.studyspec import (
+    FSDP_VARIANTS,
+    NOISE_MOMENT,
+    PARALLEL,
+    ROUTE_EF_VARIANT,
+    ROUTE_VARIANT,
+    SETTINGS,
+    VARIANTS,
+    RunResult,
+    Setting,
+)
 from nfab.bench.variants import bf16_hook
 from nfab.data import build_dataset, make_loader
 from nfab.data.loader import make_eval_loader
@@ -102,6 +122,15 @@ def _custom_route(variant: str) -> tuple[str | dict[str, str], bool] | None:
     return None
 
 
+def _check_variant(variant: str, parallel: str) -> None:
+    """One line for a variant this harness cannot run (here, before any rank is spawned)."""
+    if variant not in VARIANTS and _custom_route(variant) is None:
+        raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)}, route:SPEC, route-ef:SPEC)")
+    if parallel == "fsdp" and variant not in FSDP_VARIANTS and not variant.startswith(ROUTE_VARIANT):
+        raise ValueError(f"variant {variant!r} does not run under FSDP2 (known: {', '.join(FSDP_VARIANTS)}, "
+                         "route:SPEC)")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,9 +141,8 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
                  root: Path | None = None) -> list[RunResult]:
     """Spawn W gloo ranks once; they train `setting` with each variant in turn (a fresh model,
     optimizer and DDP each time, same seed). One result per variant, as rank 0 saw it."""
-    bad = [v for v in variants if v not in VARIANTS and _custom_route(v) is None]
-    if bad:
-        raise ValueError(f"unknown variant {bad[0]!r} (known: {', '.join(VARIANTS)})")
+    for v in variants:
+        _check_variant(v, setting.parallel)
     results: dict[str, RunResult] = {}
     profile = None
     with_profile = [v for v in variants if v.removesuffix(NOISE_MOMENT) == "profile"]
@@ -161,6 +189,48 @@ def _batches(loader: Any) -> Any:
         epoch += 1
 
 
+def _shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks FSDP2 shards one by one: every child of the model's `nn.ModuleList`s (a
+    Transformer's layers), as torchtitan shards `model.layers`; the root takes the rest."""
+    return [block for m in model.modules() if isinstance(m, torch.nn.ModuleList) for block in m]
+
+
+def _fully_shard(model: torch.nn.Module, world_size: int, head_modules: tuple[str, ...] | None) -> float:
+    """`fully_shard` each block, then the root; returns FSDP2's FP32 reduce-scatter bytes per rank
+    per step (what nfab's runtime reports as `baseline_wire_bytes`), counted from the layouts."""
+    from torch.distributed.fsdp import fully_shard
+
+    from nfab.profile.schema import Profile
+    from nfab.runtime.frontends import fsdp_layout
+
+    units = _shard_units(model)
+    layouts = fsdp_layout.plan_layouts(model, units, world_size, head_modules)
+    for block in units:
+        fully_shard(block)
+    fully_shard(model)
+    return fsdp_layout.step_wire_bytes(layouts, Profile.static("fp32")).fsdp_fp32
+
+
+def _accumulating(model: torch.nn.Module, last: bool) -> Any:
+    """The context of one micro-batch's backward: only the last one communicates (DDP's `no_sync`,
+    FSDP2's `set_requires_gradient_sync`)."""
+    if isinstance(model, DDP):
+        return contextlib.nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last)  # type: ignore[operator]
+    return contextlib.nullcontext()
+
+
+def _unsharded(model: torch.nn.Module, setting: Setting, seed: int) -> torch.nn.Module:
+    """A plain copy of an FSDP2 model's full weights on every rank (each DTensor all-gathered), so
+    that evaluation needs no collective per batch (the ranks' eval shards differ in batch count)."""
+    from torch.distributed.tensor import DTensor
+
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    copy = build_model(setting.model, seed=seed, **setting.model_options).module
+    copy.load_state_dict(full)
+    return copy
+
+
 def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if task == "lm":
         return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
@@ -197,12 +267,17 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     test = build_dataset(setting.dataset, split="test", seed=seed, **data_opts)
     loader = make_loader(train, batch_size=setting.batch_size, rank=rank, world_size=w, seed=seed)
     model = spec.module
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    fp32_step = allreduce_factor(w) * 4 * numel
-    bucket = POWERSGD_BUCKET_MB if variant.startswith("powersgd") else None
-    ddp = DDP(model, **({"bucket_cap_mb": bucket} if bucket else {}))
+    fsdp = setting.parallel == "fsdp"
+    if fsdp:  # the user's FSDP2 model: nfab attaches to it as to a DDP model
+        fp32_step = _fully_shard(model, w, spec.head_modules)
+        ddp: torch.nn.Module = model
+    else:
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        fp32_step = allreduce_factor(w) * 4 * numel
+        bucket = POWERSGD_BUCKET_MB if variant.startswith("powersgd") else None
+        ddp = DDP(model, **({"bucket_cap_mb": bucket} if bucket else {}))
     runtime = state = None
-    opt = _optimizer(setting, ddp.module)  # before attach: nfab reads its family and second moment
+    opt = _optimizer(setting, model)  # before attach: nfab reads its family and second moment
     if variant == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif variant == "bf16":  # torch's bf16_compress_hook (DDP refuses its own name without NCCL)
@@ -226,6 +301,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
                               total_steps=setting.steps, head_modules=spec.head_modules, noise_moment=noise_moment)
     wire = probe = 0.0
     fallback_steps = 0
+    losses: list[float] = []
     events: list[str] = []
     after_prev = 0
     batches = _batches(loader)
@@ -233,13 +309,17 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     for step in range(setting.steps):
         for group in opt.param_groups:
             group["lr"] = setting.lr_at(step)
+        step_loss = 0.0
         for micro in range(accum):  # every micro-batch but the last accumulates locally (no all-reduce)
             x, y = next(batches)
-            with ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+            with _accumulating(ddp, micro == accum - 1):
                 loss = _loss(spec.task, ddp(x), y)
                 if runtime is not None and micro == accum - 1:
-                    runtime.observe_loss(loss)
+                    runtime.observe_loss(loss)  # before backward: FSDP2's first reduce-scatter carries it
                 (loss / accum).backward()
+            step_loss += float(loss.detach()) / accum if fsdp else 0.0
+        if fsdp:
+            losses.append(step_loss)
         if runtime is not None:
             stats = runtime.step_stats()
             wire += stats.wire_bytes
@@ -256,7 +336,8 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
             torch.nn.utils.clip_grad_norm_(ddp.parameters(), setting.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    loss_sum, correct, count = _evaluate(ddp.module, test, spec.task, setting, rank)
+    evaluated = _unsharded(model, setting, seed) if fsdp else model
+    loss_sum, correct, count = _evaluate(evaluated, test, spec.task, setting, rank)
     fp32_total = fp32_step * setting.steps
     return RunResult(
         setting=setting.name, variant=variant, ok=math.isfinite(loss_sum / count), seed=seed, steps=setting.steps,
@@ -266,7 +347,8 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         fallback_steps=fallback_steps if runtime is not None else None, health_events=events[:20],
         probe_mb=probe / 1e6 if runtime is not None else None,
         alarms=runtime.health.alarms if runtime is not None else None,
-        false_alarms=runtime.health.false_alarms if runtime is not None else None)
+        false_alarms=runtime.health.false_alarms if runtime is not None else None,
+        train_losses=losses if fsdp else None)
 
 
 @torch.no_grad()
@@ -297,24 +379,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--world-size", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parallel", choices=PARALLEL, default=None,
+                    help="ddp or fsdp (FSDP2, fully_shard per block; default: the setting's)")
     ap.add_argument("--profile", default=None,
                     help="the profile the `profile` variants attach (default: the setting's)")
     a = ap.parse_args(argv)
     try:
         if a.setting not in SETTINGS:
             raise ValueError(f"unknown study setting {a.setting!r} (known: {', '.join(SETTINGS)})")
-        changes = {k: v for k, v in (("steps", a.steps), ("world_size", a.world_size), ("profile", a.profile))
+        changes = {k: v for k, v in (("steps", a.steps), ("world_size", a.world_size), ("profile", a.profile),
+                                                    ("parallel", a.parallel))
                    if v is not None}
         setting = dataclasses.replace(SETTINGS[a.setting], **changes)
         variants = tuple(v.strip() for v in a.variants.split(",") if v.strip())
         for v in variants:
+            _check_variant(v, setting.parallel)
             custom = _custom_route(v)
             if custom is not None:
                 import nfab
 
                 nfab.Profile.static(custom[0])  # an unknown route or region: one line here, not one per rank
-            elif v not in VARIANTS:
-                raise ValueError(f"unknown variant {v!r} (known: {', '.join(VARIANTS)}, route:SPEC, route-ef:SPEC)")
     except (ValueError, TypeError, NfabError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

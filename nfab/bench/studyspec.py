@@ -27,6 +27,10 @@ ROUTE_VARIANT = "route:"
 """Variant prefix for any static route outside the named set (`route:2d=bq3`, `route:sign`): the
 harness's own command line uses it; `route-ef:` forces error feedback on."""
 ROUTE_EF_VARIANT = "route-ef:"
+PARALLEL = ("ddp", "fsdp")
+FSDP_VARIANTS = ("fp32", "profile", "profile-nm", "bq3", "bl6", "bl5", "bq2", "bq2-nm", "bl5-nm", "sign")
+"""Variants a `fsdp` setting runs (`route:SPEC` too): FSDP2 takes no DDP comm hook (fp16, PowerSGD)
+and nfab refuses error feedback on it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +71,9 @@ class Setting:
     min_lr_ratio: float = 0.1
     decay_matrices_only: bool = False
     """Weight decay on tensors of 2 and more dimensions only (norms, biases and tokens get none)."""
+    parallel: str = "ddp"
+    """`ddp` (DistributedDataParallel) or `fsdp` (FSDP2: `fully_shard` on every block of the model's
+    `nn.ModuleList`s, then on the root; accumulation with `set_requires_gradient_sync`)."""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -76,6 +83,8 @@ class Setting:
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         if min(self.steps, self.world_size, self.batch_size, self.eval_samples, self.accum_steps) < 1:
             raise ValueError("steps, world_size, batch_size, eval_samples and accum_steps must be >= 1")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
 
@@ -118,6 +127,9 @@ class RunResult:
     """nfab variants: alarms whose shadow found every region faithful (no demotion)."""
     health_events: list[str] = field(default_factory=list)
     """nfab variants: the health monitor's events (first 20)."""
+    train_losses: list[float] | None = None
+    """`fsdp` settings: rank 0's training loss at each step (the mean of its micro-batches), to check
+    that route fp32 tracks plain FSDP2 step by step."""
     wall_s: float = 0.0
     error: str = ""
 
