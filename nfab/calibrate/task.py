@@ -193,6 +193,14 @@ class Task:
             b.copy_(s)
         return loss
 
+    @property
+    def eval_predictions(self) -> tuple[int, int]:
+        """(classes, predictions) of the held-out batch: what one held-out prediction weighs in its
+        mean loss (validation's `resolution`). A language model predicts every token of a vocabulary."""
+        spec = self.train.spec
+        classes = spec.vocab_size if spec.task == "lm" else spec.num_classes
+        return int(classes or 0), int(self.eval_batch[1].numel())
+
     def region_names(self, region: str) -> list[str]:
         """The region's parameter names, in its flat (gather) order."""
         return [self.names[i] for i in self.regions[region].indices]

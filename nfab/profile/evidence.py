@@ -27,7 +27,8 @@ def describe_timing(split: dict[str, Any]) -> str:
 def describe_validation(ev: dict[str, Any]) -> str:
     """`validation over 300 steps: passed, gap +0.41% (tolerance 1.00%) after 2 round(s); tightened ...`
     (a noisy reference: `(tolerance 1.00%; FP32's own held-out loss moves 30.5% between evaluations, so
-    judged at 91.6%)`)."""
+    judged at 91.6%)`; a gap under one held-out prediction's worth: `(tolerance 1.00%; one held-out prediction
+    moves the loss by 0.0090 nats, so judged at 2.3%)`)."""
     if ev.get("passed") is None:
         return f"validation: none ({ev.get('stopped') or 'not run'})"
     gap = ev.get("gap")
@@ -37,6 +38,9 @@ def describe_validation(ev: dict[str, Any]) -> str:
     if ev.get("judged_by") == "noise":  # the reference moved more than the tolerance: judged against its noise
         tolerance += (f"; FP32's own held-out loss moves {float(ev.get('noise') or 0.0) * 100:.1f}% between "
                       f"evaluations, so judged at {float(ev.get('judged_tolerance') or 0.0) * 100:.1f}%")
+    elif ev.get("judged_by") == "resolution":  # the tolerance was finer than one held-out prediction
+        tolerance += (f"; one held-out prediction moves the loss by {float(ev.get('resolution') or 0.0):.4f} nats, "
+                      f"so judged at {float(ev.get('judged_tolerance') or 0.0) * 100:.1f}%")
     text = (f"validation over {ev.get('steps')} steps: {'passed' if ev['passed'] else 'FAILED'}, {gap_text} "
             f"({tolerance}) after {len(rounds)} round(s)")
     changes = [r["change"] for r in rounds if isinstance(r, dict) and r.get("change")]

@@ -31,6 +31,11 @@ def table(rows: list[tuple[str, str, str, float, float]]) -> pd.DataFrame:
                          for p, reg, route, bits, cos in rows])
 
 
+EVERY_GAP = 0.0
+"""The tiny task's 16 held-out images resolve ln(10) / 16 = 0.14 nats, more than the gaps these tests
+build to exercise tightening: they judge every gap (the resolution rule has its own tests below)."""
+
+
 def tiny(steps: int = 8) -> Task:
     cfg = make_config("resnet18", steps=steps, phases=2, trial_steps=2, overrides={
         "model.width": 4, "batch_size": 8, "eval_samples": 16})
@@ -54,7 +59,8 @@ def test_a_failing_profile_is_tightened_in_flight_then_in_every_phase() -> None:
             (("fp32", 48.0, 1.0), ("q8", 12.0, 0.97), ("q4", 6.0, 0.6), ("sign", 3.0, 0.4))]
     prof = profile((0.0, {"conv": "sign"}, True), (0.5, {"conv": "sign"}, True))
     # an impossible tolerance: every round fails and tightens, until all is FP32
-    out, v = validate_profile(task, ref, prof, table(rows).assign(error_feedback=True), tol=TOL, tolerance=-1.0,
+    out, v = validate_profile(task, ref, prof, table(rows).assign(error_feedback=True), tol=TOL,
+                              held_out_resolution=EVERY_GAP, tolerance=-1.0,
                               max_rounds=20)
     first, second, third, fourth = v.rounds[:4]
     # in flight: from step 4 (the first eval past 40% of the run with two gaps) the run goes on tightened,
@@ -76,7 +82,8 @@ def test_validation_starts_from_the_reference_where_the_profile_leaves_fp32() ->
     ref = run_reference(task)
     rows = [("p1", "conv", r, b, c) for r, b, c in (("fp32", 48.0, 1.0), ("q8", 12.0, 0.97), ("sign", 3.0, 0.4))]
     prof = profile((0.0, {"conv": "fp32"}, False), (0.5, {"conv": "sign"}, False))
-    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=-1.0, max_rounds=20)
+    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL,
+                              held_out_resolution=EVERY_GAP, tolerance=-1.0, max_rounds=20)
     # the FP32 phase p0 (steps 0..3) is the reference itself: no round re-runs it
     assert v.rounds[0].start_step == 4 and all(r.start_step >= 4 for r in v.rounds)
     assert v.rounds[0].change == "p1@6/conv: sign -> q8 from 6"
@@ -90,7 +97,8 @@ def test_a_tightening_round_the_step_budget_has_no_room_for_is_not_run() -> None
     rows = [(p, "conv", r, b, c) for p in ("p0", "p1") for r, b, c in
             (("fp32", 48.0, 1.0), ("q8", 12.0, 0.97), ("q4", 6.0, 0.6), ("sign", 3.0, 0.4))]
     prof = profile((0.0, {"conv": "sign"}, False), (0.5, {"conv": "sign"}, False))
-    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=-1.0, step_budget=12)
+    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL,
+                              held_out_resolution=EVERY_GAP, tolerance=-1.0, step_budget=12)
     # 8 steps ran (tightening twice in flight); starting over would take 8 more
     assert v.stopped == "budget" and [r.stopped_at for r in v.rounds] == [4, 6, None]
     assert v.rounds[-1].change.endswith("(not validated: budget)")
@@ -177,6 +185,39 @@ def test_a_reference_noisier_than_the_tolerance_is_judged_against_its_noise() ->
     assert judged_tolerance(0.01, math.nan) == 0.01 and judged_tolerance(-1.0, 0.0) == -1.0
 
 
+def test_a_gap_under_one_held_out_predictions_worth_is_judged_at_the_resolution() -> None:
+    from nfab.calibrate.validate import gap_denominator, judged_tolerance, resolution
+
+    # the CNN recipe: 256 held-out digits, FP32 at ~0.036 late, denominator floored at 0.385
+    nats = resolution(10, 256)
+    assert nats == pytest.approx(math.log(10) / 256)
+    ref = {0: 2.44, 8: 1.54, 72: 0.0473, 80: 0.0399, 88: 0.0369, 96: 0.0346, 100: 0.0337}
+    denominator = gap_denominator(ref, 100, floor=0.385)
+    assert denominator == 0.385  # the final window's mean (0.036) is under the floor
+    judged = judged_tolerance(0.01, 0.003, nats / denominator)
+    assert judged == pytest.approx(0.02335, abs=1e-4) and 0.0145 < judged  # its failed +1.45% is one digit's worth
+    # a language model's held-out loss (256 x 64 byte tokens, ~2.4 nats) resolves far under 1 %: unchanged
+    gpt = resolution(256, 256 * 64) / gap_denominator({250: 2.4, 275: 2.39, 300: 2.38}, 300, floor=0.6)
+    assert gpt < 2e-4 and judged_tolerance(0.01, 0.004, gpt) == 0.01
+    # noise above both still wins; no prediction (or one class) resolves nothing
+    assert judged_tolerance(0.01, 0.305, 0.0233) == pytest.approx(3 * 0.305)
+    assert resolution(1, 256) == 0.0 and resolution(10, 0) == 0.0 and judged_tolerance(0.01, 0.0, math.nan) == 0.01
+    assert math.isinf(gap_denominator({0: 2.0}, 100, floor=0.5))  # no eval in the final window
+
+
+def test_describe_validation_says_when_the_resolution_judged() -> None:
+    from nfab.calibrate.validate import Round, Validation
+    from nfab.profile.evidence import describe_validation
+
+    v = Validation(tolerance=0.01, steps=100, resolution=0.009, resolved=0.0234, judged=0.0234)
+    v.rounds.append(Round(start_step=0, stopped_at=None, gap=0.0145, passed=True, seconds=1.0))
+    ev = v.to_evidence()
+    assert v.judged_by == "resolution" and ev["judged_by"] == "resolution" and ev["resolution"] == 0.009
+    assert "one held-out prediction moves the loss by 0.0090 nats, so judged at 2.3%" in describe_validation(ev)
+    noisy = Validation(tolerance=0.01, steps=100, noise=0.3, resolved=0.0234, judged=0.9)
+    assert noisy.judged_by == "noise"
+
+
 def _noisy(ref_eval: dict[int, float], val: list[float], steps: list[int], gap: float, rise: float) -> dict[int, float]:
     """A synthetic FP32 held-out curve: `val` lowered by `gap` (so the profile sits about `gap` above
     it), with one late rise of `rise` between steps 4 and 5 of 8 (noise, not training); without a
@@ -202,7 +243,8 @@ def test_validation_on_a_noisy_reference_passes_in_one_round_and_says_why() -> N
     # the same profile 10 % above FP32, where FP32's own loss jumps 50 % late: a 1 % tolerance is noise
     # (built to be 0.5: out[5] = out[4] * 1.5 read back as a ratio can land one ulp below it)
     ref.eval_loss = _noisy(ref.eval_loss, plain.profile_eval, plain.eval_steps, gap=0.10, rise=0.5)
-    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=0.01)
+    out, v = validate_profile(task, ref, prof, table(rows), tol=TOL,
+                              held_out_resolution=EVERY_GAP, tolerance=0.01)
     assert v.noise >= 0.5 - 1e-9 and v.judged_by == "noise" and v.judged == pytest.approx(3 * v.noise)
     assert v.passed and len(v.rounds) == 1 and v.rounds[0].stopped_at is None  # no tightening on noise
     assert v.gap == pytest.approx(0.10, rel=1e-4) and out.phases == prof.phases
@@ -211,6 +253,7 @@ def test_validation_on_a_noisy_reference_passes_in_one_round_and_says_why() -> N
     assert "so judged at" in describe_validation(ev)
     # a quiet reference with the same 10 % gap: judged at the tolerance, so it fails and tightens
     ref.eval_loss = _noisy(ref.eval_loss, plain.profile_eval, plain.eval_steps, gap=0.10, rise=0.0)
-    _, quiet = validate_profile(task, ref, prof, table(rows), tol=TOL, tolerance=0.01, max_rounds=2)
+    _, quiet = validate_profile(task, ref, prof, table(rows), tol=TOL,
+                              held_out_resolution=EVERY_GAP, tolerance=0.01, max_rounds=2)
     assert quiet.noise == 0.0 and quiet.judged_by == "tolerance" and quiet.judged == 0.01
     assert not quiet.rounds[0].passed and quiet.rounds[0].change is not None
