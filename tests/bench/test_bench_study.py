@@ -12,7 +12,7 @@ from nfab.cli.app import app
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb",
             "fp32_mb", "ratio", "fallback_steps", "probe_mb", "alarms", "false_alarms", "health_events", "wall_s",
-            "error"}
+            "train_losses", "error"}
 
 
 def _doc(rows: list[dict], metric: str = "loss") -> dict:
