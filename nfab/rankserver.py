@@ -19,13 +19,17 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed.fsdp._fully_shard._fsdp_param  # noqa: F401 - what `fully_shard` imports on first use
-import torch.distributed.tensor  # noqa: F401 - FSDP2's DTensor parameters
 
 import nfab.api  # noqa: F401 - what `nfab.attach` imports, loaded once
 from nfab.wire.registry import REDUCERS
 
 log = logging.getLogger(__name__)
+
+try:  # FSDP2 (`fully_shard`) and its DTensor parameters, through their public modules
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+except ImportError:  # an older torch: FSDP2 tests skip or import it themselves
+    pass
 
 WARM_WORLD_SIZES: tuple[int, ...] = (2, 3, 4)
 """Lane widths and capacities depend on W; the kernels' machine code does not, but each W's
