@@ -64,12 +64,12 @@ def setting_table(doc: dict[str, Any], name: str) -> list[str]:
     metric = "accuracy" if setting["metric"] == "accuracy" else "val loss"
     bf16 = next((r for r in rows if r["variant"] == "bf16" and r["ok"]), None)
     out = [f"| variant | {metric} | vs FP32 | vs bf16 | MB sent per rank | fewer bytes than FP32 | than bf16 "
-           "| fallback steps |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| fallback steps | alarms (false) | probe share |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         label = LABELS.get(r["variant"], r["variant"])
         if not r["ok"]:
-            out.append(f"| {label} | failed: {r['error']} | | | | | | |")
+            out.append(f"| {label} | failed: {r['error']} | | | | | | | | |")
             continue
         value = (_fmt(None if r["eval_accuracy"] is None else r["eval_accuracy"] * 100, ".2f", "%")
                  if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], ".3f"))
@@ -78,8 +78,25 @@ def setting_table(doc: dict[str, Any], name: str) -> list[str]:
         vs_bf16 = None if r["ratio"] is None else r["ratio"] / 2
         out.append(f"| {label} | {value} | {_delta(setting, r, fp32)} | {_delta(setting, r, bf16)} | "
                    f"{_fmt(r['wire_mb'], '.1f')} | {_fmt(r['ratio'], '.1f', 'x')} | {_fmt(vs_bf16, '.1f', 'x')} "
-                   f"| {fb} |")
+                   f"| {fb} | {alarm_cell(r)} | {_fmt(probe_share(r), '.1%')} |")
     return out
+
+
+def alarm_cell(row: dict[str, Any]) -> str:
+    """`alarms (false alarms)` of an nfab run: each alarm opened an FP32 shadow window, a false one
+    demoted nothing ("–": not an nfab run, or a row from before alarms were recorded)."""
+    alarms, false = row.get("alarms"), row.get("false_alarms")
+    return "–" if alarms is None else f"{alarms} ({false if false is not None else '?'})"
+
+
+def probe_share(row: dict[str, Any]) -> float | None:
+    """The run's probe bytes over its other bytes (shadow windows' samples on neither side): what
+    `Health.probe_budget` caps. None for runs without probes recorded."""
+    probe, wire = row.get("probe_mb"), row.get("wire_mb")
+    if probe is None or not wire:
+        return None
+    other = wire - probe - (row.get("shadow_mb") or 0.0)
+    return probe / other if other > 0 else None
 
 
 def seed_table(doc: dict[str, Any], name: str) -> list[str]:

@@ -120,7 +120,9 @@ class RunResult:
     fallback_steps: int | None = None
     """nfab variants: steps with a safety fallback (health, capacity, non-finite)."""
     probe_mb: float | None = None
-    """nfab variants: of `wire_mb`, the fidelity probes' FP32 samples."""
+    """nfab variants: of `wire_mb`, the fidelity probes' FP32 samples (shadow windows' apart)."""
+    shadow_mb: float | None = None
+    """nfab variants: of `wire_mb`, the FP32 samples of the alarms' shadow windows."""
     alarms: int | None = None
     """nfab variants: loss-spike / grad-norm-jump alarms (each opened an FP32 shadow window)."""
     false_alarms: int | None = None

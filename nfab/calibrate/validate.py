@@ -59,6 +59,7 @@ from typing import Any
 
 import pandas as pd
 
+from nfab.calibrate.fit import loss_tolerance
 from nfab.calibrate.search import Tolerances, replay_ok
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import Reference, Residuals, Segment, Tick, eval_points, run_schedule
@@ -428,7 +429,7 @@ def _finer(rows: pd.DataFrame, old: str, tol: Tolerances) -> dict[str, Any] | No
         if cos_now is not None and (cos is None or cos < cos_now):
             continue
         delta, train = _f(r.get("loss_delta")), _f(r.get("train_loss_delta"))
-        if int(r.get("trial_steps") or 0) > 0 and ((delta is not None and delta > tol.loss)
+        if int(r.get("trial_steps") or 0) > 0 and ((delta is not None and delta > loss_tolerance(r, tol.loss))
                                                    or (train is not None and train > tol.loss)):
             continue  # a trial already rejected it
         if best is None or b < best[0]:

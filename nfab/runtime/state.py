@@ -39,6 +39,8 @@ class RuntimeState:
         self.controller = Controller(profile, route_world_size or world_size, cost_model, explicit=explicit,
                                      total_steps=total_steps)
         self.health = health_mod.HealthState()
+        self.horizon = total_steps
+        """The run's length when the user gave it: what early dense probes may borrow against (probes.py)."""
         self.step = 0
         self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)
         self.events: list[health_mod.HealthEvent] = []

@@ -326,7 +326,8 @@ class Runtime(RuntimeState):
             lossy = self.controller.model_lossy(phase, self.regions)
             ef = self.error_feedback and phase.error_feedback and bool(set(lossy) - self.health.ef_off)
             self._probing = (self.step, probes.probe_regions(self.step, self.profile.health, self.health, lossy,
-                                                             dense=self.preconditioner is not None, watch_all=ef))
+                                                             dense=self.preconditioner is not None, watch_all=ef,
+                                                             horizon=self.horizon))
         return self._probing[1]
 
     def _finish_step(self) -> None:
