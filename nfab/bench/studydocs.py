@@ -120,7 +120,20 @@ def seed_table(doc: dict[str, Any], name: str) -> list[str]:
 def _setting_line(s: dict[str, Any]) -> str:
     opt = f"{'AdamW' if s['optimizer'] == 'adamw' else 'SGD'} lr {s['lr']:g}, wd {s['weight_decay']:g}"
     return (f"`{s['model']}` on {s['dataset']}, W={s['world_size']}, {s['steps']} steps, batch {s['batch_size']}"
-            f"/rank, {opt}, constant LR; {s['note']}")
+            f"/rank, {opt}, {_schedule(s)}; {s['note']}")
+
+
+def _schedule(s: dict[str, Any]) -> str:
+    """The setting's learning-rate schedule, accumulation and clipping, as the loop runs them."""
+    if s.get("schedule", "constant") == "constant" and not s.get("warmup_steps"):
+        text = "constant LR"
+    else:
+        text = f"warm-up {s.get('warmup_steps', 0)} + {s.get('schedule')} to {s.get('min_lr_ratio', 1):g}x"
+    if s.get("accum_steps", 1) > 1:
+        text += f", {s['accum_steps']} micro-batches"
+    if s.get("grad_clip") is not None:
+        text += f", clip {s['grad_clip']:g}"
+    return text
 
 
 def verdict_lines(doc: dict[str, Any]) -> list[str]:

@@ -143,7 +143,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
             cells = _replay_cells(cfg, task, captured, name, kind, step)
         progress("replay", p_i + 1, len(points))
         bases: dict[int, TrialResult] = {}  # the FP32 continuation, made for the phase's first trial
-        tally = {"trials": 0, "passed": 0}  # this phase's trials (budget.trial_allowed)
+        tally = {"trials": 0}  # this phase's trials (budget.trial_allowed)
 
         def trial(region: str, route: str, ef: bool, *, _step: int = step, _ckpt: dict = ckpt,
                   _bases: dict = bases, _cells: dict = cells, _done: int = p_i + 1, _tally: dict = tally) -> bool:
@@ -152,26 +152,24 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
                 _bases[_step] = reference_continuation(task, ref, _step, cfg.trial_steps)
             _base = _bases[_step]
             res = run_trial(task, _ckpt, _step, cfg.trial_steps, {region: route}, error_feedback=ef,
-                            seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss)
+                            seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss,
+                            floor=floor)
             cell = _cells[(region, route, ef)]
             # judged as validation judges a gap: over the floored FP32 loss, down to one held-out prediction
             denominator = max(_base.eval_loss, floor)
             cell["loss_delta"] = _rel(res.eval_loss, _base.eval_loss, denominator)
             cell["loss_resolved"] = nats / denominator if denominator > 0 else 0.0
-            cell["train_loss_delta"] = train_delta(res.train_loss, _base.train_loss)
+            cell["train_loss_delta"] = train_delta(res.train_loss, _base.train_loss, floor)
             cell["trial_steps"] = len(res.train_loss)
             trial_steps_run += len(res.train_loss)
             cell["screen"] = "trial_stopped" if res.stopped_early else "trial"
             progress("trials", _done, len(points))
-            ok = passes(cell, search_tol.cosine, search_tol.loss, high)
             _tally["trials"] += 1
-            _tally["passed"] += ok
-            return ok
+            return passes(cell, search_tol.cosine, search_tol.loss, high)
 
         def allow(_p: int = p_i, _tally: dict = tally) -> bool:
             return trial_allowed(cfg.steps, cfg.trial_steps, _p, len(points), used=trial_steps_run,
-                                 phase_trials=_tally["trials"], phase_passed=_tally["passed"] > 0,
-                                 ratio=budget_ratio)
+                                 phase_trials=_tally["trials"], ratio=budget_ratio)
 
         with clock.stage("trials"):
             trials_run += search_phase(cells, trial_regions, candidates=lambda r, _c=cells: _trial_routes(cfg, _c, r),

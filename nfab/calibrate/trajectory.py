@@ -219,14 +219,16 @@ class TrialResult:
         return sum(self.train_loss[-k:]) / k
 
 
-def train_delta(losses: list[float], base: list[float]) -> float:
-    """Relative training-loss increase over the second half of `losses`, against `base` on the same steps."""
+def train_delta(losses: list[float], base: list[float], floor: float = 0.0) -> float:
+    """Relative training-loss increase over the second half of `losses`, against `base` on the same steps
+    (relative to at least `floor`: a classifier's training loss near zero makes any wobble a large ratio)."""
     n = len(losses)
     k = max(1, n // 2)
     ours, theirs = sum(losses[n - k : n]) / k, sum(base[n - k : n]) / k
     if not math.isfinite(ours):
         return math.inf
-    return (ours - theirs) / theirs if theirs else math.nan
+    d = max(theirs, floor)
+    return (ours - theirs) / d if d else math.nan
 
 
 def run_trial(
@@ -243,13 +245,15 @@ def run_trial(
     base: TrialResult | None = None,
     stop_above: float | None = None,
     evaluate: bool = True,
+    floor: float = 0.0,
 ) -> TrialResult:
     """K steps from `ckpt` with `routes` (region -> route; others FP32); restores nothing after.
     Without `evaluate` the held-out loss is not measured (nan): a capture needs only the gradients.
 
     Early stop: with `base` (the FP32 continuation) and `stop_above`, a trial whose training
     loss over its last quarter of steps is already more than `stop_above` above the base's
-    (from half-way on) ends there: it would fail its tolerance anyway.
+    (from half-way on) ends there: it would fail its tolerance anyway (relative to at least `floor`,
+    as `train_delta` judges it).
     """
     task.restore(ckpt)
     w = task.cfg.world_size
@@ -273,7 +277,7 @@ def run_trial(
             window = max(2, steps // 4)
             ours = sum(losses[done - window : done]) / window
             theirs = sum(base.train_loss[done - window : done]) / window
-            if theirs > 0 and (ours - theirs) / theirs > stop_above:
+            if theirs > 0 and (ours - theirs) / max(theirs, floor) > stop_above:
                 return TrialResult(task.eval_loss(), losses, captured, stopped_early=True)
     if not evaluate:
         return TrialResult(math.nan, losses, captured)

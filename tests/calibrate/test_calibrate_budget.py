@@ -26,13 +26,12 @@ def test_validation_gets_what_the_rest_left() -> None:
     assert validation_allowance(300, 90) < full and validation_allowance(300, 10_000) == 0
 
 
-def test_every_phase_gets_a_trial_and_a_second_after_a_rejection() -> None:
+def test_every_phase_gets_two_trials_whatever_the_share() -> None:
     # a 100-step calibration: the share (30 steps) holds one 20-step trial for four phases
-    def allowed(phase: int, used: int, trials: int, passed: bool) -> bool:
-        return trial_allowed(100, 20, phase, 4, used=used, phase_trials=trials, phase_passed=passed)
+    def allowed(phase: int, used: int, trials: int) -> bool:
+        return trial_allowed(100, 20, phase, 4, used=used, phase_trials=trials)
 
-    assert allowed(3, used=200, trials=0, passed=False)  # the phase's first trial, whatever was spent
-    assert allowed(3, used=200, trials=1, passed=False)  # a rejected candidate does not exhaust the phase
-    assert not allowed(3, used=200, trials=1, passed=True)  # past that, only the share decides
-    assert not allowed(3, used=200, trials=2, passed=False)
-    assert allowed(3, used=0, trials=2, passed=True)  # the share still has room
+    assert allowed(3, used=200, trials=0)  # the phase's first trial, whatever was spent
+    assert allowed(3, used=200, trials=1)  # and the bisection's second step
+    assert not allowed(3, used=200, trials=2)  # past that, only the share decides
+    assert allowed(3, used=0, trials=2)  # the share still has room
