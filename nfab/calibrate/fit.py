@@ -206,8 +206,13 @@ def fit_health(reference: dict[str, Any] | None, min_cosine: float | None) -> He
         kwargs["loss_spike_ratio"] = round(max(1.5, MARGIN * _max_ratio(loss, d.baseline_beta, d.warmup_steps)), 3)
         kwargs["grad_norm_jump"] = round(max(2.0, MARGIN * _max_ratio(norm, d.baseline_beta, d.warmup_steps)), 3)
     if min_cosine is not None:
-        kwargs["min_fidelity_cosine"] = round(max(0.05, 0.5 * min_cosine), 3)
+        kwargs["min_fidelity_cosine"] = probe_floor(min_cosine)
     return Health(**kwargs)
+
+
+def probe_floor(cosine: float) -> float:
+    """`Health.min_fidelity_cosine` for routes whose lowest healthy fidelity is `cosine`: half of it, at least 0.05."""
+    return round(max(0.05, 0.5 * cosine), 3)
 
 
 def fit_profile(

@@ -22,7 +22,7 @@ import torch
 from nfab import __version__
 from nfab.calibrate.budget import BUDGET_RATIO, trial_allowed, validation_allowance
 from nfab.calibrate.config import CalibrationConfig
-from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes
+from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes, probe_floor
 from nfab.calibrate.replay import (
     NAN_FIDELITY,
     cheapest_wire,
@@ -304,6 +304,8 @@ def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | N
             profile, validation = validate_profile(
                 result.task, result.reference, profile, frame, tol=tol, tolerance=tol_validate, seed=cfg.seed,
                 step_budget=validation_allowance(cfg.steps, result.meta["trial_steps_run"], budget_ratio), tick=tick)
+    if validation is not None and math.isfinite(validation.probe_min):
+        profile = with_validated_floor(profile, validation.probe_min)
     meta = {**result.meta, "timing": clock.split(), "seconds": round(clock.elapsed(), 2),
             "validation": None if validation is None else {"passed": validation.passed,
                                                            "gap": validation.to_evidence()["gap"],
@@ -315,6 +317,20 @@ def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | N
     profile = profile.model_copy(update={"provenance": prov})
     profile.save(out / PROFILE_FILE)
     return Calibration(table_path, out / PROFILE_FILE, profile, timing, validation)
+
+
+def with_validated_floor(profile: Profile, probe_min: float) -> Profile:
+    """`profile` with its probe floor no higher than half the lowest probe cosine its validated run read.
+
+    The fit sets the floor from the replay cosines at the phase starts; later in a phase the hook's
+    probe reads lower on a healthy route: the signal shrinks as the loss falls while rounding noise
+    does not, and under error feedback a step's estimate carries earlier steps' error (on the CNN
+    recipe, bq2 + EF on the convolutions replayed at 0.68 at its phase start and the probe read 0.11
+    and 0.15 a hundred steps on, in FP32 shadow windows: conv demoted for 90 of 300 steps, 2.8x fewer
+    bytes, at a loss within one held-out digit). Validation ran the profile over the whole schedule
+    and passed; a probe reading below half of what that run read is what the floor should catch."""
+    floor = min(profile.health.min_fidelity_cosine, probe_floor(probe_min))
+    return profile.model_copy(update={"health": profile.health.model_copy(update={"min_fidelity_cosine": floor})})
 
 
 def table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:

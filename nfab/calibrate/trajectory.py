@@ -16,6 +16,7 @@ import torch
 
 from nfab.calibrate.replay import fp32_mean, reduce_scaled, replay_reducer
 from nfab.calibrate.task import Task
+from nfab.runtime.control.fidelity import sample, sample_layout
 from nfab.runtime.control.moment import replay_variance
 from nfab.wire.blockq.reducer import BlockQSum
 
@@ -165,8 +166,9 @@ class Residuals:
 
 
 def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[torch.Generator],
-                residuals: Residuals) -> torch.Tensor:
-    """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's."""
+                residuals: Residuals, probe: dict[str, float] | None = None) -> torch.Tensor:
+    """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's.
+    `probe`, when given, receives each routed region's `probe_cosine`: what the hook's probe would read."""
     w = task.cfg.world_size
     routed = {region: (route, reducer) for region, route in seg.routes.items()
               if route != "fp32" and region in task.regions and (reducer := replay_reducer(route, w)) is not None}
@@ -174,6 +176,7 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
     mean = torch.empty_like(grads[0]) if routed.keys() == task.regions.keys() else fp32_mean(grads)
     for region, (route, reducer) in routed.items():
         xs = [task.gather(g, region) for g in grads]
+        truth = fp32_mean(xs) if probe is not None else None  # before error feedback, as the hook samples
         res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
         if res is not None and seg.error_feedback:
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
@@ -182,6 +185,8 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
         carry = seg.error_feedback and reducer.lossy  # else no rank's own decode is needed
         lengths = task.regions[region].lengths
         est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=carry)
+        if truth is not None and probe is not None:
+            probe[region] = probe_cosine(est, truth, lengths, quantization_scale(task, region))
         if task.moment is not None and isinstance(reducer, BlockQSum):  # the hook's decode records the same
             task.moment.record(task.region_names(region), lengths, replay_variance(reducer, xs, lengths, scale))
         if carry:
@@ -193,6 +198,20 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
             residuals.made_by.pop(region, None)
         task.scatter(mean, region, est)
     return mean
+
+
+def probe_cosine(est: torch.Tensor, truth: torch.Tensor, lengths: tuple[int, ...] | list[int],
+                 scale: torch.Tensor | None) -> float:
+    """Cosine of a region's reduced estimate against its FP32 mean on the hook's probe sample (every
+    k-th element of each parameter, at most 512 of them), divided by the optimizer's sqrt(v) + eps where
+    it keeps one: the number the runtime's fidelity probe compares with `Health.min_fidelity_cosine`."""
+    layout = sample_layout(tuple(lengths), est.device)
+    e, t = sample(est, layout), sample(truth, layout)
+    if scale is not None:
+        w = sample(scale, layout)
+        e, t = e / w, t / w
+    den = float(torch.linalg.vector_norm(e) * torch.linalg.vector_norm(t))
+    return float(torch.dot(e, t)) / den if den > 0 else 1.0
 
 
 def quantization_scale(task: Task, region: str) -> torch.Tensor | None:
@@ -315,6 +334,8 @@ class ScheduleRun:
     eval_loss: dict[int, float] = field(default_factory=dict)
     saved: dict[int, tuple[dict, Residuals]] = field(default_factory=dict)
     """Step -> (model/optimizer state, residuals) before that step, for restarting there."""
+    probe: dict[int, float] = field(default_factory=dict)
+    """Step -> the lowest `probe_cosine` of its lossy regions (steps with one)."""
     stopped_at: int | None = None
     """Set when `abort` ended the run early (the step after the last eval)."""
 
@@ -359,7 +380,11 @@ def run_schedule(
                 run.stopped_at = step
                 return run
         grads, _ = task.rank_grads(step)
-        mean = reduce_step(task, grads, segment_at(segments, step), step_generators(seed, step, w), residuals)
+        probe: dict[str, float] = {}
+        mean = reduce_step(task, grads, segment_at(segments, step), step_generators(seed, step, w), residuals,
+                           probe)
+        if probe:
+            run.probe[step] = min(probe.values())
         task.apply(mean, step)
         if tick:
             tick()

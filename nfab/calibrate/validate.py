@@ -146,6 +146,9 @@ class Validation:
     """The gap the verdict and the in-flight trigger allow (`judged_tolerance`; nan: not set yet)."""
     stopped: str = ""
     """Why tightening ended without passing (`rounds`, `budget`, `nothing to tighten`), empty when it passed."""
+    probe_min: float = math.nan
+    """The lowest per-step probe cosine (`trajectory.probe_cosine`) of any lossy region along the run as
+    it finally stands: what the hook's fidelity probe read on the validated profile (nan: no lossy step)."""
 
     @property
     def judged_by(self) -> str:
@@ -170,6 +173,7 @@ class Validation:
             "stopped": self.stopped or None, "noise": _json_num(self.noise),
             "resolution": _json_num(self.resolution), "resolved": _json_num(self.resolved),
             "judged_tolerance": _json_num(self.judged), "judged_by": self.judged_by,
+            "probe_min": _json_num(self.probe_min),
             "rounds": [{**dataclasses.asdict(r), "gap": _json_num(r.gap), "seconds": round(r.seconds, 2)}
                        for r in self.rounds],
             "eval_steps": self.eval_steps,
@@ -247,6 +251,7 @@ def validate_profile(
     # before the first lossy step the profile *is* the reference: its evals and checkpoints
     val: dict[int, float] = {s: v for s, v in ref.eval_loss.items() if s <= start}
     saved: dict[int, tuple[dict, Residuals]] = {s: (c, Residuals()) for s, c in ref.checkpoints.items() if s <= start}
+    probe: dict[int, float] = {}
     used, inflight = 0, True
     while True:
         segments = segments_of(profile, steps)
@@ -259,6 +264,7 @@ def validate_profile(
         seconds = time.perf_counter() - t0
         used += (run.stopped_at or steps) - start
         val = {s: v for s, v in val.items() if s <= start} | run.eval_loss
+        probe = {s: v for s, v in probe.items() if s < start} | run.probe
         saved = {s: v for s, v in saved.items() if s <= start} | {s: v for s, v in run.saved.items() if s > start}
         stop = run.stopped_at
         if stop is not None and math.isfinite(val[stop]):  # tighten from here on and carry on
@@ -291,6 +297,7 @@ def validate_profile(
             break
         result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=text)
         start, inflight = restart, True
+    result.probe_min = min(probe.values(), default=math.nan)
     result.reference_eval = [ref.eval_loss[s] for s in result.eval_steps]
     result.profile_eval = [val.get(s, math.nan) for s in result.eval_steps]
     evidence = {**profile.evidence, "validation": result.to_evidence()}
