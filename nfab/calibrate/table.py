@@ -60,9 +60,10 @@ has or lacks a trial: `reference` (fp32), `trial`, `trial_stopped` (ended early,
 failed its trial), `bound` (its EF setting could no longer beat the other's bytes), `budget` (the
 trial budget was spent), `no_trial` (not a trial route, or a region too small for trials).
 A trial's `loss_delta` (`train_loss_delta`) is relative to the FP32 continuation's held-out
-(training) loss, floored as validation floors its gap's denominator; `loss_resolved` is, on the same scale, what one held-out prediction
-moves (validation's resolution): the fit allows a delta up to the larger of it and its tolerance.
-Tables written before it have no `loss_resolved` (their deltas are unfloored).
+(training) loss, floored as validation floors its gap's denominator; `loss_resolved` is, on the
+same scale, what one held-out prediction moves (validation's resolution): the fit allows a delta
+up to the larger of it and its tolerance. Tables written before it have no `loss_resolved`
+(their deltas are unfloored).
 """
 
 FIT_REQUIRED: tuple[str, ...] = (
