@@ -176,10 +176,15 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
     mean = torch.empty_like(grads[0]) if routed.keys() == task.regions.keys() else fp32_mean(grads)
     for region, (route, reducer) in routed.items():
         xs = [task.gather(g, region) for g in grads]
-        truth = fp32_mean(xs) if probe is not None else None  # before error feedback, as the hook samples
+        # what the hook's probe compares with: the FP32 mean before error feedback where it reads in the
+        # optimizer's space, after it where it reads plain cosines (encode.prepare_group)
+        after_ef = probe is not None and seg.error_feedback and quantization_scale(task, region) is None
+        truth = fp32_mean(xs) if probe is not None and not after_ef else None
         res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
         if res is not None and seg.error_feedback:
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
+        if probe is not None and truth is None:
+            truth = fp32_mean(xs)
         # block-scaled qsum rounds in the optimizer's preconditioned space, as the hook does
         scale = quantization_scale(task, region) if isinstance(reducer, BlockQSum) else None
         carry = seg.error_feedback and reducer.lossy  # else no rank's own decode is needed
