@@ -11,7 +11,8 @@ from nfab.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb",
-            "fp32_mb", "ratio", "fallback_steps", "probe_mb", "alarms", "false_alarms", "health_events", "wall_s",
+            "fp32_mb", "ratio", "fallback_steps", "probe_mb", "shadow_mb", "alarms", "false_alarms", "health_events",
+            "wall_s",
             "train_losses", "error"}
 
 
