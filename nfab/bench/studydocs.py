@@ -72,7 +72,9 @@ def setting_table(doc: dict[str, Any], name: str) -> list[str]:
             out.append(f"| {label} | failed: {r['error']} | | | | | | | | |")
             continue
         value = (_fmt(None if r["eval_accuracy"] is None else r["eval_accuracy"] * 100, ".2f", "%")
-                 if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], ".3f"))
+                 if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], ".4g"))
+        if setting["metric"] == "loss" and r.get("eval_accuracy") is not None:  # a classifier judged by loss
+            value += f" ({r['eval_accuracy'] * 100:.2f}% acc.)"
         fb = "–" if r["fallback_steps"] is None else str(r["fallback_steps"])
         # bf16 DDP sends exactly half of FP32's bytes: fewer than bf16 = fewer than FP32 / 2
         vs_bf16 = None if r["ratio"] is None else r["ratio"] / 2
@@ -152,9 +154,12 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
                          f"{v[prefix + 'profile_delta_sd'] * 100:.2f} (mean ± sd over seeds "
                          f"{', '.join(map(str, v[prefix + 'profile_seeds']))}; seed {doc['seed']}: {dtext})")
             ratio = v[prefix + "profile_ratio"]
+            judged = v.get(prefix + "judged_at")
+            within = (f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt" if judged is None else
+                      f"{MAX_LOSS_RISE * 100:.0f}%, judged at {judged * 100:.1f}%: one held-out prediction's worth,")
             parts.append(f"{what} {dtext} at {_fmt(ratio, '.1f', 'x')} fewer bytes than FP32 "
                          f"({_fmt(None if ratio is None else ratio / 2, '.1f', 'x')} than bf16): target (within "
-                         f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt of FP32 at >= {MIN_RATIO:.0f}x) "
+                         f"{within} of FP32 at >= {MIN_RATIO:.0f}x) "
                          f"{'MET' if v[prefix + 'met'] else 'MISSED'}")
         if "monitor_ok" in v:
             d = v["monitor_delta"]
