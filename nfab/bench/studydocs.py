@@ -72,7 +72,7 @@ def setting_table(doc: dict[str, Any], name: str) -> list[str]:
             out.append(f"| {label} | failed: {r['error']} | | | | | | | | |")
             continue
         value = (_fmt(None if r["eval_accuracy"] is None else r["eval_accuracy"] * 100, ".2f", "%")
-                 if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], ".4g"))
+                 if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], "#.4g"))
         if setting["metric"] == "loss" and r.get("eval_accuracy") is not None:  # a classifier judged by loss
             value += f" ({r['eval_accuracy'] * 100:.2f}% acc.)"
         fb = "–" if r["fallback_steps"] is None else str(r["fallback_steps"])
