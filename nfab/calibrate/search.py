@@ -85,12 +85,13 @@ def search_phase(
     tol: Tolerances,
     high_cosine: float,
     run: Callable[[str, str, bool], bool],
-    allow: Callable[[], bool] | None = None,
+    allow: Callable[[bool], bool] | None = None,
 ) -> int:
     """Run the trials one phase needs; `run(region, route, ef)` fills its cell and says if it passed.
 
     `trial_regions` are (name, numel), biggest first; `candidates(region)` lists the routes
-    that may get a trial there; `allow()` says whether the budget still has room for one. Returns
+    that may get a trial there; `allow(ef)` says whether the budget still has room for one under
+    that EF setting. Returns
     the number of trials run. Every cell of a trial region gets its `screen` reason.
     """
     routes_of = {name: candidates(name) for name, _ in trial_regions}
@@ -115,7 +116,7 @@ def search_phase(
                 if best_cost is not None and total + bits * numel + rest >= best_cost:
                     _mark(chain[mid:hi], "bound")  # this EF setting cannot beat the other one from here
                     hi = mid
-                elif allow is not None and not allow():
+                elif allow is not None and not allow(ef):
                     _mark(chain[lo:hi], "budget")  # the trial budget is spent: replay fidelity decides
                     break
                 else:

@@ -143,7 +143,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
             cells = _replay_cells(cfg, task, captured, name, kind, step)
         progress("replay", p_i + 1, len(points))
         bases: dict[int, TrialResult] = {}  # the FP32 continuation, made for the phase's first trial
-        tally = {"trials": 0}  # this phase's trials (budget.trial_allowed)
+        tally = {False: 0, True: 0}  # this phase's trials per EF setting (budget.trial_allowed)
 
         def trial(region: str, route: str, ef: bool, *, _step: int = step, _ckpt: dict = ckpt,
                   _bases: dict = bases, _cells: dict = cells, _done: int = p_i + 1, _tally: dict = tally) -> bool:
@@ -164,12 +164,12 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
             trial_steps_run += len(res.train_loss)
             cell["screen"] = "trial_stopped" if res.stopped_early else "trial"
             progress("trials", _done, len(points))
-            _tally["trials"] += 1
+            _tally[ef] += 1
             return passes(cell, search_tol.cosine, search_tol.loss, high)
 
-        def allow(_p: int = p_i, _tally: dict = tally) -> bool:
+        def allow(ef: bool, _p: int = p_i, _tally: dict = tally) -> bool:
             return trial_allowed(cfg.steps, cfg.trial_steps, _p, len(points), used=trial_steps_run,
-                                 phase_trials=_tally["trials"], ratio=budget_ratio)
+                                 phase_trials=_tally[ef], ratio=budget_ratio)
 
         with clock.stage("trials"):
             trials_run += search_phase(cells, trial_regions, candidates=lambda r, _c=cells: _trial_routes(cfg, _c, r),

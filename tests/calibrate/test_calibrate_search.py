@@ -73,7 +73,7 @@ def test_one_trial_goes_to_the_block_route_not_the_cheapest() -> None:
         return True
 
     search_phase(table, [("conv", 1000)], candidates=lambda r: ["bq3", "bq2", "sign"], order=(True, False),
-                 tol=TOL, high_cosine=0.99, run=run, allow=lambda: not calls)
+                 tol=TOL, high_cosine=0.99, run=run, allow=lambda ef: not calls)
     assert calls == [("bq2", True)]
     assert table[("conv", "sign", True)]["screen"] == "budget"
     assert table[("conv", "bq3", True)]["screen"] == "cheaper"
@@ -100,7 +100,7 @@ def test_a_trial_the_budget_has_no_room_for_is_not_run() -> None:
         return False
 
     n = search_phase(table, [("conv", 1000)], candidates=lambda r: ["q8", "q4", "sign"], order=(False, True),
-                     tol=TOL, high_cosine=0.99, run=run, allow=lambda: len(calls) < 1)
+                     tol=TOL, high_cosine=0.99, run=run, allow=lambda ef: len(calls) < 1)
     assert n == 1 and calls == ["q8"]  # the middle of sign, q8 (q4 is dominated by sign)
     assert table[("conv", "sign", False)]["screen"] == "finer_failed"
     assert table[("conv", "sign", True)]["screen"] == "budget" and table[("conv", "q8", True)]["screen"] == "budget"
