@@ -31,7 +31,7 @@ from nfab.runtime.frontends.fsdp import ShardedRuntime  # noqa: E402
 
 pytestmark = pytest.mark.world_size(2)
 
-ROUTE = {"linear": "bq2", "norm": "bq2", "bias": "bq2"}
+ROUTE = {"small": "bq2", "norm": "bq2", "bias": "bq2"}  # the tiny model's weights are `small`
 SPIKE_AT = 3
 
 
@@ -163,12 +163,13 @@ def test_an_alarm_opens_a_shadow_that_demotes_only_an_unfaithful_region(broken):
     if not broken:
         assert all(c > 0.3 for c in last.region_cosine.values())
         assert "shadow:false alarm:" in close.events and close.false_alarms == 1
-        assert mix == {"bq2": 1.0} and not close.fallback
+        assert mix == stats[0].route_mix == {"bq2": 1.0} and not close.fallback
         assert not any(e.startswith("fallback") for s in stats for e in s.events)
     else:
-        assert last.region_cosine[broken] == pytest.approx(-1.0)
-        assert [e for e in last.events if e.startswith("fallback")] == [f"fallback:fidelity(-1.000):{broken}"]
+        assert last.region_cosine[broken] < -0.5 and all(c > 0.3 for r, c in last.region_cosine.items() if r != broken)
+        assert [e for e in last.events if e.startswith("fallback")] == [
+            f"fallback:fidelity({last.region_cosine[broken]:.3f}):{broken}"]
         assert "shadow:demotion needed:" in close.events and close.false_alarms == 0
         # only the broken region is FP32 from the step after the verdict; the others keep bq2
         assert close.fallback_reason == f"health({broken})" and 0 < mix["fp32"] < 0.5 and mix["bq2"] > 0.5
-        assert last.route_mix == {"bq2": 1.0}
+        assert last.route_mix == stats[0].route_mix == {"bq2": 1.0}
