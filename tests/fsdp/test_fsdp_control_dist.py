@@ -73,18 +73,23 @@ def test_bf16_reduce_dtype():
     assert bq3[0]["stats"][-1].route_mix == {"bq3": 1.0} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
 
 
+def _refused(msgs: list[str], fn) -> None:  # noqa: ANN001
+    """`fn`'s NfabError line, or "accepted", appended to `msgs`."""
+    try:
+        fn()
+    except NfabError as e:
+        msgs.append(str(e))
+    else:
+        msgs.append("accepted")
+
+
 def _refusals(rank: int, world_size: int) -> list[str]:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    msgs = []
+    msgs: list[str] = []
 
     def refused(fn) -> None:  # noqa: ANN001
-        try:
-            fn()
-        except NfabError as e:
-            msgs.append(str(e))
-        else:
-            msgs.append("accepted")
+        _refused(msgs, fn)
 
     model = fsdpmodels.shard(fsdpmodels.Tiny())
     refused(lambda: nfab.attach(model, route="q8", cost_model=None))
@@ -124,7 +129,7 @@ def _refusals_at_four(rank: int, world_size: int) -> list[str]:
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
     from torch.distributed.tensor import Shard
 
-    msgs = []
+    msgs: list[str] = []
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     hsdp = fully_shard(fsdpmodels.Tiny(), mesh=mesh)  # HSDP: replicated on dim 0, sharded on dim 1
     pairs = FSDPMeshInfo(mesh, shard_mesh_dim=1)  # per-parameter meshes: the head on pairs of ranks
@@ -133,11 +138,7 @@ def _refusals_at_four(rank: int, world_size: int) -> list[str]:
     several = fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), pairs) if p in head
                           else None)
     for m in (several, hsdp):
-        try:
-            nfab.attach(m, route="bq3", cost_model=None)
-            msgs.append("accepted")
-        except NfabError as e:
-            msgs.append(str(e))
+        _refused(msgs, lambda m=m: nfab.attach(m, route="bq3", cost_model=None))
     return msgs
 
 
