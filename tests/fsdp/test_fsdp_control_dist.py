@@ -84,7 +84,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
             msgs.append("accepted")
 
     model = fsdpmodels.shard(fsdpmodels.Tiny())
-    refused(lambda: nfab.attach(model, route="q8", cost_model=None))
+    refused(lambda: nfab.attach(model, route="bf16", cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", error_feedback=True, cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", hierarchy=2, cost_model=None))
     refused(lambda: nfab.attach(model, cost_model=None))
@@ -105,7 +105,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 @pytest.mark.world_size(2)
 def test_attach_refuses_what_fsdp2_cannot_do_with_one_line():
     msgs = run_ranks(_refusals, 2)[0]
-    assert "route q8 is not offered on FSDP2" in msgs[0]
+    assert "route bf16 is not offered on FSDP2" in msgs[0]
     assert "error_feedback=True is not offered on FSDP2" in msgs[1]
     assert "hierarchy= is not offered on FSDP2" in msgs[2]
     assert msgs[3] == "give exactly one of profile= or route="
