@@ -183,6 +183,10 @@ class ShardCost:
     def cheaper_than_fp32(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> bool:
         return self.time(key, numel, world_size, segments) < self.time(FP32, numel, world_size)
 
+    def to_json(self) -> str:
+        """The link constants it prices with (`base`'s JSON): what a benchmark records of the cost model."""
+        return self.base.to_json()
+
 
 def group_bytes(layout: ShardLayout, group: Group, world_size: int) -> tuple[str, float]:
     """One routed group's route label and the bytes one rank sends for it (what the front end counts):
