@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpuhost  # noqa: E402
 
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
@@ -157,28 +161,13 @@ def test_save_state_carries_every_ranks_nfab_state(tmp_path: Path):
     assert torch.equal(resumed[0]["params"], resumed[1]["params"])
 
 
-def _as_on_a_gpu_host(accelerator: Accelerator, plugin) -> str:  # noqa: ANN001
-    """Accelerate (1.16) never picks FSDP on CPU: `AcceleratorState` sets `DistributedType.FSDP` only
-    for accelerator devices (accelerate/state.py:947-977), and a process without one is MULTI_CPU
-    (state.py:761-769). Set what that branch sets on a GPU host, so that `prepare` runs Accelerate's
-    own FSDP2 preparation (`_prepare_fsdp2` -> `fsdp2_prepare_model`) on gloo. Returns what it chose."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    chosen = str(accelerator.distributed_type)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as state.py:998 mirrors it
-    return chosen
-
-
 def _fsdp2(rank: int, world_size: int) -> dict:
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import FSDPModule
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    out: dict = {"chosen": _as_on_a_gpu_host(accelerator, plugin)}
+    out: dict = {"chosen": gpuhost.as_on_a_gpu_host(accelerator, plugin)}
     for route in (None, "fp32", "sign"):  # plain FSDP2, then the adapter with each route
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -204,7 +193,7 @@ def _fsdp2(rank: int, world_size: int) -> dict:
 def test_attach_on_the_fsdp2_model_accelerate_prepares():
     """`FullyShardedDataParallelPlugin(fsdp_version=2)`: the adapter attaches to the FSDP2 model
     Accelerate's own preparation builds (on CPU only with the distributed type a GPU host would get:
-    `_as_on_a_gpu_host`). Route fp32 gives plain FSDP2's shards bit for bit; sign trains on fewer bytes."""
+    `gpuhost.as_on_a_gpu_host`). Route fp32 gives plain FSDP2's shards bit for bit; sign trains on fewer bytes."""
     res = run_ranks(_fsdp2, 2, timeout_s=180)
     for r in res:
         assert r["chosen"].endswith("MULTI_CPU")  # what Accelerate itself picks here
