@@ -30,10 +30,13 @@ def _rows(stats) -> list:
 @pytest.mark.world_size(2)
 def test_resume_equals_uninterrupted_and_meta_default_device_gives_the_same_bits():
     """Saved at step 3 (model shards, AdamW, nfab's state) and continued by a fresh copy: the same
-    shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device."""
-    whole = run_ranks(_run, 2, "bq3", 6, {})
-    resumed = run_ranks(_run, 2, "bq3", 6, {"resume_at": 3})
-    meta = run_ranks(_run, 2, "bq3", 6, {"meta": True})
+    shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device.
+    Every codec family at once: block (bq3), exact qsum (q8, each rank's own noise) and sign."""
+    route = {"small": "bq3", "bias": "q8", "norm": "sign"}
+    whole = run_ranks(_run, 2, route, 6, {})
+    resumed = run_ranks(_run, 2, route, 6, {"resume_at": 3})
+    meta = run_ranks(_run, 2, route, 6, {"meta": True})
+    assert set(whole[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"}, whole[0]["stats"][-1].route_mix
     for r in range(2):
         assert torch.equal(whole[r]["params"], resumed[r]["params"])
         assert torch.equal(whole[r]["params"], meta[r]["params"])
