@@ -60,17 +60,18 @@ def test_nonfinite_step_is_skipped_and_demoted_on_every_rank():
 @pytest.mark.world_size(2)
 def test_bf16_reduce_dtype():
     """MixedPrecisionPolicy(reduce_dtype=bf16): route fp32 is FSDP2's own bf16 reduce-scatter (the same
-    shards), its baseline counts 2 bytes per element, and bq3 reduces the bf16 input."""
+    shards), its baseline counts 2 bytes per element, and every codec family (bq3, q8, sign) reduces
+    the bf16 input (read as it is) and trains."""
     kw = {"reduce_dtype": torch.bfloat16}
     plain = run_ranks(_run, 2, None, 3, kw)
     fp32 = run_ranks(_run, 2, "fp32", 3, kw)
-    bq3 = run_ranks(_run, 2, "bq3", 3, kw)
+    bq3 = run_ranks(_run, 2, {"small": "bq3", "bias": "q8", "norm": "sign"}, 3, kw)
     assert torch.equal(plain[0]["params"], fp32[0]["params"])
     st = fp32[0]["stats"][-1]
     assert st.baseline_wire_bytes == st.wire_bytes - 3 * 8  # the three modules' control words aside
     layout_elements = sum(c for c in bq3[0]["stats"][-1].route_elements.values())
     assert st.baseline_wire_bytes < 4 * layout_elements  # 2 bytes each (+ FSDP2's padding), not 4
-    assert bq3[0]["stats"][-1].route_mix == {"bq3": 1.0} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
+    assert set(bq3[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:
