@@ -40,8 +40,8 @@ class BrokenRoute(ShardedRuntime):
 
     broken = ""
 
-    def _decode(self, codec, x, g: Group, comm, padded, group, direct):  # noqa: ANN001, ANN202
-        res = super()._decode(codec, x, g, comm, padded, group, direct)
+    def _decode(self, codec, rows, g: Group, comm, group, direct):  # noqa: ANN001, ANN202
+        res = super()._decode(codec, rows, g, comm, group, direct)
         pos = 0
         for s in g.slices:
             if s.region == self.broken:

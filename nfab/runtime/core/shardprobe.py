@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -62,16 +63,29 @@ class ShardProbe:
     """Bytes this rank sends for the reference (a ring reduce-scatter of the (W, S) sample)."""
 
 
-def launch(x: torch.Tensor, group: Group, probing: frozenset[str], world_size: int,
+@lru_cache(maxsize=1024)
+def chunk_columns(lengths: tuple[int, ...], offsets: tuple[int, ...], mask: tuple[bool, ...], per_slice: int,
+                  device: torch.device) -> torch.Tensor:
+    """The columns of the module's chunk a group's probe samples: `fidelity.sample_layout`'s elements
+    (every k-th of each masked slice, in slice order), where each slice lies (`offsets`) rather than
+    where it sits in the concatenated group. Made on the device from host numbers (no device read)."""
+    parts = [torch.arange(off, off + n, fidelity.param_stride(n, per_slice), dtype=torch.int64, device=device)
+             for n, off, m in zip(lengths, offsets, mask, strict=True) if m]
+    return torch.cat(parts)
+
+
+def launch(rows: torch.Tensor, group: Group, probing: frozenset[str], world_size: int,
            pg: dist.ProcessGroup | None) -> ShardProbe | None:
-    """Sample a lossy group's rows `x` (W, >= its numel: the group's slices concatenated) where
-    `probing` asks, and launch the reduce-scatter of the FP32 sample; None when no slice is probed."""
+    """Sample a lossy group's slices in the module's rows `rows` (W, C) where `probing` asks, and launch
+    the reduce-scatter of the FP32 sample; None when no slice is probed."""
     mask = fidelity.probe_mask([s.region for s in group.slices], probing)
     if mask is None:
         return None
-    layout = fidelity.sample_layout(group.lengths, x.device, mask, row_samples(world_size))
-    sample = x.index_select(1, layout.src).to(torch.float32).contiguous()  # (W, S), before any encode
-    ref = torch.empty(layout.numel, dtype=torch.float32, device=x.device)
+    layout = fidelity.sample_layout(group.lengths, rows.device, mask, row_samples(world_size))
+    cols = layout.src if group.whole else chunk_columns(group.lengths, tuple(int(o) for o in group.offsets), mask,
+                                                        row_samples(world_size), rows.device)
+    sample = rows.index_select(1, cols).to(torch.float32).contiguous()  # (W, S), before the codec reads the rows
+    ref = torch.empty(layout.numel, dtype=torch.float32, device=rows.device)
     work = reduce_scatter_flat(ref, sample.view(-1), op=dist.ReduceOp.SUM, group=pg, async_op=True)
     return ShardProbe(layout, tuple((s.name, s.region) for s in group.slices), ref, work,
                       rowscatter.plain_bytes(layout.numel, world_size, 4))
