@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import dispatch, host_slices, noise
+from nfab.wire import dispatch, fusion, host_slices, noise
 from nfab.wire.blockq import fused, grid, radix
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
@@ -199,13 +199,17 @@ class BlockQSum(Reducer):
             return self._local_scale_compiled(x, tuple(lengths))
         parts = grid.pieces(tuple(lengths), self.block)
         if parts is not None:  # row maxima of block views: no per-element index
-            out = grid.block_amax(x, parts, self.blocks_in(lengths))
+            out = fused.block_max(x, parts, self.blocks_in(lengths)) if fusion.active(x) else None
+            if out is None:
+                out = grid.block_amax(x, parts, self.blocks_in(lengths))
+            bad = ~torch.isfinite(out).all()  # a row's amax keeps its NaN or inf: the flag from the maxima
         else:
             bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
             out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
             out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 too
-        # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
-        out[:1] = torch.where(nonfinite_sum(x), torch.full_like(out[:1], math.nan), out[:1])
+            bad = nonfinite_sum(x)  # scatter's amax may drop a NaN: flag from the values
+        # flag the whole group, on the device (no host read)
+        out[:1] = torch.where(bad, torch.full_like(out[:1], math.nan), out[:1])
         return out
 
     def _local_scale_compiled(self, x: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
@@ -262,12 +266,40 @@ class BlockQSum(Reducer):
         MAX-agreed fp32 block max, which maps to the same codes). `generator` is this rank's
         `noise.Stratum` (stratified rounding); plain generators round independently."""
         lengths = list(lengths)
+        if (enc := self._encode_fused(x, lengths, world_size, shared_scale, generator)) is not None:
+            return enc
         levels, compiled = self.round_levels(x, lengths, shared_scale, generator)
         payload = self.pack_levels(levels, world_size, compiled)
         m = self.steps
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
             return self.scale_blocks_(unit_values(levels, m), shared_scale, lengths)
+
+        return Encoded(payload, None, make_local=local)
+
+    def _encode_fused(self, x: torch.Tensor, lengths: list[int], world_size: int, shared: torch.Tensor | None,
+                      generator: Any) -> Encoded | None:
+        """`encode` by the compiled stages (`fused`): the same payload and own contribution; None when
+        they do not run here (not switched on, the host kernels take these tensors, a layout that
+        needs a gather, a compile error)."""
+        parts = grid.pieces(tuple(lengths), self.block)
+        if parts is None or shared is None or not fusion.active(x, shared) or not x.is_contiguous():
+            return None
+        scales = _scales_on(x.device)
+        codes = fused.codes(shared, scales)
+        stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
+        layout = self.layout(world_size)
+        payload = None if codes is None else fused.encode(x, codes, scales, lengths, self.block, parts, stratum,
+                                                          self.steps, layout)
+        if payload is None:
+            return None
+        n, m = x.numel(), self.steps
+
+        def local() -> torch.Tensor:  # this rank's levels, from its payload: read before the payload is launched
+            own = fused.decode(payload, codes, scales, parts, n, m, layout, None)
+            if own is None:
+                own = self.scale_blocks_(unit_values(_unpacked(payload, layout, n), m), codes, lengths)
+            return own
 
         return Encoded(payload, None, make_local=local)
 
@@ -293,10 +325,12 @@ class BlockQSum(Reducer):
             scale = self.element_scales(shared, lengths)
             t = torch.div(x.to(torch.float32), torch.where(scale > 0, scale, torch.ones_like(scale)))
         else:  # the safe divisor per block, broadcast over block views
+            if fusion.active(x, shared) and (codes := fused.codes(shared, _scales_on(x.device))) is not None:
+                got = fused.levels(x, codes, _scales_on(x.device), lengths, self.block, parts, stratum, m)
+                if got is not None:
+                    return got  # compiled when switched on (`fused`): the same bits
             scale = self._block_scales(shared)
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            if (got := fused.levels(x, safe, lengths, self.block, parts, stratum, m)) is not None:
-                return got  # compiled when switched on (`fused`): the same bits
             t = grid.div_blocks(x, safe, parts, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
         t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
@@ -329,13 +363,22 @@ class BlockQSum(Reducer):
             return mean if direct is not None else write_into(out, mean)
         one, _ = split_out(out)  # a contiguous fp32 bucket slice is decoded into directly
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
-        digits = isinstance(layout, RadixLayout)
-        sums = radix.unpack(reduced, layout, numel, torch.float32) if digits else unpack(reduced, layout, numel)
-        total = self.steps * world_size  # compiled when switched on (`fused`), else eager: the same bits
-        mean = fused.unit_scaled(sums, lambda: self._block_scales(scale_mean), lengths, self.block, total, direct)
-        if mean is None:
-            mean = self.scale_blocks_(unit_values(sums, total, out=direct), scale_mean, lengths)
+        total = self.steps * world_size
+        mean = self._decode_fused(reduced, scale_mean, numel, lengths, total, layout, direct)
+        if mean is None:  # eager (or compiling failed): the same bits
+            mean = self.scale_blocks_(unit_values(_unpacked(reduced, layout, numel), total, out=direct), scale_mean,
+                                      lengths)
         return mean if direct is not None else write_into(out, mean)
+
+    def _decode_fused(self, reduced: torch.Tensor, shared: torch.Tensor, numel: int, lengths: Sequence[int],
+                      total: int, layout: LaneLayout | RadixLayout, out: torch.Tensor | None) -> torch.Tensor | None:
+        """`decode` by the compiled stages (`fused`), into `out` when given; None when they do not run here."""
+        parts = grid.pieces(tuple(lengths), self.block)
+        if parts is None or not fusion.active(reduced, shared):
+            return None
+        scales = _scales_on(reduced.device)
+        codes = fused.codes(shared, scales)
+        return None if codes is None else fused.decode(reduced, codes, scales, parts, numel, total, layout, out)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Unit mean of every W-rank sum of levels S: 2 * S / (M * W) - 1 (fp32 table)."""
@@ -434,6 +477,13 @@ def unit_values(ints: torch.Tensor, steps: int, out: torch.Tensor | None = None)
     res = out.view(-1) if out is not None else torch.empty(ints.numel(), dtype=torch.float32, device=ints.device)
     res.copy_(ints.reshape(-1))  # exact: small whole numbers
     return res.mul_(2.0 / steps).sub_(1.0)
+
+
+def _unpacked(reduced: torch.Tensor, layout: LaneLayout | RadixLayout, numel: int) -> torch.Tensor:
+    """The first `numel` lane values or digits of `reduced` (the eager unpacking)."""
+    if isinstance(layout, RadixLayout):
+        return radix.unpack(reduced, layout, numel, torch.float32)
+    return unpack(reduced, layout, numel)
 
 
 def pack_any(values: torch.Tensor, layout: LaneLayout | RadixLayout, compiled: bool) -> torch.Tensor:
