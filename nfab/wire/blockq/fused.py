@@ -5,12 +5,16 @@ dozen of them) and its decode four; memory-bound, so a few hundredths of a copy.
 
 - `local_scale`: one row reduction per block view (max |x|), the non-finite flag from the maxima;
 - agreement: the scale codes (a `bucketize` in SCALES) in one kernel over the blocks;
-- encode: the keyed counter hash, the division by the block's agreed scale, the level arithmetic
-  and the lane packing -- one kernel when the bucket is one view of whole blocks and its lanes
-  are uint8 bit lanes (a container then never straddles a block); else the levels per view
-  (one kernel each) and one packing kernel (bit lanes or radix digits);
-- decode: the unpacking, `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice
-  -- one kernel for one view with uint8 lanes, else an unpacking kernel and one per view.
+- encode: the keyed counter hash, the division by the block's agreed scale and the level
+  arithmetic in one kernel per block view (the noise never stored), then one lane-packing kernel
+  (bit lanes or radix digits);
+- decode: one unpacking kernel, then `(S * 2 / (M * W) - 1) * scale` and the store into the
+  bucket slice in one kernel per view.
+
+Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
+a short inner dimension, or a level kernel that finds its block's scale by an index expression,
+vectorised badly (0.02-0.08x a copy, against 0.3-0.9x for each of the kernels above; measured
+side by side, scratch script, 2026-12-03).
 
 The functions are pure over (blocks, width) views (`grid.Piece`): a block's per-row values (its
 scale code, its counter base, its key's high word) broadcast over its row, so there is no
@@ -94,37 +98,21 @@ def levels_into(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales:
 
 
 @cache
-def packed_rows_fn(lanes: int, bits: int):
-    """The one-kernel encode of a view of whole blocks into uint8 bit lanes (`lanes` per byte,
-    consecutive elements; `lanes` divides the block): levels shifted into their lanes and summed."""
-
-    def packed_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor,
-                    seg: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, half_m: torch.Tensor,
-                    m: torch.Tensor) -> torch.Tensor:
-        rows, width = x.shape
-        col = torch.arange(width, dtype=torch.int32, device=x.device).view(width // lanes, lanes)
-        base, hi = _keyed(keys, seg, first)
-        lev = _levels(x.view(rows, width // lanes, lanes), _safe_rows(codes, scales).unsqueeze(2),
-                      base.unsqueeze(2), hi.unsqueeze(2), col, shift, half_m, m).to(torch.int32)
-        shifts = torch.arange(lanes, dtype=torch.int32, device=x.device) * bits
-        return (lev << shifts).sum(2).to(torch.uint8).view(-1)
-
-    return packed_rows
-
-
-@cache
 def pack_fn(layout: Layout):
     """Lane packing of uint8 values as a traced function: `lanes.pack` / `radix.pack`'s containers
-    (digits times powers of R, summed in int64: exact in any order, every sum below 2^63)."""
+    (Horner's rule in int64: every partial sum below R^k <= 2^63, so the same integers)."""
     if isinstance(layout, LaneLayout):
-        return lambda values, powers: qsum_fused.packed(values, layout)
+        return qsum_fused.pack_fn(layout)
     k = layout.digits
 
-    def pack_digits(values: torch.Tensor, powers: torch.Tensor) -> torch.Tensor:
+    def pack_digits(values: torch.Tensor) -> torch.Tensor:
         n = values.shape[0]
         m = (n + k - 1) // k
         v = torch.nn.functional.pad(values, (0, m * k - n)).view(m, k).to(torch.int64)
-        return (v * powers).sum(1)
+        acc = v[:, k - 1]
+        for j in range(k - 2, -1, -1):  # Horner's rule, one strided column at a time (as `radix.pack`)
+            acc = acc * layout.radix + v[:, j]
+        return acc
 
     return pack_digits
 
@@ -143,10 +131,12 @@ def unpack_fn(layout: Layout):
     def unpack_digits(c: torch.Tensor, powers: torch.Tensor, numel: int) -> torch.Tensor:
         hi = torch.div(c, r**h, rounding_mode="floor")
         lo = (c - hi * r**h).to(torch.float64)
-        q_lo = torch.floor(lo.unsqueeze(1) / powers[: h + 1])
-        q_hi = torch.floor(hi.to(torch.float64).unsqueeze(1) / powers[: k - h + 1])
-        d = torch.cat([q_lo[:, :-1] - r * q_lo[:, 1:], q_hi[:, :-1] - r * q_hi[:, 1:]], 1)
-        return d.to(torch.float32).view(-1)[:numel]
+        hi = hi.to(torch.float64)
+        digits = []
+        for part, count in ((lo, h), (hi, k - h)):  # a column per digit, stacked: one vectorised kernel
+            q = [torch.floor(part / powers[j]) for j in range(count + 1)]
+            digits += [q[j] - r * q[j + 1] for j in range(count)]
+        return torch.stack(digits, 1).to(torch.float32).view(-1)[:numel]
 
     return unpack_digits
 
@@ -158,43 +148,14 @@ def unit_scaled_into(out: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor,
     out.copy_((sums * unit - 1.0) * scales[codes.to(torch.int64)].unsqueeze(1))
 
 
-@cache
-def decoded_rows_fn(lanes: int, bits: int):
-    """The one-kernel decode of uint8 bit lanes (`lanes` per byte, dividing the block) into a
-    (blocks, width) view `out` of whole blocks."""
-
-    def decoded_rows(out: torch.Tensor, c: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                     unit: torch.Tensor) -> None:
-        rows, width = out.shape
-        shifts = torch.arange(lanes, dtype=torch.int32, device=c.device) * bits
-        s = (c.view(rows, width // lanes, 1).to(torch.int32) >> shifts) & ((1 << bits) - 1)
-        scale = scales[codes.to(torch.int64)].view(rows, 1, 1)
-        out.copy_(((s.to(torch.float32) * unit - 1.0) * scale).view(rows, width))
-
-    return decoded_rows
-
-
 # ---- the stages (called by the reducer; None: run eager) --------------------------------------
 @lru_cache(maxsize=64)
 def _powers(layout: Layout, device: torch.device) -> torch.Tensor:
-    """R^0 .. R^k (float64, for the digit division; int64 for packing) or unused zeros for bit lanes."""
+    """R^0 .. R^k (float64, for the digit division), or an unused zero for bit lanes."""
     if isinstance(layout, RadixLayout):
         return torch.tensor([layout.radix**j for j in range(layout.digits + 1)], dtype=torch.float64,
                             device="cpu").to(device, non_blocking=True)
     return torch.zeros(1, dtype=torch.float64, device="cpu").to(device, non_blocking=True)
-
-
-@lru_cache(maxsize=64)
-def _int_powers(layout: RadixLayout, device: torch.device) -> torch.Tensor:
-    return torch.tensor([layout.radix**j for j in range(layout.digits)], dtype=torch.int64,
-                        device="cpu").to(device, non_blocking=True)
-
-
-def _one_lane_byte(layout: Layout, parts: tuple[grid.Piece, ...]) -> bool:
-    """Whether encode and decode each fit one kernel: one view of whole blocks, uint8 bit lanes
-    whose count divides the block (a byte never straddles two blocks)."""
-    return (isinstance(layout, LaneLayout) and layout.container == torch.uint8 and len(parts) == 1
-            and parts[0].width % layout.lanes == 0)
 
 
 def block_max(x: torch.Tensor, parts: tuple[grid.Piece, ...], nblocks: int) -> torch.Tensor | None:
@@ -268,19 +229,13 @@ def encode(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths:
            parts: tuple[grid.Piece, ...], stratum: noise.Stratum, m: int, layout: Layout) -> torch.Tensor | None:
     """The payload of the bucket `x` (levels in `layout`'s lanes), the same containers as the eager
     `round_levels` then `pack_levels`; None when compiling failed."""
-    if _one_lane_byte(layout, parts) and parts[0].rows > 1:
-        assert isinstance(layout, LaneLayout)
-        rnd = _Rounding(lengths, block, stratum, m, x.device)
-        return fusion.run(packed_rows_fn(layout.lanes, layout.lane_bits), grid.rows(x.reshape(-1), parts[0]), codes_,
-                          scales, *rnd.args(parts[0]))
     lev = levels(x, codes_, scales, lengths, block, parts, stratum, m)
     return None if lev is None else pack(lev, layout)
 
 
 def pack(values: torch.Tensor, layout: Layout) -> torch.Tensor | None:
     """uint8 values in `layout`'s lanes or digits (compiled); None when compiling failed."""
-    powers = _int_powers(layout, values.device) if isinstance(layout, RadixLayout) else _powers(layout, values.device)
-    return fusion.run(pack_fn(layout), values.reshape(-1), powers)
+    return fusion.run(pack_fn(layout), values.reshape(-1))
 
 
 def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...],
@@ -291,11 +246,6 @@ def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, pa
     dev = reduced.device
     unit = fusion.constant(2.0 / total, dev)
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
-    if _one_lane_byte(layout, parts) and parts[0].rows > 1:
-        assert isinstance(layout, LaneLayout)
-        fusion.run(decoded_rows_fn(layout.lanes, layout.lane_bits), grid.rows(res, parts[0]), reduced.reshape(-1),
-                   codes_, scales, unit)
-        return None if fusion.failed() else res
     sums = fusion.run(unpack_fn(layout), reduced.reshape(-1), _powers(layout, dev), numel)
     if sums is None:
         return None

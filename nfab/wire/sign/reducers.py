@@ -97,10 +97,10 @@ class _SignReducer(Reducer):
             return None
         if one is not None and (one.dtype != torch.float32 or not one.is_contiguous()):
             return None
-        table = sign_codec.vote_table(world_size, self.vote, reduced.device)
         if len(lengths) == 1:
-            return sign_fused.decode(reduced, gathered, layout, table, scale_mean, numel, one)
-        unit = sign_fused.decode(reduced, gathered, layout, table, fusion.constant(1.0, reduced.device), numel, one)
+            return sign_fused.decode(reduced, gathered, layout, self.vote, world_size, scale_mean, numel, one)
+        unit = sign_fused.decode(reduced, gathered, layout, self.vote, world_size, fusion.constant(1.0, reduced.device),
+                                 numel, one)
         return None if unit is None else finish_segments(unit, scale_mean, lengths, None)
 
     def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size, out=None):
