@@ -59,4 +59,4 @@ def test_cli_times_several_paths_side_by_side(tmp_path):
     rows = json.loads(path.read_text())
     assert [(d["reducer"], d["impl"]) for d in rows] == [("signgather", "host"), ("signgather", "torch"),
                                                          ("blockq-bq3", "host"), ("blockq-bq3", "torch")]
-    assert "host,torch path" in result.output
+    assert "host,torch" in result.output

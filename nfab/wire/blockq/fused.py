@@ -4,12 +4,13 @@ Why: eager, blockq's encode is about twenty full passes over the bucket (the cou
 dozen of them) and its decode four; memory-bound, so a few hundredths of a copy. Compiled:
 
 - `local_scale`: one row reduction per block view (max |x|), the non-finite flag from the maxima;
-- agreement: the scale codes (a `bucketize` in SCALES) in one kernel over the blocks;
+- agreement: the scale codes (SCALES searched by exponent arithmetic) in one kernel over the blocks;
 - encode: the keyed counter hash, the division by the block's agreed scale and the level
   arithmetic in one kernel per block view (the noise never stored), then one lane-packing kernel
   (bit lanes or radix digits);
-- decode: one unpacking kernel, then `(S * 2 / (M * W) - 1) * scale` and the store into the
-  bucket slice in one kernel per view.
+- decode: one unpacking kernel (radix digits: the eager float64 unpacking, faster than its
+  compiled form), then `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in
+  one kernel per view.
 
 Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
 a short inner dimension, or a level kernel that finds its block's scale by an index expression,
@@ -41,7 +42,7 @@ from functools import cache, lru_cache
 import torch
 
 from nfab.wire import fusion, noise
-from nfab.wire.blockq import grid
+from nfab.wire.blockq import grid, radix
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum.lanes import LaneLayout
@@ -55,11 +56,26 @@ def block_max_rows(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(1).to(torch.float32)
 
 
-def codes_of(block_max: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`reducer.scale_codes(nan_to_num(block_max))`: the smallest code whose scale covers each
-    block max (uint8; 255 above the top, NaN as 0, inf as the largest float)."""
+def codes_of(block_max: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """`reducer.scale_codes(nan_to_num(block_max))` by arithmetic: the number of SCALES entries
+    below each block max (searchsorted's index), 255 at most (uint8; NaN as 0, inf as the
+    largest float). `window` is SCALES with 5 entries of +inf on each side (`_window`).
+
+    SCALES has four codes per octave, code 160 + 4e standing for 2^e: for a block max m in
+    [2^e, 2^(e+1)) every entry below code 160 + 4e - 1 lies below m and every one above
+    160 + 4e + 4 at or above it, so the count is 160 + 4e - 1 plus how many of the six entries
+    from there lie below m -- compared against the table itself, so the same codes bit for bit.
+    e comes from m's exponent bits, clamped to [-41, 24] (below 2^-41 only code 0's zero lies
+    under m; from 2^24 every entry does). A zero block max is code 0. (torch.bucketize ran as
+    an uncompiled fallback at 2-3 ms per 64K blocks.)"""
     m = torch.nan_to_num(block_max, nan=0.0)
-    return torch.bucketize(m, scales).clamp(max=255).to(torch.uint8)
+    e = (((m.view(torch.int32) >> 23) & 0xFF) - 127).clamp(-41, 24)
+    start = 160 + 4 * e - 1
+    count = torch.zeros_like(start)
+    for k in range(6):
+        count = count + (window[(start + k + 5).to(torch.int64)] < m).to(torch.int32)
+    code = (start.clamp(min=0) + count).clamp(max=255)
+    return torch.where(m > 0, code, torch.zeros_like(code)).to(torch.uint8)
 
 
 def _safe_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -118,27 +134,9 @@ def pack_fn(layout: Layout):
 
 
 @cache
-def unpack_fn(layout: Layout):
-    """The W-rank sums (fp32 whole numbers) of the first `numel` lanes or digits: `lanes.unpack`
-    / `radix.unpack`'s values. Radix digits come out of float64 division of the two halves of a
-    container (each below 2^33, so floor(p / R^j) is exact: see `radix.unpack`; the powers enter
-    as a tensor, so no backend turns the division into a multiplication by a reciprocal)."""
-    if isinstance(layout, LaneLayout):
-        return lambda c, powers, numel: qsum_fused.unpacked(c, layout, numel).to(torch.float32)
-    k, r = layout.digits, layout.radix
-    h = (k + 1) // 2
-
-    def unpack_digits(c: torch.Tensor, powers: torch.Tensor, numel: int) -> torch.Tensor:
-        hi = torch.div(c, r**h, rounding_mode="floor")
-        lo = (c - hi * r**h).to(torch.float64)
-        hi = hi.to(torch.float64)
-        digits = []
-        for part, count in ((lo, h), (hi, k - h)):  # a column per digit, stacked: one vectorised kernel
-            q = [torch.floor(part / powers[j]) for j in range(count + 1)]
-            digits += [q[j] - r * q[j + 1] for j in range(count)]
-        return torch.stack(digits, 1).to(torch.float32).view(-1)[:numel]
-
-    return unpack_digits
+def unpack_fn(layout: LaneLayout):
+    """The W-rank sums (fp32 whole numbers) of the first `numel` lanes: `lanes.unpack`'s values."""
+    return lambda c, numel: qsum_fused.unpacked(c, layout, numel).to(torch.float32)
 
 
 def unit_scaled_into(out: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
@@ -149,15 +147,6 @@ def unit_scaled_into(out: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor,
 
 
 # ---- the stages (called by the reducer; None: run eager) --------------------------------------
-@lru_cache(maxsize=64)
-def _powers(layout: Layout, device: torch.device) -> torch.Tensor:
-    """R^0 .. R^k (float64, for the digit division), or an unused zero for bit lanes."""
-    if isinstance(layout, RadixLayout):
-        return torch.tensor([layout.radix**j for j in range(layout.digits + 1)], dtype=torch.float64,
-                            device="cpu").to(device, non_blocking=True)
-    return torch.zeros(1, dtype=torch.float64, device="cpu").to(device, non_blocking=True)
-
-
 def block_max(x: torch.Tensor, parts: tuple[grid.Piece, ...], nblocks: int) -> torch.Tensor | None:
     """`grid.block_amax` compiled per view (one-row views eager); None when compiling failed."""
     if len(parts) == 1 and parts[0].rows > 1:
@@ -172,11 +161,19 @@ def block_max(x: torch.Tensor, parts: tuple[grid.Piece, ...], nblocks: int) -> t
     return out
 
 
+@lru_cache(maxsize=16)
+def _window(scales: torch.Tensor) -> torch.Tensor:
+    """SCALES (on its device) with 5 entries of +inf before and after: `codes_of`'s window never
+    leaves the table, and an entry outside it never counts as below a block max."""
+    pad = torch.full((5,), float("inf"), dtype=torch.float32, device=scales.device)
+    return torch.cat([pad, scales, pad])
+
+
 def codes(shared: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """The agreed uint8 codes: `shared` itself, or the codes of its fp32 block maxima (compiled)."""
     if shared.dtype == torch.uint8:
         return shared
-    return fusion.run(codes_of, shared.to(torch.float32), scales)
+    return fusion.run(codes_of, shared.to(torch.float32).contiguous(), _window(scales))
 
 
 @lru_cache(maxsize=256)
@@ -246,9 +243,12 @@ def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, pa
     dev = reduced.device
     unit = fusion.constant(2.0 / total, dev)
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
-    sums = fusion.run(unpack_fn(layout), reduced.reshape(-1), _powers(layout, dev), numel)
-    if sums is None:
-        return None
+    if isinstance(layout, RadixLayout):  # eager: compiled, its 2k float64 divisions per container ran 3x slower
+        sums = radix.unpack(reduced, layout, numel, torch.float32)
+    else:
+        sums = fusion.run(unpack_fn(layout), reduced.reshape(-1), numel)
+        if sums is None:
+            return None
     for p in parts:
         args = (grid.rows(res, p), grid.rows(sums, p), codes_[p.first_block : p.first_block + p.rows], scales, unit)
         if p.rows == 1:
