@@ -253,40 +253,12 @@ class BlockQSum(Reducer):
         MAX-agreed fp32 block max, which maps to the same codes). `generator` is this rank's
         `noise.Stratum` (stratified rounding); plain generators round independently."""
         lengths = list(lengths)
-        if (enc := self._encode_fused(x, lengths, world_size, shared_scale, generator)) is not None:
-            return enc
         levels, compiled = self.round_levels(x, lengths, shared_scale, generator)
         payload = self.pack_levels(levels, world_size, compiled)
         m = self.steps
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
             return self.scale_blocks_(unit_values(levels, m), shared_scale, lengths)
-
-        return Encoded(payload, None, make_local=local)
-
-    def _encode_fused(self, x: torch.Tensor, lengths: list[int], world_size: int, shared: torch.Tensor | None,
-                      generator: Any) -> Encoded | None:
-        """`encode` by the compiled stages (`fused`): the same payload and own contribution; None when
-        they do not run here (not switched on, the host kernels take these tensors, a layout that
-        needs a gather, a compile error)."""
-        parts = grid.pieces(tuple(lengths), self.block)
-        if parts is None or shared is None or not fusion.active(x, shared) or not x.is_contiguous():
-            return None
-        scales = _scales_on(x.device)
-        codes = fused.codes(shared, scales)
-        stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
-        layout = self.layout(world_size)
-        payload = None if codes is None else fused.encode(x, codes, scales, lengths, self.block, parts, stratum,
-                                                          self.steps, layout)
-        if payload is None:
-            return None
-        n, m = x.numel(), self.steps
-
-        def local() -> torch.Tensor:  # this rank's levels, from its payload: read before the payload is launched
-            own = fused.decode(payload, codes, scales, parts, n, m, layout, None)
-            if own is None:
-                own = self.scale_blocks_(unit_values(_unpacked(payload, layout, n), m), codes, lengths)
-            return own
 
         return Encoded(payload, None, make_local=local)
 
@@ -300,8 +272,12 @@ class BlockQSum(Reducer):
         return (self._levels_compiled if compiled else self._levels)(x, list(lengths), shared_scale, stratum), compiled
 
     def pack_levels(self, levels: torch.Tensor, world_size: int, compiled: bool) -> torch.Tensor:
-        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`)."""
-        return pack_any(levels, self.layout(world_size), compiled)
+        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`); by one
+        compiled kernel when the compiled torch path runs (`fused.pack`: the same containers)."""
+        layout = self.layout(world_size)
+        if not compiled and fusion.active(levels) and (payload := fused.pack(levels, layout)) is not None:
+            return payload
+        return pack_any(levels, layout, compiled)
 
     def _levels(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
                 stratum: noise.Stratum) -> torch.Tensor:
