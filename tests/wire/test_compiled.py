@@ -26,9 +26,10 @@ LAYOUTS = [
     [64 * 40 + 5, 64 * 7, 3, 130],  # tails, short segments: several views, several segments
     [1000, 0, 4096 + 77],  # an empty segment
 ]
-ROUTES = ["blockq-bq3", "blockq-bq2", "blockq-bq4", "blockq-bq8", "blockq-bl5", "blockq-bq4-128",
-          "signgather", "signcount", "qsum-q8", "qsum-q4", "qsum-q2"]
-SIGN = {"signgather", "signcount"}
+ROUTES = ["blockq-bq3", "blockq-bq2", "blockq-bq4", "blockq-bq8", "blockq-bl5", "blockq-bl6", "blockq-bq4-128",
+          "blockq-bq3-256", "blockqscatter-bq3", "signgather", "signcount", "signscatter", "qsum-q8", "qsum-q4",
+          "qsum-q2"]
+SIGN = {"signgather", "signcount", "signscatter"}
 
 
 def _generator(name: str, keys: torch.Tensor, rank: int, world_size: int):
