@@ -30,10 +30,13 @@ def _rows(stats) -> list:
 @pytest.mark.world_size(2)
 def test_resume_equals_uninterrupted_and_meta_default_device_gives_the_same_bits():
     """Saved at step 3 (model shards, AdamW, nfab's state) and continued by a fresh copy: the same
-    shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device."""
-    whole = run_ranks(_run, 2, "bq3", 6, {})
-    resumed = run_ranks(_run, 2, "bq3", 6, {"resume_at": 3})
-    meta = run_ranks(_run, 2, "bq3", 6, {"meta": True})
+    shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device.
+    Every codec family at once: block (bq3), exact qsum (q8, each rank's own noise) and sign."""
+    route = {"small": "bq3", "bias": "q8", "norm": "sign"}
+    whole = run_ranks(_run, 2, route, 6, {})
+    resumed = run_ranks(_run, 2, route, 6, {"resume_at": 3})
+    meta = run_ranks(_run, 2, route, 6, {"meta": True})
+    assert set(whole[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"}, whole[0]["stats"][-1].route_mix
     for r in range(2):
         assert torch.equal(whole[r]["params"], resumed[r]["params"])
         assert torch.equal(whole[r]["params"], meta[r]["params"])
@@ -57,17 +60,18 @@ def test_nonfinite_step_is_skipped_and_demoted_on_every_rank():
 @pytest.mark.world_size(2)
 def test_bf16_reduce_dtype():
     """MixedPrecisionPolicy(reduce_dtype=bf16): route fp32 is FSDP2's own bf16 reduce-scatter (the same
-    shards), its baseline counts 2 bytes per element, and bq3 reduces the bf16 input."""
+    shards), its baseline counts 2 bytes per element, and every codec family (bq3, q8, sign) reduces
+    the bf16 input (read as it is) and trains."""
     kw = {"reduce_dtype": torch.bfloat16}
     plain = run_ranks(_run, 2, None, 3, kw)
     fp32 = run_ranks(_run, 2, "fp32", 3, kw)
-    bq3 = run_ranks(_run, 2, "bq3", 3, kw)
+    bq3 = run_ranks(_run, 2, {"small": "bq3", "bias": "q8", "norm": "sign"}, 3, kw)
     assert torch.equal(plain[0]["params"], fp32[0]["params"])
     st = fp32[0]["stats"][-1]
     assert st.baseline_wire_bytes == st.wire_bytes - 3 * 8  # the three modules' control words aside
     layout_elements = sum(c for c in bq3[0]["stats"][-1].route_elements.values())
     assert st.baseline_wire_bytes < 4 * layout_elements  # 2 bytes each (+ FSDP2's padding), not 4
-    assert bq3[0]["stats"][-1].route_mix == {"bq3": 1.0} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
+    assert set(bq3[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:
@@ -84,7 +88,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
             msgs.append("accepted")
 
     model = fsdpmodels.shard(fsdpmodels.Tiny())
-    refused(lambda: nfab.attach(model, route="q8", cost_model=None))
+    refused(lambda: nfab.attach(model, route="bf16", cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", error_feedback=True, cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", hierarchy=2, cost_model=None))
     refused(lambda: nfab.attach(model, cost_model=None))
@@ -105,7 +109,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 @pytest.mark.world_size(2)
 def test_attach_refuses_what_fsdp2_cannot_do_with_one_line():
     msgs = run_ranks(_refusals, 2)[0]
-    assert "route q8 is not offered on FSDP2" in msgs[0]
+    assert "route bf16 is not offered on FSDP2" in msgs[0]
     assert "error_feedback=True is not offered on FSDP2" in msgs[1]
     assert "hierarchy= is not offered on FSDP2" in msgs[2]
     assert msgs[3] == "give exactly one of profile= or route="

@@ -20,8 +20,9 @@ decisions made from values every rank holds bit for bit.
 
 Error feedback is not offered here: a residual per parameter would be a full-size unsharded
 gradient on every rank, what sharding was chosen to avoid. nfab keeps no per-rank copy of any
-gradient between calls; within a call it allocates at most the group's padded rows (one flat
-gradient of the group) plus their packed levels.
+gradient between calls. Within a call a codec reads the rows where they lie and allocates their
+packed levels or votes and its own row's decode; a group that is only part of the chunk (a mixed
+module under block routes or qsum) copies its columns, at most the group's flat gradient.
 
 Reading the layout needs FSDP2's parameter records (`FSDPParam`'s padded shard size and
 unsharded size): torch exposes no public accessor, so `group_entries` is the one place that
@@ -47,8 +48,8 @@ from nfab.runtime.bindings import classify
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.core import rowscatter
-from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
-from nfab.runtime.frontends.fsdp_layout import ShardCost, codec_for, fsdp_modules, group_entries
+from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments, row_sources
+from nfab.runtime.frontends.fsdp_layout import Codec, ShardCost, codec_for, fsdp_modules, group_entries
 from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.blockq.scatter import BlockQScatter
@@ -177,30 +178,27 @@ class ShardedRuntime(RuntimeState):
             _write_row(output, out, g)
         return rowscatter.plain_bytes(part.shape[1], w, part.element_size())
 
-    def _lossy(self, codec: BlockQScatter | SignScatter, rows: torch.Tensor, output: torch.Tensor, g: Group,
+    def _lossy(self, codec: Codec, rows: torch.Tensor, output: torch.Tensor, g: Group,
                group: dist.ProcessGroup, op: Any, comm: NfabReduceScatter) -> rowscatter.RowResult:
-        """A lossy group: the exact low-bit reduce-scatter of its rows (read where they lie when the group
-        is the whole chunk of a block route; else its columns copied), this rank's row written back,
-        scaled for FSDP2's op."""
+        """A lossy group: the exact low-bit reduce-scatter of its rows (sign reads its segments where
+        they lie; block routes and qsum read the rows there when the group is the whole chunk, else
+        copy its columns), this rank's row written back, scaled for FSDP2's op."""
         w, numel = self.world_size, g.numel
         names = tuple(s.name for s in g.slices)
-        # block routes pad only their levels; sign pads its rows to whole vote bytes
-        padded = numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, numel, w)
-        if g.whole and padded == rows.shape[1]:
-            x = rows  # read where it lies: no copy
-        else:
-            x = rows.new_zeros(w, padded)
-            pos = 0
-            for s in g.slices:
-                x[:, pos : pos + s.numel] = rows[:, s.offset : s.offset + s.numel]
-                pos += s.numel
+        padded = rowscatter.row_numel(codec, numel, w)
         segments = comm.segments(names, padded)
         direct = output if g.whole and output.dtype == torch.float32 else None  # decoded in place, no row buffer
-        if isinstance(codec, BlockQScatter):
-            res = rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
-                                                  self.rank, group, direct, self.moment is not None)
+        if isinstance(codec, SignScatter):
+            res = rowscatter.sign_reduce_scatter(codec, rows.reshape(-1), comm.sources(names, padded), segments,
+                                                 numel, self.rank, group, direct)
         else:
-            res = rowscatter.sign_reduce_scatter(codec, x, segments, self.rank, group)
+            x = rows if g.whole else torch.cat([rows[:, s.offset : s.offset + s.numel] for s in g.slices], dim=1)
+            if isinstance(codec, BlockQScatter):
+                res = rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
+                                                      self.rank, group, direct, self.moment is not None)
+            else:  # qsum: ranks round independently (this rank's seeds), as on DDP
+                res = rowscatter.qsum_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded, self.rank),
+                                                     self.rank, group, direct)
         mean = res.mean[:numel]
         factor = _op_factor(op, w, comm.divide_factor())
         if res.variance is not None and self.moment is not None:  # each parameter's real share of the row
@@ -216,9 +214,10 @@ class ShardedRuntime(RuntimeState):
             _scale_row(output, factor, g)
         return res
 
-    def _seeds(self, comm: NfabReduceScatter, names: tuple[str, ...], padded: int) -> np.ndarray:
-        """One rounding-noise seed per segment of every row, from (seed, step, parameter, row, part):
-        the same on every rank (stratified rounding shifts by the rank), independent of the module."""
+    def _seeds(self, comm: NfabReduceScatter, names: tuple[str, ...], padded: int, who: int = -1) -> np.ndarray:
+        """One rounding-noise seed per segment of every row, from (seed, who, step, parameter, row, part),
+        independent of the module: `who` -1 gives the same seeds on every rank (block routes' stratified
+        rounding shifts by the rank), a rank's own index its own seeds (qsum rounds independently)."""
         out = []
         by_name = comm.layout.by_name()
         for r in range(self.world_size):
@@ -227,11 +226,11 @@ class ShardedRuntime(RuntimeState):
                 p = by_name[name]
                 real = p.real(r)
                 idx = self.param_index.get(name, -1)
-                out.extend(hash((self.seed, -1, self.step, idx, r, part)) & 0x7FFF_FFFF_FFFF
+                out.extend(hash((self.seed, who, self.step, idx, r, part)) & 0x7FFF_FFFF_FFFF
                            for part, n in enumerate((real, p.shard_numel - real)) if n)
                 total += p.shard_numel
             if padded > total:
-                out.append(hash((self.seed, -1, self.step, -1, r, 2)) & 0x7FFF_FFFF_FFFF)
+                out.append(hash((self.seed, who, self.step, -1, r, 2)) & 0x7FFF_FFFF_FFFF)
         return np.array(out, dtype=np.uint64)
 
     def _finish_step(self) -> None:
@@ -277,6 +276,7 @@ class NfabReduceScatter(ReduceScatter):
         self.plan = layout.plan()
         self._param_group = param_group
         self._segments: dict[tuple[tuple[str, ...], int], list[list[int]]] = {}
+        self._sources: dict[tuple[tuple[str, ...], int], list[tuple[int, int]]] = {}
 
     def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201 - FSDP2's signature
         return torch.empty(*size, dtype=dtype, device=device)
@@ -297,6 +297,14 @@ class NfabReduceScatter(ReduceScatter):
             seg = self._segments[key] = [row_segments(self.layout, names, r, padded)
                                          for r in range(self.layout.world_size)]
         return seg
+
+    def sources(self, names: tuple[str, ...], padded: int) -> list[tuple[int, int]]:
+        """Where each of `segments(names, padded)`'s segments lies in the input (cached)."""
+        key = (names, padded)
+        got = self._sources.get(key)
+        if got is None:
+            got = self._sources[key] = row_sources(self.layout, names, padded)
+        return got
 
 
 def _write_row(output: torch.Tensor, values: torch.Tensor, g: Group) -> None:
@@ -356,5 +364,3 @@ def install(runtime: ShardedRuntime, root: nn.Module) -> list[NfabReduceScatter]
         comms.append(comm)
     runtime.comms = comms
     return comms
-
-

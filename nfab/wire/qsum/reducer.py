@@ -24,7 +24,7 @@ from nfab.wire.contract import (
 )
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import layout_for, pack, unpack
+from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
 from nfab.wire.slices import Slices
 
 
@@ -46,6 +46,11 @@ class QSum(Reducer):
         self.bits = bits
         self.route = f"q{bits}"
         self._layout = layout_for(bits)
+
+    @property
+    def lane_layout(self) -> LaneLayout:
+        """How the levels are packed: `bits`-wide lanes in uint8 containers (1, 2 or 4 a byte)."""
+        return self._layout
 
     def max_level(self, world_size: int) -> int:
         return ((1 << self.bits) - 1) // world_size
