@@ -1,5 +1,5 @@
-"""FSDP2 front end's control on real gloo ranks: resume, a non-finite step, the meta-device habit,
-bf16 reduce, and what attach refuses."""
+"""FSDP2 front end's control on real gloo ranks: resume (with probes), a non-finite step, the
+meta-device habit, bf16 reduce, and what attach refuses (several param groups and HSDP at W=4)."""
 
 from __future__ import annotations
 
@@ -23,25 +23,28 @@ def _run(rank: int, world_size: int, route, steps: int, kwargs: dict) -> dict:
 
 
 def _rows(stats) -> list:
-    return [(s.step, s.route_mix, s.skipped, s.loss, s.grad_norm, s.wire_bytes, s.fallback_reason, s.events)
-            for s in stats]
+    return [(s.step, s.route_mix, s.skipped, s.loss, s.grad_norm, s.wire_bytes, s.fallback_reason, s.events,
+             s.probe_wire_bytes, s.region_cosine) for s in stats]
 
 
 @pytest.mark.world_size(2)
 def test_resume_equals_uninterrupted_and_meta_default_device_gives_the_same_bits():
     """Saved at step 3 (model shards, AdamW, nfab's state) and continued by a fresh copy: the same
     shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device.
-    Every codec family at once: block (bq3), exact qsum (q8, each rank's own noise) and sign."""
+    Every codec family at once: block (bq3), exact qsum (q8, each rank's own noise) and sign; a probe
+    every step, so step 2's probe sums cross the save (they ride step 3's first word)."""
     route = {"small": "bq3", "bias": "q8", "norm": "sign"}
-    whole = run_ranks(_run, 2, route, 6, {})
-    resumed = run_ranks(_run, 2, route, 6, {"resume_at": 3})
-    meta = run_ranks(_run, 2, route, 6, {"meta": True})
+    probes = {"health": {"probe_every": 1, "probe_budget": 0.0}}
+    whole = run_ranks(_run, 2, route, 6, probes)
+    resumed = run_ranks(_run, 2, route, 6, {"resume_at": 3, **probes})
+    meta = run_ranks(_run, 2, route, 6, {"meta": True, **probes})
     assert set(whole[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"}, whole[0]["stats"][-1].route_mix
     for r in range(2):
         assert torch.equal(whole[r]["params"], resumed[r]["params"])
         assert torch.equal(whole[r]["params"], meta[r]["params"])
         assert whole[r]["losses"] == resumed[r]["losses"]
     assert _rows(whole[0]["stats"][3:]) == _rows(resumed[0]["stats"][3:])
+    assert whole[0]["stats"][3].region_cosine and whole[0]["stats"][3].probe_wire_bytes > 0
 
 
 @pytest.mark.world_size(2)
@@ -74,18 +77,23 @@ def test_bf16_reduce_dtype():
     assert set(bq3[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
 
 
+def _refused(msgs: list[str], fn) -> None:  # noqa: ANN001
+    """`fn`'s NfabError line, or "accepted", appended to `msgs`."""
+    try:
+        fn()
+    except NfabError as e:
+        msgs.append(str(e))
+    else:
+        msgs.append("accepted")
+
+
 def _refusals(rank: int, world_size: int) -> list[str]:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    msgs = []
+    msgs: list[str] = []
 
     def refused(fn) -> None:  # noqa: ANN001
-        try:
-            fn()
-        except NfabError as e:
-            msgs.append(str(e))
-        else:
-            msgs.append("accepted")
+        _refused(msgs, fn)
 
     model = fsdpmodels.shard(fsdpmodels.Tiny())
     refused(lambda: nfab.attach(model, route="bf16", cost_model=None))
@@ -116,4 +124,31 @@ def test_attach_refuses_what_fsdp2_cannot_do_with_one_line():
     assert "DistributedDataParallel model or an FSDP2 model" in msgs[4]
     assert "already has a custom reduce-scatter (Custom" in msgs[5]
     assert "supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1" in msgs[6]
+    assert all("\n" not in m for m in msgs)
+
+
+def _refusals_at_four(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    msgs: list[str] = []
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hsdp = fully_shard(fsdpmodels.Tiny(), mesh=mesh)  # HSDP: replicated on dim 0, sharded on dim 1
+    pairs = FSDPMeshInfo(mesh, shard_mesh_dim=1)  # per-parameter meshes: the head on pairs of ranks
+    model = fsdpmodels.Tiny()
+    head = set(model.head.parameters())
+    several = fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), pairs) if p in head
+                          else None)
+    for m in (several, hsdp):
+        _refused(msgs, lambda m=m: nfab.attach(m, route="bq3", cost_model=None))
+    return msgs
+
+
+@pytest.mark.world_size(4)
+def test_attach_refuses_several_param_groups_and_hsdp_with_one_line():
+    msgs = run_ranks(_refusals_at_four, 4)[0]
+    assert "an FSDP2 module with several param groups" in msgs[0]
+    assert "HSDP's replicate all-reduce cannot be customised" in msgs[1]
     assert all("\n" not in m for m in msgs)
