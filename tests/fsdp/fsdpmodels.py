@@ -67,11 +67,12 @@ def batch(rank: int, step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor
 
 def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 1, clip: float | None = 1.0,
           reduce_dtype: torch.dtype | None = None, resume_at: int | None = None, inf_step: int | None = None,
-          meta: bool = False, health: dict | None = None) -> dict:
+          meta: bool = False, health: dict | None = None, cost_model: object = None) -> dict:
     """A user's FSDP2 loop: accumulation via set_requires_gradient_sync, clipping, AdamW. With
     `resume_at`, everything (model shards, optimizer, nfab) is saved there and a fresh copy continues;
     at `inf_step` rank 0's loss is infinite; `meta`: nfab's comms run with the meta device as default;
-    `health`: the route attached as a profile with these health settings (e.g. probes every step)."""
+    `health`: the route attached as a profile with these health settings (e.g. probes every step);
+    `cost_model`: what attach prices routes with (None: by bytes, as route= does)."""
     def build() -> tuple[Tiny, torch.optim.Optimizer, object]:
         torch.manual_seed(0)
         model = shard(Tiny(), reduce_dtype)
@@ -80,7 +81,7 @@ def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 
         if route is not None and health is not None:
             prof = Profile.static(route)
             prof = prof.model_copy(update={"health": prof.health.model_copy(update=health)})
-            rt = nfab.attach(model, prof, optimizer=opt, cost_model=None, noise_moment=True)  # as route= does
+            rt = nfab.attach(model, prof, optimizer=opt, cost_model=cost_model, noise_moment=True)  # as route= does
         elif route is not None:
             rt = nfab.attach(model, route=route, optimizer=opt, cost_model=None)
         for comm in rt.comms if meta and rt is not None else ():

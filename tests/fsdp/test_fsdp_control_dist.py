@@ -16,6 +16,7 @@ import fsdpmodels  # noqa: E402
 import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
+from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
 
 def _run(rank: int, world_size: int, route, steps: int, kwargs: dict) -> dict:
@@ -75,6 +76,19 @@ def test_bf16_reduce_dtype():
     layout_elements = sum(c for c in bq3[0]["stats"][-1].route_elements.values())
     assert st.baseline_wire_bytes < 4 * layout_elements  # 2 bytes each (+ FSDP2's padding), not 4
     assert set(bq3[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
+
+
+@pytest.mark.world_size(2)
+def test_cost_gate_is_named_every_step_and_is_no_fallback():
+    """A link where the extra rounds cost more than the bytes save (1 ms latency, 1 Tbit/s): the gate
+    keeps every region FP32, and every step says so (`cost_gated`, reason `cost(...)`) without
+    raising `fallback`, which flags safety events, as on DDP."""
+    link = LinkCost(1e-3, 1e12)
+    gate = CostModel("gloo", 2, link, link, reducescatter=link)
+    out = run_ranks(_run, 2, {"small": "bq3", "bias": "q8", "norm": "sign"}, 2, {"health": {}, "cost_model": gate})
+    for s in out[0]["stats"]:
+        assert s.route_mix == {"fp32": 1.0} and s.cost_gated and not s.fallback, s
+        assert s.fallback_reason.startswith("cost("), s.fallback_reason
 
 
 def _refused(msgs: list[str], fn) -> None:  # noqa: ANN001
