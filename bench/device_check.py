@@ -5,8 +5,11 @@ Runs, each step under its own time limit, with results as JSON under `--out` (de
 
 1. cuda_tests: `pytest -m cuda` (tests/runtime/test_cuda.py: every hook body and callback
    under `torch.cuda.set_sync_debug_mode("error")`, a host sync raises);
-2. wire: `nfab bench wire --device cuda` (the torch path: encode + decode GB/s and the ratio
-   to the device's own copy bandwidth), plus, on CPU, the compiled host path beside it;
+   compiled_tests: tests/wire/test_compiled.py on CUDA (the Triton-compiled codec stages against
+   the eager CUDA path, bit for bit; skipped without CUDA);
+2. wire: `nfab bench wire --device cuda --impl torch`, then `--impl compiled` (encode + decode
+   GB/s and the ratio to the device's own copy bandwidth), and on CPU the numba host path
+   beside the torch path;
 3. ranks: a 2-rank run on the one device (gloo with CUDA tensors): DDP under nfab's hook on
    mixed lossy routes, replicas bit-identical, the fp32 route equal to plain DDP; and FSDP2
    (`fully_shard` per block and on the root): the fp32 route equal to plain FSDP2, a lossy
@@ -38,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MIXED = {"linear": "bq3", "embedding": "bq3", "head": "sign", "norm": "bf16", "bias": "q8"}
 WIRE_REDUCERS = ("allreduce-bf16,signgather,signcount,signscatter,qsum-q8,qsum-q4,blockq-bq3,blockq-bq2,"
                  "blockqscatter-bq3")
-LIMITS_S = {"cuda_tests": 240, "wire": 120, "ranks": 90, "hook": 150}
+LIMITS_S = {"cuda_tests": 140, "compiled_tests": 140, "wire": 150, "ranks": 60, "hook": 110}
 """Per step, on a GPU: 10 minutes for the whole check at most, 8 expected (CPU quick mode: far less)."""
 
 
@@ -54,10 +57,10 @@ def _env(cuda: bool) -> dict:
     return info
 
 
-def _run(cmd: list[str], limit_s: float) -> tuple[int, str]:
+def _run(cmd: list[str], limit_s: float, base_env: dict | None = None) -> tuple[int, str]:
     """A subprocess in the repo root with nfab importable from it; (return code, output tail)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONUNBUFFERED": "1"}
+    base = os.environ if base_env is None else base_env
+    env = {**base, "PYTHONPATH": os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")]), "PYTHONUNBUFFERED": "1"}
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
     except subprocess.TimeoutExpired as e:
@@ -74,15 +77,28 @@ def step_cuda_tests(out: Path, cuda: bool, quick: bool) -> dict:
     return {"ok": ok, "rc": rc, "result": last[0], "tail": tail}
 
 
+def step_compiled_tests(out: Path, cuda: bool, quick: bool) -> dict:
+    """tests/wire/test_compiled.py on CUDA: the Triton-compiled stages against the eager CUDA path bit
+    for bit (contraction and approximate division switched off: `nfab/wire/fusion.py`). Skipped
+    without CUDA: the C++ builds take minutes on a cold CPU box (run them with NFAB_COMPILE_TESTS=1)."""
+    if not cuda:
+        return {"ok": True, "skipped": True, "result": "skipped: no CUDA (the C++ builds take minutes)"}
+    env = {**os.environ, "NFAB_COMPILE_TESTS": "1", "NFAB_COMPILE_TESTS_DEVICE": "cuda"}
+    rc, tail = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                     "tests/wire/test_compiled.py"], LIMITS_S["compiled_tests"], env)
+    last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or [""]
+    return {"ok": rc == 0, "rc": rc, "result": last[0], "tail": tail}
+
+
 def step_wire(out: Path, cuda: bool, quick: bool) -> dict:
     numel = 1 << (18 if quick else 24)
     runs = {}
-    impls = ["torch"] if cuda else ["host", "torch"]
+    impls = ["torch", "compiled"] if cuda else ["host", "torch"]
     for impl in impls:
         path = out / f"wire_{impl}.json"
         rc, tail = _run([sys.executable, "-m", "nfab", "bench", "wire", "--device", "cuda" if cuda else "cpu",
                          "--impl", impl, "--numel", str(numel), "--world-sizes", "2,4", "--reducers", WIRE_REDUCERS,
-                         "--json", str(path)], LIMITS_S["wire"] / len(impls))
+                         "--json", str(path)], LIMITS_S["wire"] * (0.65 if impl == "compiled" else 0.35))
         rows = json.loads(path.read_text()) if rc == 0 and path.exists() else []
         runs[impl] = {"rc": rc, "rows": [{k: r[k] for k in ("reducer", "world_size", "encode_decode_gbps",
                                                            "copy_gbps", "ratio_to_copy")} for r in rows],
@@ -233,7 +249,8 @@ def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
             "routes": MIXED, "ranks": res}
 
 
-STEPS = {"cuda_tests": step_cuda_tests, "wire": step_wire, "ranks": step_ranks, "hook": step_hook}
+STEPS = {"cuda_tests": step_cuda_tests, "compiled_tests": step_compiled_tests, "wire": step_wire,
+         "ranks": step_ranks, "hook": step_hook}
 
 
 def _summary(env: dict, results: dict, total_s: float) -> str:
@@ -245,6 +262,9 @@ def _summary(env: dict, results: dict, total_s: float) -> str:
     ct = results.get("cuda_tests", {})
     if ct.get("result"):
         lines.append(f"  pytest -m cuda: {ct['result']}")
+    cc = results.get("compiled_tests", {})
+    if cc.get("result"):
+        lines.append(f"  compiled stages vs eager, bit for bit: {cc['result']}")
     for impl, run in results.get("wire", {}).get("runs", {}).items():
         worst = min((row["ratio_to_copy"] for row in run["rows"] if row["ratio_to_copy"]), default=None)
         cells = ", ".join(f"{row['reducer']}@{row['world_size']} {row['ratio_to_copy']:.2f}x"

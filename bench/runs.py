@@ -5,8 +5,8 @@
     python -m bench.runs bench/step/100mbit-w32.json RUN.json [RUN.json ...]
 
 The file holds every run as written (`runs`, each with the file it came from) and, per variant
-(step) or reducer and W (wire), the min, median and max of each number over the runs
-(`summary`), so a table can quote the spread and never a hand-picked run.
+(step) or reducer and W (wire; `/torch`, `/compiled` for the torch paths), the min, median and
+max of each number over the runs (`summary`), so a table can quote the spread and never a hand-picked run.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _spread(values: list[float]) -> dict[str, float]:
 def _rows(run: Any) -> list[tuple[str, dict[str, Any]]]:
     """(key, row) per row of one run: `nfab bench step` and `nfab bench tta` rows by variant, `nfab bench wire`
     rows by reducer@W."""
-    if isinstance(run, list):  # nfab bench wire
-        return [(f"{r['reducer']}@W={r['world_size']}", r) for r in run]
+    if isinstance(run, list):  # nfab bench wire (the torch and compiled paths apart from the host kernels)
+        return [(f"{r['reducer']}@W={r['world_size']}" + (f"/{r['impl']}" if r.get("impl", "host") != "host" else ""),
+                 r) for r in run]
     if "variants" in run:  # nfab bench tta (a variant that never reached the target has no time: left out)
         return list(run["variants"].items())
     nfab = run.get("nfab", {})  # the hook's own numbers per nfab variant (hook_ms_median, bytes)

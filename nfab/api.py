@@ -52,8 +52,8 @@ def attach(
 
     `ddp_model` may instead be an FSDP2 model (`fully_shard` on each block and on the root): nfab's
     reduce-scatter is installed on every FSDP2 module and the same runtime API comes back
-    (`observe_loss`, `step_stats`, `state_dict`). There the routes fp32, sign and the block routes
-    run as asked (q8/q4/q2, bf16 and fp16 go FP32), error feedback is not offered (it would keep a
+    (`observe_loss`, `step_stats`, `state_dict`). There the routes fp32, sign, q8/q4/q2 and the block
+    routes run as asked (bf16 and fp16 go FP32), error feedback is not offered (it would keep a
     full-size gradient per rank), `hierarchy` is refused, and `noise_moment` corrects each rank's
     shard of Adam's second moment from its shard's agreed block scales.
 

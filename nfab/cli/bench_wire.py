@@ -23,7 +23,8 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str, typer.Option("--device", help="Where the codecs run: cpu, cuda, cuda:1, ...")] = "cpu",
         impl: Annotated[str, typer.Option(
             "--impl", help="auto (what the device takes), host (compiled CPU kernels), torch (the path CUDA "
-                           "takes, run on this device) or compiled (that path with torch.compile).")] = "auto",
+                           "takes, run on this device) or compiled (that path with torch.compile); several "
+                           "comma-separated (torch,compiled,host) run side by side, reducer by reducer.")] = "auto",
         world_sizes: Annotated[str, typer.Option(
             "--world-sizes", help="Comma-separated world sizes to time.")] = "2,4,8,16",
     ) -> None:
@@ -46,24 +47,32 @@ def register(app: typer.Typer) -> None:
             raise ConfigError(f"--device {device!r}: {e}") from e
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: no CUDA device here")
-        rows = bench_wire(numel, reducers=keys, device=dev, impl=impl, world_sizes=sizes)
+        impls = [i.strip() for i in impl.split(",") if i.strip()] or ["auto"]
+        if len(impls) == 1:
+            rows = bench_wire(numel, reducers=keys, device=dev, impl=impls[0], world_sizes=sizes)
+        else:  # side by side: each reducer timed by every path before the next reducer
+            rows = [r for key in keys or list(REDUCERS) for i in impls
+                    for r in bench_wire(numel, reducers=[key], device=dev, impl=i, world_sizes=sizes)]
         where = "one core" if dev.type == "cpu" else str(dev)
-        table = Table(title=f"nfab bench wire  (numel={numel:,}, {where}, {rows[0].impl if rows else impl} path)")
+        paths = ",".join(dict.fromkeys(r.impl for r in rows)) or impl
+        table = Table(title=f"nfab bench wire  (numel={numel:,}, {where}, {paths} path)")
         table.add_column("reducer")
+        if len(impls) > 1:
+            table.add_column("path")
         for w in sizes:
             table.add_column(f"W={w} enc+dec/copy", justify="right")
             table.add_column(f"W={w} bits/el", justify="right")
-        by_key: dict[str, list] = {}
+        by_key: dict[tuple[str, str], list] = {}
         for r in rows:
-            by_key.setdefault(r.reducer, []).append(r)
-        for key, rs in by_key.items():
+            by_key.setdefault((r.reducer, r.impl), []).append(r)
+        for (key, path), rs in by_key.items():
             cells = []
             for r in rs:
                 if r.capacity_ok:
                     cells += [f"{r.ratio_to_copy:.2f}x", f"{r.bits_per_element:.2f} / {r.fp32_bits_per_element:.0f}"]
                 else:
                     cells += ["", "[dim]over capacity[/]"]
-            table.add_row(key, *cells)
+            table.add_row(key, *([path] if len(impls) > 1 else []), *cells)
         console.print(table)
         copy = sorted(r.copy_gbps for r in rows)[len(rows) // 2]
         first = max((r.first_call_s or 0.0) for r in rows)

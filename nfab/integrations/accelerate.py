@@ -45,8 +45,9 @@ def attach(
     compress: this logs one line and returns None, and the same script runs unchanged with
     `accelerate launch --num_processes 1`. With several processes `prepared_model` must be
     the DDP model Accelerate built, or the FSDP2 model its FSDP plugin built
-    (`FullyShardedDataParallelPlugin(fsdp_version=2)`, on GPUs: Accelerate builds DDP on CPU
-    whatever the plugin says); DeepSpeed owns its communication.
+    (`FullyShardedDataParallelPlugin(fsdp_version=2)`; Accelerate builds FSDP only on accelerator
+    devices, `accelerate/state.py:947-977`, and DDP on CPU: docs/integrations.md); DeepSpeed owns
+    its communication.
     """
     if (profile is None) == (route is None):
         raise NfabError("give exactly one of profile= or route=")

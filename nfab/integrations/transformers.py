@@ -4,7 +4,8 @@ The Trainer has no setting for a communication hook, and it wraps the model in D
 inside `train()`. So `attach(trainer, ...)` adds a `TrainerCallback` that, at
 `on_train_begin`, calls `nfab.attach` on `trainer.model_wrapped` (the DDP model the Trainer
 just built, before the first backward; or its FSDP2 model under `fsdp="full_shard"`,
-`fsdp_config={"fsdp_version": 2}`, which Accelerate builds on GPUs only) and then puts each
+`fsdp_config={"fsdp_version": 2}`, which Accelerate builds on accelerator devices only: on CPU
+it builds DDP, docs/integrations.md) and then puts each
 logged step's nfab statistics into the Trainer's logs through `trainer.log`, so `log_history`
 and every `report_to` reporter see them.
 

@@ -3,20 +3,26 @@
 nfab has two front ends over one reduction core: DDP's GradBucket hook (`frontends/ddp.py`) and
 FSDP2's reduce-scatter (`frontends/fsdp.py`). Both give the user the same object: report a loss
 (`observe_loss`), read the last step's agreed statistics (`step_stats`), save and resume
-(`state_dict` / `load_state_dict`). This base holds that surface and the state behind it; a front
-end adds how its collectives are launched and folds each step through `fold`.
+(`state_dict` / `load_state_dict`). This base holds that surface and the state behind it, and the
+control both front ends run alike: which regions a step probes (`probing`) and how a folded step,
+with the previous step's agreed probe fidelity, moves the health monitor (`observe_health`:
+alarms, FP32 shadow windows, demotions). A front end adds how its collectives and probes are
+launched and how each step is folded.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from nfab.profile.schema import Profile
+from nfab.profile.schema import Phase, Profile
 from nfab.runtime.control import health as health_mod
+from nfab.runtime.control import probes
 from nfab.runtime.control.controller import Controller
+from nfab.runtime.control.fidelity import RegionFidelity
 from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
 
@@ -45,6 +51,9 @@ class RuntimeState:
         self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)
         self.events: list[health_mod.HealthEvent] = []
         self._loss_local: torch.Tensor | float | None = None
+        self._probing: tuple[int, frozenset[str]] | None = None
+        self.regions: dict[str, str] = {}
+        """Every parameter's region (name -> region); a front end fills it from the model."""
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this rank's loss; it rides with the next control word (stays on its device)."""
@@ -55,12 +64,24 @@ class RuntimeState:
         loss, self._loss_local = self._loss_local, None
         return loss
 
-    def observe_health(self, st: StepStats, lossy: frozenset[str]) -> list[health_mod.HealthEvent]:
-        """Fold a finished step's agreed statistics into the health monitor (no probes: a shadow window
-        could not answer, so a spike or jump demotes every lossy region, as `shadow_steps: 0` says)."""
-        cfg = self.profile.health
-        cfg = cfg.model_copy(update={"shadow_steps": 0}) if cfg.shadow_steps else cfg
-        events = health_mod.observe(self.health, cfg, st, {}, frozenset(), lossy, frozenset())
+    def probing(self, phase: Phase, *, dense: bool = False, watch_all: bool = False) -> frozenset[str]:
+        """The regions this step's fidelity probe samples (`control/probes.py`: rotating, spaced out
+        once quiet, within `Health.probe_budget`; every lossy region in an alarm's shadow window).
+        Asked by every bucket or reduce-scatter of the step: decided once per step, from the step and
+        the health state every rank holds, so every call of every rank samples the same regions.
+        `dense`, `watch_all`: see `probes.probe_regions` (DDP's drift monitor and error feedback)."""
+        if self._probing is None or self._probing[0] != self.step:
+            lossy = self.controller.model_lossy(phase, self.regions)
+            self._probing = (self.step, probes.probe_regions(self.step, self.profile.health, self.health, lossy,
+                                                             dense=dense, watch_all=watch_all, horizon=self.horizon))
+        return self._probing[1]
+
+    def observe_health(self, st: StepStats, lossy: frozenset[str], fidelity: Mapping[str, RegionFidelity],
+                       probe_regions: frozenset[str],
+                       with_ef: frozenset[str] = frozenset()) -> list[health_mod.HealthEvent]:
+        """Fold a finished step's agreed statistics into the health monitor: `fidelity` is the previous
+        step's probe of `probe_regions`, agreed over ranks (an alarm's shadow window reads it)."""
+        events = health_mod.observe(self.health, self.profile.health, st, fidelity, probe_regions, lossy, with_ef)
         self.events.extend(events)
         return events
 

@@ -12,9 +12,11 @@ fewer passes (each codec's `host.py` adapts tensors to its `*kernels.py`). The c
 - `host_paths(False)`, or `NFAB_HOST_KERNELS=0` in the environment before nfab is imported,
   sends CPU tensors down the device path too: a CPU machine runs, and tests hold bit for bit,
   the code CUDA takes (tests/runtime/test_host_reads_dist.py checks it reads nothing back).
-- `compile_paths(True)`, or `NFAB_COMPILE=1`: the torch path runs blockq's elementwise chains
-  compiled by `torch.compile` (`wire/blockq/fused.py`; the same bits, eager after any compile
-  error). Off by default: it never touches the host kernels, and compiling costs seconds.
+- `compile_paths(True)`, or `NFAB_COMPILE=1`: the torch path runs the lossy codecs' stages
+  compiled by `torch.compile` (`wire/fusion.py`, each codec's `fused.py`; the same bits, eager
+  after any compile error). Off by default on every device: on CPU the host kernels are faster
+  (docs/gpu.md), and on CUDA no GPU run has yet measured it against eager (`make device-check`
+  times both); compiling costs seconds per lane layout.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from nfab.wire import dispatch, host_slices
+from nfab.wire import dispatch, fusion, host_slices
 
 _ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
 
@@ -92,10 +92,17 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         return out.scatter_reduce_(0, seg, x.abs().to(torch.float32), "amax")
     parts = torch.split(x, lengths)
     out = torch.zeros(len(parts), dtype=torch.float32, device=x.device)
+    compiled = fusion.active(x)  # |x| then max in one compiled pass: vector_norm's ran at 0.06x a copy
     for i, part in enumerate(parts):
         if part.numel():
-            out[i] = torch.linalg.vector_norm(part, float("inf"))
+            got = fusion.run(_max_abs, part) if compiled and part.numel() > 1 else None
+            out[i] = got if got is not None else torch.linalg.vector_norm(part, float("inf"))
     return out
+
+
+def _max_abs(part: torch.Tensor) -> torch.Tensor:
+    """max |x| of a 1-D tensor (fp32; exact, so the same number as the inf-norm)."""
+    return part.abs().amax().to(torch.float32)
 
 
 def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

@@ -48,3 +48,15 @@ def test_cli_times_only_the_named_reducers_and_rejects_unknown_ones(tmp_path):
     assert {d["reducer"] for d in json.loads(path.read_text())} == {"signgather", "qsum-q8"}
     bad = CliRunner().invoke(app, ["bench", "wire", "--reducers", "nope"])
     assert isinstance(bad.exception, ConfigError) and "nope" in str(bad.exception)  # `main` makes it exit 2
+
+
+def test_cli_times_several_paths_side_by_side(tmp_path):
+    """`--impl host,torch`: every named reducer by each path, in one table and one JSON."""
+    path = tmp_path / "out.json"
+    result = CliRunner().invoke(app, ["bench", "wire", "--numel", "2048", "--reducers", "signgather,blockq-bq3",
+                                      "--impl", "host,torch", "--world-sizes", "2", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(path.read_text())
+    assert [(d["reducer"], d["impl"]) for d in rows] == [("signgather", "host"), ("signgather", "torch"),
+                                                         ("blockq-bq3", "host"), ("blockq-bq3", "torch")]
+    assert "host,torch" in result.output

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import nfab
+from nfab.profile.schema import Profile
 from nfab.runtime.frontends.fsdp import NfabReduceScatter
 
 
@@ -45,6 +46,18 @@ def shard(model: Tiny, reduce_dtype: torch.dtype | None = None) -> Tiny:
     return model
 
 
+def grad_input(layout, rank: int, step: int) -> torch.Tensor:  # noqa: ANN001 - a ShardLayout
+    """A reduce-scatter input as FSDP2 lays out a param group: random gradients where its real elements
+    lie, zeros in its padding (every rank can make every rank's: the seed is the rank and step)."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.zeros(layout.world_size, layout.chunk)
+    for p in layout.params:
+        for r in range(layout.world_size):
+            n = p.real(r)
+            x[r, p.offset : p.offset + n] = torch.randn(n, generator=g) * (1 + p.offset % 3)
+    return x.reshape(-1)
+
+
 def batch(rank: int, step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(n, 7, generator=g)
@@ -54,15 +67,23 @@ def batch(rank: int, step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor
 
 def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 1, clip: float | None = 1.0,
           reduce_dtype: torch.dtype | None = None, resume_at: int | None = None, inf_step: int | None = None,
-          meta: bool = False) -> dict:
+          meta: bool = False, health: dict | None = None, cost_model: object = None) -> dict:
     """A user's FSDP2 loop: accumulation via set_requires_gradient_sync, clipping, AdamW. With
     `resume_at`, everything (model shards, optimizer, nfab) is saved there and a fresh copy continues;
-    at `inf_step` rank 0's loss is infinite; `meta`: nfab's comms run with the meta device as default."""
+    at `inf_step` rank 0's loss is infinite; `meta`: nfab's comms run with the meta device as default;
+    `health`: the route attached as a profile with these health settings (e.g. probes every step);
+    `cost_model`: what attach prices routes with (None: by bytes, as route= does)."""
     def build() -> tuple[Tiny, torch.optim.Optimizer, object]:
         torch.manual_seed(0)
         model = shard(Tiny(), reduce_dtype)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        rt = nfab.attach(model, route=route, optimizer=opt, cost_model=None) if route is not None else None
+        rt = None
+        if route is not None and health is not None:
+            prof = Profile.static(route)
+            prof = prof.model_copy(update={"health": prof.health.model_copy(update=health)})
+            rt = nfab.attach(model, prof, optimizer=opt, cost_model=cost_model, noise_moment=True)  # as route= does
+        elif route is not None:
+            rt = nfab.attach(model, route=route, optimizer=opt, cost_model=None)
         for comm in rt.comms if meta and rt is not None else ():
             comm.__class__ = MetaDefaultComm
         return model, opt, rt

@@ -1,5 +1,5 @@
-"""FSDP2 front end's control on real gloo ranks: resume, a non-finite step, the meta-device habit,
-bf16 reduce, and what attach refuses."""
+"""FSDP2 front end's control on real gloo ranks: resume (with probes), a non-finite step, the
+meta-device habit, bf16 reduce, and what attach refuses (several param groups and HSDP at W=4)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import fsdpmodels  # noqa: E402
 import nfab  # noqa: E402
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
+from nfab.wire.cost import CostModel, LinkCost  # noqa: E402
 
 
 def _run(rank: int, world_size: int, route, steps: int, kwargs: dict) -> dict:
@@ -23,22 +24,28 @@ def _run(rank: int, world_size: int, route, steps: int, kwargs: dict) -> dict:
 
 
 def _rows(stats) -> list:
-    return [(s.step, s.route_mix, s.skipped, s.loss, s.grad_norm, s.wire_bytes, s.fallback_reason, s.events)
-            for s in stats]
+    return [(s.step, s.route_mix, s.skipped, s.loss, s.grad_norm, s.wire_bytes, s.fallback_reason, s.events,
+             s.probe_wire_bytes, s.region_cosine) for s in stats]
 
 
 @pytest.mark.world_size(2)
 def test_resume_equals_uninterrupted_and_meta_default_device_gives_the_same_bits():
     """Saved at step 3 (model shards, AdamW, nfab's state) and continued by a fresh copy: the same
-    shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device."""
-    whole = run_ranks(_run, 2, "bq3", 6, {})
-    resumed = run_ranks(_run, 2, "bq3", 6, {"resume_at": 3})
-    meta = run_ranks(_run, 2, "bq3", 6, {"meta": True})
+    shards as the uninterrupted run, bit for bit; so are the comms run with meta as default device.
+    Every codec family at once: block (bq3), exact qsum (q8, each rank's own noise) and sign; a probe
+    every step, so step 2's probe sums cross the save (they ride step 3's first word)."""
+    route = {"small": "bq3", "bias": "q8", "norm": "sign"}
+    probes = {"health": {"probe_every": 1, "probe_budget": 0.0}}
+    whole = run_ranks(_run, 2, route, 6, probes)
+    resumed = run_ranks(_run, 2, route, 6, {"resume_at": 3, **probes})
+    meta = run_ranks(_run, 2, route, 6, {"meta": True, **probes})
+    assert set(whole[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"}, whole[0]["stats"][-1].route_mix
     for r in range(2):
         assert torch.equal(whole[r]["params"], resumed[r]["params"])
         assert torch.equal(whole[r]["params"], meta[r]["params"])
         assert whole[r]["losses"] == resumed[r]["losses"]
     assert _rows(whole[0]["stats"][3:]) == _rows(resumed[0]["stats"][3:])
+    assert whole[0]["stats"][3].region_cosine and whole[0]["stats"][3].probe_wire_bytes > 0
 
 
 @pytest.mark.world_size(2)
@@ -57,34 +64,53 @@ def test_nonfinite_step_is_skipped_and_demoted_on_every_rank():
 @pytest.mark.world_size(2)
 def test_bf16_reduce_dtype():
     """MixedPrecisionPolicy(reduce_dtype=bf16): route fp32 is FSDP2's own bf16 reduce-scatter (the same
-    shards), its baseline counts 2 bytes per element, and bq3 reduces the bf16 input."""
+    shards), its baseline counts 2 bytes per element, and every codec family (bq3, q8, sign) reduces
+    the bf16 input (read as it is) and trains."""
     kw = {"reduce_dtype": torch.bfloat16}
     plain = run_ranks(_run, 2, None, 3, kw)
     fp32 = run_ranks(_run, 2, "fp32", 3, kw)
-    bq3 = run_ranks(_run, 2, "bq3", 3, kw)
+    bq3 = run_ranks(_run, 2, {"small": "bq3", "bias": "q8", "norm": "sign"}, 3, kw)
     assert torch.equal(plain[0]["params"], fp32[0]["params"])
     st = fp32[0]["stats"][-1]
     assert st.baseline_wire_bytes == st.wire_bytes - 3 * 8  # the three modules' control words aside
     layout_elements = sum(c for c in bq3[0]["stats"][-1].route_elements.values())
     assert st.baseline_wire_bytes < 4 * layout_elements  # 2 bytes each (+ FSDP2's padding), not 4
-    assert bq3[0]["stats"][-1].route_mix == {"bq3": 1.0} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
+    assert set(bq3[0]["stats"][-1].route_mix) == {"bq3", "q8", "sign"} and bq3[0]["losses"][-1] < bq3[0]["losses"][0]
+
+
+@pytest.mark.world_size(2)
+def test_cost_gate_is_named_every_step_and_is_no_fallback():
+    """A link where the extra rounds cost more than the bytes save (1 ms latency, 1 Tbit/s): the gate
+    keeps every region FP32, and every step says so (`cost_gated`, reason `cost(...)`) without
+    raising `fallback`, which flags safety events, as on DDP."""
+    link = LinkCost(1e-3, 1e12)
+    gate = CostModel("gloo", 2, link, link, reducescatter=link)
+    out = run_ranks(_run, 2, {"small": "bq3", "bias": "q8", "norm": "sign"}, 2, {"health": {}, "cost_model": gate})
+    for s in out[0]["stats"]:
+        assert s.route_mix == {"fp32": 1.0} and s.cost_gated and not s.fallback, s
+        assert s.fallback_reason.startswith("cost("), s.fallback_reason
+
+
+def _refused(msgs: list[str], fn) -> None:  # noqa: ANN001
+    """`fn`'s NfabError line, or "accepted", appended to `msgs`."""
+    try:
+        fn()
+    except NfabError as e:
+        msgs.append(str(e))
+    else:
+        msgs.append("accepted")
 
 
 def _refusals(rank: int, world_size: int) -> list[str]:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    msgs = []
+    msgs: list[str] = []
 
     def refused(fn) -> None:  # noqa: ANN001
-        try:
-            fn()
-        except NfabError as e:
-            msgs.append(str(e))
-        else:
-            msgs.append("accepted")
+        _refused(msgs, fn)
 
     model = fsdpmodels.shard(fsdpmodels.Tiny())
-    refused(lambda: nfab.attach(model, route="q8", cost_model=None))
+    refused(lambda: nfab.attach(model, route="bf16", cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", error_feedback=True, cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", hierarchy=2, cost_model=None))
     refused(lambda: nfab.attach(model, cost_model=None))
@@ -105,11 +131,38 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 @pytest.mark.world_size(2)
 def test_attach_refuses_what_fsdp2_cannot_do_with_one_line():
     msgs = run_ranks(_refusals, 2)[0]
-    assert "route q8 is not offered on FSDP2" in msgs[0]
+    assert "route bf16 is not offered on FSDP2" in msgs[0]
     assert "error_feedback=True is not offered on FSDP2" in msgs[1]
     assert "hierarchy= is not offered on FSDP2" in msgs[2]
     assert msgs[3] == "give exactly one of profile= or route="
     assert "DistributedDataParallel model or an FSDP2 model" in msgs[4]
     assert "already has a custom reduce-scatter (Custom" in msgs[5]
     assert "supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1" in msgs[6]
+    assert all("\n" not in m for m in msgs)
+
+
+def _refusals_at_four(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    msgs: list[str] = []
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hsdp = fully_shard(fsdpmodels.Tiny(), mesh=mesh)  # HSDP: replicated on dim 0, sharded on dim 1
+    pairs = FSDPMeshInfo(mesh, shard_mesh_dim=1)  # per-parameter meshes: the head on pairs of ranks
+    model = fsdpmodels.Tiny()
+    head = set(model.head.parameters())
+    several = fully_shard(model, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), pairs) if p in head
+                          else None)
+    for m in (several, hsdp):
+        _refused(msgs, lambda m=m: nfab.attach(m, route="bq3", cost_model=None))
+    return msgs
+
+
+@pytest.mark.world_size(4)
+def test_attach_refuses_several_param_groups_and_hsdp_with_one_line():
+    msgs = run_ranks(_refusals_at_four, 4)[0]
+    assert "an FSDP2 module with several param groups" in msgs[0]
+    assert "HSDP's replicate all-reduce cannot be customised" in msgs[1]
     assert all("\n" not in m for m in msgs)

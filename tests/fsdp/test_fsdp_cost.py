@@ -30,3 +30,14 @@ def test_gate_keeps_bq3_on_a_slow_link_and_sends_a_small_group_fp32_where_latenc
     # at 100 Mbit/s the modelled bq3 time is the all-to-all of ~3.4 bits, not FP32's 32
     ratio = slow.time("allreduce-fp32", 1 << 18, 8) / slow.time("blockq-bq3", 1 << 18, 8)
     assert 7.0 < ratio < 10.0, ratio
+
+
+def test_qsum_priced_as_its_lanes_reduce_scatter_plus_one_scale_round():
+    """q8 on FSDP2: a row's bytes at 1/4 of FP32's plus one blocking MAX round of its scales. A big
+    group at 100 Mbit/s goes q8 (~4x less time); a small one where latency rules stays FP32. A bench
+    records the gate's link constants (`to_json`: the base model's)."""
+    slow, fast = ShardCost(_cost(12.5e6, 1e-4)), ShardCost(_cost(1e12, 1e-3))
+    ratio = slow.time("allreduce-fp32", 1 << 18, 8) / slow.time("qsum-q8", 1 << 18, 8)
+    assert 3.5 < ratio < 4.0, ratio
+    assert not fast.cheaper_than_fp32("qsum-q8", 128, 8)
+    assert slow.to_json() == slow.base.to_json()

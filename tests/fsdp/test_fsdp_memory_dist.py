@@ -86,11 +86,10 @@ def _measure(rank: int, world_size: int, route) -> list[tuple[int, int]]:
 
 @pytest.mark.world_size(2)
 def test_extra_memory_per_call_is_at_most_one_flat_gradient():
-    """bq3 on every region, W=2: each block's reduce-scatter's peak memory (torch's peak,
-    measured in one step, plus numpy's and Python's, in the next: an upper bound) exceeds plain
+    """bq3, sign and q8 on every region, W=2: each block's reduce-scatter's peak memory (torch's
+    peak, measured in one step, plus numpy's and Python's, in the next: an upper bound) exceeds plain
     FSDP2's (gloo's reduce-scatter allocates a copy of the input) by at most its input's bytes. The
-    root's group (a few KiB) is left out: Python's own objects (~10 KiB) dominate there. Not sign: it
-    copies its rows padded to whole vote bytes, 1.8-1.9x the input here (docs/api.md)."""
+    root's group (a few KiB) is left out: Python's own objects (~10 KiB) dominate there."""
     def peaks(route) -> list[tuple[int, int]]:  # noqa: ANN001
         got = run_ranks(_measure, 2, route)[0][3:]  # steps 1 and 2: three modules each
         torch_side, python_side = got[:3], got[3:]
@@ -99,7 +98,7 @@ def test_extra_memory_per_call_is_at_most_one_flat_gradient():
 
     plain = peaks(None)
     assert len(plain) == 2
-    for route in ("bq3",):
+    for route in ("bq3", "sign", "q8"):
         extra = [(total - base) / size for (total, size), (base, _) in zip(peaks(route), plain, strict=True)]
         print(route, "extra peak / input per block:", [round(e, 3) for e in extra])
         assert len(extra) == 2 and max(extra) <= 1.0, (route, extra)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpuhost  # noqa: E402
 
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
@@ -155,3 +159,48 @@ def test_save_state_carries_every_ranks_nfab_state(tmp_path: Path):
     assert not all(torch.equal(first[0]["half"]["residuals"][k], first[1]["half"]["residuals"][k])
                    for k in first[0]["half"]["residuals"])  # per-rank residuals: each rank got its own back
     assert torch.equal(resumed[0]["params"], resumed[1]["params"])
+
+
+def _fsdp2(rank: int, world_size: int) -> dict:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    out: dict = {"chosen": gpuhost.as_on_a_gpu_host(accelerator, plugin)}
+    for route in (None, "fp32", "sign"):  # plain FSDP2, then the adapter with each route
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = accelerator.prepare(model, opt)
+        rt = nfab_accelerate.attach(accelerator, model, route=route, cost_model=None) if route else None
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(16, 32, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), x[:, :4] * 2)
+            accelerator.backward(loss)
+            if rt is not None:
+                rt.step_stats()
+            opt.step()
+            opt.zero_grad()
+        out[route] = {"fsdp2": isinstance(model, FSDPModule),
+                      "params": torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]),
+                      "history": [(s.wire_bytes, s.baseline_wire_bytes, s.route_mix) for s in rt.history] if rt else [],
+                      "comms": len(rt.comms) if rt else 0}
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_attach_on_the_fsdp2_model_accelerate_prepares():
+    """`FullyShardedDataParallelPlugin(fsdp_version=2)`: the adapter attaches to the FSDP2 model
+    Accelerate's own preparation builds (on CPU only with the distributed type a GPU host would get:
+    `gpuhost.as_on_a_gpu_host`). Route fp32 gives plain FSDP2's shards bit for bit; sign trains on fewer bytes."""
+    res = run_ranks(_fsdp2, 2, timeout_s=180)
+    for r in res:
+        assert r["chosen"].endswith("MULTI_CPU")  # what Accelerate itself picks here
+        assert r[None]["fsdp2"] and r["fp32"]["fsdp2"] and r["sign"]["comms"] == 1
+        assert torch.equal(r["fp32"]["params"], r[None]["params"])  # nfab's fp32 reduce-scatter is FSDP2's
+        assert len(r["sign"]["history"]) == 3
+        for wire, baseline, mix in r["sign"]["history"]:
+            assert mix == {"sign": 1.0} and baseline / wire > 8
+        assert not torch.equal(r["sign"]["params"], r[None]["params"])
+    assert res[0]["sign"]["history"] == res[1]["sign"]["history"]

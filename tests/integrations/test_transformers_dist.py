@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpuhost  # noqa: E402
 
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import NfabError  # noqa: E402
@@ -154,3 +158,41 @@ def test_checkpoint_folder_carries_each_ranks_nfab_state(tmp_path: Path, monkeyp
         assert torch.equal(b["params"], a["params"])
     assert torch.equal(resumed[0]["params"], resumed[1]["params"])
     assert not list(tmp_path.glob("checkpoint-2/*.tmp*"))  # temp files renamed into place
+
+
+def _fsdp2(rank: int, world_size: int, out: str) -> dict:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
+
+    args = _args(out)
+    args.max_steps = 3
+    args.fsdp, args.fsdp_config = "full_shard", {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}
+    args.fsdp_plugin_args = args._process_fsdp_args()  # what TrainingArguments' __post_init__ does with them
+    trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Tokens())
+    chosen = gpuhost.as_on_a_gpu_host(trainer.accelerator, FullyShardedDataParallelPlugin(**args.fsdp_plugin_args))
+    trainer.is_fsdp_enabled = True  # what the Trainer derives from the state at __init__
+    handle = nfab_transformers.attach(trainer, route="sign", cost_model=None)
+    trainer.train()
+    rt = handle.runtime
+    return {"chosen": chosen, "fsdp_modules": sum(isinstance(m, FSDPModule) for m in trainer.model_wrapped.modules()),
+            "root": isinstance(trainer.model_wrapped, FSDPModule), "comms": len(rt.comms),
+            "history": [(s.step, s.wire_bytes, s.baseline_wire_bytes, s.route_mix) for s in rt.history],
+            "logged": [row["nfab/compression"] for row in trainer.state.log_history if "nfab/compression" in row]}
+
+
+@pytest.mark.world_size(2)
+def test_trainer_fsdp2_setting_runs_nfab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """`fsdp="full_shard"`, `fsdp_config={"fsdp_version": 2}`: the callback attaches to the FSDP2 model the
+    Trainer's Accelerate builds (on CPU only with the distributed type a GPU host gets: `gpuhost`), a
+    comm on every `fully_shard` unit (the GPT-2 block, and the embedding, norm and head units the
+    Trainer's wrap policy adds), and logs its statistics."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    res = run_ranks(_fsdp2, 2, str(tmp_path), timeout_s=180)
+    for r in res:
+        assert r["chosen"].endswith("MULTI_CPU")  # what Accelerate itself picks on CPU
+        assert r["root"] and r["comms"] == r["fsdp_modules"] > 1
+        assert [h[0] for h in r["history"]] == [0, 1, 2]
+        for _, wire, baseline, mix in r["history"]:
+            assert mix == {"sign": 1.0} and baseline / wire > 8
+        assert r["logged"] == [pytest.approx(b / w) for _, w, b, _ in r["history"]]
+    assert res[0]["history"] == res[1]["history"]

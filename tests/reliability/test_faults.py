@@ -28,7 +28,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Resu
     root = tmp_path_factory.mktemp("faults")
     profile = write_profile(
         root / "spike-profile.json", {"linear": "sign", "embedding": "sign"}, model="gpt",
-        # shadow_steps 0: an alarm demotes at once (the path without FP32 shadows, as on FSDP2); with shadows the
+        # shadow_steps 0: an alarm demotes at once (the path without FP32 shadows); with shadows the
         # injected spike (the loss x10, the gradients untouched) is a false alarm: tests/runtime/test_health.py
         health={"warmup_steps": 3, "cooldown_steps": COOLDOWN, "readmit_after": READMIT, "probe_every": 0,
                 "shadow_steps": 0},

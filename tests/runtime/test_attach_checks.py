@@ -141,7 +141,7 @@ def test_a_route_on_probation_is_probed_every_step(group) -> None:
     rt = nfab.attach(ddp, route="sign", cost_model=None, optimizer=opt)
     h = rt.profile.health
     def probed() -> frozenset[str]:
-        return rt._probe_regions(rt.controller.phase(rt.step))
+        return rt.probe_regions(rt.controller.phase(rt.step))
 
     rt.step = h.dense_probe_steps + 1  # past the early dense probes, between two regular ones
     assert rt.step % h.probe_every != 0 and not probed()

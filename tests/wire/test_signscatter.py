@@ -176,3 +176,35 @@ def test_decode_trits_every_alignment(start, offset):
         want = table[t[start : start + numel].numpy()]
         assert np.array_equal(buf[offset : offset + numel].view(np.uint32), want.view(np.uint32))
         assert buf[-1] == 5.0 and (offset == 0 or buf[0] == 5.0)
+
+
+@pytest.mark.parametrize("host", [True, False] if dispatch.AVAILABLE else [False])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_encode_rows_reads_each_segment_where_it_lies(world_size, host):
+    """`encode_rows` (FSDP2's rows read in place: two column ranges of each 101-element row, split
+    into segments, and a tail with nothing to read) gives the votes and scales `encode` gives for
+    those columns copied into rows padded to whole vote bytes: every real element's vote, every read
+    segment's scale, bit for bit; the tail's scale 0. (The tail's votes are never decoded.)"""
+    red, w, chunk = SignScatter(), world_size, 101
+    cols = [(0, 30), (50, 41)]  # the group's columns in a row: a parameter's 30, another's 20 + 21
+    numel = 71
+    padded = red.shard_numel(w * numel, w)
+    row = [30, 20, 21, padded - numel]
+    x = rank_input(0, w * chunk)
+    sources = []
+    copy = torch.zeros(w, padded)
+    for r in range(w):
+        base = r * chunk
+        sources += [(base, 30), (base + 50, 20), (base + 70, 21), (-1, padded - numel)]
+        copy[r, :numel] = torch.cat([x[base + off : base + off + n] for off, n in cols])
+    with dispatch.host_paths(host):
+        got = red.encode_rows(x, sources, padded, w)
+        want = red.encode(copy.reshape(-1), row * w, w)
+    lay = red.layout(w)
+    for r in range(w):
+        mine, ref = got.payload.view(w, -1)[r], want.payload.view(w, -1)[r]
+        assert torch.equal(unpack(mine, lay, numel), unpack(ref, lay, numel)), r
+        assert torch.equal(unpack(mine, lay, numel), (copy[r, :numel] >= 0).to(unpack(mine, lay, numel).dtype))
+    real = [i for i in range(4 * w) if i % 4 != 3]
+    assert torch.equal(got.scales[real], want.scales[real])
+    assert not got.scales[3::4].any()

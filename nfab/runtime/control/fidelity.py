@@ -80,9 +80,9 @@ class SampleLayout:
         return sum(self.counts)
 
 
-def param_stride(numel: int) -> int:
-    """Every k-th element of a parameter of `numel` is sampled (at most PARAM_SAMPLES of them)."""
-    return max(1, -(-numel // PARAM_SAMPLES))
+def param_stride(numel: int, samples: int = PARAM_SAMPLES) -> int:
+    """Every k-th element of a parameter of `numel` is sampled (at most `samples` of them)."""
+    return max(1, -(-numel // samples))
 
 
 def probe_mask(regions_of_slices: Sequence[str], probed: frozenset[str]) -> tuple[bool, ...] | None:
@@ -93,12 +93,15 @@ def probe_mask(regions_of_slices: Sequence[str], probed: frozenset[str]) -> tupl
 
 
 @lru_cache(maxsize=1024)
-def sample_layout(lengths: tuple[int, ...], device: torch.device, mask: tuple[bool, ...] | None = None) -> SampleLayout:
+def sample_layout(lengths: tuple[int, ...], device: torch.device, mask: tuple[bool, ...] | None = None,
+                  per_slice: int = PARAM_SAMPLES) -> SampleLayout:
     """The probe sample of a group whose slices have `lengths` (cached: a plan's groups repeat).
-    `mask`: sample only the slices marked True (the others count 0 samples); None: all of them."""
+    `mask`: sample only the slices marked True (the others count 0 samples); None: all of them.
+    `per_slice`: at most this many samples of each slice (FSDP2 samples each of the W rows of a
+    parameter, so about PARAM_SAMPLES / W of each: as many of the parameter as DDP's probe)."""
     src, dst, strides, counts, pos = [], [], [], [], 0
     for i, n in enumerate(lengths):
-        k = param_stride(n)
+        k = param_stride(n, per_slice)
         c = -(-n // k) if mask is None or mask[i] else 0
         if c:
             src.append(torch.arange(pos, pos + n, k, dtype=torch.int64, device=device))
@@ -168,6 +171,90 @@ def read_params(meta: Sequence[tuple[str, str, bool, int]], flat: Sequence[float
             for i, (name, region, pre, samples) in enumerate(meta) if samples}  # unprobed slices: no entry
 
 
+@dataclass(frozen=True, slots=True)
+class RegionSums:
+    """One region's probe sums (`STAT_FIELDS`) over its probed parameters.
+
+    Sums, not a cosine, are what ranks can combine when each probed a different part: FSDP2's
+    ranks each compare their own shard of the reduced gradient, and the sums of every rank's
+    shard add up to the sums of the whole sample (a cosine of the added sums is the sample's
+    cosine; a mean of the ranks' cosines is not)."""
+
+    stats: tuple[float, ...]
+    """`STAT_FIELDS`, in order."""
+    preconditioned: bool
+    samples: int
+
+    def as_row(self) -> list[float]:
+        """Its `SUM_FIELDS` as floats (control-word values, a checkpoint entry)."""
+        return [*self.stats, float(self.preconditioned), float(self.samples)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> RegionSums:
+        """`as_row`'s inverse."""
+        k = len(STAT_FIELDS)
+        return cls(tuple(float(v) for v in row[:k]), row[k] > 0, int(row[k + 1]))
+
+    def fidelity(self) -> RegionFidelity:
+        """The region's fidelity: its cosine and relative error, in the preconditioned space when
+        every summed parameter had a second moment, else plain."""
+        a = self.stats
+        if self.preconditioned:
+            dot, ee, ff, dd = a[3], a[4], a[5], a[6]
+        else:
+            dot, ee, ff = a[0], a[1], a[2]
+            dd = max(ee - 2 * dot + ff, 0.0)
+        return RegionFidelity(_cosine(dot, ee, ff), math.sqrt(dd / ff) if ff > 0 else 0.0, self.preconditioned,
+                              self.samples)
+
+
+SUM_FIELDS = (*STAT_FIELDS, "preconditioned", "samples")
+"""`RegionSums.as_row`'s order."""
+
+
+def region_sums(params: dict[str, ParamProbe]) -> dict[str, RegionSums]:
+    """Each region's sums over its probed parameters, added in sorted name order (the same numbers
+    for the same parameters, whatever the buckets were); preconditioned only when every one of the
+    region's parameters had a second moment."""
+    acc: dict[str, list[float]] = {}
+    pre: dict[str, bool] = {}
+    samples: dict[str, int] = {}
+    for name in sorted(params):
+        p = params[name]
+        a = acc.setdefault(p.region, [0.0] * len(STAT_FIELDS))
+        for i, v in enumerate(p.stats):
+            a[i] += v
+        pre[p.region] = pre.get(p.region, True) and p.preconditioned
+        samples[p.region] = samples.get(p.region, 0) + p.samples
+    return {r: RegionSums(tuple(acc[r]), pre[r], samples[r]) for r in sorted(acc)}
+
+
+def add_sums(parts: Sequence[dict[str, RegionSums]]) -> dict[str, RegionSums]:
+    """Several ranks' per-region sums added, in the order given (rank order: the same arithmetic on
+    every rank); a region is preconditioned only where every rank's part was."""
+    out: dict[str, RegionSums] = {}
+    for part in parts:
+        for region, s in sorted(part.items()):
+            old = out.get(region)
+            out[region] = s if old is None else RegionSums(
+                tuple(x + y for x, y in zip(old.stats, s.stats, strict=True)),
+                old.preconditioned and s.preconditioned, old.samples + s.samples)
+    return dict(sorted(out.items()))
+
+
+def sums_cosine(sums: dict[str, RegionSums]) -> float | None:
+    """The cosine over every region of `sums` (added in sorted region order): preconditioned when
+    every region is, else plain; None without any."""
+    if not sums:
+        return None
+    pre = all(s.preconditioned for s in sums.values())
+    total = [0.0, 0.0, 0.0]
+    for region in sorted(sums):
+        for i in range(3):
+            total[i] += sums[region].stats[3 + i if pre else i]
+    return _cosine(*total)
+
+
 def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, RegionFidelity]]:
     """The step's cosine over every probed parameter and each region's fidelity.
 
@@ -179,9 +266,6 @@ def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, 
     """
     if not params:
         return None, {}
-    acc: dict[str, list[float]] = {}
-    pre: dict[str, bool] = {}
-    samples: dict[str, int] = {}
     plain = [0.0, 0.0, 0.0]
     whole = [0.0, 0.0, 0.0]
     for name in sorted(params):
@@ -189,21 +273,7 @@ def fold_probes(params: dict[str, ParamProbe]) -> tuple[float | None, dict[str, 
         for i in range(3):
             plain[i] += p.stats[i]
             whole[i] += p.stats[3 + i]
-        a = acc.setdefault(p.region, [0.0] * len(STAT_FIELDS))
-        for i, v in enumerate(p.stats):
-            a[i] += v
-        pre[p.region] = pre.get(p.region, True) and p.preconditioned
-        samples[p.region] = samples.get(p.region, 0) + p.samples
-    out = {}
-    for region in sorted(acc):
-        a = acc[region]
-        if pre[region]:
-            dot, ee, ff, dd = a[3], a[4], a[5], a[6]
-        else:
-            dot, ee, ff = a[0], a[1], a[2]
-            dd = max(ee - 2 * dot + ff, 0.0)
-        out[region] = RegionFidelity(_cosine(dot, ee, ff), math.sqrt(dd / ff) if ff > 0 else 0.0, pre[region],
-                                     samples[region])
+    out = {region: s.fidelity() for region, s in region_sums(params).items()}
     step = whole if all(p.preconditioned for p in params.values()) else plain
     return _cosine(*step), out
 

@@ -90,3 +90,21 @@ def row_segments(layout: ShardLayout, names: tuple[str, ...], rank: int, padded:
     if padded > total:
         out.append(padded - total)
     return out
+
+
+def row_sources(layout: ShardLayout, names: tuple[str, ...], padded: int) -> list[tuple[int, int]]:
+    """Where every segment of `row_segments` (rows 0..W-1, in order) lies in the flat (W, chunk)
+    input: (start, length), start -1 for the row's tail (nothing to read). A codec that reads the
+    segments there needs no copy of the group's columns padded to `padded`."""
+    by_name = layout.by_name()
+    out: list[tuple[int, int]] = []
+    for r in range(layout.world_size):
+        total = 0
+        for name in names:
+            p = by_name[name]
+            real, at = p.real(r), r * layout.chunk + p.offset
+            out.extend((start, n) for start, n in ((at, real), (at + real, p.shard_numel - real)) if n)
+            total += p.shard_numel
+        if padded > total:
+            out.append((-1, padded - total))
+    return out

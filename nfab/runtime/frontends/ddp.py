@@ -52,8 +52,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nfab.profile.schema import Phase, Profile
 from nfab.runtime.bindings import classify
-from nfab.runtime.control import health as health_mod
-from nfab.runtime.control import probes
 from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import BucketRoutes
 from nfab.runtime.control.fidelity import RegionFidelity
@@ -128,7 +126,6 @@ class Runtime(RuntimeState):
         # this rank's last probe (plain cosine and its regions; per-region fidelity): the next first word carries it
         self._cosine_next: tuple[float, frozenset[str]] | None = None
         self._fidelity_next: dict[str, RegionFidelity] = {}
-        self._probing: tuple[int, frozenset[str]] | None = None
 
     @property
     def qsum_scale(self) -> str:
@@ -246,7 +243,7 @@ class Runtime(RuntimeState):
         routes = self.controller.routes(plan, phase, self.health.demoted())
         w, pre = self.world_size, self.preconditioner
         # a probe step samples its regions (`control/probes.py`) in every lossy bucket
-        probing = self._probe_regions(phase) if routes.has_lossy else frozenset()
+        probing = self.probe_regions(phase) if routes.has_lossy else frozenset()
         gathered = self._gathered.get(id(routes))
         if gathered is None or gathered[0] is not routes:  # a pure function of the (cached) routes
             gathered = self._gathered[id(routes)] = (routes, not self.two_level and coalesce.should_coalesce(
@@ -319,16 +316,13 @@ class Runtime(RuntimeState):
             self.plans[key] = plan
         return plan
 
-    def _probe_regions(self, phase: Phase) -> frozenset[str]:
-        """The regions this step's probe samples (asked by every bucket: the step's answer is kept);
-        dense early probes feed the drift monitor (it reads the optimizer's 2nd moment)."""
-        if self._probing is None or self._probing[0] != self.step:
-            lossy = self.controller.model_lossy(phase, self.regions)
-            ef = self.error_feedback and phase.error_feedback and bool(set(lossy) - self.health.ef_off)
-            self._probing = (self.step, probes.probe_regions(self.step, self.profile.health, self.health, lossy,
-                                                             dense=self.preconditioner is not None, watch_all=ef,
-                                                             horizon=self.horizon))
-        return self._probing[1]
+    def probe_regions(self, phase: Phase) -> frozenset[str]:
+        """The regions this step's probe samples (`RuntimeState.probing`); dense early probes feed the
+        drift monitor (it reads the optimizer's 2nd moment), and sample every region while error
+        feedback runs in one."""
+        ef = (self.error_feedback and phase.error_feedback
+              and bool(set(self.controller.model_lossy(phase, self.regions)) - self.health.ef_off))
+        return self.probing(phase, dense=self.preconditioner is not None, watch_all=ef)
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""
@@ -343,11 +337,9 @@ class Runtime(RuntimeState):
         self.scales.fold(folded.amax, self.step)
         lossy = frozenset().union(*(self.controller.lossy_regions(la.plan, phase) for la in self._launches))
         with_ef = lossy if self.error_feedback and phase.error_feedback else frozenset()
-        events = health_mod.observe(self.health, self.profile.health, st, folded.fidelity, probe_regions, lossy,
-                                    with_ef)
+        events = self.observe_health(st, lossy, folded.fidelity, probe_regions, with_ef)
         drop_ef_residuals(self.residuals, self.regions, events)
         folded.record(events)
-        self.events.extend(events)
         st.hook_phases["fold"] = time.thread_time() - t0
         st.hook_time_s += st.hook_phases["fold"]
         self.history.append(st)

@@ -6,22 +6,31 @@ rank's output shard (C,). Per call:
 
 1. route: the controller's groups over the module's row layout (`core/shards.py`): the same
    regions, globs, phases and demotions as on DDP, a pure function of agreed state;
-2. a control word ([local |g|^2, loss]) is all-gathered, launched first (asynchronous);
+2. a control word ([local |g|^2, loss], and in the step's first call the previous step's probe
+   sums) is all-gathered, launched first (asynchronous);
 3. FP32 groups go through `reduce_scatter_tensor` with FSDP2's own op (the whole input when the
    module is all FP32: exactly plain FSDP2's collective); lossy groups through the exact low-bit
-   reduce-scatters of `core/rowscatter.py`, each rank decoding only its own row;
+   reduce-scatters of `core/rowscatter.py`, each rank decoding only its own row; on a probe step
+   a lossy group's probed slices are also sampled and reduce-scattered in FP32, and each rank
+   compares its decoded row with that exact row (`core/shardprobe.py`);
 4. a non-finite |g|^2 on any rank zeroes the output on every rank (decided on the device from the
    gathered word: no host read in the comm).
 
 The step boundary is the first reduce-scatter of a module that already reduced this step (FSDP2
-calls each module once per synced backward), or `step_stats()`: there the step's words are read
-to the host once and folded into statistics and health, so the next step's routes are host
-decisions made from values every rank holds bit for bit.
+calls each module once per synced backward), or `step_stats()`: there the step's words and probe
+sums are read to the host once and folded into statistics and health, so the next step's routes
+are host decisions made from values every rank holds bit for bit.
+
+Control is DDP's (`RuntimeState`): probes rotate over the lossy regions, space out once the run is
+quiet and stay within `Health.probe_budget`; a loss spike or gradient-norm jump opens an FP32
+shadow window that probes every lossy region, and only a region whose probe (the W ranks' sums
+added) falls below `min_fidelity_cosine` is demoted, from the next step on, on every rank.
 
 Error feedback is not offered here: a residual per parameter would be a full-size unsharded
 gradient on every rank, what sharding was chosen to avoid. nfab keeps no per-rank copy of any
-gradient between calls; within a call it allocates at most the group's padded rows (one flat
-gradient of the group) plus their packed levels.
+gradient between calls. Within a call a codec reads the rows where they lie and allocates their
+packed levels or votes and its own row's decode; a group that is only part of the chunk (a mixed
+module under block routes or qsum) copies its columns, at most the group's flat gradient.
 
 Reading the layout needs FSDP2's parameter records (`FSDPParam`'s padded shard size and
 unsharded size): torch exposes no public accessor, so `group_entries` is the one place that
@@ -44,11 +53,14 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import classify
+from nfab.runtime.control import fidelity
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
+from nfab.runtime.control.fidelity import RegionSums
 from nfab.runtime.control.moment import NoiseMoment
-from nfab.runtime.core import rowscatter
-from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
-from nfab.runtime.frontends.fsdp_layout import ShardCost, codec_for, fsdp_modules, group_entries
+from nfab.runtime.core import rowscatter, shardprobe
+from nfab.runtime.core.fold import read_to_host
+from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments, row_sources
+from nfab.runtime.frontends.fsdp_layout import Codec, ShardCost, codec_for, fsdp_modules, group_entries
 from nfab.runtime.state import RuntimeState
 from nfab.runtime.stats import StepStats
 from nfab.wire.blockq.scatter import BlockQScatter
@@ -65,13 +77,19 @@ class CallRecord:
     layout: ShardLayout
     routes: BucketRoutes
     word: torch.Tensor
-    """The gathered control words, (W, 2): each rank's [|g|^2, loss]."""
+    """The gathered control words, (W, 2 + carried sums): each rank's [|g|^2, loss, ...]."""
     wire_bytes: float
     baseline: float
     collectives: int
     elements: dict[str, int] = field(default_factory=dict)
     fallbacks: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
+    carried: tuple[str, ...] = ()
+    """The regions whose previous-step probe sums the word carries after its two fields (first call)."""
+    probes: tuple[tuple[tuple, torch.Tensor], ...] = ()
+    """Per probed group: its parameters and this rank's probe sums on the device (`shardprobe.compare`)."""
+    probe_bytes: float = 0.0
+    """Of `wire_bytes`: the probes' FP32 reduce-scatters and the carried sums."""
 
 
 class ShardedRuntime(RuntimeState):
@@ -91,6 +109,7 @@ class ShardedRuntime(RuntimeState):
         self.comms: list[NfabReduceScatter] = []
         self._records: list[CallRecord] = []
         self._reduced: set[int] = set()
+        self._sums_next: dict[str, RegionSums] = {}  # this rank's last probe: the next first word carries it
 
     # ---- public -------------------------------------------------------------------------
     def step_stats(self) -> StepStats | None:
@@ -103,10 +122,12 @@ class ShardedRuntime(RuntimeState):
         """Everything needed to continue exactly: the step (noise is seeded per step) and health.
         Per rank: nothing here is a gradient, so every rank's state is the same few numbers."""
         self.step_stats()
-        return self.base_state()
+        # the last probe's sums ride the next step's first word: a resumed run sends them too
+        return {**self.base_state(), "carried_probe": shardprobe.carried_state(self._sums_next)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_base_state(state)
+        self._sums_next = shardprobe.load_carried(state.get("carried_probe"))
 
     # ---- the comm -----------------------------------------------------------------------
     def reduce_scatter(self, comm: NfabReduceScatter, output: torch.Tensor, inp: torch.Tensor,
@@ -121,9 +142,13 @@ class ShardedRuntime(RuntimeState):
             raise NfabError(f"FSDP2 reduce-scatter input of {inp.numel()} elements, layout of {lay.numel}: "
                             "a parameter without a gradient changes the group's layout (unsupported)")
         rows = inp.view(w, lay.chunk)
-        routes = self.controller.routes(comm.plan, self.controller.phase(self.step), self.health.demoted())
-        word, word_fut = self._launch_word(inp, group)
-        nbytes, collectives = allgather_factor(w) * 8.0, 1
+        phase = self.controller.phase(self.step)
+        routes = self.controller.routes(comm.plan, phase, self.health.demoted())
+        probing = self.probing(phase) if routes.has_lossy else frozenset()
+        word, word_fut, carried = self._launch_word(inp, group)
+        probe_bytes = shardprobe.word_bytes(len(carried), w)
+        nbytes, collectives = allgather_factor(w) * 8.0 + probe_bytes, 1
+        probes: list[tuple[tuple, torch.Tensor]] = []
         elements: dict[str, int] = {}
         fallbacks = list(routes.fallbacks)
         real = lay.by_name()
@@ -137,29 +162,41 @@ class ShardedRuntime(RuntimeState):
             if codec is None:
                 nbytes += self._plain(rows, output, g, group, op, comm)
             else:
-                res = self._lossy(codec, rows, output, g, group, op, comm)
+                res, probe = self._lossy(codec, rows, output, g, group, op, comm, probing)
                 nbytes += res.wire_bytes
                 collectives += res.collectives - 1
+                if probe is not None:
+                    probes.append(probe[0])
+                    nbytes += probe[1]
+                    probe_bytes += probe[1]
+                    collectives += 1
             collectives += 1
         word_fut.wait()
         # a non-finite |g|^2 on any rank: zero the output everywhere (on the device, no host read)
         output.masked_fill_(~torch.isfinite(word[:, 0].sum()), 0)
         baseline = rowscatter.plain_bytes(lay.chunk, w, inp.element_size())
         self._records.append(CallRecord(lay, routes, word, nbytes, baseline, collectives, elements,
-                                        tuple(sorted(set(fallbacks))), time.thread_time() - t0))
+                                        tuple(sorted(set(fallbacks))), time.thread_time() - t0, carried,
+                                        tuple(probes), probe_bytes))
 
-    def _launch_word(self, inp: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any]:
-        """All-gather this rank's [|g|^2 of the input, loss] (loss: NaN but in the step's first call)."""
+    def _launch_word(self, inp: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any, tuple[str, ...]]:
+        """All-gather this rank's [|g|^2 of the input, loss] (loss: NaN but in the step's first call, which
+        also carries this rank's sums of the previous step's probe); the regions those sums are of."""
         sq = torch.linalg.vector_norm(inp, dtype=torch.float32).square()
-        loss = self.take_loss() if not self._records else None
+        first = not self._records
+        loss = self.take_loss() if first else None
         if isinstance(loss, torch.Tensor):
             loss_t = loss.to(device=inp.device, dtype=torch.float32).reshape(())
         else:
             loss_t = torch.full((), math.nan if loss is None else loss, dtype=torch.float32, device=inp.device)
         mine = torch.stack([sq, loss_t])
-        word = torch.empty(self.world_size * 2, dtype=torch.float32, device=inp.device)
+        carried: tuple[str, ...] = ()
+        if first and self._sums_next:
+            carried, values = shardprobe.word_values(self._sums_next, inp.device)
+            mine = torch.cat([mine, values])
+        word = torch.empty(self.world_size * mine.numel(), dtype=torch.float32, device=inp.device)
         work = all_gather_flat(word, mine, group=group, async_op=True)
-        return word.view(self.world_size, 2), work
+        return word.view(self.world_size, -1), work, carried
 
     def _plain(self, rows: torch.Tensor, output: torch.Tensor, g: Group, group: dist.ProcessGroup, op: Any,
                comm: NfabReduceScatter) -> float:
@@ -177,31 +214,19 @@ class ShardedRuntime(RuntimeState):
             _write_row(output, out, g)
         return rowscatter.plain_bytes(part.shape[1], w, part.element_size())
 
-    def _lossy(self, codec: BlockQScatter | SignScatter, rows: torch.Tensor, output: torch.Tensor, g: Group,
-               group: dist.ProcessGroup, op: Any, comm: NfabReduceScatter) -> rowscatter.RowResult:
-        """A lossy group: the exact low-bit reduce-scatter of its rows (read where they lie when the group
-        is the whole chunk of a block route; else its columns copied), this rank's row written back,
-        scaled for FSDP2's op."""
+    def _lossy(self, codec: Codec, rows: torch.Tensor, output: torch.Tensor, g: Group,
+               group: dist.ProcessGroup, op: Any, comm: NfabReduceScatter, probing: frozenset[str],
+               ) -> tuple[rowscatter.RowResult, tuple[tuple[tuple, torch.Tensor], float] | None]:
+        """A lossy group: the exact low-bit reduce-scatter of its rows, this rank's row written back,
+        scaled for FSDP2's op; with its probe's sums and bytes when `probing` samples one of its slices
+        (sampled from the rows before the codec reads them)."""
         w, numel = self.world_size, g.numel
         names = tuple(s.name for s in g.slices)
-        # block routes pad only their levels; sign pads its rows to whole vote bytes
-        padded = numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, numel, w)
-        if g.whole and padded == rows.shape[1]:
-            x = rows  # read where it lies: no copy
-        else:
-            x = rows.new_zeros(w, padded)
-            pos = 0
-            for s in g.slices:
-                x[:, pos : pos + s.numel] = rows[:, s.offset : s.offset + s.numel]
-                pos += s.numel
-        segments = comm.segments(names, padded)
+        probe = shardprobe.launch(rows, g, probing, w, group) if probing else None
         direct = output if g.whole and output.dtype == torch.float32 else None  # decoded in place, no row buffer
-        if isinstance(codec, BlockQScatter):
-            res = rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
-                                                  self.rank, group, direct, self.moment is not None)
-        else:
-            res = rowscatter.sign_reduce_scatter(codec, x, segments, self.rank, group)
+        res = self._decode(codec, rows, g, comm, group, direct)
         mean = res.mean[:numel]
+        probed = None if probe is None else (shardprobe.compare(probe, mean, w), probe.wire_bytes)
         factor = _op_factor(op, w, comm.divide_factor())
         if res.variance is not None and self.moment is not None:  # each parameter's real share of the row
             var = res.variance.mul_(factor * factor) if factor != 1.0 else res.variance
@@ -214,11 +239,33 @@ class ShardedRuntime(RuntimeState):
             _write_row(output, mean, g)
         if factor != 1.0:
             _scale_row(output, factor, g)
-        return res
+        return res, probed
 
-    def _seeds(self, comm: NfabReduceScatter, names: tuple[str, ...], padded: int) -> np.ndarray:
-        """One rounding-noise seed per segment of every row, from (seed, step, parameter, row, part):
-        the same on every rank (stratified rounding shifts by the rank), independent of the module."""
+    def _decode(self, codec: Codec, rows: torch.Tensor, g: Group, comm: NfabReduceScatter,
+                group: dist.ProcessGroup, direct: torch.Tensor | None) -> rowscatter.RowResult:
+        """This rank's row of the mean of a lossy group over the W ranks' `rows` (W, C): the codec's
+        exact reduce-scatter (sign reads its segments where they lie; block routes and qsum read the
+        rows there when the group is the whole chunk, else copy its columns); `direct`: the output
+        to decode into, when the group is all of it."""
+        w, numel = self.world_size, g.numel
+        names = tuple(s.name for s in g.slices)
+        padded = rowscatter.row_numel(codec, numel, w)
+        segments = comm.segments(names, padded)
+        if isinstance(codec, SignScatter):
+            return rowscatter.sign_reduce_scatter(codec, rows.reshape(-1), comm.sources(names, padded), segments,
+                                                  numel, self.rank, group, direct)
+        x = rows if g.whole else torch.cat([rows[:, s.offset : s.offset + s.numel] for s in g.slices], dim=1)
+        if isinstance(codec, BlockQScatter):
+            return rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
+                                                   self.rank, group, direct, self.moment is not None)
+        # qsum: ranks round independently (this rank's seeds), as on DDP
+        return rowscatter.qsum_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded, self.rank),
+                                              self.rank, group, direct)
+
+    def _seeds(self, comm: NfabReduceScatter, names: tuple[str, ...], padded: int, who: int = -1) -> np.ndarray:
+        """One rounding-noise seed per segment of every row, from (seed, who, step, parameter, row, part),
+        independent of the module: `who` -1 gives the same seeds on every rank (block routes' stratified
+        rounding shifts by the rank), a rank's own index its own seeds (qsum rounds independently)."""
         out = []
         by_name = comm.layout.by_name()
         for r in range(self.world_size):
@@ -227,41 +274,62 @@ class ShardedRuntime(RuntimeState):
                 p = by_name[name]
                 real = p.real(r)
                 idx = self.param_index.get(name, -1)
-                out.extend(hash((self.seed, -1, self.step, idx, r, part)) & 0x7FFF_FFFF_FFFF
+                out.extend(hash((self.seed, who, self.step, idx, r, part)) & 0x7FFF_FFFF_FFFF
                            for part, n in enumerate((real, p.shard_numel - real)) if n)
                 total += p.shard_numel
             if padded > total:
-                out.append(hash((self.seed, -1, self.step, -1, r, 2)) & 0x7FFF_FFFF_FFFF)
+                out.append(hash((self.seed, who, self.step, -1, r, 2)) & 0x7FFF_FFFF_FFFF)
         return np.array(out, dtype=np.uint64)
 
     def _finish_step(self) -> None:
-        """Fold the step's gathered words into statistics and health (one host read of them all)."""
+        """Fold the step's gathered words and probe sums into statistics and health (one host read of
+        them all): the previous step's probe, agreed from the first word, is what health judges."""
         if not self._records:
             return
         t0 = time.thread_time()
         phase = self.controller.phase(self.step)
-        words = torch.stack([r.word for r in self._records]).cpu().numpy().astype(np.float64)  # (calls, W, 2)
-        per_rank_sq = words[:, :, 0].sum(axis=0)
+        records, w = self._records, self.world_size
+        sums = [t for r in records for _, t in r.probes]
+        host = read_to_host([*(r.word for r in records), *sums])
+        words = [np.asarray(flat, dtype=np.float64).reshape(w, -1) for flat in host[: len(records)]]
+        head = np.stack([wd[:, :2] for wd in words])  # (calls, W, 2): each rank's [|g|^2, loss]
+        per_rank_sq = head[:, :, 0].sum(axis=0)
         skipped = not bool(np.isfinite(per_rank_sq).all())
-        first_loss = words[0, :, 1]
+        first_loss = head[0, :, 1]
         st = StepStats(self.step, phase.name)
-        st.wire_bytes = int(sum(r.wire_bytes for r in self._records))
-        st.baseline_wire_bytes = int(sum(r.baseline for r in self._records))
-        for r in self._records:
+        st.wire_bytes = int(sum(r.wire_bytes for r in records))
+        st.baseline_wire_bytes = int(sum(r.baseline for r in records))
+        st.probe_wire_bytes = int(round(sum(r.probe_bytes for r in records)))
+        for r in records:
             for k, v in r.elements.items():
                 st.route_elements[k] = st.route_elements.get(k, 0) + v
-        reasons = sorted({f"{why}({region})" for r in self._records for why, region in r.fallbacks})
-        st.fallback = bool(reasons) or skipped
+        whys = {why for r in records for why, _ in r.fallbacks}
+        reasons = sorted({f"{why}({region})" for r in records for why, region in r.fallbacks})
+        # as on DDP (core/fold.py): the cost gate's routing to FP32 is no safety event
+        st.fallback = bool(whys - {"cost"}) or skipped
+        st.cost_gated = "cost" in whys
         st.fallback_reason = "; ".join(reasons)
         st.skipped = skipped
         st.grad_norm = 0.0 if skipped else float(math.sqrt(per_rank_sq.mean()))
         st.loss = float(first_loss.mean()) if np.isfinite(first_loss).all() else None
-        st.buckets = len(self._records)
-        st.collectives = sum(r.collectives for r in self._records)
-        lossy = frozenset().union(*(self.controller.lossy_regions(r.layout.plan(), phase) for r in self._records))
-        events = self.observe_health(st, lossy)
+        st.buckets = len(records)
+        st.collectives = sum(r.collectives for r in records)
+        # the previous step's probe: every rank's sums, added in rank order (the same bits everywhere)
+        agreed = shardprobe.agree(words[0].tolist(), records[0].carried, 2) if records[0].carried else {}
+        fid = {region: s.fidelity() for region, s in agreed.items()}
+        st.fidelity_cosine = fidelity.sums_cosine(agreed)
+        st.region_cosine = {region: f.cosine for region, f in fid.items()}
+        lossy = frozenset().union(*(self.controller.lossy_regions(r.layout.plan(), phase) for r in records))
+        events = self.observe_health(st, lossy, fid, frozenset(fid))
         st.events = [f"{e.kind}:{e.reason}:{','.join(e.regions)}" for e in events]
-        st.hook_phases = {"reduce_scatter": sum(r.seconds for r in self._records), "fold": time.thread_time() - t0}
+        # this step's probe: this rank's sums per region, for the next step's first word (none when skipped)
+        params: dict[str, fidelity.ParamProbe] = {}
+        if not skipped:
+            flat = iter(host[len(records) :])
+            for meta, _ in (p for r in records for p in r.probes):
+                params.update(fidelity.read_params(meta, next(flat)))
+        self._sums_next = fidelity.region_sums(params)
+        st.hook_phases = {"reduce_scatter": sum(r.seconds for r in records), "fold": time.thread_time() - t0}
         st.hook_time_s = sum(st.hook_phases.values())
         self.history.append(st)
         self.step += 1
@@ -277,6 +345,7 @@ class NfabReduceScatter(ReduceScatter):
         self.plan = layout.plan()
         self._param_group = param_group
         self._segments: dict[tuple[tuple[str, ...], int], list[list[int]]] = {}
+        self._sources: dict[tuple[tuple[str, ...], int], list[tuple[int, int]]] = {}
 
     def allocate(self, size, *, dtype, device):  # noqa: ANN001, ANN201 - FSDP2's signature
         return torch.empty(*size, dtype=dtype, device=device)
@@ -297,6 +366,14 @@ class NfabReduceScatter(ReduceScatter):
             seg = self._segments[key] = [row_segments(self.layout, names, r, padded)
                                          for r in range(self.layout.world_size)]
         return seg
+
+    def sources(self, names: tuple[str, ...], padded: int) -> list[tuple[int, int]]:
+        """Where each of `segments(names, padded)`'s segments lies in the input (cached)."""
+        key = (names, padded)
+        got = self._sources.get(key)
+        if got is None:
+            got = self._sources[key] = row_sources(self.layout, names, padded)
+        return got
 
 
 def _write_row(output: torch.Tensor, values: torch.Tensor, g: Group) -> None:
@@ -356,5 +433,3 @@ def install(runtime: ShardedRuntime, root: nn.Module) -> list[NfabReduceScatter]
         comms.append(comm)
     runtime.comms = comms
     return comms
-
-

@@ -25,20 +25,26 @@ from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments
 from nfab.wire.blockq.scatter import BlockQScatter
 from nfab.wire.contract import allgather_factor, allreduce_factor
 from nfab.wire.cost import CostModel
+from nfab.wire.qsum.reducer import QSum
 from nfab.wire.registry import REDUCERS
 from nfab.wire.routes import BLOCK_ROUTES
 from nfab.wire.sign.scatter import SignScatter, reduce_scatter_factor
 
-FSDP_ROUTES = ("fp32", "sign", *BLOCK_ROUTES)
-"""Routes the FSDP2 front end reduces as asked; q8/q4/q2 and bf16/fp16 go FP32 (fallback `fsdp`)."""
+FSDP_ROUTES = ("fp32", "sign", "q8", "q4", "q2", *BLOCK_ROUTES)
+"""Routes the FSDP2 front end reduces as asked; bf16/fp16 go FP32 (fallback `fsdp`)."""
+
+Codec = BlockQScatter | SignScatter | QSum
+"""A lossy group's reduce-scatter codec (`core/rowscatter.py` runs each)."""
 
 
-def codec_for(route: str) -> BlockQScatter | SignScatter | None:
+def codec_for(route: str) -> Codec | None:
     """The reduce-scatter codec of a route (None: FP32)."""
     if route == "sign":
         return REDUCERS["signscatter"]  # type: ignore[return-value]
     if route in BLOCK_ROUTES:
         return REDUCERS[f"blockqscatter-{route}"]  # type: ignore[return-value]
+    if route in ("q8", "q4", "q2"):
+        return REDUCERS[f"qsum-{route}"]  # type: ignore[return-value]
     return None
 
 
@@ -145,7 +151,8 @@ class ShardCost:
     """A `CostModel` priced for FSDP2: the controller's pick and cost gate compare what a group of
     `numel` elements per row costs as this front end reduces it (W rows in, one row out) -- FP32 as
     one reduce-scatter, a block route as its code MAX all-reduce plus its all-to-all, sign as its
-    count-lane reduce-scatter plus its scales' all-gather -- not as DDP's all-reduce."""
+    count-lane reduce-scatter plus its scales' all-gather, qsum as its scales' MAX all-reduce plus
+    its lanes' reduce-scatter -- not as DDP's all-reduce."""
 
     base: CostModel
 
@@ -155,6 +162,12 @@ class ShardCost:
         codec = codec_for(REDUCERS[key].route)
         if codec is None:
             return rs.latency_s + rowscatter.plain_bytes(numel, w, 4) / rs.bandwidth_bps
+        if isinstance(codec, QSum):  # its rows' containers reduce-scattered, every row's scales MAX-agreed
+            payload = reduce_scatter_factor(w) * w * codec.payload_bytes(numel, w)
+            ar = self.base.allreduce
+            return (rs.latency_s + payload / rs.bandwidth_bps + ar.latency_s
+                    + allreduce_factor(w) * w * 2 * segments * 4 / ar.bandwidth_bps  # real + padding
+                    + self.base.codec_s_per_element.get(key, 0.0) * w * numel)
         payload = reduce_scatter_factor(w) * codec.payload_bytes(w * rowscatter.padded_row(codec, numel, w), w)
         t = rs.latency_s + payload / rs.bandwidth_bps
         if isinstance(codec, BlockQScatter):  # the codes: one uint8 per block of every row, MAX all-reduced
@@ -170,6 +183,10 @@ class ShardCost:
     def cheaper_than_fp32(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> bool:
         return self.time(key, numel, world_size, segments) < self.time(FP32, numel, world_size)
 
+    def to_json(self) -> str:
+        """The link constants it prices with (`base`'s JSON): what a benchmark records of the cost model."""
+        return self.base.to_json()
+
 
 def group_bytes(layout: ShardLayout, group: Group, world_size: int) -> tuple[str, float]:
     """One routed group's route label and the bytes one rank sends for it (what the front end counts):
@@ -178,8 +195,7 @@ def group_bytes(layout: ShardLayout, group: Group, world_size: int) -> tuple[str
     codec = codec_for(REDUCERS[group.key].route)
     if codec is None:
         return "fp32", rowscatter.plain_bytes(group.numel, world_size, 4)
-    # block routes pad only their levels (rows as they lie); sign pads its rows to whole vote bytes
-    padded = group.numel if isinstance(codec, BlockQScatter) else rowscatter.padded_row(codec, group.numel, world_size)
+    padded = rowscatter.row_numel(codec, group.numel, world_size)
     names = tuple(s.name for s in group.slices)
     segments = [row_segments(layout, names, r, padded) for r in range(world_size)]
     return codec.route, rowscatter.lossy_bytes(codec, segments, world_size)

@@ -1,169 +1,258 @@
-"""blockq's elementwise chains fused by `torch.compile` (opt-in: `NFAB_COMPILE=1`).
+"""blockq's stages as whole `torch.compile`d functions (opt-in: `NFAB_COMPILE=1`; see `wire/fusion.py`).
 
-Why: the torch path (what CUDA takes) runs blockq's encode as about twenty full passes over
-the bucket -- the counter hash alone is a dozen int32 passes (`noise.uniform`), then the
-division by the block scale, the level arithmetic and the cast -- and its decode as four.
-Each is memory-bound, so eager torch runs at a few hundredths of a copy. Compiled (inductor:
-C++ on the CPU, Triton on CUDA), each chain is one kernel that reads x and writes the uint8
-levels, the noise computed in registers and never stored.
+Why: eager, blockq's encode is about twenty full passes over the bucket (the counter hash a
+dozen of them) and its decode four; memory-bound, so a few hundredths of a copy. Compiled:
 
-The two functions here are pure over a (blocks, width) view of the bucket (`grid.Piece`): a
-block's per-row values (safe scale, its counter base, its key's high word) broadcast over its
-row, so there is no data-dependent control flow and no host read, and one compiled graph
-(`dynamic=True`) serves every bucket size. They compute the eager path's bits, op for op:
+- `local_scale`: one row reduction per block view (max |x|), the non-finite flag from the maxima;
+- agreement: the scale codes (SCALES searched by exponent arithmetic) in one kernel over the blocks;
+- encode: the keyed counter hash, the division by the block's agreed scale and the level
+  arithmetic in one kernel per block view (the noise never stored), then one lane-packing kernel
+  (bit lanes or radix digits);
+- decode: one unpacking kernel (radix digits: the eager float64 unpacking, faster than its
+  compiled form), then `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in
+  one kernel per view.
+
+Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
+a short inner dimension, or a level kernel that finds its block's scale by an index expression,
+vectorised badly (0.02-0.08x a copy, against 0.3-0.9x for each of the kernels above; measured
+side by side, scratch script, 2026-12-03).
+
+The functions are pure over (blocks, width) views (`grid.Piece`): a block's per-row values (its
+scale code, its counter base, its key's high word) broadcast over its row, so there is no
+data-dependent control flow and no host read, and `dynamic=True` serves every bucket size with
+one graph per lane layout. They compute the eager path's bits, op for op:
 
 - the hash: the Weyl counter of element i of segment s is `key_lo[s] + (i - start_s + 1) * G`
-  (mod 2^32); for the element at column j of a block whose first element is i0, that is the
-  row's base `key_lo[s] + (i0 - start_s + 1) * G` plus `j * G`, the same word. int32 products
-  wrap mod 2^32 in inductor's C++ (vectorised lanes) and Triton as in eager torch;
-- the level arithmetic in the eager order, `((x / s + 1) * (M / 2) + u)`, floor, clamp: inductor
-  keeps each fp32 op rounded (its C++ is built without floating-point contraction, so no
-  fused multiply-add). Triton may contract a multiply and an add into an FMA on CUDA: there
-  the bits are checked by `make device-check` (bench/device_check.py), not assumed.
+  (mod 2^32); for the element at column j of a block whose first element is i0 that is the
+  row's base `key_lo[s] + (i0 - start_s + 1) * G` plus `j * G`: the same word;
+- the level arithmetic in the eager order, `((x / s + 1) * (M / 2) + u)`, floor, clamp, and the
+  decode's `(S * unit - 1) * scale`, with contraction switched off (`fusion.OPTIONS`);
+- the lanes: the same containers as `lanes.pack` / `radix.pack` (integer sums of disjoint bits
+  or of digits times powers: exact in any order).
 
-`tests/wire/test_fused.py` (run with NFAB_COMPILE_TESTS=1: compiling costs ~1 minute on CPU)
-checks both against the eager path bit for bit. Any compile error falls back to eager
-(logged once) for the rest of the process.
+`tests/wire/test_compiled.py` (NFAB_COMPILE_TESTS=1) checks every stage against the eager path bit
+for bit. Any compile error falls back to eager (logged once) for the rest of the process.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import cache, lru_cache
-from typing import Any
 
 import torch
 
-from nfab.wire import dispatch, noise
-from nfab.wire.blockq import grid
+from nfab.wire import fusion, noise
+from nfab.wire.blockq import grid, radix
+from nfab.wire.blockq.radix import RadixLayout
+from nfab.wire.qsum import fused as qsum_fused
+from nfab.wire.qsum.lanes import LaneLayout
 
-log = logging.getLogger(__name__)
-
-_GOLDEN_I32 = noise.GOLDEN - (1 << 32)
-_MIX2_I32 = noise.MIX2 - (1 << 32)
+Layout = LaneLayout | RadixLayout
 
 
-def levels_rows(x: torch.Tensor, safe: torch.Tensor, base: torch.Tensor, hi: torch.Tensor,
-                shift: torch.Tensor, half_m: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Stochastically rounded levels (uint8) of a (blocks, width) view `x`: `safe` (fp32), `base`
-    and `hi` (int32: the counter at the row's first element, the key's high word) are (blocks, 1)
-    columns, `shift` a 1-element int32 tensor (the stratum's offset on the 24-bit grid), `half_m`
-    and `m` 0-d fp32 tensors (M / 2 and M: tensors, so one graph serves every route)."""
-    col = torch.arange(x.shape[1], dtype=torch.int32, device=x.device)
-    c = (base + col * _GOLDEN_I32) ^ hi  # the keyed Weyl counter, wrapping mod 2^32
-    c = c ^ ((c >> 16) & 0xFFFF)  # logical shifts: arithmetic ones masked (see noise._mix32_)
-    c = c * noise.MIX1
-    c = c ^ ((c >> 15) & 0x1FFFF)
-    c = c * _MIX2_I32
-    c = c ^ ((c >> 16) & 0xFFFF)
-    u24 = (((c >> 8) & 0xFFFFFF) + shift) & 0xFFFFFF
-    u = u24.to(torch.float32) * 2.0**-24
+# ---- the compiled functions (pure) -----------------------------------------------------------
+def block_max_rows(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of each row of a (blocks, width) view, fp32 (max is exact: bf16/fp16 widen after)."""
+    return x.abs().amax(1).to(torch.float32)
+
+
+def codes_of(block_max: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """`reducer.scale_codes(nan_to_num(block_max))` by arithmetic: the number of SCALES entries
+    below each block max (searchsorted's index), 255 at most (uint8; NaN as 0, inf as the
+    largest float). `window` is SCALES with 5 entries of +inf on each side (`_window`).
+
+    SCALES has four codes per octave, code 160 + 4e standing for 2^e: for a block max m in
+    [2^e, 2^(e+1)) every entry below code 160 + 4e - 1 lies below m and every one above
+    160 + 4e + 4 at or above it, so the count is 160 + 4e - 1 plus how many of the six entries
+    from there lie below m -- compared against the table itself, so the same codes bit for bit.
+    e comes from m's exponent bits, clamped to [-41, 24] (below 2^-41 only code 0's zero lies
+    under m; from 2^24 every entry does). A zero block max is code 0. (torch.bucketize ran as
+    an uncompiled fallback at 2-3 ms per 64K blocks.)"""
+    m = torch.nan_to_num(block_max, nan=0.0)
+    e = (((m.view(torch.int32) >> 23) & 0xFF) - 127).clamp(-41, 24)
+    start = 160 + 4 * e - 1
+    count = torch.zeros_like(start)
+    for k in range(6):
+        count = count + (window[(start + k + 5).to(torch.int64)] < m).to(torch.int32)
+    code = (start.clamp(min=0) + count).clamp(max=255)
+    return torch.where(m > 0, code, torch.zeros_like(code)).to(torch.uint8)
+
+
+def _safe_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The divisor of each row: its agreed scale, 1 for an all-zero block ((rows, 1) fp32)."""
+    s = scales[codes.to(torch.int64)].unsqueeze(1)
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+def _keyed(keys: torch.Tensor, seg: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (int32 (rows, 1)): the keyed counter at its first element, its key's high word
+    (`seg`, `first`: the row's segment, and its first element's index in it plus 1)."""
+    key = keys[seg]
+    base = ((key & 0xFFFFFFFF) + first * fusion.GOLDEN_I32) & 0xFFFFFFFF  # exact in int64: |first * G| < 2^63
+    hi = (key >> 32) & 0xFFFFFFFF
+    return fusion.as_i32(base).unsqueeze(1), fusion.as_i32(hi).unsqueeze(1)
+
+
+def _levels(x: torch.Tensor, safe: torch.Tensor, base: torch.Tensor, hi: torch.Tensor, col: torch.Tensor,
+            shift: torch.Tensor, half_m: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Levels (fp32 whole numbers in [0, M]) of `x` at columns `col` (int32) of rows keyed by base, hi."""
+    u = fusion.uniform_of((base + col * fusion.GOLDEN_I32) ^ hi, shift)
     t = (x.to(torch.float32) / safe + 1.0) * half_m + u
-    return torch.minimum(t.floor().clamp(min=0), m).to(torch.uint8)
+    return torch.minimum(t.floor().clamp(min=0), m)
 
 
-def unit_scaled_rows(sums: torch.Tensor, scale: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-    """(S * unit - 1) * scale (fp32) of a (blocks, width) view of W-rank sums `sums`, `scale` a
-    (blocks, 1) fp32 column, `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`."""
-    return (sums.to(torch.float32) * unit - 1.0) * scale
-
-
-@lru_cache(maxsize=64)
-def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """A 0-d fp32 tensor on `device`, made once (fp32 as eager torch rounds a Python scalar)."""
-    return torch.tensor(value, dtype=torch.float32, device="cpu").to(device, non_blocking=True)
-
-
-_failed = False
+def levels_into(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor,
+                seg: torch.Tensor, first: torch.Tensor, shift: torch.Tensor, half_m: torch.Tensor,
+                m: torch.Tensor) -> None:
+    """Stochastically rounded levels (uint8, into `out`) of a (blocks, width) view `x`: `codes` (uint8,
+    per row) index `scales`; `keys` (int64, per segment), `seg` and `first` (int64, per row) give
+    each row's counters (`_keyed`); `shift` (1-element int32): the stratum's offset on the 24-bit
+    grid; `half_m`, `m`: 0-d fp32 M / 2 and M (tensors: one graph serves every route)."""
+    col = torch.arange(x.shape[1], dtype=torch.int32, device=x.device)
+    base, hi = _keyed(keys, seg, first)
+    out.copy_(_levels(x, _safe_rows(codes, scales), base, hi, col, shift, half_m, m).to(torch.uint8))
 
 
 @cache
-def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+def pack_fn(layout: Layout):
+    """Lane packing of uint8 values as a traced function: `lanes.pack` / `radix.pack`'s containers
+    (Horner's rule in int64: every partial sum below R^k <= 2^63, so the same integers)."""
+    if isinstance(layout, LaneLayout):
+        return qsum_fused.pack_fn(layout)
+    k = layout.digits
+
+    def pack_digits(values: torch.Tensor) -> torch.Tensor:
+        n = values.shape[0]
+        m = (n + k - 1) // k
+        v = torch.nn.functional.pad(values, (0, m * k - n)).view(m, k).to(torch.int64)
+        acc = v[:, k - 1]
+        for j in range(k - 2, -1, -1):  # Horner's rule, one strided column at a time (as `radix.pack`)
+            acc = acc * layout.radix + v[:, j]
+        return acc
+
+    return pack_digits
 
 
-def _run(fn: Callable[..., torch.Tensor], piece: grid.Piece, *args: Any) -> torch.Tensor | None:
-    """`fn` compiled, on `args`; None (and eager from then on) when compiling fails. A one-row
-    view (a segment's tail block) runs `fn` eagerly: the same ops, and compiling it would
-    specialise a graph on the size 1."""
-    global _failed
-    if piece.rows == 1:
-        return fn(*args)
-    try:
-        return _compiled(fn)(*args)
-    except Exception as err:  # noqa: BLE001  (any compiler failure: the eager path is exact)
-        _failed = True
-        log.warning("nfab: torch.compile of blockq's codecs failed, the eager torch path runs instead: %s",
-                    str(err).splitlines()[0] if str(err) else type(err).__name__)
-        return None
+@cache
+def unpack_fn(layout: LaneLayout):
+    """The W-rank sums (fp32 whole numbers) of the first `numel` lanes: `lanes.unpack`'s values."""
+    return lambda c, numel: qsum_fused.unpacked(c, layout, numel).to(torch.float32)
 
 
-def active(*tensors: torch.Tensor) -> bool:
-    """Whether the fused chains run on these tensors: the torch path is taken (not the host
-    kernels), compiling is switched on (`dispatch.compile_enabled`) and has not failed."""
-    return not _failed and dispatch.compile_enabled() and not dispatch.supports(*tensors)
+def unit_scaled_into(out: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     unit: torch.Tensor) -> None:
+    """out = (S * unit - 1) * scale (fp32) of a (blocks, width) view of W-rank sums `sums` (fp32
+    whole numbers), `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`."""
+    out.copy_((sums * unit - 1.0) * scales[codes.to(torch.int64)].unsqueeze(1))
+
+
+# ---- the stages (called by the reducer; None: run eager) --------------------------------------
+def block_max(x: torch.Tensor, parts: tuple[grid.Piece, ...], nblocks: int) -> torch.Tensor | None:
+    """`grid.block_amax` compiled per view (one-row views eager); None when compiling failed."""
+    if len(parts) == 1 and parts[0].rows > 1:
+        return fusion.run(block_max_rows, grid.rows(x, parts[0]))
+    out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
+    for p in parts:
+        view = grid.rows(x, p)
+        got = view.abs().amax(1).to(torch.float32) if p.rows == 1 else fusion.run(block_max_rows, view)
+        if got is None:
+            return None
+        out[p.first_block : p.first_block + p.rows] = got
+    return out
+
+
+@lru_cache(maxsize=16)
+def _window(scales: torch.Tensor) -> torch.Tensor:
+    """SCALES (on its device) with 5 entries of +inf before and after: `codes_of`'s window never
+    leaves the table, and an entry outside it never counts as below a block max."""
+    pad = torch.full((5,), float("inf"), dtype=torch.float32, device=scales.device)
+    return torch.cat([pad, scales, pad])
+
+
+def codes(shared: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """The agreed uint8 codes: `shared` itself, or the codes of its fp32 block maxima (compiled)."""
+    if shared.dtype == torch.uint8:
+        return shared
+    return fusion.run(codes_of, shared.to(torch.float32).contiguous(), _window(scales))
 
 
 @lru_cache(maxsize=256)
-def _row_counters(lengths: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per block (CPU int64): its segment, and its first element's index within that segment plus 1."""
+def _row_counters(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block (int64, on `device`, made once per layout): its segment, and its first element's
+    index within that segment plus 1."""
     seg, first = [], []
     for s, n in enumerate(lengths):
         starts = torch.arange(0, n, block, dtype=torch.int64, device="cpu")
         seg.append(torch.full_like(starts, s))
         first.append(starts + 1)
     if not seg:
-        return torch.empty(0, dtype=torch.int64, device="cpu"), torch.empty(0, dtype=torch.int64, device="cpu")
-    return torch.cat(seg), torch.cat(first)
+        none = torch.empty(0, dtype=torch.int64, device="cpu")
+        seg, first = [none], [none]
+    return torch.cat(seg).to(device, non_blocking=True), torch.cat(first).to(device, non_blocking=True)
 
 
-def levels(x: torch.Tensor, safe: torch.Tensor, lengths: Sequence[int], block: int, parts: tuple[grid.Piece, ...],
-           stratum: noise.Stratum, m: int) -> torch.Tensor | None:
-    """blockq's levels of the bucket `x` (uint8, one per element) by the compiled chain, the same
-    bits as `BlockQSum._levels`; None when not `active` or compiling failed (the caller runs eager)."""
-    if not active(x):
-        return None
-    dev = x.device
-    keys = stratum.keys(len(lengths), dev)
-    seg, first = (t.to(dev, non_blocking=True) for t in _row_counters(tuple(lengths), block))
-    key = keys[seg]  # per block: a gather over blocks, not elements
-    lo, hi = key & 0xFFFFFFFF, (key >> 32) & 0xFFFFFFFF
-    base = noise._as_i32((lo + first * _GOLDEN_I32) & 0xFFFFFFFF).unsqueeze(1)  # exact in int64: |first * G| < 2^63
-    hi = noise._as_i32(hi).unsqueeze(1)
-    shift = torch.tensor([stratum.shift], dtype=torch.int32, device="cpu").to(dev, non_blocking=True)
-    half_m, top = _constant(0.5 * m, dev), _constant(float(m), dev)
-    flat = x.reshape(-1)
-    out = torch.empty(flat.numel(), dtype=torch.uint8, device=dev) if len(parts) > 1 else None
-    for p in parts:
+class _Rounding:
+    """What every row of a bucket's levels needs besides x: counters, the stratum's shift, M."""
+
+    def __init__(self, lengths: Sequence[int], block: int, stratum: noise.Stratum, m: int, dev: torch.device) -> None:
+        self.keys = stratum.keys(len(lengths), dev)
+        self.seg, self.first = _row_counters(tuple(lengths), block, dev)
+        self.shift = fusion.int_constant(stratum.shift, dev)
+        self.half_m, self.m = fusion.constant(0.5 * m, dev), fusion.constant(float(m), dev)
+
+    def args(self, p: grid.Piece) -> tuple[torch.Tensor, ...]:
         b = slice(p.first_block, p.first_block + p.rows)
-        got = _run(levels_rows, p, grid.rows(flat, p), safe[b].unsqueeze(1), base[b], hi[b], shift, half_m, top)
-        if got is None:
+        return self.keys, self.seg[b], self.first[b], self.shift, self.half_m, self.m
+
+
+def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
+           parts: tuple[grid.Piece, ...], stratum: noise.Stratum, m: int) -> torch.Tensor | None:
+    """blockq's levels of the bucket `x` (uint8, one per element), the same bits as `BlockQSum._levels`;
+    None when compiling failed (the caller runs eager)."""
+    rnd = _Rounding(lengths, block, stratum, m, x.device)
+    flat = x.reshape(-1)
+    out = torch.empty(flat.numel(), dtype=torch.uint8, device=x.device)
+    for p in parts:
+        args = (grid.rows(out, p), grid.rows(flat, p), codes_[p.first_block : p.first_block + p.rows], scales,
+                *rnd.args(p))
+        if p.rows == 1:  # a segment's tail: eager (compiling would specialise a graph on the size 1)
+            levels_into(*args)
+        elif fusion.run(levels_into, *args) is None and fusion.failed():
             return None
-        if out is None:
-            return got.view(-1)
-        grid.rows(out, p).copy_(got)
     return out
 
 
-def unit_scaled(sums: torch.Tensor, block_scales: Callable[[], torch.Tensor], lengths: Sequence[int], block: int,
-                total: int, out: torch.Tensor | None) -> torch.Tensor | None:
-    """The decoded mean (fp32) of the W-rank sums `sums` against the block scales (`block_scales()`,
-    asked only when the chain runs), by the compiled chain (into `out` when given), the same bits as
-    `unit_values` then `scale_blocks_`; None when not `active`, the layout needs a gather
-    (`grid.pieces`), or compiling failed."""
-    parts = grid.pieces(tuple(lengths), block) if active(sums) else None
-    if parts is None:
-        return None
-    scale = block_scales()
-    unit = _constant(2.0 / total, sums.device)
-    flat = sums.reshape(-1)
-    res = out.view(-1) if out is not None else torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
-    for p in parts:
-        got = _run(unit_scaled_rows, p, grid.rows(flat, p), grid.column(scale, p), unit)
-        if got is None:
+def encode(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
+           parts: tuple[grid.Piece, ...], stratum: noise.Stratum, m: int, layout: Layout) -> torch.Tensor | None:
+    """The payload of the bucket `x` (levels in `layout`'s lanes), the same containers as the eager
+    `round_levels` then `pack_levels`; None when compiling failed."""
+    lev = levels(x, codes_, scales, lengths, block, parts, stratum, m)
+    return None if lev is None else pack(lev, layout)
+
+
+def pack(values: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """uint8 values in `layout`'s lanes or digits (compiled); None when compiling failed."""
+    return fusion.run(pack_fn(layout), values.reshape(-1))
+
+
+def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...],
+           numel: int, total: int, layout: Layout, out: torch.Tensor | None) -> torch.Tensor | None:
+    """The decoded mean (fp32, into `out` when given: a contiguous fp32 tensor of `numel`) of the
+    summed payload, the same bits as the eager unpack, `unit_values` and `scale_blocks_`; None
+    when compiling failed."""
+    dev = reduced.device
+    unit = fusion.constant(2.0 / total, dev)
+    res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
+    if isinstance(layout, RadixLayout):  # eager: compiled, its 2k float64 divisions per container ran 3x slower
+        sums = radix.unpack(reduced, layout, numel, torch.float32)
+    else:
+        sums = fusion.run(unpack_fn(layout), reduced.reshape(-1), numel)
+        if sums is None:
             return None
-        if out is None and len(parts) == 1:
-            return got.view(-1)  # one view and nowhere given: the compiled output is the mean
-        grid.rows(res, p).copy_(got)
+    for p in parts:
+        args = (grid.rows(res, p), grid.rows(sums, p), codes_[p.first_block : p.first_block + p.rows], scales, unit)
+        if p.rows == 1:
+            unit_scaled_into(*args)
+        elif fusion.run(unit_scaled_into, *args) is None and fusion.failed():
+            return None
     return res

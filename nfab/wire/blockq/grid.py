@@ -93,3 +93,16 @@ def div_blocks(x: torch.Tensor, per_block: torch.Tensor, parts: tuple[Piece, ...
     for p in parts:
         torch.div(rows(x, p), column(per_block, p), out=rows(out, p))
     return out
+
+
+@lru_cache(maxsize=256)
+def block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Block id of every element of the concatenated segments (blocks restart per segment), on
+    `device`: made on the host once per layout and copied without waiting for the device."""
+    ids, start = [], 0
+    for n in lengths:
+        nb = -(-n // block)
+        ids.append(torch.arange(n, dtype=torch.int64, device="cpu") // block + start)
+        start += nb
+    index = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")
+    return index.to(device, non_blocking=True), start

@@ -17,7 +17,7 @@ Each kernel follows its torch reference's float32 operations in the same order (
 multiply-add: numba compiles without fastmath), so the levels, containers and decoded
 values are the same bits; tests/wire/test_blockq_fast.py holds them to it. Inputs are
 numpy views of contiguous CPU tensors (`blockq.py` dispatches); blocks restart in every
-segment and are numbered consecutively across segments, as `blockq._block_index` numbers them
+segment and are numbered consecutively across segments, as `blockq.grid.block_index` numbers them
 (`blockq._block_bounds` gives the kernels that need no segment their offsets).
 """
 

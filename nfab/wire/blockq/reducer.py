@@ -47,8 +47,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import dispatch, host_slices, noise
-from nfab.wire.blockq import fused, grid, radix
+from nfab.wire import dispatch, fusion, host_slices, noise
+from nfab.wire.blockq import fused, grid, radix, replay
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
@@ -109,19 +109,6 @@ def _scales_on(device: torch.device) -> torch.Tensor:
     return SCALES.to(device, non_blocking=True)
 
 
-@lru_cache(maxsize=256)
-def _block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Block id of every element of the concatenated segments (blocks restart per segment), on
-    `device`: made on the host once per layout and copied without waiting for the device."""
-    ids, start = [], 0
-    for n in lengths:
-        nb = -(-n // block)
-        ids.append(torch.arange(n, dtype=torch.int64, device="cpu") // block + start)
-        start += nb
-    index = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")
-    return index.to(device, non_blocking=True), start
-
-
 def _compiled(*tensors: torch.Tensor) -> bool:
     """Whether the compiled CPU kernels (`blockkernels`) may run on these 1-D tensors."""
     return blockkernels is not None and dispatch.supports(*tensors) and all(t.dim() == 1 for t in tensors)
@@ -129,7 +116,7 @@ def _compiled(*tensors: torch.Tensor) -> bool:
 
 @lru_cache(maxsize=256)
 def _block_bounds(lengths: tuple[int, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end offsets (int64, read-only) of every block, in `_block_index`'s numbering."""
+    """Start and end offsets (int64, read-only) of every block, in `grid.block_index`'s numbering."""
     seg_starts, seg_ends = host_slices.segment_bounds(lengths)
     per_segment = [np.arange(a, e, block, dtype=np.int64) for a, e in zip(seg_starts, seg_ends, strict=True)]
     first = np.concatenate(per_segment) if per_segment else np.empty(0, dtype=np.int64)
@@ -199,13 +186,17 @@ class BlockQSum(Reducer):
             return self._local_scale_compiled(x, tuple(lengths))
         parts = grid.pieces(tuple(lengths), self.block)
         if parts is not None:  # row maxima of block views: no per-element index
-            out = grid.block_amax(x, parts, self.blocks_in(lengths))
+            out = fused.block_max(x, parts, self.blocks_in(lengths)) if fusion.active(x) else None
+            if out is None:
+                out = grid.block_amax(x, parts, self.blocks_in(lengths))
+            bad = ~torch.isfinite(out).all()  # a row's amax keeps its NaN or inf: the flag from the maxima
         else:
-            bid, nblocks = _block_index(tuple(lengths), self.block, x.device)
+            bid, nblocks = grid.block_index(tuple(lengths), self.block, x.device)
             out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
             out.scatter_reduce_(0, bid, x.abs().to(torch.float32), "amax", include_self=True)  # bf16/fp16 too
-        # scatter's amax may drop a NaN: flag the whole group, on the device (no host read)
-        out[:1] = torch.where(nonfinite_sum(x), torch.full_like(out[:1], math.nan), out[:1])
+            bad = nonfinite_sum(x)  # scatter's amax may drop a NaN: flag from the values
+        # flag the whole group, on the device (no host read)
+        out[:1] = torch.where(bad, torch.full_like(out[:1], math.nan), out[:1])
         return out
 
     def _local_scale_compiled(self, x: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
@@ -247,7 +238,7 @@ class BlockQSum(Reducer):
 
     def element_scales(self, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """The agreed scale of every element (its block's)."""
-        bid, nblocks = _block_index(tuple(lengths), self.block, shared.device)
+        bid, nblocks = grid.block_index(tuple(lengths), self.block, shared.device)
         assert shared.numel() == nblocks, f"{shared.numel()} scale codes for {nblocks} blocks"
         return self._block_scales(shared)[bid]
 
@@ -281,8 +272,12 @@ class BlockQSum(Reducer):
         return (self._levels_compiled if compiled else self._levels)(x, list(lengths), shared_scale, stratum), compiled
 
     def pack_levels(self, levels: torch.Tensor, world_size: int, compiled: bool) -> torch.Tensor:
-        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`)."""
-        return pack_any(levels, self.layout(world_size), compiled)
+        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`); by one
+        compiled kernel when the compiled torch path runs (`fused.pack`: the same containers)."""
+        layout = self.layout(world_size)
+        if not compiled and fusion.active(levels) and (payload := fused.pack(levels, layout)) is not None:
+            return payload
+        return pack_any(levels, layout, compiled)
 
     def _levels(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
                 stratum: noise.Stratum) -> torch.Tensor:
@@ -293,10 +288,12 @@ class BlockQSum(Reducer):
             scale = self.element_scales(shared, lengths)
             t = torch.div(x.to(torch.float32), torch.where(scale > 0, scale, torch.ones_like(scale)))
         else:  # the safe divisor per block, broadcast over block views
+            if fusion.active(x, shared) and (codes := fused.codes(shared, _scales_on(x.device))) is not None:
+                got = fused.levels(x, codes, _scales_on(x.device), lengths, self.block, parts, stratum, m)
+                if got is not None:
+                    return got  # compiled when switched on (`fused`): the same bits
             scale = self._block_scales(shared)
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            if (got := fused.levels(x, safe, lengths, self.block, parts, stratum, m)) is not None:
-                return got  # compiled when switched on (`fused`): the same bits
             t = grid.div_blocks(x, safe, parts, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
         t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
@@ -329,13 +326,22 @@ class BlockQSum(Reducer):
             return mean if direct is not None else write_into(out, mean)
         one, _ = split_out(out)  # a contiguous fp32 bucket slice is decoded into directly
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
-        digits = isinstance(layout, RadixLayout)
-        sums = radix.unpack(reduced, layout, numel, torch.float32) if digits else unpack(reduced, layout, numel)
-        total = self.steps * world_size  # compiled when switched on (`fused`), else eager: the same bits
-        mean = fused.unit_scaled(sums, lambda: self._block_scales(scale_mean), lengths, self.block, total, direct)
-        if mean is None:
-            mean = self.scale_blocks_(unit_values(sums, total, out=direct), scale_mean, lengths)
+        total = self.steps * world_size
+        mean = self._decode_fused(reduced, scale_mean, numel, lengths, total, layout, direct)
+        if mean is None:  # eager (or compiling failed): the same bits
+            mean = self.scale_blocks_(unit_values(_unpacked(reduced, layout, numel), total, out=direct), scale_mean,
+                                      lengths)
         return mean if direct is not None else write_into(out, mean)
+
+    def _decode_fused(self, reduced: torch.Tensor, shared: torch.Tensor, numel: int, lengths: Sequence[int],
+                      total: int, layout: LaneLayout | RadixLayout, out: torch.Tensor | None) -> torch.Tensor | None:
+        """`decode` by the compiled stages (`fused`), into `out` when given; None when they do not run here."""
+        parts = grid.pieces(tuple(lengths), self.block)
+        if parts is None or not fusion.active(reduced, shared):
+            return None
+        scales = _scales_on(reduced.device)
+        codes = fused.codes(shared, scales)
+        return None if codes is None else fused.decode(reduced, codes, scales, parts, numel, total, layout, out)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Unit mean of every W-rank sum of levels S: 2 * S / (M * W) - 1 (fp32 table)."""
@@ -390,41 +396,9 @@ class BlockQSum(Reducer):
 
     def _replay_summed(self, xs, lengths, gens, with_locals: bool = True
                        ) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
-        """`replay_with_locals`'s values, bit for bit, in far fewer passes (calibration replays every
-        step of its validation run through here): the W ranks' block maxima, scales and noise hash are
-        computed once (the strata share one key per segment and differ only in the shift), the
-        ranks' levels are rounded as one W x n tensor, and their integer sum is decoded directly --
-        what the lanes' SUM yields exactly, since no lane carries (capacity). None when the inputs
-        fall outside that case (other key sources, non-finite values): the generic path runs."""
-        w = len(xs)
-        self.check(w)
-        keys = gens[0].source if gens and isinstance(gens[0], noise.Stratum) else None
-        if (not isinstance(keys, torch.Tensor) or len(gens) != w
-                or any(not isinstance(g, noise.Stratum) or g.source is not keys or g.rank != r or g.world_size != w
-                       for r, g in enumerate(gens))):
-            return None
-        flat = torch.stack([x.reshape(-1).to(torch.float32) for x in xs])  # W x n
-        n = flat.shape[1]
-        lengths = [n] if lengths is None else list(lengths)
-        absmax = flat.abs().amax(0)
-        if n == 0 or not math.isfinite(float(absmax.max())):  # NaN and inf propagate: one check for every rank
-            return None
-        bid, nblocks = _block_index(tuple(lengths), self.block, flat.device)
-        block_max = torch.zeros(nblocks, dtype=torch.float32, device=flat.device)
-        block_max.scatter_reduce_(0, bid, absmax, "amax", include_self=True)  # = MAX over ranks of their maxima
-        scale = self.element_scales(block_max, lengths)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        m = self.steps
-        t = torch.div(flat, safe)
-        t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m], as `encode`
-        u = noise.strata_uniform(keys.to(flat.device), tuple(lengths), tuple(g.shift for g in gens))
-        levels = t.add_(u).floor_().clamp_(0, m)  # W x n, whole numbers in [0, m] as float32
-        total = levels.sum(0)  # exact: small whole numbers
-        mean = total.mul_(2.0 / (m * w)).sub_(1.0).mul_(scale)  # values[sum] of `decode`, times the scales
-        if not with_locals:
-            return mean, [None] * w
-        locals_ = levels.mul_(2.0 / m).sub_(1.0).mul_(scale)  # unit[levels] * scale of `encode`'s local
-        return mean, list(locals_.unbind(0))
+        """`replay_with_locals`'s values in far fewer passes (`replay.summed`); None outside its case."""
+        self.check(len(xs))
+        return replay.summed(xs, lengths, gens, self.block, self.steps, self.element_scales, with_locals)
 
 
 def unit_values(ints: torch.Tensor, steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -434,6 +408,13 @@ def unit_values(ints: torch.Tensor, steps: int, out: torch.Tensor | None = None)
     res = out.view(-1) if out is not None else torch.empty(ints.numel(), dtype=torch.float32, device=ints.device)
     res.copy_(ints.reshape(-1))  # exact: small whole numbers
     return res.mul_(2.0 / steps).sub_(1.0)
+
+
+def _unpacked(reduced: torch.Tensor, layout: LaneLayout | RadixLayout, numel: int) -> torch.Tensor:
+    """The first `numel` lane values or digits of `reduced` (the eager unpacking)."""
+    if isinstance(layout, RadixLayout):
+        return radix.unpack(reduced, layout, numel, torch.float32)
+    return unpack(reduced, layout, numel)
 
 
 def pack_any(values: torch.Tensor, layout: LaneLayout | RadixLayout, compiled: bool) -> torch.Tensor:

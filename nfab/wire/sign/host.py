@@ -70,6 +70,17 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], spli
     return words.view(np.uint8)[: -(-n // 8)], sums
 
 
+def sign_votes_at(x: torch.Tensor, starts: np.ndarray, ends: np.ndarray, bases: np.ndarray,
+                  nbits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(votes packed in `nbits` bits, float64 |x| sum per segment) of segments x[starts[s] : ends[s]]
+    of a 1-D `x`, element i of segment s voting at bit bases[s] + i: rows read where they lie land
+    at their place in padded shards (bits no segment writes stay 0). One pass, no copy of `x`."""
+    words = np.zeros(nbits // 64 + 2, dtype=np.uint64)  # whole words, one of room for a shifted store
+    sums = np.zeros(starts.size, dtype=np.float64)
+    _sign_kernel(x, starts, ends, bases, words, sums, _NO_SQ)
+    return words.view(np.uint8)[: -(-nbits // 8)], sums
+
+
 def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums, sqs) -> None:
     """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j; x^2 sums
     into `sqs` unless it is empty."""

@@ -21,6 +21,7 @@ the mean vote needs the whole count on every rank (that is signcount).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -119,6 +120,39 @@ class SignScatter(TwoPhaseReducer):
         scales = segments.segment_mean_abs(x, lengths)
         own = votes[:n]
         return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(own, scales, lengths))
+
+    def encode_rows(self, flat: torch.Tensor, sources: Sequence[tuple[int, int]], padded: int,
+                    world_size: int) -> Encoded:
+        """`encode` of W rows of `padded` elements each (one shard per row), their segments read where
+        they lie in `flat`: sources[k] = (start, length) of segment k (rows in rank order), start -1
+        for a segment with nothing to read (a row's tail: scale 0, votes never decoded). FSDP2's
+        reduce-scatter input is read in place, with no copy of its rows padded to whole vote bytes."""
+        w, lay = world_size, self.layout(world_size)
+        assert padded == self.shard_numel(w * padded, w), "a row must be one whole shard"
+        lengths = [n for _, n in sources]
+        if sign_host.sign_supports(flat):
+            lens = np.asarray(lengths, dtype=np.int64)
+            dest = np.cumsum(lens) - lens  # each segment's place in the W padded rows
+            at = np.array([max(start, 0) for start, _ in sources], dtype=np.int64)
+            read = np.where(np.array([start >= 0 for start, _ in sources]), lens, 0)
+            bits, sums = sign_host.sign_votes_at(flat, at, at + read, dest - at, w * padded)
+            payload = sign_host.votes_to_shard_lanes(bits, w * padded, padded, w, lay)
+            scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1))
+                                      .astype(np.float32))
+            return Encoded(payload, scales)
+        votes = torch.zeros(w * padded, dtype=torch.bool, device=flat.device)
+        sums, pos = [], 0
+        for start, n in sources:  # the torch reference: one segment at a time, where it lies
+            if start >= 0:
+                part = flat[start : start + n]
+                votes[pos : pos + n] = sign_codec.sign_bits(part)
+                sums.append(torch.linalg.vector_norm(part, 1, dtype=torch.float32))
+            else:
+                sums.append(flat.new_zeros((), dtype=torch.float32))
+            pos += n
+        payload = torch.cat([pack(v, lay) for v in votes.view(w, padded)])
+        divisors = segments.segment_counts([max(n, 1) for n in lengths], flat.device).to(torch.float32)
+        return Encoded(payload, torch.stack(sums) / divisors)
 
     # ---- the owner's step ---------------------------------------------------------------------
     def owner_step(self, counts_shard: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""What every codec's `torch.compile`d stages share: when they run, how they compile, the hash.
+
+Why: the torch path (what CUDA takes, and CPU under `NFAB_HOST_KERNELS=0`) is one memory-bound
+pass per torch op -- a dozen for the counter hash alone -- so eager it runs at a few hundredths
+of a copy. Each codec's `fused.py` writes a whole stage (encode: hash + scale + rounding + lane
+packing; decode: unpack + scale + the write into the bucket) as one pure function of tensors,
+and inductor compiles it into a few kernels (C++ on the CPU, Triton on CUDA).
+
+Bits: every compiled stage computes the eager path's numbers op for op, and three compiler
+liberties that would change them are switched off for these graphs (`OPTIONS`):
+
+- floating-point contraction (a multiply and an add fused into one FMA, one rounding instead
+  of two): off for the C++ build (`cpp.enable_floating_point_contract_flag`, inductor's
+  default too) and for Triton (`emulate_precision_casts`, which makes inductor pass
+  `enable_fp_fusion=False`);
+- Triton's approximate fp32 division: `eager_numerics.division_rounding` asks for `div_rn`,
+  as eager CUDA divides;
+- division by a constant rewritten as a multiplication by its reciprocal (inductor does it on
+  every device but the CPU): no graph here divides by a Python number -- divisors and scale
+  factors enter as fp32 tensors (`constant`), which also lets one graph serve every route.
+
+Integer arithmetic (the hash) wraps mod 2^32 in int32 on every backend, as in eager torch.
+Compiling is opt-in (`dispatch.compile_paths`, `NFAB_COMPILE=1`); the first compile error logs
+one warning and the eager torch path runs for the rest of the process (`run` returns None).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import cache, lru_cache
+from typing import Any
+
+import torch
+
+from nfab.wire import dispatch, noise
+
+log = logging.getLogger(__name__)
+
+OPTIONS: dict[str, Any] = {
+    "cpp.enable_floating_point_contract_flag": "off",
+    "emulate_precision_casts": True,
+    "eager_numerics.division_rounding": True,
+}
+"""Inductor settings for every codec graph: the eager path's roundings (see the module docstring)."""
+
+GOLDEN_I32 = noise.GOLDEN - (1 << 32)
+MIX2_I32 = noise.MIX2 - (1 << 32)
+
+_failed = False
+
+
+def failed() -> bool:
+    """Whether a compile error switched the compiled stages off for this process."""
+    return _failed
+
+
+def active(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled stages run on these tensors: the torch path is taken (not the host
+    kernels), compiling is switched on (`dispatch.compile_enabled`) and has not failed."""
+    return not _failed and dispatch.compile_enabled() and not dispatch.supports(*tensors)
+
+
+@cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=OPTIONS)
+
+
+def run(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn` compiled, on `args`; None (and eager from then on) when compiling fails."""
+    global _failed
+    try:
+        return _compiled(fn)(*args)
+    except Exception as err:  # noqa: BLE001  (any compiler failure: the eager path is exact)
+        _failed = True
+        log.warning("nfab: torch.compile of a codec stage failed, the eager torch path runs instead: %s",
+                    str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+
+
+@lru_cache(maxsize=256)
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-d fp32 tensor on `device`, made once (rounded to fp32 as eager torch rounds a Python
+    scalar that meets an fp32 tensor)."""
+    return torch.tensor(value, dtype=torch.float32, device="cpu").to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=64)
+def int_constant(value: int, device: torch.device) -> torch.Tensor:
+    """A 1-element int32 tensor on `device`, made once (a stratum's shift: one graph for every rank)."""
+    return torch.tensor([value], dtype=torch.int32, device="cpu").to(device, non_blocking=True)
+
+
+def as_i32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2^32) as int32 with the same low 32 bits (`noise._as_i32`, traced)."""
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def u24(c: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of the int32 counters `c`, cut to its top 24 bits (int32 in [0, 2^24)): the
+    words of `noise.uniform`, in traced ops (products wrap mod 2^32; shifts masked to logical)."""
+    c = c ^ ((c >> 16) & 0xFFFF)
+    c = c * noise.MIX1
+    c = c ^ ((c >> 15) & 0x1FFFF)
+    c = c * MIX2_I32
+    c = c ^ ((c >> 16) & 0xFFFF)
+    return (c >> 8) & 0xFFFFFF
+
+
+def uniform_of(c: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """u (fp32, multiples of 2^-24 in [0, 1)) of the keyed counters `c`, shifted by `shift` / 2^24 mod 1."""
+    return ((u24(c) + shift) & 0xFFFFFF).to(torch.float32) * 2.0**-24

@@ -1,0 +1,64 @@
+"""The compiled stages' pure functions, run eagerly, against the references they replace.
+
+Fast (no compiling): the arithmetic that `torch.compile` turns into kernels -- scale codes by
+exponent bits, lanes OR-ed column by column and unpacked by stacking, radix digits by Horner's
+rule, votes by the vote table's arithmetic -- is checked here in the default suite;
+tests/wire/test_compiled.py (NFAB_COMPILE_TESTS=1) checks the compiled kernels themselves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nfab.wire.blockq import fused as blockq_fused
+from nfab.wire.blockq import radix
+from nfab.wire.blockq.reducer import SCALES
+from nfab.wire.qsum import fused as qsum_fused
+from nfab.wire.qsum.lanes import layout_for, pack, unpack
+from nfab.wire.sign import codec as sign_codec
+from nfab.wire.sign import fused as sign_fused
+
+
+def _reference_codes(m: torch.Tensor) -> torch.Tensor:
+    return torch.searchsorted(SCALES, torch.nan_to_num(m, nan=0.0)).clamp_(max=255).to(torch.uint8)
+
+
+def test_scale_codes_by_exponent_arithmetic_are_searchsorted_bit_for_bit():
+    up = torch.nextafter(SCALES, torch.tensor(float("inf")))
+    down = torch.nextafter(SCALES, torch.tensor(0.0))
+    special = torch.tensor([0.0, -0.0, 1e-45, 1e-40, 1.17e-38, 2.0**-41, 2.0**-40, 2.0**23.75, 2.0**24, 3e38,
+                            float("inf"), float("nan")], dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    spread = torch.exp2(torch.rand(100_000, generator=g) * 140 - 70)  # 2^-70 .. 2^70
+    m = torch.cat([SCALES, up, down, special, spread]).abs()
+    window = blockq_fused._window(SCALES)
+    assert torch.equal(blockq_fused.codes_of(m, window), _reference_codes(m))
+
+
+@pytest.mark.parametrize("lane_bits", [1, 2, 3, 4, 5, 6, 9, 13, 31])
+@pytest.mark.parametrize("n", [1, 7, 64 * 9 + 5])
+def test_lanes_packed_column_by_column_are_lanes_pack(lane_bits, n):
+    layout = layout_for(lane_bits)
+    g = torch.Generator().manual_seed(lane_bits * 100 + n)
+    dtype = torch.uint8 if lane_bits <= 8 else torch.int32
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=g).to(dtype)
+    got = qsum_fused.packed(values, layout)
+    assert got.dtype == layout.container and torch.equal(got, pack(values, layout))
+    assert torch.equal(qsum_fused.unpacked(got, layout, n), unpack(got, layout, n))
+
+
+@pytest.mark.parametrize("base", [7, 13, 29, 511])
+def test_radix_digits_by_horner_columns_are_radix_pack(base):
+    layout = radix.radix_layout(base)
+    n = layout.digits * 37 + 3
+    values = torch.randint(0, min(base, 256), (n,), generator=torch.Generator().manual_seed(base)).to(torch.uint8)
+    assert torch.equal(blockq_fused.pack_fn(layout)(values), radix.pack(values, layout))
+
+
+@pytest.mark.parametrize("vote", ["majority", "mean"])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 7])
+def test_votes_by_arithmetic_are_the_vote_table(vote, world_size):
+    counts = torch.arange(world_size + 1)
+    w = torch.tensor(float(world_size))
+    assert torch.equal(sign_fused._vote(counts, w, vote), sign_codec.vote_table(world_size, vote))
