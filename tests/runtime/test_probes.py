@@ -54,7 +54,7 @@ def test_a_masked_layout_samples_only_its_regions_and_the_fold_skips_the_rest():
 def test_regular_probes_pause_over_budget_dense_ones_borrow_against_the_run_shadows_never_pause():
     st = HealthState(probe_bytes=60, sent_bytes=1060, steps_seen=10)  # 60 probe bytes over 1000 others: 6% > 5%
     assert probe_regions(10, CFG, st, LOSSY, dense=True) == frozenset()
-    assert probe_regions(2, CFG, st, LOSSY, dense=True) == frozenset()  # no run length: budgeted as regular
+    assert probe_regions(2, CFG, st, LOSSY, dense=True) == {"norm"}  # no run length: nothing to borrow against
     # over a 300-step run of ~100 other bytes a step, 60 is within half of its 1,500-byte budget
     assert probe_regions(2, CFG, st, LOSSY, dense=True, horizon=300) == {"norm"}
     assert probe_regions(2, CFG, HealthState(probe_bytes=800, sent_bytes=1800, steps_seen=10), LOSSY,

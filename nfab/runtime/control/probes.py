@@ -15,8 +15,15 @@ The budget (`Health.probe_budget`, 5%) holds over the run for every probe but a 
   cannot wait for the bytes to accrue: they may borrow from the run's future, up to
   `DENSE_SHARE` of the budget of the bytes the whole run will send (projected from the steps so
   far over its length, `horizon`), and the regular probes then pause until the share is earned
-  back. Without a known length they are budgeted as regular probes are. On the recipe ViT (seed 1)
-  the unbudgeted dense probes and shadows had made the run's probes 5.4% of the other bytes;
+  back. Without a known length (`attach(total_steps=)`) they are not budgeted: there is no future
+  to borrow against, and budgeting them on the bytes sent so far starves the drift monitor in its
+  first steps (sign + EF under AdamW was no longer demoted). On the recipe ViT (seed 1) the
+  unbudgeted dense probes and shadows had made the run's probes 5.4% of the other bytes;
+- one exception: while error feedback runs in a lossy region, the dense probes watch every region
+  whatever the budget (the combination that bent training for good within ~20 steps under Adam,
+  and that the drift monitor must catch from a few probes: budgeted, sign + EF starved it, since
+  sign's payload is tiny beside a 512-element sample per parameter). They are counted as probes;
+  a run that forces error feedback may spend more than the budget there;
 - an alarm's shadow window probes every lossy region whatever the budget: it must answer for all
   of them, now. Its samples are counted apart (`StepStats.shadow_wire_bytes`, in `wire_bytes`
   too), neither charged to the probe budget nor counted in its base: an alarm's cost is reported
@@ -57,12 +64,11 @@ def over_budget(cfg: Health, state: HealthState) -> bool:
 
 def over_run_budget(cfg: Health, state: HealthState, horizon: int | None) -> bool:
     """Would one more dense probe take the run's probe bytes past DENSE_SHARE of the budget of the
-    bytes the whole run of `horizon` steps will send (projected from the steps so far)? Without a
-    horizon (or before any step was folded): `over_budget`."""
-    if cfg.probe_budget <= 0:
+    bytes the whole run of `horizon` steps will send (projected from the steps so far)? Never without
+    a horizon (the run's length unknown, there is no future to borrow against, and budgeting them on
+    the bytes so far starves the drift monitor in its first steps) or before any step was folded."""
+    if cfg.probe_budget <= 0 or not horizon or state.steps_seen == 0:
         return False
-    if not horizon or state.steps_seen == 0:
-        return over_budget(cfg, state)
     projected = state.other_bytes() / state.steps_seen * max(horizon, state.steps_seen)
     return state.probe_bytes + state.last_probe_bytes > DENSE_SHARE * cfg.probe_budget * projected
 
@@ -80,10 +86,10 @@ def probe_regions(step: int, cfg: Health, state: HealthState, lossy: tuple[str, 
     if step < state.shadow_until:
         return frozenset(lossy)
     if dense and step < max(cfg.dense_probe_steps, state.probation_until):
+        if watch_all:  # error feedback under the drift monitor: its safety is bought ahead of the budget
+            return frozenset(lossy)
         if over_run_budget(cfg, state, horizon):
             return frozenset()
-        if watch_all:
-            return frozenset(lossy)
         turn = step
     elif over_budget(cfg, state):
         return frozenset()
