@@ -299,7 +299,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         runtime = nfab.attach(ddp, route=base.removesuffix("-ef"), optimizer=opt,
                               error_feedback=True if base == "sign-ef" else "auto", cost_model=None, seed=seed,
                               total_steps=setting.steps, head_modules=spec.head_modules, noise_moment=noise_moment)
-    wire = probe = 0.0
+    wire = probe = shadow = 0.0
     fallback_steps = 0
     losses: list[float] = []
     events: list[str] = []
@@ -324,6 +324,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
             stats = runtime.step_stats()
             wire += stats.wire_bytes
             probe += stats.probe_wire_bytes
+            shadow += stats.shadow_wire_bytes
             fallback_steps += int(stats.fallback)
             events += [f"{step}:{e}" for e in stats.events]
         elif state is not None:
@@ -346,6 +347,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         wire_mb=wire / 1e6, fp32_mb=fp32_total / 1e6, ratio=fp32_total / wire if wire else None,
         fallback_steps=fallback_steps if runtime is not None else None, health_events=events[:20],
         probe_mb=probe / 1e6 if runtime is not None else None,
+        shadow_mb=shadow / 1e6 if runtime is not None else None,
         alarms=runtime.health.alarms if runtime is not None else None,
         false_alarms=runtime.health.false_alarms if runtime is not None else None,
         train_losses=losses if fsdp else None)

@@ -137,9 +137,10 @@ def run_study(cfg: StudyConfig, command: str = "", log: Callable[[str], None] = 
         "total_s": round(time.perf_counter() - t0 + (old["total_s"] if old else 0.0), 1),
         "seed": primary,
         "settings": {**(old or {}).get("settings", {}), **{name: asdict(s) for name, s in settings.items()}},
-        "note": "one user-style DDP loop per run (constant LR), W gloo ranks on loopback, same seed for every "
-                "variant; nfab variants attach with cost_model=None (on loopback the cost gate would send every "
-                "bucket to FP32); PowerSGD gets one bucket (it aborts on gloo with several)",
+        "note": "one user-style DDP loop per run (constant LR unless the setting line says otherwise), W gloo "
+                "ranks on loopback, same seed for every variant; nfab variants attach with cost_model=None (on "
+                "loopback the cost gate would send every bucket to FP32); PowerSGD gets one bucket (it aborts on "
+                "gloo with several)",
         "rows": sorted(kept + new_rows, key=lambda r: (order.get((r["setting"], r["variant"]), 1 << 30), r["seed"])),
     }
     doc["settings"] = {n: doc["settings"][n] for n in SETTINGS if n in doc["settings"]}

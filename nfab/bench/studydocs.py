@@ -64,22 +64,41 @@ def setting_table(doc: dict[str, Any], name: str) -> list[str]:
     metric = "accuracy" if setting["metric"] == "accuracy" else "val loss"
     bf16 = next((r for r in rows if r["variant"] == "bf16" and r["ok"]), None)
     out = [f"| variant | {metric} | vs FP32 | vs bf16 | MB sent per rank | fewer bytes than FP32 | than bf16 "
-           "| fallback steps |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "| fallback steps | alarms (false) | probe share |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         label = LABELS.get(r["variant"], r["variant"])
         if not r["ok"]:
-            out.append(f"| {label} | failed: {r['error']} | | | | | | |")
+            out.append(f"| {label} | failed: {r['error']} | | | | | | | | |")
             continue
         value = (_fmt(None if r["eval_accuracy"] is None else r["eval_accuracy"] * 100, ".2f", "%")
-                 if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], ".3f"))
+                 if setting["metric"] == "accuracy" else _fmt(r["eval_loss"], "#.4g"))
+        if setting["metric"] == "loss" and r.get("eval_accuracy") is not None:  # a classifier judged by loss
+            value += f" ({r['eval_accuracy'] * 100:.2f}% acc.)"
         fb = "–" if r["fallback_steps"] is None else str(r["fallback_steps"])
         # bf16 DDP sends exactly half of FP32's bytes: fewer than bf16 = fewer than FP32 / 2
         vs_bf16 = None if r["ratio"] is None else r["ratio"] / 2
         out.append(f"| {label} | {value} | {_delta(setting, r, fp32)} | {_delta(setting, r, bf16)} | "
                    f"{_fmt(r['wire_mb'], '.1f')} | {_fmt(r['ratio'], '.1f', 'x')} | {_fmt(vs_bf16, '.1f', 'x')} "
-                   f"| {fb} |")
+                   f"| {fb} | {alarm_cell(r)} | {_fmt(probe_share(r), '.1%')} |")
     return out
+
+
+def alarm_cell(row: dict[str, Any]) -> str:
+    """`alarms (false alarms)` of an nfab run: each alarm opened an FP32 shadow window, a false one
+    demoted nothing ("–": not an nfab run, or a row from before alarms were recorded)."""
+    alarms, false = row.get("alarms"), row.get("false_alarms")
+    return "–" if alarms is None else f"{alarms} ({false if false is not None else '?'})"
+
+
+def probe_share(row: dict[str, Any]) -> float | None:
+    """The run's probe bytes over its other bytes (shadow windows' samples on neither side): what
+    `Health.probe_budget` caps. None for runs without probes recorded."""
+    probe, wire = row.get("probe_mb"), row.get("wire_mb")
+    if probe is None or not wire:
+        return None
+    other = wire - probe - (row.get("shadow_mb") or 0.0)
+    return probe / other if other > 0 else None
 
 
 def seed_table(doc: dict[str, Any], name: str) -> list[str]:
@@ -103,7 +122,20 @@ def seed_table(doc: dict[str, Any], name: str) -> list[str]:
 def _setting_line(s: dict[str, Any]) -> str:
     opt = f"{'AdamW' if s['optimizer'] == 'adamw' else 'SGD'} lr {s['lr']:g}, wd {s['weight_decay']:g}"
     return (f"`{s['model']}` on {s['dataset']}, W={s['world_size']}, {s['steps']} steps, batch {s['batch_size']}"
-            f"/rank, {opt}, constant LR; {s['note']}")
+            f"/rank, {opt}, {_schedule(s)}; {s['note']}")
+
+
+def _schedule(s: dict[str, Any]) -> str:
+    """The setting's learning-rate schedule, accumulation and clipping, as the loop runs them."""
+    if s.get("schedule", "constant") == "constant" and not s.get("warmup_steps"):
+        text = "constant LR"
+    else:
+        text = f"warm-up {s.get('warmup_steps', 0)} + {s.get('schedule')} to {s.get('min_lr_ratio', 1):g}x"
+    if s.get("accum_steps", 1) > 1:
+        text += f", {s['accum_steps']} micro-batches"
+    if s.get("grad_clip") is not None:
+        text += f", clip {s['grad_clip']:g}"
+    return text
 
 
 def verdict_lines(doc: dict[str, Any]) -> list[str]:
@@ -122,9 +154,12 @@ def verdict_lines(doc: dict[str, Any]) -> list[str]:
                          f"{v[prefix + 'profile_delta_sd'] * 100:.2f} (mean ± sd over seeds "
                          f"{', '.join(map(str, v[prefix + 'profile_seeds']))}; seed {doc['seed']}: {dtext})")
             ratio = v[prefix + "profile_ratio"]
+            judged = v.get(prefix + "judged_at")
+            within = (f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt" if judged is None else
+                      f"{MAX_LOSS_RISE * 100:.0f}%, judged at {judged * 100:.1f}%: one held-out prediction's worth,")
             parts.append(f"{what} {dtext} at {_fmt(ratio, '.1f', 'x')} fewer bytes than FP32 "
                          f"({_fmt(None if ratio is None else ratio / 2, '.1f', 'x')} than bf16): target (within "
-                         f"{MAX_LOSS_RISE * 100:.0f}% / 1 pt of FP32 at >= {MIN_RATIO:.0f}x) "
+                         f"{within} of FP32 at >= {MIN_RATIO:.0f}x) "
                          f"{'MET' if v[prefix + 'met'] else 'MISSED'}")
         if "monitor_ok" in v:
             d = v["monitor_delta"]

@@ -60,6 +60,9 @@ class Setting:
     world_size: int = 4
     eval_samples: int = 1024
     """Held-out samples evaluated at the end (the first ones of the test split, every rank a shard)."""
+    classes: int = 0
+    """A classifier's class count (0: not a classifier): its loss verdict allows at least what one of the
+    `eval_samples` predictions moves the loss, ln(classes) / eval_samples nats (`studyverdict.loss_tolerance`)."""
     accum_steps: int = 1
     """Micro-batches per optimizer step; all but the last run under `ddp.no_sync()` (one all-reduce a step)."""
     grad_clip: float | None = None
@@ -120,7 +123,9 @@ class RunResult:
     fallback_steps: int | None = None
     """nfab variants: steps with a safety fallback (health, capacity, non-finite)."""
     probe_mb: float | None = None
-    """nfab variants: of `wire_mb`, the fidelity probes' FP32 samples."""
+    """nfab variants: of `wire_mb`, the fidelity probes' FP32 samples (shadow windows' apart)."""
+    shadow_mb: float | None = None
+    """nfab variants: of `wire_mb`, the FP32 samples of the alarms' shadow windows."""
     alarms: int | None = None
     """nfab variants: loss-spike / grad-norm-jump alarms (each opened an FP32 shadow window)."""
     false_alarms: int | None = None
@@ -184,11 +189,11 @@ SETTINGS["recipe-gpt"] = Setting(
 SETTINGS["recipe-vit"] = Setting(
     name="recipe-vit", model="bench.heldout.recipe_vit:recipe_vit", dataset="digits", metric="loss",
     optimizer="adamw", lr=2e-3, weight_decay=0.05, betas=(0.9, 0.95), batch_size=16, warmup_steps=20,
-    eval_samples=360, profile="bench/calibrations/recipe-vit/profile.json", **_RECIPE,
+    eval_samples=360, classes=10, profile="bench/calibrations/recipe-vit/profile.json", **_RECIPE,
     note="a small ViT on digits, AdamW (0.9, 0.95) wd 0.05, warm-up 20 + cosine, 2 micro-batches, clip 1.0")
 SETTINGS["recipe-cnn"] = Setting(
     name="recipe-cnn", model="bench.heldout.recipe_cnn:recipe_cnn", dataset="digits", metric="loss",
-    optimizer="sgd", lr=0.05, weight_decay=5e-4, batch_size=16, warmup_steps=10, eval_samples=360,
+    optimizer="sgd", lr=0.05, weight_decay=5e-4, batch_size=16, warmup_steps=10, eval_samples=360, classes=10,
     profile="bench/calibrations/recipe-cnn/profile.json", **_RECIPE,
     note="ResNet-style CNN with BatchNorm on digits, SGD momentum 0.9, warm-up 10 + cosine, 2 micro-batches, clip 1.0")
 MIN_RATIO = 8.0

@@ -3,7 +3,8 @@
 Per phase and region class the fit takes the cheapest route (wire bits per element at
 the calibrated W) that is exact at W and whose fidelity and loss delta meet the
 tolerances (a trial's held-out and training loss deltas both within `tol_loss`: early in
-training one alone is noisy); a route without a trial passes only on a very high cosine. Each phase
+training one alone is noisy; the held-out one judged, as validation judges its gap, down to what
+one held-out prediction moves: `loss_tolerance`); a route without a trial passes only on a very high cosine. Each phase
 runs with one error-feedback setting: the one whose validated routes send fewer bytes
 (a tie keeps EF off). Health thresholds come from the reference run's own statistics.
 
@@ -88,7 +89,14 @@ def passes(row: pd.Series | dict[str, Any], tol_cosine: float, tol_loss: float, 
     if delta is None:
         return cos >= high_cosine
     train = _num(row.get("train_loss_delta"))  # the trial must not hurt the training loss either
-    return delta <= tol_loss and (train is None or train <= tol_loss)
+    return delta <= loss_tolerance(row, tol_loss) and (train is None or train <= tol_loss)
+
+
+def loss_tolerance(row: pd.Series | dict[str, Any], tol_loss: float) -> float:
+    """The held-out loss delta a trial may show: `tol_loss`, or the relative gap one held-out prediction
+    makes (`loss_resolved`, validation's resolution floor) where that is larger (tables without it: `tol_loss`)."""
+    resolved = _num(row.get("loss_resolved"))
+    return max(tol_loss, resolved) if resolved is not None and math.isfinite(resolved) else tol_loss
 
 
 def adaptive(optimizer: str | None) -> bool:
@@ -198,8 +206,13 @@ def fit_health(reference: dict[str, Any] | None, min_cosine: float | None) -> He
         kwargs["loss_spike_ratio"] = round(max(1.5, MARGIN * _max_ratio(loss, d.baseline_beta, d.warmup_steps)), 3)
         kwargs["grad_norm_jump"] = round(max(2.0, MARGIN * _max_ratio(norm, d.baseline_beta, d.warmup_steps)), 3)
     if min_cosine is not None:
-        kwargs["min_fidelity_cosine"] = round(max(0.05, 0.5 * min_cosine), 3)
+        kwargs["min_fidelity_cosine"] = probe_floor(min_cosine)
     return Health(**kwargs)
+
+
+def probe_floor(cosine: float) -> float:
+    """`Health.min_fidelity_cosine` for routes whose lowest healthy fidelity is `cosine`: half of it, at least 0.05."""
+    return round(max(0.05, 0.5 * cosine), 3)
 
 
 def fit_profile(

@@ -20,9 +20,9 @@ import pyarrow as pa
 import torch
 
 from nfab import __version__
-from nfab.calibrate.budget import BUDGET_RATIO, trial_allowance, validation_allowance
+from nfab.calibrate.budget import BUDGET_RATIO, trial_allowed, validation_allowance
 from nfab.calibrate.config import CalibrationConfig
-from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes
+from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes, probe_floor
 from nfab.calibrate.replay import (
     NAN_FIDELITY,
     cheapest_wire,
@@ -48,7 +48,7 @@ from nfab.calibrate.trajectory import (
     run_trial,
     train_delta,
 )
-from nfab.calibrate.validate import TOL_VALIDATE, Validation, validate_profile
+from nfab.calibrate.validate import TOL_VALIDATE, Validation, loss_floor, resolution, validate_profile
 from nfab.models import model_signature
 from nfab.profile.schema import Profile, file_sha256
 from nfab.wire.registry import REDUCERS
@@ -130,6 +130,8 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
     bar, high = fidelity_bars(cfg.optimizer.name, tol.cosine, HIGH_COSINE)
     search_tol = Tolerances(bar, tol.loss)
     trials_run = trial_steps_run = 0
+    # a trial's held-out delta is judged down to what the held-out batch resolves (validate.resolution)
+    floor, nats = loss_floor(ref.eval_loss), resolution(*task.eval_predictions)
     rows: list[dict[str, Any]] = []
     for p_i, (step, kind) in enumerate(points):
         name = f"p{p_i}-{kind}"
@@ -141,29 +143,37 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
             cells = _replay_cells(cfg, task, captured, name, kind, step)
         progress("replay", p_i + 1, len(points))
         bases: dict[int, TrialResult] = {}  # the FP32 continuation, made for the phase's first trial
+        tally = {False: 0, True: 0}  # this phase's trials per EF setting (budget.trial_allowed)
 
         def trial(region: str, route: str, ef: bool, *, _step: int = step, _ckpt: dict = ckpt,
-                  _bases: dict = bases, _cells: dict = cells, _done: int = p_i + 1) -> bool:
+                  _bases: dict = bases, _cells: dict = cells, _done: int = p_i + 1, _tally: dict = tally) -> bool:
             nonlocal trial_steps_run
             if not _bases:  # a phase near the end has no reference state K steps on: then it is a run
                 _bases[_step] = reference_continuation(task, ref, _step, cfg.trial_steps)
             _base = _bases[_step]
             res = run_trial(task, _ckpt, _step, cfg.trial_steps, {region: route}, error_feedback=ef,
-                            seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss)
+                            seed=cfg.seed + 7 * _step + 1, base=_base, stop_above=STOP_FACTOR * tol.loss,
+                            floor=floor)
             cell = _cells[(region, route, ef)]
-            cell["loss_delta"] = _rel(res.eval_loss, _base.eval_loss)
-            cell["train_loss_delta"] = train_delta(res.train_loss, _base.train_loss)
+            # judged as validation judges a gap: over the floored FP32 loss, down to one held-out prediction
+            denominator = max(_base.eval_loss, floor)
+            cell["loss_delta"] = _rel(res.eval_loss, _base.eval_loss, denominator)
+            cell["loss_resolved"] = nats / denominator if denominator > 0 else 0.0
+            cell["train_loss_delta"] = train_delta(res.train_loss, _base.train_loss, floor)
             cell["trial_steps"] = len(res.train_loss)
             trial_steps_run += len(res.train_loss)
             cell["screen"] = "trial_stopped" if res.stopped_early else "trial"
             progress("trials", _done, len(points))
+            _tally[ef] += 1
             return passes(cell, search_tol.cosine, search_tol.loss, high)
+
+        def allow(ef: bool, _p: int = p_i, _tally: dict = tally) -> bool:
+            return trial_allowed(cfg.steps, cfg.trial_steps, _p, len(points), used=trial_steps_run,
+                                 phase_trials=_tally[ef], ratio=budget_ratio)
 
         with clock.stage("trials"):
             trials_run += search_phase(cells, trial_regions, candidates=lambda r, _c=cells: _trial_routes(cfg, _c, r),
-                                       order=order, tol=search_tol, high_cosine=high, run=trial,
-                                       allow=lambda _p=p_i: trial_steps_run + cfg.trial_steps <= trial_allowance(
-                                           cfg.steps, cfg.trial_steps, _p, len(points), budget_ratio))
+                                       order=order, tol=search_tol, high_cosine=high, run=trial, allow=allow)
         progress("trials", p_i + 1, len(points))
         rows.extend(cells.values())
 
@@ -235,7 +245,7 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
                     "fp32_wire_bytes": int(round(fp32_bytes)),
                     "cosine": fid.cosine, "rel_error": fid.rel_error, "sign_agreement": fid.sign_agreement,
                     "cum_cosine": fid.cum_cosine, "encode_decode_s": fid.encode_decode_s,
-                    "loss_delta": 0.0 if route == "fp32" else math.nan,
+                    "loss_delta": 0.0 if route == "fp32" else math.nan, "loss_resolved": math.nan,
                     "train_loss_delta": 0.0 if route == "fp32" else math.nan,
                     "trial_steps": cfg.trial_steps if route == "fp32" else 0,
                     "screen": "reference" if route == "fp32" else "no_trial",
@@ -243,10 +253,12 @@ def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.
     return cells
 
 
-def _rel(value: float, base: float) -> float:
+def _rel(value: float, base: float, denominator: float | None = None) -> float:
+    """(value - base) relative to `denominator` (default: `base`)."""
     if not math.isfinite(value):
         return math.inf
-    return (value - base) / base if base else math.nan
+    d = base if denominator is None else denominator
+    return (value - base) / d if d else math.nan
 
 
 def _finite(values: list[float]) -> list[float | None]:
@@ -292,6 +304,8 @@ def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | N
             profile, validation = validate_profile(
                 result.task, result.reference, profile, frame, tol=tol, tolerance=tol_validate, seed=cfg.seed,
                 step_budget=validation_allowance(cfg.steps, result.meta["trial_steps_run"], budget_ratio), tick=tick)
+    if validation is not None and math.isfinite(validation.probe_min):
+        profile = with_validated_floor(profile, validation.probe_min)
     meta = {**result.meta, "timing": clock.split(), "seconds": round(clock.elapsed(), 2),
             "validation": None if validation is None else {"passed": validation.passed,
                                                            "gap": validation.to_evidence()["gap"],
@@ -303,6 +317,20 @@ def calibrate(cfg: CalibrationConfig, out: str | Path, *, progress: Progress | N
     profile = profile.model_copy(update={"provenance": prov})
     profile.save(out / PROFILE_FILE)
     return Calibration(table_path, out / PROFILE_FILE, profile, timing, validation)
+
+
+def with_validated_floor(profile: Profile, probe_min: float) -> Profile:
+    """`profile` with its probe floor no higher than half the lowest probe cosine its validated run read.
+
+    The fit sets the floor from the replay cosines at the phase starts; later in a phase the hook's
+    probe reads lower on a healthy route: the signal shrinks as the loss falls while rounding noise
+    does not, and under error feedback a step's estimate carries earlier steps' error (on the CNN
+    recipe, bq2 + EF on the convolutions replayed at 0.68 at its phase start and the probe read 0.11
+    and 0.15 a hundred steps on, in FP32 shadow windows: conv demoted for 90 of 300 steps, 2.8x fewer
+    bytes, at a loss within one held-out digit). Validation ran the profile over the whole schedule
+    and passed; a probe reading below half of what that run read is what the floor should catch."""
+    floor = min(profile.health.min_fidelity_cosine, probe_floor(probe_min))
+    return profile.model_copy(update={"health": profile.health.model_copy(update={"min_fidelity_cosine": floor})})
 
 
 def table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:

@@ -49,14 +49,21 @@ SCHEMA = pa.schema([
     ("train_loss_delta", pa.float64()),
     ("trial_steps", pa.int64()),
     ("screen", pa.string()),
+    ("loss_resolved", pa.float64()),
 ])
 """Column types of calibration.parquet (the report reads phase..loss_delta).
 
 `trial_steps` is how many steps the cell's trial ran (0: none). `screen` says why a cell
 has or lacks a trial: `reference` (fp32), `trial`, `trial_stopped` (ended early, failing),
-`replay` (its replay fidelity already fails), `cheaper` (a cheaper route passed), `bound`
-(its EF setting could no longer beat the other's bytes), `budget` (the trial budget was
-spent), `no_trial` (not a trial route, or a region too small for trials).
+`replay` (its replay fidelity already fails), `cheaper` (a cheaper route passed), `dominated`
+(a cheaper route is at least as faithful in replay), `finer_failed` (a dearer, more faithful route
+failed its trial), `bound` (its EF setting could no longer beat the other's bytes), `budget` (the
+trial budget was spent), `no_trial` (not a trial route, or a region too small for trials).
+A trial's `loss_delta` (`train_loss_delta`) is relative to the FP32 continuation's held-out
+(training) loss, floored as validation floors its gap's denominator; `loss_resolved` is, on the
+same scale, what one held-out prediction moves (validation's resolution): the fit allows a delta
+up to the larger of it and its tolerance. Tables written before it have no `loss_resolved`
+(their deltas are unfloored).
 """
 
 FIT_REQUIRED: tuple[str, ...] = (

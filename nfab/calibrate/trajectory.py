@@ -16,6 +16,7 @@ import torch
 
 from nfab.calibrate.replay import fp32_mean, reduce_scaled, replay_reducer
 from nfab.calibrate.task import Task
+from nfab.runtime.control.fidelity import sample, sample_layout
 from nfab.runtime.control.moment import replay_variance
 from nfab.wire.blockq.reducer import BlockQSum
 
@@ -165,8 +166,9 @@ class Residuals:
 
 
 def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[torch.Generator],
-                residuals: Residuals) -> torch.Tensor:
-    """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's."""
+                residuals: Residuals, probe: dict[str, float] | None = None) -> torch.Tensor:
+    """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's.
+    `probe`, when given, receives each routed region's `probe_cosine`: what the hook's probe would read."""
     w = task.cfg.world_size
     routed = {region: (route, reducer) for region, route in seg.routes.items()
               if route != "fp32" and region in task.regions and (reducer := replay_reducer(route, w)) is not None}
@@ -174,14 +176,22 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
     mean = torch.empty_like(grads[0]) if routed.keys() == task.regions.keys() else fp32_mean(grads)
     for region, (route, reducer) in routed.items():
         xs = [task.gather(g, region) for g in grads]
+        # what the hook's probe compares with: the FP32 mean before error feedback where it reads in the
+        # optimizer's space, after it where it reads plain cosines (encode.prepare_group)
+        after_ef = probe is not None and seg.error_feedback and quantization_scale(task, region) is None
+        truth = fp32_mean(xs) if probe is not None and not after_ef else None
         res = residuals.by_region.get(region) if residuals.made_by.get(region) == route else None
         if res is not None and seg.error_feedback:
             xs = [x if e is None else x + e for x, e in zip(xs, res, strict=True)]
+        if probe is not None and truth is None:
+            truth = fp32_mean(xs)
         # block-scaled qsum rounds in the optimizer's preconditioned space, as the hook does
         scale = quantization_scale(task, region) if isinstance(reducer, BlockQSum) else None
         carry = seg.error_feedback and reducer.lossy  # else no rank's own decode is needed
         lengths = task.regions[region].lengths
         est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=carry)
+        if truth is not None and probe is not None:
+            probe[region] = probe_cosine(est, truth, lengths, quantization_scale(task, region))
         if task.moment is not None and isinstance(reducer, BlockQSum):  # the hook's decode records the same
             task.moment.record(task.region_names(region), lengths, replay_variance(reducer, xs, lengths, scale))
         if carry:
@@ -193,6 +203,20 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
             residuals.made_by.pop(region, None)
         task.scatter(mean, region, est)
     return mean
+
+
+def probe_cosine(est: torch.Tensor, truth: torch.Tensor, lengths: tuple[int, ...] | list[int],
+                 scale: torch.Tensor | None) -> float:
+    """Cosine of a region's reduced estimate against its FP32 mean on the hook's probe sample (every
+    k-th element of each parameter, at most 512 of them), divided by the optimizer's sqrt(v) + eps where
+    it keeps one: the number the runtime's fidelity probe compares with `Health.min_fidelity_cosine`."""
+    layout = sample_layout(tuple(lengths), est.device)
+    e, t = sample(est, layout), sample(truth, layout)
+    if scale is not None:
+        w = sample(scale, layout)
+        e, t = e / w, t / w
+    den = float(torch.linalg.vector_norm(e) * torch.linalg.vector_norm(t))
+    return float(torch.dot(e, t)) / den if den > 0 else 1.0
 
 
 def quantization_scale(task: Task, region: str) -> torch.Tensor | None:
@@ -219,14 +243,16 @@ class TrialResult:
         return sum(self.train_loss[-k:]) / k
 
 
-def train_delta(losses: list[float], base: list[float]) -> float:
-    """Relative training-loss increase over the second half of `losses`, against `base` on the same steps."""
+def train_delta(losses: list[float], base: list[float], floor: float = 0.0) -> float:
+    """Relative training-loss increase over the second half of `losses`, against `base` on the same steps
+    (relative to at least `floor`: a classifier's training loss near zero makes any wobble a large ratio)."""
     n = len(losses)
     k = max(1, n // 2)
     ours, theirs = sum(losses[n - k : n]) / k, sum(base[n - k : n]) / k
     if not math.isfinite(ours):
         return math.inf
-    return (ours - theirs) / theirs if theirs else math.nan
+    d = max(theirs, floor)
+    return (ours - theirs) / d if d else math.nan
 
 
 def run_trial(
@@ -243,13 +269,15 @@ def run_trial(
     base: TrialResult | None = None,
     stop_above: float | None = None,
     evaluate: bool = True,
+    floor: float = 0.0,
 ) -> TrialResult:
     """K steps from `ckpt` with `routes` (region -> route; others FP32); restores nothing after.
     Without `evaluate` the held-out loss is not measured (nan): a capture needs only the gradients.
 
     Early stop: with `base` (the FP32 continuation) and `stop_above`, a trial whose training
     loss over its last quarter of steps is already more than `stop_above` above the base's
-    (from half-way on) ends there: it would fail its tolerance anyway.
+    (from half-way on) ends there: it would fail its tolerance anyway (relative to at least `floor`,
+    as `train_delta` judges it).
     """
     task.restore(ckpt)
     w = task.cfg.world_size
@@ -273,7 +301,7 @@ def run_trial(
             window = max(2, steps // 4)
             ours = sum(losses[done - window : done]) / window
             theirs = sum(base.train_loss[done - window : done]) / window
-            if theirs > 0 and (ours - theirs) / theirs > stop_above:
+            if theirs > 0 and (ours - theirs) / max(theirs, floor) > stop_above:
                 return TrialResult(task.eval_loss(), losses, captured, stopped_early=True)
     if not evaluate:
         return TrialResult(math.nan, losses, captured)
@@ -311,6 +339,8 @@ class ScheduleRun:
     eval_loss: dict[int, float] = field(default_factory=dict)
     saved: dict[int, tuple[dict, Residuals]] = field(default_factory=dict)
     """Step -> (model/optimizer state, residuals) before that step, for restarting there."""
+    probe: dict[int, float] = field(default_factory=dict)
+    """Step -> the lowest `probe_cosine` of its lossy regions (steps with one)."""
     stopped_at: int | None = None
     """Set when `abort` ended the run early (the step after the last eval)."""
 
@@ -355,7 +385,11 @@ def run_schedule(
                 run.stopped_at = step
                 return run
         grads, _ = task.rank_grads(step)
-        mean = reduce_step(task, grads, segment_at(segments, step), step_generators(seed, step, w), residuals)
+        probe: dict[str, float] = {}
+        mean = reduce_step(task, grads, segment_at(segments, step), step_generators(seed, step, w), residuals,
+                           probe)
+        if probe:
+            run.probe[step] = min(probe.values())
         task.apply(mean, step)
         if tick:
             tick()

@@ -59,6 +59,7 @@ from typing import Any
 
 import pandas as pd
 
+from nfab.calibrate.fit import loss_tolerance
 from nfab.calibrate.search import Tolerances, replay_ok
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import Reference, Residuals, Segment, Tick, eval_points, run_schedule
@@ -145,6 +146,9 @@ class Validation:
     """The gap the verdict and the in-flight trigger allow (`judged_tolerance`; nan: not set yet)."""
     stopped: str = ""
     """Why tightening ended without passing (`rounds`, `budget`, `nothing to tighten`), empty when it passed."""
+    probe_min: float = math.nan
+    """The lowest per-step probe cosine (`trajectory.probe_cosine`) of any lossy region along the run as
+    it finally stands: what the hook's fidelity probe read on the validated profile (nan: no lossy step)."""
 
     @property
     def judged_by(self) -> str:
@@ -169,6 +173,7 @@ class Validation:
             "stopped": self.stopped or None, "noise": _json_num(self.noise),
             "resolution": _json_num(self.resolution), "resolved": _json_num(self.resolved),
             "judged_tolerance": _json_num(self.judged), "judged_by": self.judged_by,
+            "probe_min": _json_num(self.probe_min),
             "rounds": [{**dataclasses.asdict(r), "gap": _json_num(r.gap), "seconds": round(r.seconds, 2)}
                        for r in self.rounds],
             "eval_steps": self.eval_steps,
@@ -246,6 +251,7 @@ def validate_profile(
     # before the first lossy step the profile *is* the reference: its evals and checkpoints
     val: dict[int, float] = {s: v for s, v in ref.eval_loss.items() if s <= start}
     saved: dict[int, tuple[dict, Residuals]] = {s: (c, Residuals()) for s, c in ref.checkpoints.items() if s <= start}
+    probe: dict[int, float] = {}
     used, inflight = 0, True
     while True:
         segments = segments_of(profile, steps)
@@ -258,6 +264,7 @@ def validate_profile(
         seconds = time.perf_counter() - t0
         used += (run.stopped_at or steps) - start
         val = {s: v for s, v in val.items() if s <= start} | run.eval_loss
+        probe = {s: v for s, v in probe.items() if s < start} | run.probe
         saved = {s: v for s, v in saved.items() if s <= start} | {s: v for s, v in run.saved.items() if s > start}
         stop = run.stopped_at
         if stop is not None and math.isfinite(val[stop]):  # tighten from here on and carry on
@@ -290,6 +297,7 @@ def validate_profile(
             break
         result.rounds[-1] = dataclasses.replace(result.rounds[-1], change=text)
         start, inflight = restart, True
+    result.probe_min = min(probe.values(), default=math.nan)
     result.reference_eval = [ref.eval_loss[s] for s in result.eval_steps]
     result.profile_eval = [val.get(s, math.nan) for s in result.eval_steps]
     evidence = {**profile.evidence, "validation": result.to_evidence()}
@@ -428,7 +436,7 @@ def _finer(rows: pd.DataFrame, old: str, tol: Tolerances) -> dict[str, Any] | No
         if cos_now is not None and (cos is None or cos < cos_now):
             continue
         delta, train = _f(r.get("loss_delta")), _f(r.get("train_loss_delta"))
-        if int(r.get("trial_steps") or 0) > 0 and ((delta is not None and delta > tol.loss)
+        if int(r.get("trial_steps") or 0) > 0 and ((delta is not None and delta > loss_tolerance(r, tol.loss))
                                                    or (train is not None and train > tol.loss)):
             continue  # a trial already rejected it
         if best is None or b < best[0]:

@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
             "bench/study"),
         settings: Annotated[str | None, typer.Option(
             help="Comma-separated subset of resnet18,gpt,heldout,heldout2,heldout3,heldout-w8,heldout-w8c,"
-                 "heldout-600 (default: all).", show_default=False)] = None,
+                 "heldout-600,recipe-gpt,recipe-vit,recipe-cnn (default: all).", show_default=False)] = None,
         variants: Annotated[str | None, typer.Option(
             help="Comma-separated subset of fp32,bf16,fp16,powersgd-r2,powersgd-r8,sign,sign-ef,bq3,bl6,bl5,bq2,bq2-nm,"
                  "bl5-nm,profile,profile-nm (default: all).",

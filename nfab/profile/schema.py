@@ -132,8 +132,10 @@ class Health(FrozenModel):
     `probe_every` times this (probes are control, and control must stay a small share of the
     bytes compression saves)."""
     probe_budget: float = Field(0.05, ge=0)
-    """Regular probes pause while the run's probe bytes exceed this share of the other bytes sent
-    so far (0: no cap). Early dense probes and shadow windows are safety, not budgeted."""
+    """The run's probe bytes stay within this share of the other bytes it sends (0: no cap). Regular
+    probes pause while one more would exceed it so far; early dense and probation probes may borrow
+    against the bytes the rest of the run will send (runtime/control/probes.py). An alarm's shadow
+    window is not budgeted: its samples are counted apart (`StepStats.shadow_wire_bytes`)."""
     drift_demote_after: int = Field(20, ge=0)
     """Steps before the drift monitor may demote a route to FP32, except in a region whose error
     feedback it already switched off (a confirmed suspect); switching error feedback off (no

@@ -45,6 +45,8 @@ class RuntimeState:
         self.controller = Controller(profile, route_world_size or world_size, cost_model, explicit=explicit,
                                      total_steps=total_steps)
         self.health = health_mod.HealthState()
+        self.horizon = total_steps
+        """The run's length when the user gave it: what early dense probes may borrow against (probes.py)."""
         self.step = 0
         self.history: deque[StepStats] = deque(maxlen=HISTORY_STEPS)
         self.events: list[health_mod.HealthEvent] = []
@@ -71,7 +73,7 @@ class RuntimeState:
         if self._probing is None or self._probing[0] != self.step:
             lossy = self.controller.model_lossy(phase, self.regions)
             self._probing = (self.step, probes.probe_regions(self.step, self.profile.health, self.health, lossy,
-                                                             dense=dense, watch_all=watch_all))
+                                                             dense=dense, watch_all=watch_all, horizon=self.horizon))
         return self._probing[1]
 
     def observe_health(self, st: StepStats, lossy: frozenset[str], fidelity: Mapping[str, RegionFidelity],

@@ -19,7 +19,11 @@ class StepStats:
     (2 bytes per element for a bf16/fp16 bucket): the base every compression ratio uses."""
     probe_wire_bytes: int = 0
     """Of `wire_bytes`: the fidelity probes' FP32 samples (reported apart: control must stay a
-    small share of what compression saves; `Health.probe_budget`)."""
+    small share of what compression saves; `Health.probe_budget`). A shadow window's are not here
+    but in `shadow_wire_bytes`."""
+    shadow_wire_bytes: int = 0
+    """Of `wire_bytes`: the FP32 samples of an alarm's shadow window (every lossy region probed;
+    not charged to the probe budget: an alarm's own cost)."""
     intra_node_bytes: int = 0
     """Of `wire_bytes`: the two-level path's node-local reduce-scatter + all-gather (the fast
     link; 0 without a hierarchy)."""

@@ -336,5 +336,6 @@ def _step_row(runtime: Runtime | ShardedRuntime | None, step: int, lr: float, pl
                     hook_time_s=st.hook_time_s, collectives=st.collectives,
                     scale_rounds=st.scale_rounds, saturated_slices=st.saturated_slices, events="; ".join(st.events),
                     intra_node_bytes=st.intra_node_bytes, inter_node_bytes=st.inter_node_bytes,
-                    probe_wire_bytes=st.probe_wire_bytes, cost_gated=st.cost_gated, shadow=st.shadow,
+                    probe_wire_bytes=st.probe_wire_bytes, shadow_wire_bytes=st.shadow_wire_bytes,
+                    cost_gated=st.cost_gated, shadow=st.shadow,
                     alarms=st.alarms, false_alarms=st.false_alarms)

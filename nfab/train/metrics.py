@@ -31,6 +31,7 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("intra_node_bytes", pa.int64()),
     ("inter_node_bytes", pa.int64()),
     ("probe_wire_bytes", pa.int64()),
+    ("shadow_wire_bytes", pa.int64()),
     ("route_mix", pa.string()),
     ("fallback", pa.bool_()),
     ("fallback_reason", pa.string()),
@@ -55,7 +56,8 @@ NAN = float("nan")
 
 
 _COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0, "region_cosine": "{}",
-                    "intra_node_bytes": 0, "inter_node_bytes": 0, "probe_wire_bytes": 0, "cost_gated": False,
+                    "intra_node_bytes": 0, "inter_node_bytes": 0, "probe_wire_bytes": 0, "shadow_wire_bytes": 0,
+                    "cost_gated": False,
                     "shadow": False, "alarms": 0, "false_alarms": 0}
 
 
@@ -87,6 +89,7 @@ def make_row(
     step_time_s: float = 0.0,
     events: str = "",
     probe_wire_bytes: int = 0,
+    shadow_wire_bytes: int = 0,
     cost_gated: bool = False,
     shadow: bool = False,
     alarms: int = 0,
@@ -99,7 +102,8 @@ def make_row(
         "intra_node_bytes": int(intra_node_bytes), "inter_node_bytes": int(inter_node_bytes),
         "route_mix": json.dumps(route_mix, sort_keys=True), "fallback": bool(fallback),
         "fallback_reason": fallback_reason or "", "skipped": bool(skipped),
-        "probe_wire_bytes": int(probe_wire_bytes), "cost_gated": bool(cost_gated), "shadow": bool(shadow),
+        "probe_wire_bytes": int(probe_wire_bytes), "shadow_wire_bytes": int(shadow_wire_bytes),
+        "cost_gated": bool(cost_gated), "shadow": bool(shadow),
         "alarms": int(alarms), "false_alarms": int(false_alarms),  # run totals so far
         "fidelity_cosine": _nan(fidelity_cosine),
         "region_cosine": json.dumps(region_cosine or {}, sort_keys=True),  # drift monitor's per-region probe
@@ -125,6 +129,7 @@ class Totals:
     intra_node_bytes: int = 0
     inter_node_bytes: int = 0
     probe_wire_bytes: int = 0
+    shadow_wire_bytes: int = 0
     fallback_steps: int = 0
     skipped_steps: int = 0
     cost_gated_steps: int = 0
@@ -141,6 +146,7 @@ class Totals:
             t.intra_node_bytes += r.get("intra_node_bytes", 0)
             t.inter_node_bytes += r.get("inter_node_bytes", 0)
             t.probe_wire_bytes += r.get("probe_wire_bytes", 0)
+            t.shadow_wire_bytes += r.get("shadow_wire_bytes", 0)
             t.cost_gated_steps += bool(r.get("cost_gated", False))
             t.alarms, t.false_alarms = r.get("alarms", 0), r.get("false_alarms", 0)  # running totals
             t.fallback_steps += bool(r["fallback"])
@@ -174,6 +180,7 @@ def write_summary(path: str | Path, identity: dict[str, Any], rows: list[dict[st
         "intra_node_bytes_total": t.intra_node_bytes,
         "inter_node_bytes_total": t.inter_node_bytes,
         "probe_wire_bytes_total": t.probe_wire_bytes,
+        "shadow_wire_bytes_total": t.shadow_wire_bytes,
         "fallback_steps": t.fallback_steps,
         "skipped_steps": t.skipped_steps,
         "cost_gated_steps": t.cost_gated_steps,

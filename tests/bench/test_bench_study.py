@@ -1,6 +1,7 @@
 """`nfab bench study`: every variant in a user's loop, verdicts, and docs generated from the JSON."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from nfab.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb",
-            "fp32_mb", "ratio", "fallback_steps", "probe_mb", "alarms", "false_alarms", "health_events", "wall_s",
+            "fp32_mb", "ratio", "fallback_steps", "probe_mb", "shadow_mb", "alarms", "false_alarms", "health_events",
+            "wall_s",
             "train_losses", "error"}
 
 
@@ -179,3 +181,17 @@ def test_every_profile_variant_reports_a_missing_profile(tmp_path: Path) -> None
     rows = run_variants(setting, ("profile", "profile-nm"), seed=3, root=tmp_path)
     assert [(r.variant, r.ok, r.seed) for r in rows] == [("profile", False, 3), ("profile-nm", False, 3)]
     assert all("profile no/such/profile.json not found" in r.error for r in rows)
+
+
+def test_a_classifier_loss_verdict_allows_one_held_out_predictions_worth() -> None:
+    rows = [{"variant": "fp32", "eval_loss": 0.0131, "ratio": 1.0},
+            {"variant": "profile", "eval_loss": 0.0165, "ratio": 9.5}]  # +26%, +0.0034 nats
+    doc = _doc(rows)
+    (v,) = study.judge(doc)
+    assert not v["quality_ok"]  # judged at 1%
+    doc["settings"]["s"].update(classes=10, eval_samples=360)  # one of 360 digits: ln(10)/360 = 0.0064 nats
+    (v,) = study.judge(doc)
+    assert v["quality_ok"] and v["judged_at"] == pytest.approx(math.log(10) / 360 / 0.0131)
+    doc["rows"][1]["eval_loss"] = 0.0200  # +0.0069 nats: more than one digit's worth
+    (v,) = study.judge(doc)
+    assert not v["quality_ok"]

@@ -7,6 +7,7 @@ from nfab.calibrate.budget import (
     TRIAL_SHARE,
     VALIDATION_STEP_COST,
     trial_allowance,
+    trial_allowed,
     validation_allowance,
 )
 
@@ -23,3 +24,14 @@ def test_validation_gets_what_the_rest_left() -> None:
     assert full == int((3.0 - 1.0 - REPLAY_SHARE) * 300 / VALIDATION_STEP_COST)
     assert full >= 300  # one whole validation round always fits the default budget
     assert validation_allowance(300, 90) < full and validation_allowance(300, 10_000) == 0
+
+
+def test_every_phase_gets_two_trials_whatever_the_share() -> None:
+    # a 100-step calibration: the share (30 steps) holds one 20-step trial for four phases
+    def allowed(phase: int, used: int, trials: int) -> bool:
+        return trial_allowed(100, 20, phase, 4, used=used, phase_trials=trials)
+
+    assert allowed(3, used=200, trials=0)  # the phase's first trial, whatever was spent
+    assert allowed(3, used=200, trials=1)  # and the bisection's second step
+    assert not allowed(3, used=200, trials=2)  # past that, only the share decides
+    assert allowed(3, used=0, trials=2)  # the share still has room

@@ -114,6 +114,18 @@ def test_a_trial_must_not_hurt_the_training_loss_either() -> None:
     assert p.phases[0].routes["conv"] == "q8"
 
 
+def test_a_held_out_delta_is_judged_down_to_one_held_out_prediction() -> None:
+    t = table()
+    p1_sign = (t["phase"] == "p1-trend") & (t["route"] == "sign") & ~t["error_feedback"].astype(bool)
+    t.loc[p1_sign, "loss_delta"] = 0.04  # above the 2% tolerance ...
+    assert fit_profile(t, tol_cosine=0.3, tol_loss=0.02).phases[1].routes["conv"] == "q8"
+    t["loss_resolved"] = math.nan
+    t.loc[p1_sign, "loss_resolved"] = 0.05  # ... but under what one held-out prediction moves
+    assert fit_profile(t, tol_cosine=0.3, tol_loss=0.02).phases[1].routes["conv"] == "sign"
+    t.loc[p1_sign, "loss_resolved"] = 0.01  # a finer resolution leaves the tolerance in charge
+    assert fit_profile(t, tol_cosine=0.3, tol_loss=0.02).phases[1].routes["conv"] == "q8"
+
+
 def test_under_adamw_replay_fidelity_decides_without_trials() -> None:
     # sign passed its short trial (p0, EF on) but its replay cosine 0.6 is under the adaptive bar;
     # q8 at cosine 0.98 passes on replay alone, as a route without a trial would

@@ -8,7 +8,7 @@ import torch
 
 from nfab.calibrate import make_config
 from nfab.calibrate.task import Task
-from nfab.calibrate.trajectory import checkpoint_grid, phase_points, run_reference, run_trial
+from nfab.calibrate.trajectory import checkpoint_grid, phase_points, probe_cosine, run_reference, run_trial
 
 
 def tiny(model: str = "resnet18", **over) -> Task:
@@ -109,3 +109,19 @@ def test_noise_moment_trial_corrects_v_as_the_hook_does() -> None:
     floored = v1 - k * var < torch.minimum(v1, floor)
     assert 0 < int(floored.sum()) < floored.numel()  # both branches: corrected, and held at the floor
     torch.testing.assert_close(v[0] - v[1], expect, rtol=1e-4, atol=1e-12)
+
+
+def test_probe_cosine_reads_the_hooks_strided_sample_in_the_optimizers_space() -> None:
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(3000, generator=g)
+    est = truth + torch.randn(3000, generator=g)
+    lengths = [2000, 1000]  # every 4th element of the first parameter (500), every 2nd of the second (500)
+    idx = torch.cat([torch.arange(0, 2000, 4), 2000 + torch.arange(0, 1000, 2)])
+    scale = torch.rand(3000, generator=g) + 0.5
+
+    def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+    assert math.isclose(probe_cosine(est, truth, lengths, None), cos(est[idx], truth[idx]), rel_tol=1e-5)
+    assert math.isclose(probe_cosine(est, truth, lengths, scale),
+                        cos(est[idx] / scale[idx], truth[idx] / scale[idx]), rel_tol=1e-5)

@@ -4,8 +4,9 @@ import torch
 
 from nfab.profile.schema import Health
 from nfab.runtime.control.fidelity import fold_probes, probe_mask, read_params, sample_layout
-from nfab.runtime.control.health import HealthState
+from nfab.runtime.control.health import HealthState, observe
 from nfab.runtime.control.probes import probe_interval, probe_regions
+from nfab.runtime.stats import StepStats
 
 CFG = Health(probe_every=10, dense_probe_steps=4, probe_spacing_max=4)
 LOSSY = ("embedding", "linear", "norm")
@@ -50,10 +51,39 @@ def test_a_masked_layout_samples_only_its_regions_and_the_fold_skips_the_rest():
     assert set(params) == {"b"} and set(regions) == {"norm"} and cosine == 1.0
 
 
-def test_regular_probes_pause_over_budget_but_shadows_and_dense_probes_do_not():
-    st = HealthState(probe_bytes=60, sent_bytes=1060)  # 60 probe bytes over 1000 others: 6% > 5%
+def test_regular_probes_pause_over_budget_dense_ones_borrow_against_the_run_shadows_never_pause():
+    st = HealthState(probe_bytes=60, sent_bytes=1060, steps_seen=10)  # 60 probe bytes over 1000 others: 6% > 5%
     assert probe_regions(10, CFG, st, LOSSY, dense=True) == frozenset()
-    assert probe_regions(2, CFG, st, LOSSY, dense=True) == {"norm"}
+    assert probe_regions(2, CFG, st, LOSSY, dense=True) == {"norm"}  # no run length: nothing to borrow against
+    # over a 300-step run of ~100 other bytes a step, 60 is within half of its 1,500-byte budget
+    assert probe_regions(2, CFG, st, LOSSY, dense=True, horizon=300) == {"norm"}
+    assert probe_regions(2, CFG, HealthState(probe_bytes=800, sent_bytes=1800, steps_seen=10), LOSSY,
+                         dense=True, horizon=300) == frozenset()
     st.shadow_until = 11
     assert probe_regions(10, CFG, st, LOSSY, dense=True) == set(LOSSY)
     assert probe_regions(10, CFG, HealthState(probe_bytes=40, sent_bytes=1040), LOSSY, dense=False) == {"linear"}
+    # the next probe is estimated by the last one: 40 + 20 would pass 5% of 1,000
+    assert probe_regions(10, CFG, HealthState(probe_bytes=40, sent_bytes=1040, last_probe_bytes=20), LOSSY,
+                         dense=False) == frozenset()
+
+
+def test_the_probe_budget_holds_over_a_run_and_shadows_are_counted_apart():
+    """300 steps of 1,000 compressed bytes; a probe of one region costs 1,500 (a small model's 512-element
+    samples outweigh its low-bit payload), so 20 unbudgeted dense probes alone would be 10% of the run.
+    An alarm's 3-step shadow probes all three regions."""
+    cfg = Health(probe_every=10, dense_probe_steps=20, probe_spacing_max=4, warmup_steps=1000)
+    st, steps, per_region, probed = HealthState(), 300, 1_500, []
+    for t in range(steps):
+        if t == 151:
+            st.shadow_until = 154  # an alarm at step 150's fold: steps 151-153 shadow every region
+        regions = probe_regions(t, cfg, st, LOSSY, dense=True, horizon=steps)
+        probed.append(bool(regions))
+        stats = StepStats(step=t, phase="p0", wire_bytes=1_000 + per_region * len(regions),
+                          probe_wire_bytes=per_region * len(regions), grad_norm=1.0, loss=1.0)
+        observe(st, cfg, stats, {}, regions, frozenset(LOSSY), frozenset())
+        assert stats.shadow == (151 <= t < 154) and (stats.shadow_wire_bytes > 0) == stats.shadow
+    other = st.sent_bytes - st.probe_bytes - st.shadow_bytes
+    assert other == 1_000 * steps and st.shadow_bytes == 3 * 3 * per_region
+    assert st.probe_bytes <= cfg.probe_budget * other  # 5% of the compressed bytes, over the run
+    assert probed[0] and sum(probed[:20]) >= 3  # early safety probes still ran
+    assert sum(probed[160:]) >= 2  # and regular ones once the run had earned them back

@@ -109,7 +109,16 @@ class HealthState:
     """The step of the last health event (probes space out the longer the run stays quiet)."""
     probe_bytes: int = 0
     sent_bytes: int = 0
-    """Probe bytes and all bytes this rank sent so far (the same on every rank): `Health.probe_budget`."""
+    """Probe bytes (shadow windows' apart) and all bytes this rank sent so far (the same on every
+    rank): `Health.probe_budget`."""
+    shadow_bytes: int = 0
+    """Bytes of the shadow windows' probes so far (an alarm's cost, not charged to the probe budget)."""
+    last_probe_bytes: int = 0
+    """Bytes of the latest budgeted probe: the estimate of the next one's (control/probes.py)."""
+
+    def other_bytes(self) -> int:
+        """Bytes sent so far that were neither probes nor shadow windows' samples: the budget's base."""
+        return self.sent_bytes - self.probe_bytes - self.shadow_bytes
 
     def demoted(self) -> frozenset[str]:
         return frozenset(self.demoted_at)
@@ -132,7 +141,7 @@ class HealthState:
             "ef_off": sorted(self.ef_off),
             "probation_until": self.probation_until,
             "shadow": [self.shadow_until, self.shadow_needed, self.alarms, self.false_alarms, self.quiet_since],
-            "bytes": [self.probe_bytes, self.sent_bytes],
+            "bytes": [self.probe_bytes, self.sent_bytes, self.shadow_bytes, self.last_probe_bytes],
         }
 
     @classmethod
@@ -214,10 +223,15 @@ def observe(state: HealthState, cfg: Health, st: StepStats, fidelity: Mapping[st
     obs = Observation(st.step, st.loss, st.grad_norm, st.skipped, st.fidelity_cosine,
                       probe_regions if st.fidelity_cosine is not None else frozenset(), fidelity)
     st.shadow = st.step < state.shadow_until  # this step's probe was a shadow's (decided before this fold)
+    if st.shadow:  # an alarm's cost, counted apart from the budgeted probes (control/probes.py)
+        st.shadow_wire_bytes, st.probe_wire_bytes = st.shadow_wire_bytes + st.probe_wire_bytes, 0
     events = update(state, cfg, obs, lossy, with_ef)
     st.alarms, st.false_alarms = state.alarms, state.false_alarms
     state.probe_bytes += st.probe_wire_bytes
+    state.shadow_bytes += st.shadow_wire_bytes
     state.sent_bytes += st.wire_bytes
+    if st.probe_wire_bytes:
+        state.last_probe_bytes = st.probe_wire_bytes
     for e in events:
         log.info("step %d %s (%s) regions=%s", e.step, e.kind, e.reason, ",".join(e.regions))
     return events

@@ -184,11 +184,18 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     # a whole-bucket group works on the bucket itself: it is overwritten by the result
     x = buffer if group.whole else gather_slices(buffer, group)
     mask = fidelity.probe_mask([s.region for s in group.slices], ctx.probing) if ctx.probing else None
-    if mask is not None:
-        # before EF; per parameter, so a parameter's sample does not depend on its bucket
+    # per parameter, so a parameter's sample does not depend on its bucket. Before EF where the probe
+    # reads in the optimizer's preconditioned space (the drift monitor's truth is the gradient itself:
+    # stale residuals under Adam are what it must see); after EF where it reads plain cosines (SGD):
+    # there it asks whether the route sent what it was given, and a step's gradient alone, small late
+    # in a run beside the error it carries, read 0.04-0.15 on a healthy bq2 + EF (the CNN recipe)
+    after_ef = mask is not None and ctx.error_feedback and _weights(ctx, group, x) is None
+    if mask is not None and not after_ef:
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device, mask)))
     if ctx.error_feedback:
         add_residuals(ctx.residuals, x, group, ctx.ef_off)
+    if after_ef:
+        probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device, mask)))
     raw, weights, local, shared = x, None, None, None
     if isinstance(red, BlockQSum):  # one uint8 scale code per block, always agreed (exact)
         weights = _weights(ctx, group, x)
