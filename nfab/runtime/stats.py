@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 
 
@@ -78,6 +79,13 @@ class StepStats:
         """Fraction of gradient elements per route."""
         total = sum(self.route_elements.values()) or 1
         return {k: v / total for k, v in sorted(self.route_elements.items())}
+
+    def flag_fallbacks(self, whys: Collection[str]) -> None:
+        """Set `fallback` and `cost_gated` from the step's fallback reasons, one rule for both front ends:
+        `fallback` flags a safety event (health, capacity, a non-finite or skipped step); the cost gate's
+        steady routing to FP32 where compression does not pay is `cost_gated`, and named in the reason only."""
+        self.fallback = self.skipped or any(why != "cost" for why in whys)
+        self.cost_gated = "cost" in whys
 
     def to_row(self) -> dict:
         """A flat row for metrics tables (route_mix as a JSON string)."""

@@ -49,10 +49,7 @@ class Folded:
             st.events.append(f"{e.kind}:{e.reason}:{','.join(e.regions)}")
             if e.kind == "fallback":
                 self.reasons.setdefault(e.reason, set()).update(e.regions)
-        # `fallback` flags a safety event (health, capacity, non-finite); the cost gate's
-        # steady routing to FP32 where compression does not pay is named in the reason only
-        st.fallback = any(why != "cost" for why in self.reasons)
-        st.cost_gated = "cost" in self.reasons
+        st.flag_fallbacks(self.reasons.keys())
         st.fallback_reason = "; ".join(
             f"{why}({','.join(sorted(regs))})" if regs else why for why, regs in sorted(self.reasons.items()))
 

@@ -303,13 +303,10 @@ class ShardedRuntime(RuntimeState):
         for r in records:
             for k, v in r.elements.items():
                 st.route_elements[k] = st.route_elements.get(k, 0) + v
-        whys = {why for r in records for why, _ in r.fallbacks}
         reasons = sorted({f"{why}({region})" for r in records for why, region in r.fallbacks})
-        # as on DDP (core/fold.py): the cost gate's routing to FP32 is no safety event
-        st.fallback = bool(whys - {"cost"}) or skipped
-        st.cost_gated = "cost" in whys
         st.fallback_reason = "; ".join(reasons)
         st.skipped = skipped
+        st.flag_fallbacks({why for r in records for why, _ in r.fallbacks})
         st.grad_norm = 0.0 if skipped else float(math.sqrt(per_rank_sq.mean()))
         st.loss = float(first_loss.mean()) if np.isfinite(first_loss).all() else None
         st.buckets = len(records)
