@@ -45,6 +45,26 @@ def print_report(doc: dict[str, Any]) -> None:
                   "× = time to target of the base / the variant's (>1: sooner)", highlight=False)
 
 
+def print_over_seeds(doc: dict[str, Any]) -> None:
+    """Per variant over the seeds: reached k of n, median time to target, median speed-ups."""
+    over = doc["over_seeds"]
+    bases = [b for b in ("fp32", "bf16", "powersgd") if b in over]
+    table = Table(title=f"over seeds {', '.join(map(str, doc['seeds']))}: each seed against its own FP32 target")
+    for col in ("variant", "reached", "median time to target s", *(f"median × {b}" for b in bases)):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for name, v in over.items():
+        t = v["median_time_to_target_s"]
+        cells = []
+        for b in bases:
+            x = v.get(f"median_speedup_vs_{b}")
+            cells.append("" if b == name else "unbounded" if v.get(f"median_speedup_vs_{b}_unbounded")
+                         else "-" if x is None else f"{x:.2f}x")
+        table.add_row(name, f"{v['reached']} / {v['runs']}", "never" if t is None else f"{t:.1f}", *cells)
+    console.print(table)
+    console.print("a seed that never reached its target counts as slower than any that did (0x against a base "
+                  "that did)", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("tta")
     def bench_tta(
@@ -64,12 +84,15 @@ def register(app: typer.Typer) -> None:
         world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks (W).")] = 2,
         cost_model: Annotated[str, typer.Option(
             "--cost-model", help="nfab: measure (at attach) or none (decide by bytes).")] = "measure",
+        seeds: Annotated[str | None, typer.Option(
+            "--seeds", help="Run once per seed (0,1,2 or 0-4; default: the config's seed) and summarise over them.")
+        ] = None,
         json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
         overrides: Annotated[list[str] | None, typer.Argument(
             help="key=value overrides on the model's training config (optim.lr=0.1).")] = None,
     ) -> None:
         """Time to FP32's final validation loss: FP32, bf16 and PowerSGD DDP and nfab's profile, side by side."""
-        from nfab.bench import netns, tta
+        from nfab.bench import netns, tta, ttaseeds
         from nfab.bench import step as step_mod
         from nfab.config.shipped import resolve_profile
         from nfab.profile.schema import Profile
@@ -85,14 +108,24 @@ def register(app: typer.Typer) -> None:
             kw: dict[str, Any] = {}
             if variants is not None:
                 kw["variants"] = tuple(v.strip() for v in variants.split(",") if v.strip())
-            cfg = tta.TtaConfig(model=model, overrides=tuple(overrides or ()), steps=steps, eval_every=eval_every,
-                                world_size=world_size, link=link, cost_model=cost_model, profile=prof,
-                                profile_source=source, **kw)
+            seed_list = () if seeds is None else ttaseeds.parse_seeds(seeds)
+            user = tuple(overrides or ())
+            cfgs = [tta.TtaConfig(model=model, overrides=(*user, *((f"seed={s}",) if seeds is not None else ())),
+                                  steps=steps, eval_every=eval_every, world_size=world_size, link=link,
+                                  cost_model=cost_model, profile=prof, profile_source=source, **kw)
+                    for s in (seed_list or (None,))]
         except NfabError as exc:
             fail(str(exc))
-        console.print(f"nfab bench tta: {', '.join(cfg.variants)}; profile: {source}", highlight=False)
-        doc = tta.report(cfg, tta.run(cfg), command=shlex.join(["nfab", *sys.argv[1:]]))
-        print_report(doc)
+        command = shlex.join(["nfab", *sys.argv[1:]])
+        console.print(f"nfab bench tta: {', '.join(cfgs[0].variants)}; profile: {source}"
+                      + (f"; seeds {', '.join(map(str, seed_list))}" if seed_list else ""), highlight=False)
+        docs = []
+        for cfg in cfgs:
+            docs.append(tta.report(cfg, tta.run(cfg), command=command))
+            print_report(docs[-1])
+        doc = docs[0] if len(docs) == 1 else ttaseeds.seeds_document(seed_list, docs, command=command)
+        if len(docs) > 1:
+            print_over_seeds(doc)
         if json_path is not None:
             tta.write_json(json_path, doc)
             console.print(f"wrote {json_path}")

@@ -18,7 +18,7 @@ from nfab.report.discover import discover
 from nfab.report.html import render_html
 from nfab.report.model import CalibrationView, Report, TtaView
 from nfab.report.tables import calibration_notes, calibration_table, comparison_table, run_table
-from nfab.report.tta import tta_plot, tta_table
+from nfab.report.tta import seeds_table, tta_plot, tta_table
 
 
 def _slug(name: str) -> str:
@@ -55,6 +55,11 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
                                      heatmap=heatmap, notes=calibration_notes(cal)))
     ttas = []
     for tta in inputs.ttas:
+        if tta.over_seeds is not None:
+            base = tta.name.rsplit(" seed ", 1)[0]
+            ttas.append(TtaView(name=f"{base}, over seeds", target_loss=None, table=seeds_table(tta.over_seeds),
+                                plot=None, note=f"{tta.model} on a {tta.link} link; each seed against its own "
+                                "FP32 target; a seed that never reached it counts as slower than any that did"))
         plot = f"tta_{_slug(tta.name)}.png"
         written.append(atomic_write_bytes(out / plot, tta_plot(tta)))
         ttas.append(TtaView(name=tta.name, target_loss=tta.target_loss, table=tta_table(tta), plot=plot,

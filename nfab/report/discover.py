@@ -27,7 +27,7 @@ from nfab.report.artifacts import (
     load_calibration,
     load_run,
 )
-from nfab.report.tta import TtaArtifact, is_tta, load_tta
+from nfab.report.tta import TtaArtifact, is_tta, load_ttas
 
 _RUN_FILES = (SUMMARY_FILE, METRICS_FILE)
 _CALIBRATION_FILES = (CALIBRATION_FILE, PROFILE_FILE)
@@ -104,7 +104,7 @@ def discover(args: Iterable[str]) -> Inputs:
         if kind == "run":
             runs.append(load_run(path, name))
         elif kind == "tta":
-            ttas.append(load_tta(path, name.removesuffix(".json")))
+            ttas.extend(load_ttas(path, name.removesuffix(".json")))
         else:
             calibrations.append(load_calibration(path, name))
     return Inputs(runs=tuple(runs), calibrations=tuple(calibrations), ttas=tuple(ttas))

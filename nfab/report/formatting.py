@@ -23,6 +23,9 @@ HEADERS = {
     "variant": "variant", "time_to_target_s": "time to target s", "steps_to_target": "steps to target",
     "speedup_vs_fp32": "sooner than FP32", "speedup_vs_bf16": "sooner than bf16", "final_loss": "final loss",
     "wire_mb_to_target": "wire MB to target",
+    "reached": "seeds that reached the target", "median_time_to_target_s": "median time to target s",
+    "median_speedup_vs_fp32": "median sooner than FP32", "median_speedup_vs_bf16": "median sooner than bf16",
+    "median_speedup_vs_powersgd": "median sooner than PowerSGD",
 }
 
 
@@ -61,6 +64,7 @@ _FORMATS: dict[str, Callable[[object], str]] = {
     "final_loss": _number(".4f"),
     "wire_mb_to_target": _number(".1f"),
 }
+_FORMATS["median_time_to_target_s"] = _FORMATS["time_to_target_s"]
 
 
 def header(column: str) -> str:

@@ -72,7 +72,8 @@ def render_html(report: Report) -> str:
         parts.append(f"<h2>Time to accuracy: {escape(tta.name)}</h2>")
         parts.append(table_html(tta.table, list(tta.table.columns)))
         parts.append(f"<p class='note'>{escape(tta.note)}</p>")
-        parts.append(_figure(f"{tta.name}: validation loss against training wall time", tta.plot))
+        if tta.plot is not None:
+            parts.append(_figure(f"{tta.name}: validation loss against training wall time", tta.plot))
     for view in report.calibrations:
         parts.append(f"<h2>{escape(calibration_heading(view.name))}</h2>")
         if not view.fitted:

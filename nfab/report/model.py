@@ -26,13 +26,14 @@ class CalibrationView:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TtaView:
-    """One time-to-accuracy result's table and its loss-against-wall-time plot."""
+    """One time-to-accuracy result's table and its loss-against-wall-time plot (or, over seeds, the summary)."""
 
     name: str
-    target_loss: float
+    target_loss: float | None
+    """FP32's final validation loss (None: a summary over seeds, each with its own target)."""
     table: pd.DataFrame
-    plot: str
-    """File name of the PNG, relative to the report dir."""
+    plot: str | None
+    """File name of the PNG, relative to the report dir (None: no plot)."""
     note: str
 
 

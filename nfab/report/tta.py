@@ -9,6 +9,7 @@ validation loss against training wall time, with the target as a line.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from dataclasses import dataclass
@@ -18,10 +19,13 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
+from nfab.bench.ttaseeds import SEEDS_KIND  # `--seeds`: per-seed documents under `runs`, `over_seeds`
 from nfab.errors import NfabError
 from nfab.report.tables import MB
 
 TTA_KIND = "nfab.bench.tta"
+SEEDS_COLUMNS = ("variant", "reached", "median_time_to_target_s", "median_speedup_vs_fp32",
+                 "median_speedup_vs_bf16", "median_speedup_vs_powersgd")
 VARIANT_KEYS = ("time_to_target_s", "steps_to_target", "steps", "final_loss", "wire_bytes", "curve")
 CURVE_KEYS = ("step", "time_s", "val_loss")
 COLUMNS = ("variant", "time_to_target_s", "steps_to_target", "steps", "speedup_vs_fp32", "speedup_vs_bf16",
@@ -38,6 +42,8 @@ class TtaArtifact:
     variants: dict[str, dict[str, Any]]
     link: str
     model: str
+    over_seeds: dict[str, dict[str, Any]] | None = None
+    """On the first seed's artifact of an `nfab bench tta --seeds` file: the summary over its seeds."""
 
 
 def is_tta(path: Path) -> bool:
@@ -48,28 +54,55 @@ def is_tta(path: Path) -> bool:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and doc.get("kind") == TTA_KIND
+    return isinstance(doc, dict) and doc.get("kind") in (TTA_KIND, SEEDS_KIND)
 
 
-def load_tta(path: Path, name: str) -> TtaArtifact:
-    """Read and check a tta JSON; a missing key is one `NfabError` naming the file."""
+def load_ttas(path: Path, name: str) -> list[TtaArtifact]:
+    """Read and check a tta JSON: one artifact, or one per seed of a `--seeds` file (the first carrying
+    the summary over the seeds); a missing key is one `NfabError` naming the file."""
     try:
         doc = json.loads(path.read_text())
-        variants = doc["variants"]
-        for v, entry in variants.items():
-            missing = [k for k in VARIANT_KEYS if k not in entry]
-            missing += [f"curve.{k}" for p in entry["curve"] for k in CURVE_KEYS if k not in p][:1]
-            if missing:
-                raise NfabError(f"{path}: variant {v!r} lacks {', '.join(missing)}")
-        if "fp32" not in variants:
-            raise NfabError(f"{path}: no fp32 variant (it sets the target)")
-        link = doc.get("link") or {}
-        return TtaArtifact(name=name, path=path, target_loss=float(doc["target_loss"]), variants=variants,
-                           link=link.get("rate", "loopback"), model=str(doc["config"]["model"]))
+        if doc.get("kind") != SEEDS_KIND:
+            return [_artifact(path, name, doc)]
+        seeds, runs, over = doc["seeds"], doc["runs"], doc["over_seeds"]
+        if not runs or len(seeds) != len(runs):
+            raise NfabError(f"{path}: {len(seeds)} seeds but {len(runs)} runs")
+        arts = [_artifact(path, f"{name} seed {s}", run) for s, run in zip(seeds, runs, strict=True)]
+        return [dataclasses.replace(arts[0], over_seeds=over), *arts[1:]]
     except KeyError as exc:
         raise NfabError(f"{path}: not a complete nfab bench tta JSON (no {exc.args[0]!r})") from None
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise NfabError(f"{path}: unreadable tta JSON ({exc})") from None
+
+
+def seeds_table(over: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """One row per variant over the seeds: reached k of n, median time to target, median speed-ups
+    ("unbounded" where the median seed's base never reached its target)."""
+    def x(v: dict[str, Any], base: str) -> str | None:
+        if v.get(f"median_speedup_vs_{base}_unbounded"):
+            return "unbounded"
+        r = v.get(f"median_speedup_vs_{base}")
+        return None if r is None else f"{r:.2f}x"
+    rows = [{"variant": name, "reached": f"{v['reached']} / {v['runs']}",
+             "median_time_to_target_s": v["median_time_to_target_s"],
+             **{f"median_speedup_vs_{b}": x(v, b) for b in ("fp32", "bf16", "powersgd")}}
+            for name, v in over.items()]
+    return pd.DataFrame(rows, columns=list(SEEDS_COLUMNS))
+
+
+def _artifact(path: Path, name: str, doc: dict[str, Any]) -> TtaArtifact:
+    """One tta document's artifact (KeyError on a missing key: `load_ttas` names the file)."""
+    variants = doc["variants"]
+    for v, entry in variants.items():
+        missing = [k for k in VARIANT_KEYS if k not in entry]
+        missing += [f"curve.{k}" for p in entry["curve"] for k in CURVE_KEYS if k not in p][:1]
+        if missing:
+            raise NfabError(f"{path}: variant {v!r} lacks {', '.join(missing)}")
+    if "fp32" not in variants:
+        raise NfabError(f"{path}: no fp32 variant (it sets the target)")
+    link = doc.get("link") or {}
+    return TtaArtifact(name=name, path=path, target_loss=float(doc["target_loss"]), variants=variants,
+                       link=link.get("rate", "loopback"), model=str(doc["config"]["model"]))
 
 
 def speedup(base: dict[str, Any] | None, variant: dict[str, Any]) -> str | None:

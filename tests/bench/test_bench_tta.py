@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from nfab.bench import tta
+from nfab.bench import tta, ttaseeds
 from nfab.cli.app import app
 from nfab.errors import NfabError
 
@@ -25,12 +25,39 @@ def test_reached_is_the_first_evaluation_at_or_below_the_target():
     assert tta.lower_bounds(never, "bf16") == {"bf16": None, "nfab-profile": 5.0}  # bf16 would need > 20 s
 
 
+def test_over_seeds_counts_a_seed_that_never_reached_as_slower_than_any_that_did():
+    assert ttaseeds.parse_seeds("0-2,7") == (0, 1, 2, 7)
+    for bad in ("", "a", "1,1", "-1"):
+        with pytest.raises(NfabError, match="--seeds"):
+            ttaseeds.parse_seeds(bad)
+
+    def doc(fp32, psgd, nfab):
+        return {"variants": {"fp32": {"time_to_target_s": fp32}, "powersgd": {"time_to_target_s": psgd},
+                             "nfab-profile": {"time_to_target_s": nfab}}}
+    over = ttaseeds.over_seeds([doc(100.0, 12.0, 10.0), doc(150.0, None, 9.0), doc(90.0, 11.0, None),
+                                doc(120.0, 10.0, 12.0), doc(110.0, None, None)])
+    nfab, psgd = over["nfab-profile"], over["powersgd"]
+    assert (nfab["reached"], nfab["runs"], psgd["reached"]) == (3, 5, 3)
+    assert nfab["median_time_to_target_s"] == 12.0 and psgd["median_time_to_target_s"] == 12.0
+    # per seed vs PowerSGD: 1.2, unbounded (only PowerSGD never), 0 (only nfab never), 10/12, no verdict
+    assert nfab["speedup_vs_powersgd"] == [1.2, None, 0.0, 10.0 / 12.0, None]
+    assert nfab["median_speedup_vs_powersgd"] == pytest.approx((1.2 + 10.0 / 12.0) / 2)
+    assert nfab["median_speedup_vs_fp32"] == pytest.approx(10.0)  # 10, 16.7, 0, 10, 0
+    assert psgd["median_speedup_vs_fp32"] == pytest.approx(90.0 / 11.0)  # 8.3, 0, 8.2, 12, 0
+    lucky = ttaseeds.over_seeds([doc(100.0, None, 10.0), doc(100.0, None, 10.0), doc(100.0, 10.0, 10.0)])
+    assert lucky["nfab-profile"]["median_speedup_vs_powersgd"] is None  # the median seed's base never reached
+    assert lucky["nfab-profile"]["median_speedup_vs_powersgd_unbounded"]
+    assert "median_speedup_vs_bf16" not in nfab  # bf16 did not run
+
+
 def test_config_errors_are_one_line():
     with pytest.raises(NfabError, match="unknown variant"):
         tta.TtaConfig(variants=("fp32", "zip"))
     with pytest.raises(NfabError, match="model must be one of"):
         tta.TtaConfig(model="mlp")
     assert tta.TtaConfig(variants=("nfab-profile", "bf16")).variants == ("fp32", "bf16", "nfab-profile")
+    result = CliRunner().invoke(app, ["bench", "tta", "--seeds", "0,x"])
+    assert result.exit_code == 2 and "--seeds takes seeds like 0,1,2" in result.output
 
 
 @pytest.mark.world_size(2)
@@ -62,6 +89,13 @@ def test_tiny_run_reaches_targets_by_the_rule_and_report_renders_it(tmp_path):
     assert "Time to accuracy" in result.output and "sooner" in result.output
     html = (out / "report.html").read_text()
     assert "Time to accuracy: tta" in html and (out / "tta_tta.png").stat().st_size > 1000
+    seeds = ttaseeds.seeds_document((0, 1), [doc, doc], command="test")  # as `--seeds 0,1` writes it
+    path2 = tta.write_json(tmp_path / "seeds.json", seeds)
+    result = CliRunner().invoke(app, ["report", str(path2), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    html = (out / "report.html").read_text()
+    assert "Time to accuracy: seeds, over seeds" in html and "Time to accuracy: seeds seed 1" in html
+    assert (out / "tta_seeds_seed_1.png").stat().st_size > 1000
     doc["variants"].pop("fp32")
     path.write_text(json.dumps(doc))
     result = CliRunner().invoke(app, ["report", str(path), "--out", str(out)])
