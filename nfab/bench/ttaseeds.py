@@ -62,6 +62,11 @@ def _finite(x: float) -> float | None:
     return None if math.isnan(x) or math.isinf(x) else x
 
 
+def _ratio(x: float) -> float | str | None:
+    """A per-seed speed-up for JSON: the number, "unbounded" (only the base never reached), None (neither did)."""
+    return "unbounded" if math.isinf(x) else _finite(x)
+
+
 def over_seeds(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per variant over the per-seed tta documents: reached, median time to target, median speed-ups."""
     names = list(dict.fromkeys(name for doc in docs for name in doc["variants"]))
@@ -82,7 +87,7 @@ def over_seeds(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             median = statistics.median(judged) if judged else math.nan
             entry[f"median_speedup_vs_{base}"] = _finite(median)
             entry[f"median_speedup_vs_{base}_unbounded"] = math.isinf(median)
-            entry[f"speedup_vs_{base}"] = [_finite(r) for r in ratios]
+            entry[f"speedup_vs_{base}"] = [_ratio(r) for r in ratios]
         out[name] = entry
     return out
 
