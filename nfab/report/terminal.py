@@ -25,8 +25,9 @@ _SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain-DDP\nM
           "time_to_target_s": "to\ntarget s", "steps_to_target": "steps to\ntarget",
           "speedup_vs_fp32": "×\nFP32", "speedup_vs_bf16": "×\nbf16",
           "final_loss": "final\nloss", "wire_mb_to_target": "MB to\ntarget",
-          "reached": "reached", "median_time_to_target_s": "median to\ntarget s", "median_speedup_vs_fp32": "median ×\nFP32",
-          "median_speedup_vs_bf16": "median ×\nbf16", "median_speedup_vs_powersgd": "median ×\nPowerSGD"}
+          "reached": "reached", "median_time_to_target_s": "median to\ntarget s",
+          "median_speedup_vs_fp32": "median ×\nFP32", "median_speedup_vs_bf16": "median ×\nbf16",
+          "median_speedup_vs_powersgd": "median ×\nPowerSGD"}
 # Text that may wrap when space runs out; numbers and names never do.
 _WRAPPABLE = {"route", "model", "dataset", "baseline"}
 

@@ -19,11 +19,12 @@ from typing import Any
 import pandas as pd
 from matplotlib.figure import Figure
 
-from nfab.bench.ttaseeds import SEEDS_KIND  # `--seeds`: per-seed documents under `runs`, `over_seeds`
 from nfab.errors import NfabError
 from nfab.report.tables import MB
 
 TTA_KIND = "nfab.bench.tta"
+SEEDS_KIND = "nfab.bench.tta.seeds"
+"""`nfab bench tta --seeds`: the per-seed documents under `runs`, their summary under `over_seeds`."""
 SEEDS_COLUMNS = ("variant", "reached", "median_time_to_target_s", "median_speedup_vs_fp32",
                  "median_speedup_vs_bf16", "median_speedup_vs_powersgd")
 VARIANT_KEYS = ("time_to_target_s", "steps_to_target", "steps", "final_loss", "wire_bytes", "curve")
