@@ -46,20 +46,18 @@ def print_report(doc: dict[str, Any]) -> None:
 
 
 def print_over_seeds(doc: dict[str, Any]) -> None:
-    """Per variant over the seeds: reached k of n, median time to target, median speed-ups."""
-    over = doc["over_seeds"]
-    bases = [b for b in ("fp32", "bf16", "powersgd") if b in over]
+    """Per variant over the seeds: reached k of n, median time to target, median speed-ups (`seeds_table`)."""
+    from nfab.report.tta import seeds_table
+
+    frame = seeds_table(doc["over_seeds"])
+    bases = [b for b in ("fp32", "bf16", "powersgd") if b in doc["over_seeds"]]
     table = Table(title=f"over seeds {', '.join(map(str, doc['seeds']))}: each seed against its own FP32 target")
     for col in ("variant", "reached", "median time to target s", *(f"median × {b}" for b in bases)):
         table.add_column(col, justify="left" if col == "variant" else "right")
-    for name, v in over.items():
-        t = v["median_time_to_target_s"]
-        cells = []
-        for b in bases:
-            x = v.get(f"median_speedup_vs_{b}")
-            cells.append("" if b == name else "unbounded" if v.get(f"median_speedup_vs_{b}_unbounded")
-                         else "-" if x is None else f"{x:.2f}x")
-        table.add_row(name, f"{v['reached']} / {v['runs']}", "never" if t is None else f"{t:.1f}", *cells)
+    for row in frame.to_dict("records"):
+        t = row["median_time_to_target_s"]
+        table.add_row(row["variant"], row["reached"], "never" if t is None or t != t else f"{t:.1f}",
+                      *("" if b == row["variant"] else row[f"median_speedup_vs_{b}"] or "-" for b in bases))
     console.print(table)
     console.print("a seed that never reached its target counts as slower than any that did (0x against a base "
                   "that did)", highlight=False)
