@@ -56,8 +56,7 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
     ttas = []
     for tta in inputs.ttas:
         if tta.over_seeds is not None:
-            base = tta.name.rsplit(" seed ", 1)[0]
-            ttas.append(TtaView(name=f"{base}, over seeds", target_loss=None, table=seeds_table(tta.over_seeds),
+            ttas.append(TtaView(name=f"{tta.series}, over seeds", target_loss=None, table=seeds_table(tta.over_seeds),
                                 plot=None, note=f"{tta.model} on a {tta.link} link; each seed against its own "
                                 "FP32 target; a seed that never reached it counts as slower than any that did"))
         plot = f"tta_{_slug(tta.name)}.png"

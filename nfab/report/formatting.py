@@ -39,6 +39,10 @@ def _number(spec: str, suffix: str = "") -> Callable[[object], str]:
     return render
 
 
+def _time_to_target(value: object) -> str:
+    return "never" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.1f}"
+
+
 _FORMATS: dict[str, Callable[[object], str]] = {
     "world_size": _number(".0f"),
     "steps": _number(".0f"),
@@ -58,13 +62,12 @@ _FORMATS: dict[str, Callable[[object], str]] = {
     "cosine": _number(".4f"),
     "loss_delta": _number("+.4f"),
     "error_feedback": lambda v: "yes" if v is True or v == 1 else "no",
-    "time_to_target_s": lambda v: "never" if v is None or (isinstance(v, float) and math.isnan(v))
-    else f"{v:.1f}",
+    "time_to_target_s": _time_to_target,
+    "median_time_to_target_s": _time_to_target,
     "steps_to_target": _number(".0f"),
     "final_loss": _number(".4f"),
     "wire_mb_to_target": _number(".1f"),
 }
-_FORMATS["median_time_to_target_s"] = _FORMATS["time_to_target_s"]
 
 
 def header(column: str) -> str:

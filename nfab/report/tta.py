@@ -45,6 +45,8 @@ class TtaArtifact:
     model: str
     over_seeds: dict[str, dict[str, Any]] | None = None
     """On the first seed's artifact of an `nfab bench tta --seeds` file: the summary over its seeds."""
+    series: str | None = None
+    """The `--seeds` file's name, on each of its seeds' artifacts (None: a one-run file)."""
 
 
 def is_tta(path: Path) -> bool:
@@ -68,7 +70,8 @@ def load_ttas(path: Path, name: str) -> list[TtaArtifact]:
         seeds, runs, over = doc["seeds"], doc["runs"], doc["over_seeds"]
         if not runs or len(seeds) != len(runs):
             raise NfabError(f"{path}: {len(seeds)} seeds but {len(runs)} runs")
-        arts = [_artifact(path, f"{name} seed {s}", run) for s, run in zip(seeds, runs, strict=True)]
+        arts = [dataclasses.replace(_artifact(path, f"{name} seed {s}", run), series=name)
+                for s, run in zip(seeds, runs, strict=True)]
         return [dataclasses.replace(arts[0], over_seeds=over), *arts[1:]]
     except KeyError as exc:
         raise NfabError(f"{path}: not a complete nfab bench tta JSON (no {exc.args[0]!r})") from None

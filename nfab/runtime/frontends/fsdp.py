@@ -204,7 +204,7 @@ class ShardedRuntime(RuntimeState):
         whole row). PREMUL_SUM(f) is sent as x * f summed (what it means; gloo has no PREMUL_SUM)."""
         w = self.world_size
         premul = _premul_factor(op, comm.divide_factor())
-        part = rows if g.whole else torch.cat([rows[:, s.offset : s.offset + s.numel] for s in g.slices], dim=1)
+        part = _group_rows(rows, g)
         if premul is not None:
             part = part.mul_(premul) if g.whole else part.mul(premul)
             op = dist.ReduceOp.SUM
@@ -254,7 +254,7 @@ class ShardedRuntime(RuntimeState):
         if isinstance(codec, SignScatter):
             return rowscatter.sign_reduce_scatter(codec, rows.reshape(-1), comm.sources(names, padded), segments,
                                                   numel, self.rank, group, direct)
-        x = rows if g.whole else torch.cat([rows[:, s.offset : s.offset + s.numel] for s in g.slices], dim=1)
+        x = _group_rows(rows, g)
         if isinstance(codec, BlockQScatter):
             return rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),
                                                    self.rank, group, direct, self.moment is not None)
@@ -371,6 +371,12 @@ class NfabReduceScatter(ReduceScatter):
         if got is None:
             got = self._sources[key] = row_sources(self.layout, names, padded)
         return got
+
+
+def _group_rows(rows: torch.Tensor, g: Group) -> torch.Tensor:
+    """A group's columns of the W ranks' rows (W, C): the rows themselves when the group is all of
+    them (read where they lie), else its slices' columns copied side by side."""
+    return rows if g.whole else torch.cat([rows[:, s.offset : s.offset + s.numel] for s in g.slices], dim=1)
 
 
 def _write_row(output: torch.Tensor, values: torch.Tensor, g: Group) -> None:
