@@ -62,3 +62,43 @@ def test_votes_by_arithmetic_are_the_vote_table(vote, world_size):
     counts = torch.arange(world_size + 1)
     w = torch.tensor(float(world_size))
     assert torch.equal(sign_fused._vote(counts, w, vote), sign_codec.vote_table(world_size, vote))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_vote_bytes_from_the_bits_are_ieee_greater_or_equal_zero(dtype):
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.0, -1.0, float("inf"), float("-inf"), float("nan"),
+                            -float("nan"), 3e38, -3e38])
+    x = torch.cat([special, torch.randn(4099, generator=torch.Generator().manual_seed(3))]).to(dtype)
+    x[-5:] = 0.0
+    assert torch.equal(sign_fused.vote_bytes(x), (x >= 0).to(torch.uint8))
+
+
+def _padded_words(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values zero-padded to whole int64 words, as `sign_fused.encode` lays them out."""
+    whole = torch.zeros(-(-values.numel() // 8) * 8, dtype=torch.uint8)
+    whole[: values.numel()] = values
+    return whole.view(torch.int64)
+
+
+@pytest.mark.parametrize("lane_bits", sign_fused.SWAR_LANE_BITS)
+@pytest.mark.parametrize("n", [1, 7, 8, 64 * 9 + 5])
+def test_vote_words_to_lanes_and_lanes_to_counts_are_lanes_pack_and_unpack(lane_bits, n):
+    layout = layout_for(lane_bits)
+    assert sign_fused.swar(layout)
+    g = torch.Generator().manual_seed(lane_bits * 10 + n)
+    votes = torch.randint(0, 2, (n,), generator=g).to(torch.uint8)
+    lanes = sign_fused.lanes_fn(lane_bits)(_padded_words(votes)).view(torch.uint8)
+    assert torch.equal(lanes[: layout.containers_for(n)], pack(votes, layout))
+    counts = torch.randint(0, layout.max_value + 1, (n,), generator=g).to(torch.uint8)
+    words = sign_fused.lane_counts_fn(lane_bits)(pack(counts, layout).to(torch.int32))
+    assert torch.equal(words.view(torch.uint8)[:n], counts)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 5, 255])
+def test_gathered_vote_rows_counted_in_words_are_the_sum_of_votes(world_size):
+    n = 8 * 41 + 3
+    g = torch.Generator().manual_seed(world_size)
+    votes = torch.randint(0, 2, (world_size, n), generator=g).to(torch.uint8)
+    rows = torch.stack([pack(v, layout_for(1)) for v in votes])
+    counts = sign_fused.row_counts(rows.to(torch.int64)).view(torch.uint8)[:n]
+    assert torch.equal(counts, votes.sum(0).to(torch.uint8))

@@ -146,13 +146,13 @@ class SignScatter(TwoPhaseReducer):
             if start >= 0:
                 part = flat[start : start + n]
                 votes[pos : pos + n] = sign_codec.sign_bits(part)
-                sums.append(torch.linalg.vector_norm(part, 1, dtype=torch.float32))
+                sums.append(segments.abs_sum(part))
             else:
-                sums.append(flat.new_zeros((), dtype=torch.float32))
+                sums.append(flat.new_zeros((), dtype=torch.float64))
             pos += n
         payload = torch.cat([pack(v, lay) for v in votes.view(w, padded)])
-        divisors = segments.segment_counts([max(n, 1) for n in lengths], flat.device).to(torch.float32)
-        return Encoded(payload, torch.stack(sums) / divisors)
+        divisors = segments.segment_counts([max(n, 1) for n in lengths], flat.device).to(torch.float64)
+        return Encoded(payload, (torch.stack(sums) / divisors).to(torch.float32))
 
     # ---- the owner's step ---------------------------------------------------------------------
     def owner_step(self, counts_shard: torch.Tensor, world_size: int) -> torch.Tensor:
