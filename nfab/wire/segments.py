@@ -117,8 +117,11 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
 
 
 def _max_abs(part: torch.Tensor) -> torch.Tensor:
-    """max |x| of a 1-D tensor (fp32; exact, so the same number as the inf-norm)."""
-    return part.abs().amax().to(torch.float32)
+    """max |x| of a 1-D tensor (fp32; exact, so the same number as the inf-norm), as an integer max
+    of the fp32 bits with the sign cleared: non-negative floats order as their bits do, and a NaN's
+    bits lie above inf's, so a NaN still wins. (A float abs-max ran at 0.7x a copy, this at 1.8x;
+    over short rows, as blockq's block maxima, it is the other way round.)"""
+    return (part.to(torch.float32).view(torch.int32) & 0x7FFFFFFF).amax().view(torch.float32)
 
 
 def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

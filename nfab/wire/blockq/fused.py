@@ -8,8 +8,8 @@ dozen of them) and its decode four; memory-bound, so a few hundredths of a copy.
 - encode: the keyed counter hash, the division by the block's agreed scale and the level
   arithmetic in one kernel per block view (the noise never stored), then one lane-packing kernel
   (bit lanes or radix digits);
-- decode: one unpacking kernel (radix digits: the eager float64 unpacking, faster than its
-  compiled form), then `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in
+- decode: one unpacking kernel per lane block (`qsum.fused.unpack`; radix digits: the eager
+  float64 unpacking, faster than its compiled form), then `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in
   one kernel per view.
 
 Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
@@ -133,17 +133,11 @@ def pack_fn(layout: Layout):
     return pack_digits
 
 
-@cache
-def unpack_fn(layout: LaneLayout):
-    """The W-rank sums (fp32 whole numbers) of the first `numel` lanes: `lanes.unpack`'s values."""
-    return lambda c, numel: qsum_fused.unpacked(c, layout, numel).to(torch.float32)
-
-
 def unit_scaled_into(out: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      unit: torch.Tensor) -> None:
-    """out = (S * unit - 1) * scale (fp32) of a (blocks, width) view of W-rank sums `sums` (fp32
-    whole numbers), `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`."""
-    out.copy_((sums * unit - 1.0) * scales[codes.to(torch.int64)].unsqueeze(1))
+    """out = (S * unit - 1) * scale (fp32) of a (blocks, width) view of W-rank sums `sums` (whole
+    numbers, integer or fp32), `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`."""
+    out.copy_((sums.to(torch.float32) * unit - 1.0) * scales[codes.to(torch.int64)].unsqueeze(1))
 
 
 # ---- the stages (called by the reducer; None: run eager) --------------------------------------
@@ -246,7 +240,7 @@ def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, pa
     if isinstance(layout, RadixLayout):  # eager: compiled, its 2k float64 divisions per container ran 3x slower
         sums = radix.unpack(reduced, layout, numel, torch.float32)
     else:
-        sums = fusion.run(unpack_fn(layout), reduced.reshape(-1), numel)
+        sums = qsum_fused.unpack(reduced, layout)
         if sums is None:
             return None
     for p in parts:

@@ -1,13 +1,16 @@
 """qsum's stages, and the lane packing every codec shares, as traced functions for `torch.compile`.
 
 Why: eager, qsum's encode is a division, the level arithmetic, a dozen passes of counter hash
-and a packing pass per lane; compiled (`wire/fusion.py`), one segment's encode is one kernel
-that reads x and writes the containers (the noise computed in registers, the levels never
-stored), and its decode one kernel that reads the containers and writes the bucket slice.
+and a packing pass per lane; compiled (`wire/fusion.py`), one segment of one-lane containers
+(q8) is one kernel that reads x and writes the containers (the noise computed in registers,
+the levels never stored), and its decode one kernel that reads the containers and writes the
+bucket slice.
 
-`packed` and `unpacked` are the lanes of `lanes.pack` / `lanes.unpack` in traced ops, for use
-inside other compiled graphs (sign's votes, blockq's levels): integer sums of values shifted into
-disjoint bits, so the same containers in any order. The level arithmetic is the eager order,
+`packed` and `unpacked_into` are the lanes of `lanes.pack` / `lanes.unpack` in traced ops, for
+use inside other compiled graphs (sign's votes, blockq's levels): integer sums of values shifted
+into disjoint bits, so the same containers in any order. Several lanes per container are packed
+from stored levels and unpacked to stored sums (two kernels: reading x, or writing the bucket,
+once per lane from strided columns ran 2x slower). The level arithmetic is the eager order,
 `((x / s + 1) * (M / 2) + u)`, floor, clamp, and the decode `(S * unit - 1) * s`, contraction off.
 
 Up to `MAX_SEGMENTS` segments run as one compiled call each (levels into a shared buffer, then
@@ -56,14 +59,44 @@ def packed(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     return out.to(layout.container)
 
 
-def unpacked(c: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Tensor:
-    """`lanes.unpack` of the 1-D containers `c`: the first `numel` lane values (int32 or int64).
-    Lanes are stacked as columns (one vectorised kernel; a 2-D shift over a short inner dimension
-    of lanes ran scalar)."""
+def lane_dtype(layout: LaneLayout) -> torch.dtype:
+    """The narrowest integer dtype that holds a lane value: uint8 up to 8-bit lanes."""
+    if layout.lane_bits <= 8:
+        return torch.uint8
+    return torch.int32 if layout.lane_bits <= 31 else torch.int64
+
+
+def unpacked_into(out: torch.Tensor, c: torch.Tensor, layout: LaneLayout, l0: int, l1: int) -> None:
+    """Lanes [l0, l1) -- one block of `lanes.unpack` -- of the 1-D containers `c` into the (m, l1 - l0)
+    `out` (`lane_dtype`), stacked as columns: one vectorised kernel (a 2-D shift over a short inner
+    dimension of lanes ran scalar; the lanes narrowed to int32 before the stack, as int64 -> uint8
+    per lane ran 7x slower)."""
     w = c.to(torch.int64 if c.dtype == torch.int64 else torch.int32)
-    parts = [torch.stack([(w >> (lane * layout.lane_bits)) & layout.max_value for lane in range(l0, l1)], 1).view(-1)
-             for l0, l1 in _blocks(layout)]
-    return (torch.cat(parts) if len(parts) > 1 else parts[0])[:numel]
+    narrow = torch.int32 if layout.lane_bits <= 31 else torch.int64
+    lanes = [((w >> (lane * layout.lane_bits)) & layout.max_value).to(narrow) for lane in range(l0, l1)]
+    out.copy_(torch.stack(lanes, 1).to(out.dtype))
+
+
+@cache
+def unpack_fn(layout: LaneLayout, l0: int, l1: int):
+    """`unpacked_into` for one block of one layout (one graph each)."""
+
+    def unpack_block(out: torch.Tensor, c: torch.Tensor) -> None:
+        unpacked_into(out, c, layout, l0, l1)
+
+    return unpack_block
+
+
+def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
+    """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them: the
+    caller reads the first numel), or None when compiling failed."""
+    m = c.numel()
+    out = torch.empty(m * layout.lanes, dtype=lane_dtype(layout), device=c.device)
+    for l0, l1 in _blocks(layout):  # a call per block: one graph writing every block's slice ran 8x slower
+        fusion.run(unpack_fn(layout, l0, l1), out[m * l0 : m * l1].view(m, l1 - l0), c.reshape(-1))
+        if fusion.failed():
+            return None
+    return out
 
 
 @cache
@@ -107,13 +140,17 @@ def encode_one_fn(layout: LaneLayout):
 
 @cache
 def decode_one_fn(layout: LaneLayout):
-    """One segment's decode in one graph: out = (S * unit - 1) * scale of the first out.numel() lanes."""
+    """One segment's decode of one-lane containers in one graph: out = (S * unit - 1) * scale."""
 
     def decode_one(out: torch.Tensor, c: torch.Tensor, unit: torch.Tensor, scale: torch.Tensor) -> None:
-        s = unpacked(c, layout, out.shape[0]).to(torch.float32)
-        out.copy_((s * unit - 1.0) * scale)
+        out.copy_((c[: out.shape[0]].to(torch.float32) * unit - 1.0) * scale)
 
     return decode_one
+
+
+def scaled_into(out: torch.Tensor, sums: torch.Tensor, unit: torch.Tensor, scale: torch.Tensor) -> None:
+    """out = (S * unit - 1) * scale of the first out.numel() unpacked lane sums."""
+    out.copy_((sums[: out.shape[0]].to(torch.float32) * unit - 1.0) * scale)
 
 
 def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Sequence[int], m: int,
@@ -129,7 +166,7 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
     first = fusion.int_constant(1, dev)
     half_m, top = fusion.constant(0.5 * m, dev), fusion.constant(float(m), dev)
     safe = safe.reshape(-1).to(torch.float32)
-    if len(lengths) == 1:
+    if len(lengths) == 1 and layout.lanes == 1:
         payload = fusion.run(encode_one_fn(layout), flat, safe[:1], keys[:1], first, half_m, top)
         return None if payload is None else (payload, None)
     levels = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
@@ -147,8 +184,13 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
 def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, scale: torch.Tensor,
            out: torch.Tensor | None) -> torch.Tensor | None:
     """One segment's decoded mean (fp32, into `out` when given): the same bits as `decode_scaled`'s
-    table of `levels * unit - 1` times the scale. None when compiling failed."""
-    res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=reduced.device)
-    fusion.run(decode_one_fn(layout), res, reduced.reshape(-1), fusion.constant(unit, reduced.device),
-               scale.reshape(-1)[:1].to(torch.float32))
+    table of `levels * unit - 1` times the scale. One-lane containers in one kernel; several lanes
+    unpacked first (`unpack`), then scaled. None when compiling failed."""
+    dev = reduced.device
+    res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
+    args = (fusion.constant(unit, dev), scale.reshape(-1)[:1].to(torch.float32))
+    if layout.lanes == 1:
+        fusion.run(decode_one_fn(layout), res, reduced.reshape(-1), *args)
+    elif (sums := unpack(reduced, layout)) is not None:
+        fusion.run(scaled_into, res, sums, *args)
     return None if fusion.failed() else res

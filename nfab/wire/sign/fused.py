@@ -19,7 +19,8 @@ each a kernel of contiguous vector loads and stores (SWAR: SIMD within a registe
 The byte and bit orders are `lanes.pack`'s (little-endian words: byte k of a word is vote k),
 so the payloads are the eager path's and the host kernels' bit for bit. Layouts whose lanes are
 not 1, 2 or 4 bits of a uint8 (count lanes at W = 4..7 and W >= 16, in int32/int64 containers)
-run the generic traced lanes (`qsum.fused.packed` / `unpacked`).
+pack the same vote bytes and unpack to the same count bytes by the generic traced lanes
+(`qsum.fused.pack_fn` / `unpack`).
 
 The per-segment mean |x| is not here: `segments.segment_mean_abs` (a float64 sum, compiled).
 """
@@ -31,7 +32,7 @@ from functools import cache
 import torch
 
 from nfab.wire import fusion
-from nfab.wire.qsum.fused import packed, unpacked
+from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum.lanes import LaneLayout
 
 GATHER8 = 0x0102040810204080
@@ -91,16 +92,6 @@ def lanes_fn(lane_bits: int):
     return lanes
 
 
-@cache
-def votes_fn(layout: LaneLayout):
-    """The payload of `lanes.pack(x >= 0, layout)` in one graph (the generic traced lanes)."""
-
-    def votes(x: torch.Tensor) -> torch.Tensor:
-        return packed(vote_bytes(x).to(torch.int32), layout)
-
-    return votes
-
-
 # ---- decode ----------------------------------------------------------------------------------
 def _vote(counts: torch.Tensor, w: torch.Tensor, vote: str) -> torch.Tensor:
     """`codec.vote_table(W, vote)[counts]` computed per element by the table's own fp32 ops
@@ -110,11 +101,13 @@ def _vote(counts: torch.Tensor, w: torch.Tensor, vote: str) -> torch.Tensor:
 
 
 def row_counts(rows: torch.Tensor) -> torch.Tensor:
-    """(W, bytes) int64 gathered vote bytes -> (bytes,) int64 words whose byte k counts the
-    rows' bit k (at most W <= 255 per byte: no carry between bytes)."""
+    """(W, bytes) uint8 gathered vote bytes -> (bytes,) int64 words whose byte k counts the
+    rows' bit k (at most W <= 255 per byte: no carry between bytes). Each byte widens through
+    int32 inside the kernel: straight to int64 it ran 3-6x slower, and widening W rows eagerly
+    first allocates 8 bytes per vote byte (30 ms of page faults at W=16, 4M elements)."""
     total = None
     for k in range(rows.shape[0]):
-        kept = (rows[k] * SPREAD8) & BIT_K_OF_BYTE_K
+        kept = (rows[k].to(torch.int32).to(torch.int64) * SPREAD8) & BIT_K_OF_BYTE_K
         ones = (((kept + LOW7) & HIGH_BITS) >> 7) & SPREAD8  # arithmetic shift: mask to the low bits
         total = ones if total is None else total + ones
     assert total is not None
@@ -123,12 +116,13 @@ def row_counts(rows: torch.Tensor) -> torch.Tensor:
 
 @cache
 def lane_counts_fn(lane_bits: int):
-    """Summed count-lane bytes (int32) -> one count per byte: 8 / 4 / 2 lanes of 1 / 2 / 4 bits
+    """Summed count-lane bytes (uint8) -> one count per byte: 8 / 4 / 2 lanes of 1 / 2 / 4 bits
     (int64 / int32 / int16 words, lane k in byte k)."""
 
-    def lane_counts(c: torch.Tensor) -> torch.Tensor:
+    def lane_counts(lanes: torch.Tensor) -> torch.Tensor:
         if lane_bits == 1:
-            return row_counts(c.to(torch.int64).unsqueeze(0))
+            return row_counts(lanes.unsqueeze(0))
+        c = lanes.to(torch.int32)
         if lane_bits == 2:
             v = (c | (c << 12)) & 0x000F000F
             return (v | (v << 6)) & 0x03030303
@@ -147,31 +141,20 @@ def voted_fn(vote: str):
     return voted
 
 
-@cache
-def counted_fn(layout: LaneLayout, vote: str):
-    """The count lanes of a SUM all-reduce as votes times `scale`, into `out` (generic lanes)."""
-
-    def counted(out: torch.Tensor, c: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
-        out.copy_(_vote(unpacked(c, layout, out.shape[0]), w, vote) * scale)
-
-    return counted
-
-
 # ---- the stages (called by the reducers; None: run eager) -------------------------------------
 def encode(x: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """The vote containers of `x` (compiled), or None when compiling failed."""
     flat = x.reshape(-1)
-    if not swar(layout):
-        return fusion.run(votes_fn(layout), flat)
     n = flat.numel()
     whole = -(-n // 8) * 8
     votes = torch.empty(whole, dtype=torch.uint8, device=x.device)
     votes[n:].zero_()  # the last word's padding: zero lanes, as `lanes.pack` pads
-    fusion.run(votes_into, votes[:n], flat)
-    words = None if fusion.failed() else fusion.run(lanes_fn(layout.lane_bits), votes.view(torch.int64))
-    if words is None:
+    if fusion.run(votes_into, votes[:n], flat) is None and fusion.failed():
         return None
-    return words.view(torch.uint8)[: layout.containers_for(n)]
+    if not swar(layout):
+        return fusion.run(qsum_fused.pack_fn(layout), votes[:n])
+    words = fusion.run(lanes_fn(layout.lane_bits), votes.view(torch.int64))
+    return None if words is None else words.view(torch.uint8)[: layout.containers_for(n)]
 
 
 def decode(reduced: torch.Tensor, gathered: bool, layout: LaneLayout, vote: str, world_size: int,
@@ -183,14 +166,13 @@ def decode(reduced: torch.Tensor, gathered: bool, layout: LaneLayout, vote: str,
     dev = reduced.device
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
     w, s = fusion.constant(float(world_size), dev), scale.reshape(-1)[:1].to(torch.float32)
-    if gathered:
-        counts = fusion.run(row_counts, reduced.to(torch.int64))
-    elif swar(layout):
-        counts = fusion.run(lane_counts_fn(layout.lane_bits), reduced.reshape(-1).to(torch.int32))
-    else:
-        fusion.run(counted_fn(layout, vote), res, reduced.reshape(-1), w, s)
-        return None if fusion.failed() else res
+    if gathered or swar(layout):  # words of count bytes, read as bytes
+        words = (fusion.run(row_counts, reduced) if gathered
+                 else fusion.run(lane_counts_fn(layout.lane_bits), reduced.reshape(-1)))
+        counts = None if words is None else words.view(torch.uint8)
+    else:  # count lanes of int32/int64 containers: unpacked block by block (bytes up to 8-bit lanes)
+        counts = qsum_fused.unpack(reduced, layout)
     if counts is None:
         return None
-    fusion.run(voted_fn(vote), res, counts.view(torch.uint8), w, s)
+    fusion.run(voted_fn(vote), res, counts, w, s)
     return None if fusion.failed() else res
