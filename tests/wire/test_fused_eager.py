@@ -15,6 +15,7 @@ from nfab.wire.blockq import fused as blockq_fused
 from nfab.wire.blockq import radix
 from nfab.wire.blockq.reducer import SCALES
 from nfab.wire.qsum import fused as qsum_fused
+from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import layout_for, pack, unpack
 from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import fused as sign_fused
@@ -77,32 +78,26 @@ def test_vote_bytes_from_the_bits_are_ieee_greater_or_equal_zero(dtype):
     assert torch.equal(sign_fused.vote_bytes(x), (x >= 0).to(torch.uint8))
 
 
-def _padded_words(values: torch.Tensor) -> torch.Tensor:
-    """uint8 values zero-padded to whole int64 words, as `sign_fused.encode` lays them out."""
-    whole = torch.zeros(-(-values.numel() // 8) * 8, dtype=torch.uint8)
-    whole[: values.numel()] = values
-    return whole.view(torch.int64)
-
-
-@pytest.mark.parametrize("lane_bits", sign_fused.SWAR_LANE_BITS)
+@pytest.mark.parametrize("lane_bits", words.LANE_BITS)
 @pytest.mark.parametrize("n", [1, 7, 8, 64 * 9 + 5])
-def test_vote_words_to_lanes_and_lanes_to_counts_are_lanes_pack_and_unpack(lane_bits, n):
+def test_lanes_as_words_are_lanes_pack_and_unpack(lane_bits, n):
     layout = layout_for(lane_bits)
-    assert sign_fused.swar(layout)
+    assert words.fits(layout)
     g = torch.Generator().manual_seed(lane_bits * 10 + n)
-    votes = torch.randint(0, 2, (n,), generator=g).to(torch.uint8)
-    lanes = sign_fused.lanes_fn(lane_bits)(_padded_words(votes)).view(torch.uint8)
-    assert torch.equal(lanes[: layout.containers_for(n)], pack(votes, layout))
-    counts = torch.randint(0, layout.max_value + 1, (n,), generator=g).to(torch.uint8)
-    words = sign_fused.lane_counts_fn(lane_bits)(pack(counts, layout))
-    assert torch.equal(words.view(torch.uint8)[:n], counts)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=g).to(torch.uint8)
+    whole = words.as_words(values)
+    assert torch.equal(words.lanes_of_bytes(whole, lane_bits).view(torch.uint8)[: layout.containers_for(n)],
+                       pack(values, layout))
+    votes = values & 1  # 0/1 bytes: gathered into bits, then spread to the lanes
+    assert torch.equal(words.lanes_of_bits(words.gathered_bits(words.as_words(votes)), lane_bits)
+                       .view(torch.uint8)[: layout.containers_for(n)], pack(votes, layout))
+    got = words.bytes_of_lanes(pack(values, layout), lane_bits).view(torch.uint8)
+    assert torch.equal(got[:n], values)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 5, 255])
-def test_gathered_vote_rows_counted_in_words_are_the_sum_of_votes(world_size):
+@pytest.mark.parametrize("rows", [1, 2, 5, 255])
+def test_gathered_vote_rows_counted_in_words_are_the_sum_of_votes(rows):
     n = 8 * 41 + 3
-    g = torch.Generator().manual_seed(world_size)
-    votes = torch.randint(0, 2, (world_size, n), generator=g).to(torch.uint8)
-    rows = torch.stack([pack(v, layout_for(1)) for v in votes])
-    counts = sign_fused.row_counts(rows).view(torch.uint8)[:n]
-    assert torch.equal(counts, votes.sum(0).to(torch.uint8))
+    votes = torch.randint(0, 2, (rows, n), generator=torch.Generator().manual_seed(rows)).to(torch.uint8)
+    packed_rows = torch.stack([pack(v, layout_for(1)) for v in votes])
+    assert torch.equal(words.row_counts(packed_rows).view(torch.uint8)[:n], votes.sum(0).to(torch.uint8))

@@ -26,6 +26,7 @@ from itertools import accumulate
 import torch
 
 from nfab.wire import fusion
+from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import LaneLayout
 
 MAX_SEGMENTS = 8
@@ -89,7 +90,10 @@ def unpack_fn(layout: LaneLayout, l0: int, l1: int):
 
 def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them: the
-    caller reads the first numel), or None when compiling failed."""
+    caller reads the first numel), or None when compiling failed. 1-, 2- and 4-bit lanes of uint8
+    containers as whole words (`words`), others block by block."""
+    if words.fits(layout):
+        return words.unpack(c, layout)
     m = c.numel()
     out = torch.empty(m * layout.lanes, dtype=lane_dtype(layout), device=c.device)
     for l0, l1 in _blocks(layout):  # a call per block: one graph writing every block's slice ran 8x slower
@@ -107,6 +111,14 @@ def pack_fn(layout: LaneLayout):
         return packed(values, layout)
 
     return pack_lanes
+
+
+def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
+    """`lanes.pack` of the 1-D uint8 `values` (compiled), or None when compiling failed: 1-, 2- and
+    4-bit lanes of uint8 containers as whole words (`words`), others lane by lane (`packed`)."""
+    if words.fits(layout) and values.dtype == torch.uint8:
+        return words.pack(values, layout)
+    return fusion.run(pack_fn(layout), values)
 
 
 def _levels(x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor, half_m: torch.Tensor,
@@ -177,7 +189,7 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
         fusion.run(levels_into, levels[seg], flat[seg], safe[s : s + 1], keys[s : s + 1], first, half_m, top)
         if fusion.failed():
             return None
-    payload = fusion.run(pack_fn(layout), levels)
+    payload = pack(levels, layout)
     return None if payload is None else (payload, levels)
 
 

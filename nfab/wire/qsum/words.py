@@ -1,0 +1,151 @@
+"""uint8 lanes of 1, 2 or 4 bits packed and unpacked as whole machine words (SWAR), traced ops.
+
+Why: inductor's CPU code for a column read 8 elements apart, or for a short inner dimension of
+lanes, runs scalar (3.6 ms to pack 4M votes into bits: 0.1x a copy). Eight consecutive values,
+one per byte, read as one int64 are a word whose bytes can be moved together with a handful of
+shifts, masks and at most one multiply per word, every load and store contiguous.
+
+Layout (`lanes.pack`'s, uint8 containers): element i sits in lane i % L of container i // L, so
+the 8 values of a little-endian int64 word fill 8 / L containers (L = 8 / lane_bits lanes):
+
+- packing (`lanes_of_bytes`): the values are pulled together by halving steps -- byte pairs
+  into 16-bit units, those into 32, those into the word's low 8 * lane_bits bits -- or, for
+  1-bit values, by one multiply (`GATHER8`: byte k's low bit lands at bit 56 + k, and no carry
+  reaches the top byte);
+- unpacking (`bytes_of_lanes`): the inverse steps put lane k of a container into byte k of a
+  wider word, and for 1-bit lanes a multiply copies the byte into all 8 bytes (`SPREAD8`), a
+  mask keeps bit k in byte k, and adding 0x7F per byte carries it to the byte's top bit
+  (`row_counts`, which sums W such rows: at most 255 per byte, no carry between bytes).
+
+`tests/wire/test_fused_eager.py` holds every function here to `lanes.pack` / `lanes.unpack`.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from nfab.wire import fusion
+from nfab.wire.qsum.lanes import LaneLayout
+
+LANE_BITS = (1, 2, 4)
+"""The uint8 lane widths these words serve (8, 4 or 2 lanes per byte)."""
+GATHER8 = 0x0102040810204080
+"""(w * GATHER8) >> 56: the low bits of w's 8 bytes (each 0 or 1) as one byte, byte k at bit k."""
+SPREAD8 = 0x0101010101010101
+"""b * SPREAD8 copies a byte b into each of a word's 8 bytes."""
+BIT_K_OF_BYTE_K = 0x8040201008040201 - (1 << 64)
+"""Keeps bit k of byte k (a signed int64 constant)."""
+LOW7 = 0x7F7F7F7F7F7F7F7F
+"""Added to bytes that are 0 or 2^k (k < 8): a byte's top bit is then set exactly when it was not 0."""
+HIGH_BITS = 0x8080808080808080 - (1 << 64)
+
+
+def fits(layout: LaneLayout) -> bool:
+    """Whether `layout`'s containers are built and read as words here."""
+    return layout.container == torch.uint8 and layout.lane_bits in LANE_BITS
+
+
+def _word_dtype(lane_bits: int) -> torch.dtype:
+    """The container bytes of 8 values: 1, 2 or 4 (uint8, int16, int32)."""
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[lane_bits]
+
+
+def lanes_of_bits(p: torch.Tensor, lane_bits: int) -> torch.Tensor:
+    """Bit k of the 8-bit values `p` (int64) moved to bit k * lane_bits: the containers of 8 values
+    that are 0 or 1, as one `_word_dtype` word."""
+    if lane_bits == 2:
+        p = (p | (p << 4)) & 0x0F0F
+        p = (p | (p << 2)) & 0x3333
+        p = (p | (p << 1)) & 0x5555
+    elif lane_bits == 4:
+        p = (p | (p << 12)) & 0x000F000F
+        p = (p | (p << 6)) & 0x03030303
+        p = (p | (p << 3)) & 0x11111111
+    return p.to(_word_dtype(lane_bits))
+
+
+def gathered_bits(words: torch.Tensor) -> torch.Tensor:
+    """The low bits of each int64 word's 8 bytes (each 0 or 1) as one 8-bit value, byte k at bit k."""
+    return ((words * GATHER8) >> 56) & 0xFF
+
+
+def lanes_of_bytes(words: torch.Tensor, lane_bits: int) -> torch.Tensor:
+    """int64 words of 8 values (bytes below 2^lane_bits) -> their containers as one `_word_dtype`
+    word: byte pairs, then 16-bit and 32-bit units, pulled together (values are below 2^7, so the
+    arithmetic shifts are logical)."""
+    if lane_bits == 1:
+        return gathered_bits(words).to(torch.uint8)
+    s = lane_bits
+    w = (words | (words >> (8 - s))) & _repeat(16, (1 << 2 * s) - 1)
+    w = (w | (w >> (16 - 2 * s))) & _repeat(32, (1 << 4 * s) - 1)
+    w = (w | (w >> (32 - 4 * s))) & ((1 << 8 * s) - 1)
+    return w.to(_word_dtype(lane_bits))
+
+
+def _repeat(unit_bits: int, value: int) -> int:
+    """`value` in every `unit_bits`-bit unit of a 64-bit word, as a signed int64 constant."""
+    word = 0
+    for shift in range(0, 64, unit_bits):
+        word |= value << shift
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def row_counts(rows: torch.Tensor) -> torch.Tensor:
+    """(R, bytes) uint8 rows of 1-bit lanes -> (bytes,) int64 words whose byte k counts the rows'
+    bit k (R <= 255: no carry between bytes). Each byte widens through int32 inside the kernel:
+    straight to int64 it ran 3-6x slower, and widening R rows eagerly first allocates 8 bytes per
+    byte (30 ms of page faults at R = 16 rows of 512K bytes)."""
+    total = None
+    for k in range(rows.shape[0]):
+        kept = (rows[k].to(torch.int32).to(torch.int64) * SPREAD8) & BIT_K_OF_BYTE_K
+        ones = (((kept + LOW7) & HIGH_BITS) >> 7) & SPREAD8  # arithmetic shift: masked to the low bits
+        total = ones if total is None else total + ones
+    assert total is not None
+    return total
+
+
+def bytes_of_lanes(lanes: torch.Tensor, lane_bits: int) -> torch.Tensor:
+    """uint8 containers -> one lane value per byte: 8 / 4 / 2 lanes of 1 / 2 / 4 bits become an
+    int64 / int32 / int16 word, lane k in byte k."""
+    if lane_bits == 1:
+        return row_counts(lanes.unsqueeze(0))
+    c = lanes.to(torch.int32)
+    if lane_bits == 2:
+        v = (c | (c << 12)) & 0x000F000F
+        return (v | (v << 6)) & 0x03030303
+    return ((c | (c << 4)) & 0x0F0F).to(torch.int16)
+
+
+@cache
+def _packer(lane_bits: int):
+    """`lanes_of_bytes` for one lane width (one graph each)."""
+    return lambda words: lanes_of_bytes(words, lane_bits)
+
+
+@cache
+def _unpacker(lane_bits: int):
+    """`bytes_of_lanes` for one lane width (one graph each)."""
+    return lambda lanes: bytes_of_lanes(lanes, lane_bits)
+
+
+def as_words(values: torch.Tensor) -> torch.Tensor:
+    """1-D uint8 `values` as int64 words (zero-padded to a whole word by a copy only when needed:
+    zero values are what `lanes.pack` pads with)."""
+    if values.numel() % 8 or values.storage_offset() % 8:
+        values = torch.nn.functional.pad(values, (0, -values.numel() % 8))
+    return values.view(torch.int64)
+
+
+def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
+    """`lanes.pack` of 1-D uint8 `values` (compiled), or None when compiling failed."""
+    words = fusion.run(_packer(layout.lane_bits), as_words(values))
+    return None if words is None else words.view(torch.uint8)[: layout.containers_for(values.numel())]
+
+
+def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
+    """One uint8 lane value per element of the containers `c` (compiled; 8 / lanes per container,
+    the caller reads the first numel), or None when compiling failed."""
+    words = fusion.run(_unpacker(layout.lane_bits), c.reshape(-1))
+    return None if words is None else words.view(torch.uint8)
