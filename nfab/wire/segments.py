@@ -74,14 +74,19 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     return (torch.stack(sums) / divisors).to(torch.float32)
 
 
+_COMPILED_SUM_MIN = 1 << 16
+"""Elements from which a compiled |x| sum beats the eager one (a compiled call costs ~15 us on CPU)."""
+
+
 def abs_sum(part: torch.Tensor) -> torch.Tensor:
-    """sum |part| as a 0-d float64 on its device: compiled when the torch path's stages are
-    (one read of `part`, 0.3 ms for 4M fp32 where the eager norm takes 2 ms), else the eager
-    norm; 0 for an empty part."""
-    if not part.numel():
-        return part.new_zeros((), dtype=torch.float64)
-    got = fusion.run(_abs_sum64, part) if fusion.active(part) and part.numel() > 1 else None
-    return got if got is not None else torch.linalg.vector_norm(part, 1, dtype=torch.float64)
+    """sum |part| as a 0-d float64 on its device, 0 for an empty part: compiled for a large part when
+    the torch path's stages are (one read of `part`: 0.3 ms for 4M fp32, where eager takes 1.2 ms
+    and the float64 norm 2.6 ms), else eager (a bucket's many small norms and biases)."""
+    if part.numel() >= _COMPILED_SUM_MIN and fusion.active(part):
+        got = fusion.run(_abs_sum64, part)
+        if got is not None:
+            return got
+    return part.abs().sum(dtype=torch.float64)
 
 
 def _abs_sum64(part: torch.Tensor) -> torch.Tensor:
