@@ -19,6 +19,8 @@ from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import layout_for, pack, unpack
 from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import fused as sign_fused
+from nfab.wire.sign import scatter_fused
+from nfab.wire.sign.scatter import pack_trits, unpack_trits
 
 
 def _reference_codes(m: torch.Tensor) -> torch.Tensor:
@@ -101,3 +103,21 @@ def test_gathered_vote_rows_counted_in_words_are_the_sum_of_votes(rows):
     votes = torch.randint(0, 2, (rows, n), generator=torch.Generator().manual_seed(rows)).to(torch.uint8)
     packed_rows = torch.stack([pack(v, layout_for(1)) for v in votes])
     assert torch.equal(words.row_counts(packed_rows).view(torch.uint8)[:n], votes.sum(0).to(torch.uint8))
+
+
+def test_trits_read_by_fp32_arithmetic_are_unpack_trits_for_every_byte():
+    packed = torch.arange(243, dtype=torch.uint8)
+    out = torch.empty(243 * 5 - 3)
+    scale = torch.tensor([0.75])
+    scatter_fused.trit_values_into(out, packed, scatter_fused._inverse_powers(torch.device("cpu")), scale)
+    assert torch.equal(out, (unpack_trits(packed, out.numel()).to(torch.float32) - 1.0) * 0.75)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 7])
+def test_majority_bits_and_trits_by_arithmetic_are_the_eager_owner_step(world_size):
+    counts = torch.randint(0, world_size + 1, (400,), generator=torch.Generator().manual_seed(world_size))
+    half = torch.tensor([world_size // 2], dtype=torch.int32)
+    assert torch.equal(scatter_fused.majority_bits(counts.to(torch.uint8), half), (counts > world_size // 2)
+                       .to(torch.uint8))
+    trits = (counts >= world_size // 2).to(torch.uint8) + (counts > world_size // 2).to(torch.uint8)
+    assert torch.equal(scatter_fused.trit_bytes(counts.to(torch.uint8), half), pack_trits(trits))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import dispatch, segments
+from nfab.wire import dispatch, fusion, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -43,6 +43,7 @@ from nfab.wire.contract import (
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
 from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import host as sign_host
+from nfab.wire.sign import scatter_fused
 from nfab.wire.sign.reducers import count_lane_capacity
 
 _SHARD_ALIGN = 40  # shard sizes are a multiple of 8 (whole vote bytes) and 5 (whole trit bytes)
@@ -114,10 +115,14 @@ class SignScatter(TwoPhaseReducer):
                                       .astype(np.float32))
             kept = bits.copy()
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(kept, n, scales, lengths))
+        scales = segments.segment_mean_abs(x, lengths)
+        if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay)) is not None:
+            payload, vote_bytes = got  # compiled (`scatter_fused`): the same containers
+            return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
+                vote_bytes.to(torch.bool), scales, lengths))
         votes = torch.zeros(world_size * shard, dtype=torch.bool, device=x.device)
         votes[:n] = sign_codec.sign_bits(x.reshape(-1))
         payload = torch.cat([pack(v, lay) for v in votes.view(world_size, shard)])
-        scales = segments.segment_mean_abs(x, lengths)
         own = votes[:n]
         return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(own, scales, lengths))
 
@@ -164,6 +169,9 @@ class SignScatter(TwoPhaseReducer):
         half = world_size // 2
         if dispatch.supports(counts_shard):
             return sign_host.shard_majority(counts_shard, lay, shard, half, self.ternary(world_size))
+        if fusion.active(counts_shard) and (got := scatter_fused.owner_step(
+                counts_shard, lay, shard, world_size, self.ternary(world_size))) is not None:
+            return got
         counts = unpack(counts_shard, lay, shard).to(torch.int64)
         if not self.ternary(world_size):
             return pack(counts > half, layout_for(1))
@@ -203,6 +211,13 @@ class SignScatter(TwoPhaseReducer):
                     sign_host.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
                 start += n
             return dests if dests is not None else res
+        if numel and dests is None and fusion.active(reduced, scale_mean) and (
+                one is None or (one.dtype == torch.float32 and one.is_contiguous())):
+            single = len(lengths) == 1  # the one scale in the kernel; several: unit values, scaled per segment
+            got = scatter_fused.decode(reduced, numel, ternary, scale_mean if single else
+                                       fusion.constant(1.0, reduced.device), one)
+            if got is not None:
+                return got if single else finish_segments(got, scale_mean, lengths, None)
         if ternary:
             digits = unpack_trits(reduced, numel)
         else:
