@@ -5,12 +5,13 @@ dozen of them) and its decode four; memory-bound, so a few hundredths of a copy.
 
 - `local_scale`: one row reduction per block view (max |x|), the non-finite flag from the maxima;
 - agreement: the scale codes (SCALES searched by exponent arithmetic) in one kernel over the blocks;
-- encode: the keyed counter hash, the division by the block's agreed scale and the level
-  arithmetic in one kernel per block view (the noise never stored), then one lane-packing kernel
-  (bit lanes or radix digits);
+- encode: each block's divisor, counter base and key word in one small kernel over the blocks
+  (`row_terms`); the keyed counter hash, the division by the block's agreed scale and the level
+  arithmetic in one kernel per block view (the noise never stored); then the lane packing
+  (`qsum.fused.pack`: 1/2/4-bit lanes as whole words) or radix digits (one kernel);
 - decode: one unpacking kernel per lane block (`qsum.fused.unpack`; radix digits: the eager
-  float64 unpacking, faster than its compiled form), then `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in
-  one kernel per view.
+  float64 unpacking, faster than its compiled form), then `(S * 2 / (M * W) - 1) * scale` and
+  the store into the bucket slice in one kernel per view.
 
 Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
 a short inner dimension, or a level kernel that finds its block's scale by an index expression,

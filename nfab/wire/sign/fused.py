@@ -81,8 +81,9 @@ def voted_fn(vote: str):
 
 
 # ---- the stages (called by the reducers; None: run eager) -------------------------------------
-def encode(x: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
-    """The vote containers of `x` (compiled), or None when compiling failed."""
+def encode(x: torch.Tensor, layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the vote containers of `x`, its vote bytes: this rank's own votes, kept for error feedback
+    instead of unpacking them back from the payload) compiled, or None when compiling failed."""
     flat = x.reshape(-1)
     n = flat.numel()
     whole = -(-n // 8) * 8
@@ -91,9 +92,11 @@ def encode(x: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     if fusion.run(votes_into, votes[:n], flat) is None and fusion.failed():
         return None
     if not words.fits(layout):
-        return qsum_fused.pack(votes[:n], layout)
-    lanes = fusion.run(lanes_fn(layout.lane_bits), votes.view(torch.int64))
-    return None if lanes is None else lanes.view(torch.uint8)[: layout.containers_for(n)]
+        payload = qsum_fused.pack(votes[:n], layout)
+    else:
+        lanes = fusion.run(lanes_fn(layout.lane_bits), votes.view(torch.int64))
+        payload = None if lanes is None else lanes.view(torch.uint8)[: layout.containers_for(n)]
+    return None if payload is None else (payload, votes[:n])
 
 
 def decode(reduced: torch.Tensor, gathered: bool, layout: LaneLayout, vote: str, world_size: int,

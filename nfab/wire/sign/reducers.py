@@ -64,10 +64,10 @@ class _SignReducer(Reducer):
             bits, sums = sign_host.sign_votes(x, lengths)
             return self._encoded(bits, sums, n, lengths, layout)
         scales = segments.segment_mean_abs(x, lengths)
-        if n and fusion.active(x) and (payload := sign_fused.encode(x, layout)) is not None:
-            # compiled: the votes are never stored; this rank's own come back from its payload (read before launch)
+        if n and fusion.active(x) and (got := sign_fused.encode(x, layout)) is not None:
+            payload, vote_bytes = got  # compiled (`sign/fused.py`): the same containers
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
-                unpack(payload, layout, n).to(torch.bool), scales, lengths))
+                vote_bytes.to(torch.bool), scales, lengths))
         bits = sign_codec.sign_bits(x)
         return Encoded(pack(bits, layout), scales, make_local=lambda: sign_codec.sign_values(bits, scales, lengths))
 
