@@ -27,7 +27,8 @@ one warning and the eager torch path runs for the rest of the process (`run` ret
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache, lru_cache
 from typing import Any
 
@@ -48,6 +49,7 @@ GOLDEN_I32 = noise.GOLDEN - (1 << 32)
 MIX2_I32 = noise.MIX2 - (1 << 32)
 
 _failed = False
+_compile_stages = True
 
 
 def failed() -> bool:
@@ -66,9 +68,25 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=True, fullgraph=True, options=OPTIONS)
 
 
+@contextmanager
+def stages_compiled(enabled: bool) -> Iterator[None]:
+    """Run the stages through `torch.compile` (default) or, with False, call each stage function as
+    plain eager torch ops: the same buffers, views and arithmetic, without the compiler. That is
+    how the default test suite covers the compiled path's wiring in seconds, where compiling its
+    C++ takes minutes (tests/wire/test_compiled.py)."""
+    global _compile_stages
+    was, _compile_stages = _compile_stages, enabled
+    try:
+        yield
+    finally:
+        _compile_stages = was
+
+
 def run(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn` compiled, on `args`; None (and eager from then on) when compiling fails."""
     global _failed
+    if not _compile_stages:
+        return fn(*args)
     try:
         return _compiled(fn)(*args)
     except Exception as err:  # noqa: BLE001  (any compiler failure: the eager path is exact)

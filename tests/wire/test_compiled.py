@@ -1,10 +1,12 @@
 """The compiled torch path (`wire/fusion.py`, each codec's `fused.py`) against the eager torch path
 and the numba host path, bit for bit, on the lossy routes.
 
-Skipped unless NFAB_COMPILE_TESTS=1: torch.compile builds C++ for every lane layout on the first
-call (minutes on the shared 2-core box; seconds once inductor's on-disk cache holds them), which
-the default suite should not pay. Run: `NFAB_COMPILE_TESTS=1 pytest tests/wire/test_compiled.py`
-(`make device-check` runs it, on CUDA there).
+Twice: with the stage functions called as plain torch ops (`fusion.stages_compiled(False)`: the
+compiled path's buffers, views, padding and word arithmetic, in the default suite, seconds), and
+compiled. The compiled run is skipped unless NFAB_COMPILE_TESTS=1: torch.compile builds C++ for
+every lane layout on the first call (minutes on the shared 2-core box; seconds once inductor's
+on-disk cache holds them), which the default suite should not pay. Run:
+`NFAB_COMPILE_TESTS=1 pytest tests/wire/test_compiled.py` (`make device-check` runs it, on CUDA there).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch
 from nfab.wire import dispatch, fusion, noise
 from nfab.wire.registry import REDUCERS
 
-pytestmark = pytest.mark.skipif(os.environ.get("NFAB_COMPILE_TESTS") != "1",
-                                reason="compiles C++ for minutes: set NFAB_COMPILE_TESTS=1")
+needs_compile = pytest.mark.skipif(os.environ.get("NFAB_COMPILE_TESTS") != "1",
+                                   reason="compiles C++ for minutes: set NFAB_COMPILE_TESTS=1")
 
 DEVICE = torch.device(os.environ.get("NFAB_COMPILE_TESTS_DEVICE", "cpu"))
 LAYOUTS = [
@@ -71,9 +73,8 @@ def _assert_same(a: dict, b: dict, what: str, keys=None) -> None:
             assert torch.equal(x, y), f"{what}: {key}[{i}]"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("name", ROUTES)
-def test_compiled_stages_are_the_eager_and_the_host_path_bit_for_bit(name, world_size):
+def _check(name: str, world_size: int) -> None:
+    """The compiled path (stages compiled or not, as the caller set) against eager and numba."""
     if not REDUCERS[name].capacity(world_size).ok:
         pytest.skip("over capacity")
     for lengths in LAYOUTS:
@@ -93,6 +94,23 @@ def test_compiled_stages_are_the_eager_and_the_host_path_bit_for_bit(name, world
                          ["payload", "local", "mean", "bucket", "shared"])
 
 
+@needs_compile
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", ROUTES)
+def test_compiled_stages_are_the_eager_and_the_host_path_bit_for_bit(name, world_size):
+    _check(name, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+@pytest.mark.parametrize("name", ROUTES)
+def test_the_stages_uncompiled_are_the_eager_and_the_host_path_bit_for_bit(name, world_size):
+    """W=4 and 8 add the int64 lanes of several blocks, the int32 lanes, 4-bit count words and
+    signscatter's int64 shards to what W=2 and 3 reach."""
+    with fusion.stages_compiled(False):
+        _check(name, world_size)
+
+
+@needs_compile
 def test_compiled_stages_compile_once_for_every_bucket_size():
     """dynamic=True: new bucket sizes reuse the graphs (no compile per shape)."""
     torch._dynamo.utils.counters.clear()
