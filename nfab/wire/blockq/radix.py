@@ -83,7 +83,7 @@ def pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
     return acc
 
 
-_EXACT_RADIX = 1 << 20
+EXACT_RADIX = 1 << 20
 """Below this radix the digits come out of float64 arithmetic exactly (see `unpack`)."""
 
 
@@ -101,7 +101,7 @@ def unpack(containers: torch.Tensor, layout: RadixLayout, numel: int,
     c = containers.reshape(-1)
     m, k, r = c.numel(), layout.digits, layout.radix
     out = torch.empty(m, k, dtype=dtype, device=c.device)
-    if r >= _EXACT_RADIX:  # never chosen by any layout in use: the integer path, kept exact
+    if r >= EXACT_RADIX:  # never chosen by any layout in use: the integer path, kept exact
         rest = c.clone()
         for j in range(k):
             out[:, j] = torch.remainder(rest, r)
