@@ -58,7 +58,9 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     if not lengths:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
     if not dispatch.on_host(x):
-        return (torch.stack([abs_sum(p) for p in torch.split(x, lengths)]) / divisors).to(torch.float32)
+        sums = (scan_abs_sums(x, lengths) if len(lengths) > _MANY_SEGMENTS
+                else torch.stack([abs_sum(p) for p in torch.split(x, lengths)]))
+        return (sums / divisors).to(torch.float32)
     buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32, device=x.device)
     sums = []
     start = 0
@@ -72,6 +74,56 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         sums.append(acc)
         start += n
     return (torch.stack(sums) / divisors).to(torch.float32)
+
+
+_SCAN_ROW = 4096
+"""Elements per row of `scan_abs_sums`: its prefix sums restart every row."""
+
+
+def scan_abs_sums(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """sum |x| of every segment (float64, on x's device) in a fixed number of kernels, whatever the
+    number of segments: a bucket's dozens of norms and biases are not one reduction each (on a GPU,
+    a launch each).
+
+    |x| is laid out in rows of `_SCAN_ROW` and prefix-summed along each row in float64, the row
+    totals prefix-summed once more; a segment [a, b) is then the within-row prefix at b - 1, less
+    the one just before a in a's row, plus the totals of the rows from a's up to b's (a difference
+    of two row-total prefixes). Every order is fixed, so the bits are the same on every run; the
+    differences cost at most a few float64 ulps of the row sums and row-total prefix involved,
+    which leaves a segment's fp32 mean exact unless |x| spans ~9 orders of magnitude between it and
+    the bucket before it (the index arithmetic is made once per layout, `_scan_plan`)."""
+    n, dev = x.numel(), x.device
+    rows = max(-(-n // _SCAN_ROW), 1)
+    grid = torch.zeros(rows * _SCAN_ROW, dtype=torch.float32, device=dev)
+    grid[:n] = x.reshape(-1).abs()  # bf16 / fp16 widen exactly
+    within = torch.cumsum(grid.view(rows, _SCAN_ROW), 1, dtype=torch.float64)
+    totals = torch.cumsum(within[:, -1], 0)
+    index, take = _scan_plan(tuple(lengths), dev)
+    picked = torch.stack([within.view(-1)[index[0]], within.view(-1)[index[1]], totals[index[2]], totals[index[3]]])
+    return ((picked * take).sum(0) if picked.numel() else picked.new_zeros(len(lengths)))
+
+
+@lru_cache(maxsize=256)
+def _scan_plan(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per segment [a, b), what `scan_abs_sums` takes (both on `device`, sent without waiting):
+    four indices (int64, (4, segments)) -- the within-row prefix at b - 1; at a - 1; the row-total
+    prefix at row (b - 1) // R - 1; at row a // R - 1 -- and their signs (float64 +1 / -1, or 0
+    where there is nothing to take: an empty segment, a start at a row's first element, a segment
+    inside one row, the rows before row 0)."""
+    index, take = [], []
+    a = 0
+    for n in lengths:
+        b = a + n
+        ra, rb = a // _SCAN_ROW, (b - 1) // _SCAN_ROW
+        spans = n > 0 and rb > ra
+        wanted = (n > 0, n > 0 and a % _SCAN_ROW > 0, spans, spans and ra > 0)
+        at = (b - 1, a - 1, rb - 1, ra - 1)
+        index.append([i if w else 0 for i, w in zip(at, wanted, strict=True)])
+        take.append([s * w for s, w in zip((1.0, -1.0, 1.0, -1.0), wanted, strict=True)])
+        a = b
+    index_t = torch.tensor(index, dtype=torch.int64, device="cpu").reshape(-1, 4).T.contiguous()
+    take_t = torch.tensor(take, dtype=torch.float64, device="cpu").reshape(-1, 4).T.contiguous()
+    return index_t.to(device, non_blocking=True), take_t.to(device, non_blocking=True)
 
 
 _COMPILED_SUM_MIN = 1 << 16
