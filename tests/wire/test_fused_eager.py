@@ -90,6 +90,8 @@ def test_lanes_as_words_are_lanes_pack_and_unpack(lane_bits, n):
     whole = words.as_words(values)
     assert torch.equal(words.lanes_of_bytes(whole, lane_bits).view(torch.uint8)[: layout.containers_for(n)],
                        pack(values, layout))
+    if lane_bits == 2:
+        assert torch.equal(words.quad_lanes(whole.view(torch.int32))[: layout.containers_for(n)], pack(values, layout))
     votes = values & 1  # 0/1 bytes: gathered into bits, then spread to the lanes
     assert torch.equal(words.lanes_of_bits(words.gathered_bits(words.as_words(votes)), lane_bits)
                        .view(torch.uint8)[: layout.containers_for(n)], pack(votes, layout))

@@ -71,6 +71,14 @@ def gathered_bits(words: torch.Tensor) -> torch.Tensor:
     return ((words * GATHER8) >> 56) & 0xFF
 
 
+def quad_lanes(words: torch.Tensor) -> torch.Tensor:
+    """int32 words of 4 values below 4 -> their one uint8 container of 2-bit lanes (the 2-bit case
+    of `lanes_of_bytes` on 32-bit words: its int16 result from int64 words narrowed scalar, 0.37 ms
+    against 0.08 for 4M values)."""
+    w = (words | (words >> 6)) & 0x000F000F
+    return ((w | (w >> 12)) & 0xFF).to(torch.uint8)
+
+
 def lanes_of_bytes(words: torch.Tensor, lane_bits: int) -> torch.Tensor:
     """int64 words of 8 values (bytes below 2^lane_bits) -> their containers as one `_word_dtype`
     word: byte pairs, then 16-bit and 32-bit units, pulled together (values are below 2^7, so the
@@ -140,8 +148,13 @@ def as_words(values: torch.Tensor) -> torch.Tensor:
 
 def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """`lanes.pack` of 1-D uint8 `values` (compiled), or None when compiling failed."""
-    words = fusion.run(_packer(layout.lane_bits), as_words(values))
-    return None if words is None else words.view(torch.uint8)[: layout.containers_for(values.numel())]
+    whole = as_words(values)
+    if layout.lane_bits == 2:
+        lanes = fusion.run(quad_lanes, whole.view(torch.int32))
+    else:
+        words = fusion.run(_packer(layout.lane_bits), whole)
+        lanes = None if words is None else words.view(torch.uint8)
+    return None if lanes is None else lanes[: layout.containers_for(values.numel())]
 
 
 def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:

@@ -91,7 +91,7 @@ def encode(x: torch.Tensor, layout: LaneLayout) -> tuple[torch.Tensor, torch.Ten
     votes[n:].zero_()  # the last word's padding: zero lanes, as `lanes.pack` pads
     if fusion.run(votes_into, votes[:n], flat) is None and fusion.failed():
         return None
-    if not words.fits(layout):
+    if not words.fits(layout) or layout.lane_bits == 2:  # 2-bit lanes: straight from the vote bytes
         payload = qsum_fused.pack(votes[:n], layout)
     else:
         lanes = fusion.run(lanes_fn(layout.lane_bits), votes.view(torch.int64))
