@@ -11,7 +11,8 @@ the 8 values of a little-endian int64 word fill 8 / L containers (L = 8 / lane_b
 - packing (`lanes_of_bytes`): the values are pulled together by halving steps -- byte pairs
   into 16-bit units, those into 32, those into the word's low 8 * lane_bits bits -- or, for
   1-bit values, by one multiply (`GATHER8`: byte k's low bit lands at bit 56 + k, and no carry
-  reaches the top byte);
+  reaches the top byte); `pack` takes 2-bit values 4 at a time from int32 words (`quad_lanes`),
+  whose one-byte result needs no int16 narrowing, which inductor's C++ runs scalar;
 - unpacking (`bytes_of_lanes`): the inverse steps put lane k of a container into byte k of a
   wider word, and for 1-bit lanes a multiply copies the byte into all 8 bytes (`SPREAD8`), a
   mask keeps bit k in byte k, and adding 0x7F per byte carries it to the byte's top bit
