@@ -24,10 +24,7 @@ from typing import Any
 
 import nfab
 from nfab.errors import ConfigError
-
-SEEDS_KIND = "nfab.bench.tta.seeds"
-BASES: tuple[str, ...] = ("fp32", "bf16", "powersgd")
-"""The variants every other is compared with over the seeds (those that ran)."""
+from nfab.report.tta import SEEDS_BASES, SEEDS_KIND
 
 
 def parse_seeds(text: str) -> tuple[int, ...]:
@@ -79,7 +76,7 @@ def over_seeds(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "time_to_target_s": [_finite(t) for t in times],
             "median_time_to_target_s": _finite(statistics.median(times)),
         }
-        for base in BASES:
+        for base in SEEDS_BASES:
             if base == name or not all(base in doc["variants"] for doc in docs):
                 continue
             ratios = [speedup(_time(doc["variants"][base]), t) for doc, t in zip(docs, times, strict=True)]

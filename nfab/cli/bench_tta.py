@@ -47,10 +47,10 @@ def print_report(doc: dict[str, Any]) -> None:
 
 def print_over_seeds(doc: dict[str, Any]) -> None:
     """Per variant over the seeds: reached k of n, median time to target, median speed-ups (`seeds_table`)."""
-    from nfab.report.tta import seeds_table
+    from nfab.report.tta import SEEDS_BASES, seeds_table
 
     frame = seeds_table(doc["over_seeds"])
-    bases = [b for b in ("fp32", "bf16", "powersgd") if b in doc["over_seeds"]]
+    bases = [b for b in SEEDS_BASES if b in doc["over_seeds"]]
     table = Table(title=f"over seeds {', '.join(map(str, doc['seeds']))}: each seed against its own FP32 target")
     for col in ("variant", "reached", "median time to target s", *(f"median × {b}" for b in bases)):
         table.add_column(col, justify="left" if col == "variant" else "right")

@@ -25,8 +25,9 @@ from nfab.report.tables import MB
 TTA_KIND = "nfab.bench.tta"
 SEEDS_KIND = "nfab.bench.tta.seeds"
 """`nfab bench tta --seeds`: the per-seed documents under `runs`, their summary under `over_seeds`."""
-SEEDS_COLUMNS = ("variant", "reached", "median_time_to_target_s", "median_speedup_vs_fp32",
-                 "median_speedup_vs_bf16", "median_speedup_vs_powersgd")
+SEEDS_BASES: tuple[str, ...] = ("fp32", "bf16", "powersgd")
+"""The variants every other is compared with over the seeds (those that ran)."""
+SEEDS_COLUMNS = ("variant", "reached", "median_time_to_target_s", *(f"median_speedup_vs_{b}" for b in SEEDS_BASES))
 VARIANT_KEYS = ("time_to_target_s", "steps_to_target", "steps", "final_loss", "wire_bytes", "curve")
 CURVE_KEYS = ("step", "time_s", "val_loss")
 COLUMNS = ("variant", "time_to_target_s", "steps_to_target", "steps", "speedup_vs_fp32", "speedup_vs_bf16",
@@ -89,7 +90,7 @@ def seeds_table(over: dict[str, dict[str, Any]]) -> pd.DataFrame:
         return None if r is None else f"{r:.2f}x"
     rows = [{"variant": name, "reached": f"{v['reached']} / {v['runs']}",
              "median_time_to_target_s": v["median_time_to_target_s"],
-             **{f"median_speedup_vs_{b}": x(v, b) for b in ("fp32", "bf16", "powersgd")}}
+             **{f"median_speedup_vs_{b}": x(v, b) for b in SEEDS_BASES}}
             for name, v in over.items()]
     return pd.DataFrame(rows, columns=list(SEEDS_COLUMNS))
 
