@@ -53,20 +53,6 @@ def _word_dtype(lane_bits: int) -> torch.dtype:
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[lane_bits]
 
 
-def lanes_of_bits(p: torch.Tensor, lane_bits: int) -> torch.Tensor:
-    """Bit k of the 8-bit values `p` (int64) moved to bit k * lane_bits: the containers of 8 values
-    that are 0 or 1, as one `_word_dtype` word."""
-    if lane_bits == 2:
-        p = (p | (p << 4)) & 0x0F0F
-        p = (p | (p << 2)) & 0x3333
-        p = (p | (p << 1)) & 0x5555
-    elif lane_bits == 4:
-        p = (p | (p << 12)) & 0x000F000F
-        p = (p | (p << 6)) & 0x03030303
-        p = (p | (p << 3)) & 0x11111111
-    return p.to(_word_dtype(lane_bits))
-
-
 def gathered_bits(words: torch.Tensor) -> torch.Tensor:
     """The low bits of each int64 word's 8 bytes (each 0 or 1) as one 8-bit value, byte k at bit k."""
     return ((words * GATHER8) >> 56) & 0xFF

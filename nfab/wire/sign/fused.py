@@ -52,14 +52,16 @@ def votes_into(out: torch.Tensor, x: torch.Tensor) -> None:
     out.copy_(vote_bytes(x))
 
 
-@cache
-def lanes_fn(lane_bits: int):
-    """int64 words of 8 vote bytes -> their lane words (`words.lanes_of_bits` of the gathered byte)."""
-
-    def lanes(vote_words: torch.Tensor) -> torch.Tensor:
-        return words.lanes_of_bits(words.gathered_bits(vote_words), lane_bits)
-
-    return lanes
+def vote_buffer(x: torch.Tensor, total: int) -> torch.Tensor | None:
+    """`total` vote bytes (uint8, total >= x.numel()): x's `vote_bytes`, then zeros -- padding that
+    votes nothing, zero lanes as `lanes.pack` pads; None when compiling failed."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    votes = torch.empty(total, dtype=torch.uint8, device=x.device)
+    votes[n:].zero_()
+    if fusion.run(votes_into, votes[:n], flat) is None and fusion.failed():
+        return None
+    return votes
 
 
 # ---- decode ----------------------------------------------------------------------------------
@@ -84,18 +86,15 @@ def voted_fn(vote: str):
 def encode(x: torch.Tensor, layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the vote containers of `x`, its vote bytes: this rank's own votes, kept for error feedback
     instead of unpacking them back from the payload) compiled, or None when compiling failed."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    whole = -(-n // 8) * 8
-    votes = torch.empty(whole, dtype=torch.uint8, device=x.device)
-    votes[n:].zero_()  # the last word's padding: zero lanes, as `lanes.pack` pads
-    if fusion.run(votes_into, votes[:n], flat) is None and fusion.failed():
+    n = x.numel()
+    votes = vote_buffer(x, -(-n // 8) * 8)  # whole int64 words for `words.pack`
+    if votes is None:
         return None
-    if not words.fits(layout) or layout.lane_bits == 2:  # 2-bit lanes: straight from the vote bytes
-        payload = qsum_fused.pack(votes[:n], layout)
+    if words.fits(layout):  # consecutive lanes: the padding's zero votes only fill the last containers
+        payload = words.pack(votes, layout)
+        payload = None if payload is None else payload[: layout.containers_for(n)]
     else:
-        lanes = fusion.run(lanes_fn(layout.lane_bits), votes.view(torch.int64))
-        payload = None if lanes is None else lanes.view(torch.uint8)[: layout.containers_for(n)]
+        payload = qsum_fused.pack(votes[:n], layout)
     return None if payload is None else (payload, votes[:n])
 
 

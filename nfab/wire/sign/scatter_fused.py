@@ -39,18 +39,15 @@ def encode(x: torch.Tensor, shard: int, world_size: int,
            layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(the W shards' count-lane payload of `x`'s votes, the vote bytes of `x`) compiled, or None when
     compiling failed."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    votes = torch.empty(world_size * shard, dtype=torch.uint8, device=x.device)
-    votes[n:].zero_()  # the shards' padding votes nothing: zero lanes, as the eager zeros
-    if fusion.run(sign_fused.votes_into, votes[:n], flat) is None and fusion.failed():
+    votes = sign_fused.vote_buffer(x, world_size * shard)  # the shards' padding votes nothing
+    if votes is None:
         return None
     if words.fits(layout) and shard % layout.lanes == 0:
         payload = words.pack(votes, layout)
     else:  # int32/int64 containers: shard by shard (their last container may be part-filled)
         shards = [qsum_fused.pack(v, layout) for v in votes.view(world_size, shard)]
         payload = None if any(p is None for p in shards) else torch.cat(shards)  # type: ignore[arg-type]
-    return None if payload is None else (payload, votes[:n])
+    return None if payload is None else (payload, votes[: x.numel()])
 
 
 # ---- the owner's step ------------------------------------------------------------------------
