@@ -27,11 +27,14 @@ The per-segment mean |x| is not here: `segments.segment_mean_abs` (a float64 sum
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import cache
+from typing import Any
 
 import torch
 
 from nfab.wire import fusion
+from nfab.wire.contract import Out, finish_segments, split_out
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import LaneLayout
@@ -116,3 +119,20 @@ def decode(reduced: torch.Tensor, gathered: bool, layout: LaneLayout, vote: str,
         return None
     fusion.run(voted_fn(vote), res, counts, w, s)
     return None if fusion.failed() else res
+
+
+def decode_segments(decode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None],
+                    reduced: torch.Tensor, scale_mean: torch.Tensor, numel: int, lengths: Sequence[int],
+                    out: Out) -> Any:
+    """A sign reducer's compiled decode into `out`: `decode(scale, one)` with the one segment's scale,
+    or with 1.0 and then the eager per-segment scaling for several segments; None when it does not
+    run here (not switched on, per-segment destinations, an output that is not contiguous fp32)."""
+    one, dests = split_out(out)
+    if not numel or dests is not None or not fusion.active(reduced, scale_mean):
+        return None
+    if one is not None and (one.dtype != torch.float32 or not one.is_contiguous()):
+        return None
+    if len(lengths) == 1:
+        return decode(scale_mean, one)
+    unit = decode(fusion.constant(1.0, reduced.device), one)
+    return None if unit is None else finish_segments(unit, scale_mean, lengths, None)

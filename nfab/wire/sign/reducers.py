@@ -92,16 +92,9 @@ class _SignReducer(Reducer):
                       numel: int, lengths: Sequence[int], world_size: int, out: Out) -> Any:
         """The compiled decode (`sign/fused.py`): one kernel for one segment, the vote values then the
         eager per-segment scaling for several; None when it does not run here."""
-        one, dests = split_out(out)
-        if not numel or dests is not None or not fusion.active(reduced, scale_mean):
-            return None
-        if one is not None and (one.dtype != torch.float32 or not one.is_contiguous()):
-            return None
-        if len(lengths) == 1:
-            return sign_fused.decode(reduced, gathered, layout, self.vote, world_size, scale_mean, numel, one)
-        unit = sign_fused.decode(reduced, gathered, layout, self.vote, world_size, fusion.constant(1.0, reduced.device),
-                                 numel, one)
-        return None if unit is None else finish_segments(unit, scale_mean, lengths, None)
+        return sign_fused.decode_segments(
+            lambda scale, one: sign_fused.decode(reduced, gathered, layout, self.vote, world_size, scale, numel, one),
+            reduced, scale_mean, numel, lengths, out)
 
     def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size, out=None):
         """Count lanes -> vote x mean scale, by table (one lookup per group of lanes on CPU)."""

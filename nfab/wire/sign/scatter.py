@@ -42,6 +42,7 @@ from nfab.wire.contract import (
 )
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
 from nfab.wire.sign import codec as sign_codec
+from nfab.wire.sign import fused as sign_fused
 from nfab.wire.sign import host as sign_host
 from nfab.wire.sign import scatter_fused
 from nfab.wire.sign.reducers import count_lane_capacity
@@ -211,13 +212,10 @@ class SignScatter(TwoPhaseReducer):
                     sign_host.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
                 start += n
             return dests if dests is not None else res
-        if numel and dests is None and fusion.active(reduced, scale_mean) and (
-                one is None or (one.dtype == torch.float32 and one.is_contiguous())):
-            single = len(lengths) == 1  # the one scale in the kernel; several: unit values, scaled per segment
-            got = scatter_fused.decode(reduced, numel, ternary, scale_mean if single else
-                                       fusion.constant(1.0, reduced.device), one)
-            if got is not None:
-                return got if single else finish_segments(got, scale_mean, lengths, None)
+        got = sign_fused.decode_segments(lambda scale, o: scatter_fused.decode(reduced, numel, ternary, scale, o),
+                                         reduced, scale_mean, numel, lengths, out)
+        if got is not None:  # compiled (`scatter_fused`)
+            return got
         if ternary:
             digits = unpack_trits(reduced, numel)
         else:
