@@ -54,13 +54,12 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     to fp32 rounding.
     """
     lengths = list(lengths)
-    divisors = segment_counts([max(n, 1) for n in lengths], x.device).to(torch.float64)
     if not lengths:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
     if not dispatch.on_host(x):
         sums = (scan_abs_sums(x, lengths) if len(lengths) > _MANY_SEGMENTS
                 else torch.stack([abs_sum(p) for p in torch.split(x, lengths)]))
-        return (sums / divisors).to(torch.float32)
+        return means(sums, lengths)
     buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32, device=x.device)
     sums = []
     start = 0
@@ -73,7 +72,13 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
             acc += part.sum(dtype=torch.float64)
         sums.append(acc)
         start += n
-    return (torch.stack(sums) / divisors).to(torch.float32)
+    return means(torch.stack(sums), lengths)
+
+
+def means(sums: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Per-segment means (fp32) of float64 per-segment sums: divided in float64, rounded once
+    (an empty segment divides by 1)."""
+    return (sums / segment_counts([max(n, 1) for n in lengths], sums.device).to(torch.float64)).to(torch.float32)
 
 
 _SCAN_ROW = 4096
@@ -138,10 +143,11 @@ def abs_sum(part: torch.Tensor) -> torch.Tensor:
         got = fusion.run(_abs_sum64, part)
         if got is not None:
             return got
-    return part.abs().sum(dtype=torch.float64)
+    return _abs_sum64(part)
 
 
 def _abs_sum64(part: torch.Tensor) -> torch.Tensor:
+    """sum |part| in float64: `abs_sum`'s one definition, compiled or eager."""
     return part.abs().sum(dtype=torch.float64)
 
 

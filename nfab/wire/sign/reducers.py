@@ -30,7 +30,7 @@ from nfab.wire.sign import host as sign_host
 from nfab.wire.slices import Slices
 
 
-def _mean_abs(sums: np.ndarray, lengths: Sequence[int]) -> torch.Tensor:
+def mean_abs_of_sums(sums: np.ndarray, lengths: Sequence[int]) -> torch.Tensor:
     """Per-segment mean |x| (fp32) from the float64 |x| sums of the fused encoders."""
     return torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1)).astype(np.float32))
 
@@ -74,7 +74,7 @@ class _SignReducer(Reducer):
     @staticmethod
     def _encoded(bits: np.ndarray, sums: np.ndarray, n: int, lengths: list[int], layout: LaneLayout) -> Encoded:
         """Packed votes -> the payload in `layout` (the bits themselves for 1-bit lanes)."""
-        scales = _mean_abs(sums, lengths)
+        scales = mean_abs_of_sums(sums, lengths)
         if layout.lane_bits == 1:
             payload = torch.from_numpy(bits)
             bits = bits.copy()  # this rank's own decode never reads the payload (an in-place collective may write it)

@@ -45,7 +45,7 @@ from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import fused as sign_fused
 from nfab.wire.sign import host as sign_host
 from nfab.wire.sign import scatter_fused
-from nfab.wire.sign.reducers import count_lane_capacity
+from nfab.wire.sign.reducers import count_lane_capacity, mean_abs_of_sums
 
 _SHARD_ALIGN = 40  # shard sizes are a multiple of 8 (whole vote bytes) and 5 (whole trit bytes)
 _TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256
@@ -112,8 +112,7 @@ class SignScatter(TwoPhaseReducer):
         if n and sign_host.sign_supports(x):
             bits, sums = sign_host.sign_votes(x, lengths)
             payload = sign_host.votes_to_shard_lanes(bits, n, shard, world_size, lay)
-            scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1))
-                                      .astype(np.float32))
+            scales = mean_abs_of_sums(sums, lengths)
             kept = bits.copy()
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(kept, n, scales, lengths))
         scales = segments.segment_mean_abs(x, lengths)
@@ -143,8 +142,7 @@ class SignScatter(TwoPhaseReducer):
             read = np.where(np.array([start >= 0 for start, _ in sources]), lens, 0)
             bits, sums = sign_host.sign_votes_at(flat, at, at + read, dest - at, w * padded)
             payload = sign_host.votes_to_shard_lanes(bits, w * padded, padded, w, lay)
-            scales = torch.from_numpy((sums / np.maximum(np.asarray(lengths, dtype=np.float64), 1))
-                                      .astype(np.float32))
+            scales = mean_abs_of_sums(sums, lengths)
             return Encoded(payload, scales)
         votes = torch.zeros(w * padded, dtype=torch.bool, device=flat.device)
         sums, pos = [], 0
@@ -157,8 +155,7 @@ class SignScatter(TwoPhaseReducer):
                 sums.append(flat.new_zeros((), dtype=torch.float64))
             pos += n
         payload = torch.cat([pack(v, lay) for v in votes.view(w, padded)])
-        divisors = segments.segment_counts([max(n, 1) for n in lengths], flat.device).to(torch.float64)
-        return Encoded(payload, (torch.stack(sums) / divisors).to(torch.float32))
+        return Encoded(payload, segments.means(torch.stack(sums), lengths))
 
     # ---- the owner's step ---------------------------------------------------------------------
     def owner_step(self, counts_shard: torch.Tensor, world_size: int) -> torch.Tensor:
