@@ -47,6 +47,7 @@ def print_report(doc: dict[str, Any]) -> None:
 
 def print_over_seeds(doc: dict[str, Any]) -> None:
     """Per variant over the seeds: reached k of n, median time to target, median speed-ups (`seeds_table`)."""
+    from nfab.report.formatting import cell
     from nfab.report.tta import SEEDS_BASES, seeds_table
 
     frame = seeds_table(doc["over_seeds"])
@@ -55,8 +56,7 @@ def print_over_seeds(doc: dict[str, Any]) -> None:
     for col in ("variant", "reached", "median time to target s", *(f"median × {b}" for b in bases)):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for row in frame.to_dict("records"):
-        t = row["median_time_to_target_s"]
-        table.add_row(row["variant"], row["reached"], "never" if t is None or t != t else f"{t:.1f}",
+        table.add_row(row["variant"], row["reached"], cell("median_time_to_target_s", row["median_time_to_target_s"]),
                       *("" if b == row["variant"] else row[f"median_speedup_vs_{b}"] or "-" for b in bases))
     console.print(table)
     console.print("a seed that never reached its target counts as slower than any that did (0x against a base "
