@@ -27,6 +27,9 @@ LAYOUTS = [
     [64 * 300],  # one view of whole blocks (blockq's one-kernel encode and decode)
     [64 * 40 + 5, 64 * 7, 3, 130],  # tails, short segments: several views, several segments
     [1000, 0, 4096 + 77],  # an empty segment
+    # a bucket of many small parameters (norms, biases), over 16 block views: every segment and
+    # block in one kernel through a per-element index (qsum, blockq)
+    [64 * 3 + 5, 7, 130, 64, 1, 200, 64 * 2, 33, 0, 90, 64 * 5 + 63, 17, 5, 70, 3, 64 * 4 + 1],
 ]
 ROUTES = ["blockq-bq3", "blockq-bq2", "blockq-bq4", "blockq-bq8", "blockq-bl5", "blockq-bl6", "blockq-bq4-128",
           "blockq-bq3-256", "blockqscatter-bq3", "signgather", "signcount", "signscatter", "qsum-q8", "qsum-q4",
