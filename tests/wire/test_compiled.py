@@ -32,8 +32,8 @@ LAYOUTS = [
     [64 * 3 + 5, 7, 130, 64, 1, 200, 64 * 2, 33, 0, 90, 64 * 5 + 63, 17, 5, 70, 3, 64 * 4 + 1],
 ]
 ROUTES = ["blockq-bq3", "blockq-bq2", "blockq-bq4", "blockq-bq8", "blockq-bl5", "blockq-bl6", "blockq-bq4-128",
-          "blockq-bq3-256", "blockqscatter-bq3", "signgather", "signcount", "signscatter", "qsum-q8", "qsum-q4",
-          "qsum-q2"]
+          "blockq-bq3-256", "blockqscatter-bq3", "blockqscatter-bq4", "blockqscatter-bl5", "signgather",
+          "signcount", "signscatter", "qsum-q8", "qsum-q4", "qsum-q2"]
 SIGN = {"signgather", "signcount", "signscatter"}
 
 

@@ -320,12 +320,23 @@ def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, pa
     summed payload, the same bits as the eager unpack, `unit_values` and `scale_blocks_`: a kernel
     per block view, or (`parts` None) one through the block index of the bucket's `lengths`; None
     when compiling failed."""
-    dev = reduced.device
+    sums = unpack(reduced, layout)
+    return None if sums is None else scaled(sums, codes_, scales, parts, numel, total, out, lengths, block)
+
+
+def unpack(reduced: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """The lane values or digits of the containers `reduced` (compiled; the caller reads the first
+    numel), or None when compiling failed."""
+    return radix_unpack(reduced, layout) if isinstance(layout, RadixLayout) else qsum_fused.unpack(reduced, layout)
+
+
+def scaled(sums: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...] | None,
+           numel: int, total: int, out: torch.Tensor | None, lengths: Sequence[int] = (),
+           block: int = 0) -> torch.Tensor | None:
+    """`decode` after the unpacking: the W-rank level sums `sums` (one per element) as the mean."""
+    dev = sums.device
     unit = fusion.constant(2.0 / total, dev)
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
-    sums = radix_unpack(reduced, layout) if isinstance(layout, RadixLayout) else qsum_fused.unpack(reduced, layout)
-    if sums is None:
-        return None
     if parts is None:
         index = _block_index(tuple(lengths), block, dev)[0]
         table = fusion.run(block_scales, codes_, scales)

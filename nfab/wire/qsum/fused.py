@@ -32,6 +32,7 @@ from nfab.wire import fusion
 from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import LaneLayout
 
+
 def _blocks(layout: LaneLayout) -> tuple[tuple[int, int], ...]:
     """`layout.blocks` without its cache (traced code calls no cached function)."""
     if layout.container == torch.uint8:
