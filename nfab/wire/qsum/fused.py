@@ -137,7 +137,7 @@ def segment_index(lengths: tuple[int, ...], device: torch.device) -> tuple[torch
     costs 1-2 bytes per element of the bucket while its layout is in use (64 layouts kept)."""
     starts = torch.tensor([0, *accumulate(lengths[:-1])], dtype=torch.int64, device="cpu")
     counts = torch.tensor(lengths, dtype=torch.int64, device="cpu")
-    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int64), counts)
+    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int64), counts, output_size=sum(lengths))
     index = ids.to(index_dtype(len(lengths)))
     return index.to(device, non_blocking=True), (1 - starts).to(device, non_blocking=True)
 
