@@ -191,7 +191,6 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
             mean.mul_(self.element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
 
-
     def _decode_shards_fused(self, rows: torch.Tensor, shard: int, scale_mean: torch.Tensor, numel: int,
                              lengths: Any, world_size: int, out: Any) -> Any:
         """`decode` of shards packed in lanes of several blocks, by the compiled stages: each shard's

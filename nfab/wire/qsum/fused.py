@@ -248,7 +248,9 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
         if fusion.run(indexed_levels_into, levels, flat, index, safe, *terms, fusion.int_constant(0, dev), half_m,
                       top) is None and fusion.failed():
             return None
-    payload = levels if layout.lanes == 1 else pack(levels, layout)
+    if layout.lanes == 1:  # the levels are the payload: no copy kept (the payload may be reduced in place)
+        return levels, None
+    payload = pack(levels, layout)
     return None if payload is None else (payload, levels)
 
 
