@@ -209,8 +209,9 @@ class SignScatter(TwoPhaseReducer):
                     sign_host.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
                 start += n
             return dests if dests is not None else res
-        got = sign_fused.decode_segments(lambda scale, o: scatter_fused.decode(reduced, numel, ternary, scale, o),
-                                         reduced, scale_mean, numel, lengths, out)
+        got = sign_fused.decode_segments(
+            lambda scale, o, index: scatter_fused.decode(reduced, numel, ternary, scale, o, index),
+            reduced, scale_mean, numel, lengths, out)
         if got is not None:  # compiled (`scatter_fused`)
             return got
         if ternary:

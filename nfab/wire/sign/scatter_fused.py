@@ -89,7 +89,8 @@ def _inverse_powers(device: torch.device) -> torch.Tensor:
         device, non_blocking=True)
 
 
-def trit_values_into(out: torch.Tensor, packed: torch.Tensor, inverse: torch.Tensor, scale: torch.Tensor) -> None:
+def trit_values_into(out: torch.Tensor, packed: torch.Tensor, inverse: torch.Tensor, scale: torch.Tensor,
+                     index: torch.Tensor | None = None) -> None:
     """out[i] = (trit i - 1) * scale, trit i = floor(byte / 3^k) mod 3 of byte i // 5, k = i % 5:
     fl(1 / 3^k) rounds up for every k <= 4 and a byte's quotient b / 3^k lies at least 1/81 below
     the next integer, so floor(b * fl(1 / 3^k)) is b // 3^k for every byte (all 243 checked in
@@ -98,27 +99,30 @@ def trit_values_into(out: torch.Tensor, packed: torch.Tensor, inverse: torch.Ten
     values = []
     for k in range(TRITS_PER_BYTE):  # a column per digit, stacked (a broadcast over 5 ran scalar, 8x slower)
         q = (b * inverse[k]).floor()  # floor(byte / 3^k), exact
-        values.append((q - 3.0 * (q * (1.0 / 3.0)).floor() - 1.0) * scale)
-    out.copy_(torch.stack(values, 1).view(-1)[: out.shape[0]])
+        v = q - 3.0 * (q * (1.0 / 3.0)).floor() - 1.0
+        values.append(v * scale if index is None else v)  # several segments: scaled after the stack
+    unit = torch.stack(values, 1).view(-1)[: out.shape[0]]
+    out.copy_(unit if index is None else unit * sign_fused.scale_of(scale, index))
 
 
-def bit_values_into(out: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> None:
-    """out[i] = (2 * bit i - 1) * scale from the bits as count bytes."""
-    out.copy_((counts[: out.shape[0]].to(torch.float32) * 2.0 - 1.0) * scale)
+def bit_values_into(out: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor,
+                    index: torch.Tensor | None = None) -> None:
+    """out[i] = (2 * bit i - 1) * its scale (`sign_fused.scale_of`) from the bits as count bytes."""
+    out.copy_((counts[: out.shape[0]].to(torch.float32) * 2.0 - 1.0) * sign_fused.scale_of(scale, index))
 
 
 def decode(reduced: torch.Tensor, numel: int, ternary: bool, scale: torch.Tensor,
-           out: torch.Tensor | None) -> torch.Tensor | None:
-    """The gathered majority as values times `scale` (1 element: the one segment's, or 1.0 for unit
-    values the caller scales per segment), into `out` when given; None when compiling failed."""
+           out: torch.Tensor | None, index: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The gathered majority as values times their scale (`sign_fused.scale_of`: the one segment's, or
+    each element's segment's through `index`), into `out` when given; None when compiling failed."""
     dev = reduced.device
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
-    s = scale.reshape(-1)[:1].to(torch.float32)
+    s = sign_fused.per_segment(scale, index)
     if ternary:
-        fusion.run(trit_values_into, res, reduced.reshape(-1), _inverse_powers(dev), s)
+        fusion.run(trit_values_into, res, reduced.reshape(-1), _inverse_powers(dev), s, index)
     else:
         counted = fusion.run(words.row_counts, reduced.reshape(1, -1))
         if counted is None:
             return None
-        fusion.run(bit_values_into, res, counted.view(torch.uint8), s)
+        fusion.run(bit_values_into, res, counted.view(torch.uint8), s, index)
     return None if fusion.failed() else res
