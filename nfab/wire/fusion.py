@@ -137,6 +137,17 @@ def _run(fn: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
+_STATIC: dict[int, int] = {}
+
+
+def static(value: int) -> int:
+    """`value` as a constant inside a traced stage. Why: under `dynamic=True` dynamo makes a closure's
+    ints (and its objects' int attributes) symbolic, and inductor's C++ then computed a shift by a
+    lane width as a float vector (a C++ compile error, so the eager fallback). Looked up in a
+    module-level table, the int is specialised to its value (a guard on it), as a literal would be."""
+    return _STATIC.setdefault(value, value)
+
+
 @lru_cache(maxsize=256)
 def constant(value: float, device: torch.device) -> torch.Tensor:
     """A 0-d fp32 tensor on `device`, made once (rounded to fp32 as eager torch rounds a Python

@@ -120,10 +120,10 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
             out = torch.empty(world_size, shard // lay.lanes, dtype=lay.container, device="cpu")
             blockkernels.pack_lane_shards(levels.numpy(), n, shard, lay.lane_bits, lay.lanes, out.numpy())
             return out.view(-1)
+        if fusion.active(levels) and (got := _fused_shards(levels, world_size, shard, lay)) is not None:
+            return got
         padded = torch.zeros(world_size * shard, dtype=torch.uint8, device=levels.device)
         padded[:n] = levels
-        if fusion.active(levels) and (got := _fused_shards(padded.view(world_size, shard), lay)) is not None:
-            return got
         return torch.cat([pack(v, lay) for v in padded.view(world_size, shard)])
 
     # ---- the owner's step -------------------------------------------------------------------
@@ -214,12 +214,21 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         return mean if direct is not None else write_into(out, mean)
 
 
-def _fused_shards(padded: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
-    """The (W, shard) padded levels packed shard by shard in `layout` (compiled): one call for a
-    layout whose shards concatenate to the whole packing (`consecutive`), else one per shard."""
+def _fused_shards(levels: torch.Tensor, world_size: int, shard: int, layout: LaneLayout) -> torch.Tensor | None:
+    """The levels in W shards of `shard` (the tail level 0), each packed in `layout` (compiled): one
+    call for a layout whose shards concatenate to the whole packing (`consecutive`), else one per
+    shard, each row starting on a whole word (`qsum.fused.pack` reads 8 levels as one int64)."""
+    n = levels.numel()
     if consecutive(layout):
-        return fused.pack(padded.reshape(-1), layout)
-    parts = [fused.pack(row, layout) for row in padded]
+        padded = torch.zeros(world_size * shard, dtype=torch.uint8, device=levels.device)
+        padded[:n] = levels
+        return fused.pack(padded, layout)
+    rows = torch.zeros(world_size, -(-shard // 8) * 8, dtype=torch.uint8, device=levels.device)
+    full = n // shard
+    rows[:full, :shard] = levels[: full * shard].view(full, shard)
+    if full < world_size:
+        rows[full, : n - full * shard] = levels[full * shard :]
+    parts = [fused.pack(row[:shard], layout) for row in rows]
     return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
 
 

@@ -90,18 +90,61 @@ def unpack_fn(layout: LaneLayout, l0: int, l1: int):
 
 
 def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
-    """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them: the
+    """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them or a few more: the
     caller reads the first numel), or None when compiling failed. 1-, 2- and 4-bit lanes of uint8
     containers as whole words (`words`), others block by block."""
     if words.fits(layout):
         return words.unpack(c, layout)
     m = c.numel()
-    out = torch.empty(m * layout.lanes, dtype=lane_dtype(layout), device=c.device)
+    # whole int64 words of lane bytes: a compiled stage writes a block through an int64 view of them
+    out = torch.empty(-(-m * layout.lanes // 8) * 8, dtype=lane_dtype(layout), device=c.device)
     for l0, l1 in _blocks(layout):  # a call per block: one graph writing every block's slice ran 8x slower
-        fusion.run(unpack_fn(layout, l0, l1), out[m * l0 : m * l1].view(m, l1 - l0), c.reshape(-1))
+        if _word_block(layout, l0, l1):  # 8 lanes: one int64 word of bytes per container
+            fusion.run(spread_fn(layout, l0), out[m * l0 : m * l1].view(torch.int64), c.reshape(-1))
+        else:
+            fusion.run(unpack_fn(layout, l0, l1), out[m * l0 : m * l1].view(m, l1 - l0), c.reshape(-1))
         if fusion.failed():
             return None
     return out
+
+
+def _word_block(layout: LaneLayout, l0: int, l1: int) -> bool:
+    """Whether block [l0, l1) of a wide container is 8 lanes of at most 7 bits: its 8 values per
+    container are one int64 word of bytes (`words.compressed` / `words.spread`)."""
+    return layout.container != torch.uint8 and l1 - l0 == 8 and layout.lane_bits <= 7
+
+
+@cache
+def spread_fn(layout: LaneLayout, l0: int):
+    """Block [l0, l0 + 8) of the containers `c` into `out` as int64 words of 8 bytes (one graph each)."""
+
+    def spread_block(out: torch.Tensor, c: torch.Tensor) -> None:
+        s, shift = fusion.static(layout.lane_bits), fusion.static(l0 * layout.lane_bits)
+        out.copy_(words.spread((c.to(torch.int64) >> shift) & ((1 << 8 * s) - 1), s))
+
+    return spread_block
+
+
+@cache
+def word_pack_fn(layout: LaneLayout):
+    """`packed` from the blocks of padded uint8 values: an 8-lane block as int64 words of 8 bytes
+    (`words.compressed`: contiguous loads, where a lane's strided column ran scalar), others as a
+    (containers, lanes) grid, one column per lane (one graph per layout)."""
+
+    def pack_blocks(*parts: torch.Tensor) -> torch.Tensor:
+        s = fusion.static(layout.lane_bits)
+        out = None
+        for (l0, l1), part in zip(_blocks(layout), parts, strict=True):
+            if _word_block(layout, l0, l1):
+                terms = [words.compressed(part, s) << (l0 * s)]
+            else:
+                terms = [part[:, lane - l0].to(torch.int32).to(torch.int64) << (lane * s) for lane in range(l0, l1)]
+            for term in terms:
+                out = term if out is None else out | term
+        assert out is not None
+        return out.to(layout.container)
+
+    return pack_blocks
 
 
 @cache
@@ -119,6 +162,15 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     4-bit lanes of uint8 containers as whole words (`words`), others lane by lane (`packed`)."""
     if words.fits(layout) and values.dtype == torch.uint8:
         return words.pack(values, layout)
+    blocks = _blocks(layout)
+    if values.dtype == torch.uint8 and any(_word_block(layout, l0, l1) for l0, l1 in blocks):
+        m = layout.containers_for(values.numel())
+        padded = values.reshape(-1)
+        if padded.numel() != m * layout.lanes or padded.storage_offset() % 8:  # whole, aligned words
+            padded = torch.nn.functional.pad(padded, (0, m * layout.lanes - padded.numel()))
+        parts = [padded[m * l0 : m * l1].view(torch.int64) if _word_block(layout, l0, l1)
+                 else padded[m * l0 : m * l1].view(m, l1 - l0) for l0, l1 in blocks]
+        return fusion.run(word_pack_fn(layout), *parts)
     return fusion.run(pack_fn(layout), values)
 
 

@@ -37,17 +37,26 @@ TRITS_PER_BYTE = 5
 # ---- encode ----------------------------------------------------------------------------------
 def encode(x: torch.Tensor, shard: int, world_size: int,
            layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the W shards' count-lane payload of `x`'s votes, the vote bytes of `x`) compiled, or None when
-    compiling failed."""
-    votes = sign_fused.vote_buffer(x, world_size * shard)  # the shards' padding votes nothing
-    if votes is None:
-        return None
+    """(the W shards' count-lane payload of `x`'s votes, the vote bytes of `x`: flat, or one row per
+    shard, read as `.reshape(-1)[:numel]`) compiled, or None when compiling failed."""
     if words.fits(layout) and shard % layout.lanes == 0:
-        payload = words.pack(votes, layout)
-    else:  # int32/int64 containers: shard by shard (their last container may be part-filled)
-        shards = [qsum_fused.pack(v, layout) for v in votes.view(world_size, shard)]
-        payload = None if any(p is None for p in shards) else torch.cat(shards)  # type: ignore[arg-type]
-    return None if payload is None else (payload, votes[: x.numel()])
+        votes = sign_fused.vote_buffer(x, world_size * shard)  # the shards' padding votes nothing
+        payload = None if votes is None else words.pack(votes, layout)
+        return None if payload is None else (payload, votes[: x.numel()])
+    # int32/int64 containers: shard by shard, each row the shard's votes then zeros to whole containers,
+    # starting on a whole word (`qsum.fused.pack` reads 8 votes as one int64, without a padding copy)
+    per = layout.containers_for(shard) * layout.lanes
+    rows = torch.zeros(world_size, -(-per // 8) * 8, dtype=torch.uint8, device=x.device)
+    flat, n = x.reshape(-1), x.numel()
+    full = n // shard
+    for dst, src in ((rows[:full, :shard], flat[: full * shard].view(full, shard)),
+                     (rows[full : full + 1, : n - full * shard], flat[full * shard :].view(1, -1))):
+        if src.numel() and fusion.run(sign_fused.votes_into, dst, src) is None and fusion.failed():
+            return None
+    shards = [qsum_fused.pack(row[:per], layout) for row in rows]
+    if any(p is None for p in shards):
+        return None
+    return torch.cat(shards), rows[:, :shard]  # type: ignore[arg-type]
 
 
 # ---- the owner's step ------------------------------------------------------------------------
