@@ -130,12 +130,13 @@ def pack_fn(layout: RadixLayout):
     k = layout.digits
 
     def pack_digits(values: torch.Tensor) -> torch.Tensor:
+        digits, base = fusion.static(k), fusion.static(layout.radix)
         n = values.shape[0]
-        m = (n + k - 1) // k
-        v = torch.nn.functional.pad(values, (0, m * k - n)).view(m, k).to(torch.int64)
-        acc = v[:, k - 1]
-        for j in range(k - 2, -1, -1):  # Horner's rule, one strided column at a time (as `radix.pack`)
-            acc = acc * layout.radix + v[:, j]
+        m = (n + digits - 1) // digits
+        v = torch.nn.functional.pad(values, (0, m * digits - n)).view(m, digits).to(torch.int64)
+        acc = v[:, digits - 1]
+        for j in range(digits - 2, -1, -1):  # Horner's rule, one strided column at a time (as `radix.pack`)
+            acc = acc * base + v[:, j]
         return acc
 
     return pack_digits
@@ -153,7 +154,7 @@ def radix_unpack_fn(layout: RadixLayout):
     split = layout.radix**h
 
     def radix_digits_into(out: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
-        hi = torch.div(c, split, rounding_mode="floor")
+        hi = torch.div(c, fusion.static(split), rounding_mode="floor")
         columns = []
         for part, count in (((c - hi * split).to(torch.float64), h), (hi.to(torch.float64), k - h)):
             q = part

@@ -47,7 +47,7 @@ def packed(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     vectorises that over the containers (0.5-0.7x a copy on one core), where a sum over a short
     inner dimension of lanes ran scalar (0.05x)."""
     n = values.shape[0]
-    per = layout.lanes
+    per, s = fusion.static(layout.lanes), fusion.static(layout.lane_bits)
     m = (n + per - 1) // per
     work = torch.int32 if layout.container == torch.uint8 else layout.container
     v = torch.nn.functional.pad(values.to(work), (0, m * per - n))
@@ -55,7 +55,7 @@ def packed(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     for l0, l1 in _blocks(layout):
         grid = v[m * l0 : m * l1].view(m, l1 - l0)
         for lane in range(l0, l1):
-            col = grid[:, lane - l0] << (lane * layout.lane_bits)
+            col = grid[:, lane - l0] << (lane * s)
             out = col if out is None else out | col
     assert out is not None
     return out.to(layout.container)
@@ -74,8 +74,9 @@ def unpacked_into(out: torch.Tensor, c: torch.Tensor, layout: LaneLayout, l0: in
     dimension of lanes ran scalar; the lanes narrowed to int32 before the stack, as int64 -> uint8
     per lane ran 7x slower)."""
     w = c.to(torch.int64 if c.dtype == torch.int64 else torch.int32)
-    narrow = torch.int32 if layout.lane_bits <= 31 else torch.int64
-    lanes = [((w >> (lane * layout.lane_bits)) & layout.max_value).to(narrow) for lane in range(l0, l1)]
+    s, top = fusion.static(layout.lane_bits), fusion.static(layout.max_value)
+    narrow = torch.int32 if s <= 31 else torch.int64
+    lanes = [((w >> (lane * s)) & top).to(narrow) for lane in range(fusion.static(l0), fusion.static(l1))]
     out.copy_(torch.stack(lanes, 1).to(out.dtype))
 
 
