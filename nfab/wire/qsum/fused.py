@@ -202,13 +202,13 @@ def _levels(x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch
     lo = fusion.as_i32(key & 0xFFFFFFFF)
     hi = fusion.as_i32((key >> 32) & 0xFFFFFFFF)
     i = torch.arange(x.shape[0], dtype=torch.int32, device=x.device) + first
-    u = fusion.uniform_of((lo + i * fusion.GOLDEN_I32) ^ hi, torch.zeros_like(first))
+    u = fusion.uniform_of((lo + i * fusion.GOLDEN_I32) ^ hi, None)
     t = (x.to(torch.float32) / safe + 1.0) * half_m + u
     return torch.minimum(t.floor().clamp(min=0), m).to(torch.int32)
 
 
 def indexed_levels_into(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, safe: torch.Tensor,
-                        base: torch.Tensor, hi: torch.Tensor, shift: torch.Tensor, half_m: torch.Tensor,
+                        base: torch.Tensor, hi: torch.Tensor, shift: torch.Tensor | None, half_m: torch.Tensor,
                         m: torch.Tensor) -> None:
     """out (uint8) = the levels of a whole bucket `x` whose element i belongs to entry index[i] of
     the small tables `safe` (its divisor), `base` and `hi` (int32: its counter is base + i * G,
@@ -298,7 +298,7 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
         if terms is None:
             return None
         levels = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
-        if fusion.run(indexed_levels_into, levels, flat, index, safe, *terms, fusion.int_constant(0, dev), half_m,
+        if fusion.run(indexed_levels_into, levels, flat, index, safe, *terms, None, half_m,
                       top) is None and fusion.failed():
             return None
     if layout.lanes == 1:  # the levels are the payload: no copy kept (the payload may be reduced in place)
