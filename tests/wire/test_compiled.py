@@ -97,8 +97,12 @@ def _check(name: str, world_size: int) -> None:
                          ["payload", "local", "mean", "bucket", "shared"])
 
 
+COMPILED_WORLD_SIZES = [int(w) for w in os.environ.get("NFAB_COMPILE_TESTS_WORLD_SIZES", "2,3").split(",")]
+"""`make device-check` compiles W=2 only (about 140 graphs for W=2 and 3: minutes of builds)."""
+
+
 @needs_compile
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", COMPILED_WORLD_SIZES)
 @pytest.mark.parametrize("name", ROUTES)
 def test_compiled_stages_are_the_eager_and_the_host_path_bit_for_bit(name, world_size):
     _check(name, world_size)
