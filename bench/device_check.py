@@ -83,7 +83,8 @@ def step_compiled_tests(out: Path, cuda: bool, quick: bool) -> dict:
     without CUDA: the C++ builds take minutes on a cold CPU box (run them with NFAB_COMPILE_TESTS=1)."""
     if not cuda:
         return {"ok": True, "skipped": True, "result": "skipped: no CUDA (the C++ builds take minutes)"}
-    env = {**os.environ, "NFAB_COMPILE_TESTS": "1", "NFAB_COMPILE_TESTS_DEVICE": "cuda"}
+    env = {**os.environ, "NFAB_COMPILE_TESTS": "1", "NFAB_COMPILE_TESTS_DEVICE": "cuda",
+           "NFAB_COMPILE_TESTS_WORLD_SIZES": "2"}  # W=2 only: half the graphs to build in the step's limit
     rc, tail = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                      "tests/wire/test_compiled.py"], LIMITS_S["compiled_tests"], env)
     last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or [""]

@@ -27,6 +27,7 @@ one warning and the eager torch path runs for the rest of the process (`run` ret
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache, lru_cache
@@ -65,7 +66,13 @@ def active(*tensors: torch.Tensor) -> bool:
 
 @cache
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, dynamic=True, fullgraph=True, options=OPTIONS)
+    """`fn` compiled as its own code object. Why: dynamo keeps at most `recompile_limit` (8) graphs per
+    code object, and every layout's stage made by one factory (`pack_fn(layout)`, ...) is a closure of
+    the same code; past 8 layouts in a process (a sweep of routes and world sizes) the 9th failed
+    to compile and switched every stage to eager. A copy of the code per closure keeps one cache each."""
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return torch.compile(own, dynamic=True, fullgraph=True, options=OPTIONS)
 
 
 @contextmanager
@@ -82,8 +89,42 @@ def stages_compiled(enabled: bool) -> Iterator[None]:
         _compile_stages = was
 
 
+class StageWatcher:
+    """Told when a stage starts and ends (`watching`): how `nfab.bench.launches` tells a stage's
+    own ops (one compiled graph) from the ops around it."""
+
+    def enter(self) -> None: ...
+
+    def exit(self) -> None: ...
+
+
+_watcher: StageWatcher | None = None
+
+
+@contextmanager
+def watching(watcher: StageWatcher) -> Iterator[None]:
+    """Report every stage `run` calls to `watcher` while the block runs."""
+    global _watcher
+    was, _watcher = _watcher, watcher
+    try:
+        yield
+    finally:
+        _watcher = was
+
+
 def run(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn` compiled, on `args`; None (and eager from then on) when compiling fails."""
+    if _watcher is not None:
+        watcher = _watcher
+        watcher.enter()
+        try:
+            return _run(fn, *args)
+        finally:
+            watcher.exit()
+    return _run(fn, *args)
+
+
+def _run(fn: Callable[..., Any], *args: Any) -> Any:
     global _failed
     if not _compile_stages:
         return fn(*args)
@@ -94,6 +135,17 @@ def run(fn: Callable[..., Any], *args: Any) -> Any:
         log.warning("nfab: torch.compile of a codec stage failed, the eager torch path runs instead: %s",
                     str(err).splitlines()[0] if str(err) else type(err).__name__)
         return None
+
+
+_STATIC: dict[int, int] = {}
+
+
+def static(value: int) -> int:
+    """`value` as a constant inside a traced stage. Why: under `dynamic=True` dynamo makes a closure's
+    ints (and its objects' int attributes) symbolic, and inductor's C++ then computed a shift by a
+    lane width as a float vector (a C++ compile error, so the eager fallback). Looked up in a
+    module-level table, the int is specialised to its value (a guard on it), as a literal would be."""
+    return _STATIC.setdefault(value, value)
 
 
 @lru_cache(maxsize=256)
@@ -125,6 +177,8 @@ def u24(c: torch.Tensor) -> torch.Tensor:
     return (c >> 8) & 0xFFFFFF
 
 
-def uniform_of(c: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """u (fp32, multiples of 2^-24 in [0, 1)) of the keyed counters `c`, shifted by `shift` / 2^24 mod 1."""
-    return ((u24(c) + shift) & 0xFFFFFF).to(torch.float32) * 2.0**-24
+def uniform_of(c: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """u (fp32, multiples of 2^-24 in [0, 1)) of the keyed counters `c`, shifted by `shift` / 2^24 mod 1
+    (None: unshifted, two integer ops per element fewer in a hash-bound kernel)."""
+    words = u24(c) if shift is None else (u24(c) + shift) & 0xFFFFFF
+    return words.to(torch.float32) * 2.0**-24

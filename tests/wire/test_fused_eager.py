@@ -81,6 +81,33 @@ def test_vote_bytes_from_the_bits_are_ieee_greater_or_equal_zero(dtype):
     assert torch.equal(sign_fused.vote_bytes(x), (x >= 0).to(torch.uint8))
 
 
+@pytest.mark.parametrize("lane_bits", range(1, 8))
+def test_eight_values_compressed_into_a_word_and_spread_back(lane_bits):
+    """`words.compressed` / `spread`, the 8-lane blocks of int32/int64 containers: value k at bit
+    k * lane_bits, for every width up to 7 (from 5 bits the halves are masked apart first)."""
+    g = torch.Generator().manual_seed(lane_bits)
+    values = torch.randint(0, 1 << lane_bits, (8 * 513,), generator=g).to(torch.uint8)
+    values[:8] = (1 << lane_bits) - 1  # every bit of every lane set
+    expected = sum(values.view(-1, 8)[:, k].to(torch.int64) << (k * lane_bits) for k in range(8))
+    got = words.compressed(values.view(torch.int64), lane_bits)
+    assert torch.equal(got, expected)
+    assert torch.equal(words.spread(got, lane_bits), values.view(torch.int64))
+
+
+@pytest.mark.parametrize("lane_bits", [3, 7])
+@pytest.mark.parametrize("n", [1, 21 * 8 + 3, 64 * 21 + 5])
+def test_wide_containers_packed_from_words_are_lanes_pack(lane_bits, n):
+    """int64 containers of 21 (3-bit) or 9 (7-bit) lanes: their 8-lane blocks as words, the rest as
+    columns (`qsum.fused.pack` / `unpack`, stages run eagerly)."""
+    layout = layout_for(lane_bits)
+    assert layout.container == torch.int64 and not words.fits(layout)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n)).to(torch.uint8)
+    with fusion.stages_compiled(False):
+        packed = qsum_fused.pack(values, layout)
+        assert torch.equal(packed, pack(values, layout))
+        assert torch.equal(qsum_fused.unpack(packed, layout)[:n], values)
+
+
 @pytest.mark.parametrize("lane_bits", words.LANE_BITS)
 @pytest.mark.parametrize("n", [1, 7, 8, 64 * 9 + 5])
 def test_lanes_as_words_are_lanes_pack_and_unpack(lane_bits, n):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache, lru_cache
+from itertools import accumulate
 
 import torch
 
@@ -129,12 +130,13 @@ def pack_fn(layout: RadixLayout):
     k = layout.digits
 
     def pack_digits(values: torch.Tensor) -> torch.Tensor:
+        digits, base = fusion.static(k), fusion.static(layout.radix)
         n = values.shape[0]
-        m = (n + k - 1) // k
-        v = torch.nn.functional.pad(values, (0, m * k - n)).view(m, k).to(torch.int64)
-        acc = v[:, k - 1]
-        for j in range(k - 2, -1, -1):  # Horner's rule, one strided column at a time (as `radix.pack`)
-            acc = acc * layout.radix + v[:, j]
+        m = (n + digits - 1) // digits
+        v = torch.nn.functional.pad(values, (0, m * digits - n)).view(m, digits).to(torch.int64)
+        acc = v[:, digits - 1]
+        for j in range(digits - 2, -1, -1):  # Horner's rule, one strided column at a time (as `radix.pack`)
+            acc = acc * base + v[:, j]
         return acc
 
     return pack_digits
@@ -152,7 +154,7 @@ def radix_unpack_fn(layout: RadixLayout):
     split = layout.radix**h
 
     def radix_digits_into(out: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> None:
-        hi = torch.div(c, split, rounding_mode="floor")
+        hi = torch.div(c, fusion.static(split), rounding_mode="floor")
         columns = []
         for part, count in (((c - hi * split).to(torch.float64), h), (hi.to(torch.float64), k - h)):
             q = part
@@ -235,18 +237,58 @@ def _row_counters(lengths: tuple[int, ...], block: int, device: torch.device) ->
     return torch.cat(seg).to(device, non_blocking=True), torch.cat(first).to(device, non_blocking=True)
 
 
+@lru_cache(maxsize=64)
+def _block_index(lengths: tuple[int, ...], block: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the block of every element (`qsum.fused.index_dtype`), each block's segment and that
+    segment's counter offset 1 - its start (int64)) on `device`, made on the host once per layout:
+    what the indexed kernels read for a bucket of more block views than `grid.MAX_PIECES`."""
+    seg, _ = _row_counters(lengths, block, torch.device("cpu"))
+    dtype = qsum_fused.index_dtype(seg.numel())
+    ids, at = [], 0
+    for n in lengths:
+        ids.append((torch.arange(n, dtype=torch.int64) // block + at).to(dtype))
+        at += -(-n // block)
+    index = torch.cat(ids) if ids else torch.empty(0, dtype=dtype)
+    starts = torch.tensor([0, *accumulate(lengths[:-1])], dtype=torch.int64)
+    offset = 1 - starts[seg] if seg.numel() else seg
+    return tuple(t.to(device, non_blocking=True) for t in (index, seg, offset))  # type: ignore[return-value]
+
+
+def block_terms(codes_: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor, seg: torch.Tensor,
+                offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block (1-D): its divisor and its segment's counter base and high word
+    (`qsum.fused.counter_terms`), for the indexed level kernel."""
+    s = scales[codes_.to(torch.int64)]
+    return (torch.where(s > 0, s, torch.ones_like(s)), *qsum_fused.counter_terms(keys[seg], offset))
+
+
+def block_scales(codes_: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Each block's agreed scale (fp32): the indexed decode's table."""
+    return scales[codes_.to(torch.int64)]
+
+
 def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
-           parts: tuple[grid.Piece, ...], stratum: noise.Stratum, m: int) -> torch.Tensor | None:
-    """blockq's levels of the bucket `x` (uint8, one per element), the same bits as `BlockQSum._levels`;
-    None when compiling failed (the caller runs eager)."""
+           parts: tuple[grid.Piece, ...] | None, stratum: noise.Stratum, m: int) -> torch.Tensor | None:
+    """blockq's levels of the bucket `x` (uint8, one per element), the same bits as `BlockQSum._levels`:
+    a kernel per block view, or (`parts` None: many small segments) one for the whole bucket through
+    the per-element block index. None when compiling failed (the caller runs eager)."""
     dev = x.device
-    seg, first = _row_counters(tuple(lengths), block, dev)
-    terms = fusion.run(row_terms, codes_, scales, stratum.keys(len(lengths), dev), seg, first)
-    if terms is None:
-        return None
     rest = (fusion.int_constant(stratum.shift, dev), fusion.constant(0.5 * m, dev), fusion.constant(float(m), dev))
     flat = x.reshape(-1)
     out = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
+    keys = stratum.keys(len(lengths), dev)
+    if parts is None:
+        index, seg, offset = _block_index(tuple(lengths), block, dev)
+        terms = fusion.run(block_terms, codes_, scales, keys, seg, offset)
+        if terms is None or fusion.run(qsum_fused.indexed_levels_into, out, flat, index, *terms,
+                                       *rest) is None and fusion.failed():
+            return None
+        return out
+    seg, first = _row_counters(tuple(lengths), block, dev)
+    terms = fusion.run(row_terms, codes_, scales, keys, seg, first)
+    if terms is None:
+        return None
     for p in parts:
         b = slice(p.first_block, p.first_block + p.rows)
         args = (grid.rows(out, p), grid.rows(flat, p), *(t[b] for t in terms), *rest)
@@ -272,17 +314,37 @@ def pack(values: torch.Tensor, layout: Layout) -> torch.Tensor | None:
     return fusion.run(pack_fn(layout), values.reshape(-1))
 
 
-def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...],
-           numel: int, total: int, layout: Layout, out: torch.Tensor | None) -> torch.Tensor | None:
+def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...] | None,
+           numel: int, total: int, layout: Layout, out: torch.Tensor | None, lengths: Sequence[int] = (),
+           block: int = 0) -> torch.Tensor | None:
     """The decoded mean (fp32, into `out` when given: a contiguous fp32 tensor of `numel`) of the
-    summed payload, the same bits as the eager unpack, `unit_values` and `scale_blocks_`; None
+    summed payload, the same bits as the eager unpack, `unit_values` and `scale_blocks_`: a kernel
+    per block view, or (`parts` None) one through the block index of the bucket's `lengths`; None
     when compiling failed."""
-    dev = reduced.device
+    sums = unpack(reduced, layout)
+    return None if sums is None else scaled(sums, codes_, scales, parts, numel, total, out, lengths, block)
+
+
+def unpack(reduced: torch.Tensor, layout: Layout) -> torch.Tensor | None:
+    """The lane values or digits of the containers `reduced` (compiled; the caller reads the first
+    numel), or None when compiling failed."""
+    return radix_unpack(reduced, layout) if isinstance(layout, RadixLayout) else qsum_fused.unpack(reduced, layout)
+
+
+def scaled(sums: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...] | None,
+           numel: int, total: int, out: torch.Tensor | None, lengths: Sequence[int] = (),
+           block: int = 0) -> torch.Tensor | None:
+    """`decode` after the unpacking: the W-rank level sums `sums` (one per element) as the mean."""
+    dev = sums.device
     unit = fusion.constant(2.0 / total, dev)
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
-    sums = radix_unpack(reduced, layout) if isinstance(layout, RadixLayout) else qsum_fused.unpack(reduced, layout)
-    if sums is None:
-        return None
+    if parts is None:
+        index = _block_index(tuple(lengths), block, dev)[0]
+        table = fusion.run(block_scales, codes_, scales)
+        if table is None or fusion.run(qsum_fused.indexed_scaled_into, res, sums, index, table,
+                                       unit) is None and fusion.failed():
+            return None
+        return res
     for p in parts:
         args = (grid.rows(res, p), grid.rows(sums, p), codes_[p.first_block : p.first_block + p.rows], scales, unit)
         if p.rows == 1:

@@ -284,14 +284,14 @@ class BlockQSum(Reducer):
         """The reference (torch ops, any device): stochastically rounded levels, uint8."""
         m = self.steps
         parts = grid.pieces(tuple(lengths), self.block)
+        if fusion.active(x, shared) and (codes := fused.codes(shared, _scales_on(x.device))) is not None:
+            got = fused.levels(x, codes, _scales_on(x.device), lengths, self.block, parts, stratum, m)
+            if got is not None:
+                return got  # compiled when switched on (`fused`): the same bits
         if parts is None:
             scale = self.element_scales(shared, lengths)
             t = torch.div(x.to(torch.float32), torch.where(scale > 0, scale, torch.ones_like(scale)))
         else:  # the safe divisor per block, broadcast over block views
-            if fusion.active(x, shared) and (codes := fused.codes(shared, _scales_on(x.device))) is not None:
-                got = fused.levels(x, codes, _scales_on(x.device), lengths, self.block, parts, stratum, m)
-                if got is not None:
-                    return got  # compiled when switched on (`fused`): the same bits
             scale = self._block_scales(shared)
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             t = grid.div_blocks(x, safe, parts, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
@@ -336,12 +336,13 @@ class BlockQSum(Reducer):
     def _decode_fused(self, reduced: torch.Tensor, shared: torch.Tensor, numel: int, lengths: Sequence[int],
                       total: int, layout: LaneLayout | RadixLayout, out: torch.Tensor | None) -> torch.Tensor | None:
         """`decode` by the compiled stages (`fused`), into `out` when given; None when they do not run here."""
-        parts = grid.pieces(tuple(lengths), self.block)
-        if parts is None or not fusion.active(reduced, shared):
+        if not fusion.active(reduced, shared):
             return None
         scales = _scales_on(reduced.device)
         codes = fused.codes(shared, scales)
-        return None if codes is None else fused.decode(reduced, codes, scales, parts, numel, total, layout, out)
+        parts = grid.pieces(tuple(lengths), self.block)
+        return None if codes is None else fused.decode(reduced, codes, scales, parts, numel, total, layout, out,
+                                                       lengths, self.block)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Unit mean of every W-rank sum of levels S: 2 * S / (M * W) - 1 (fp32 table)."""

@@ -13,14 +13,17 @@ from stored levels and unpacked to stored sums (two kernels: reading x, or writi
 once per lane from strided columns ran 2x slower). The level arithmetic is the eager order,
 `((x / s + 1) * (M / 2) + u)`, floor, clamp, and the decode `(S * unit - 1) * s`, contraction off.
 
-Up to `MAX_SEGMENTS` segments run as one compiled call each (levels into a shared buffer, then
-one packing kernel); more take the eager path (one gather pass beats a launch per segment).
+A bucket of several segments (a layer's norms and biases) runs as one levels kernel and one
+decode kernel whatever their number: each element finds its segment's divisor, counter base and
+scale in small tables through a per-element segment index (`segment_index`, 1-2 bytes per
+element, made once per bucket layout), where a kernel per segment, or the eager path beyond a
+few segments (about 60 ops per bucket), put a launch count on every small parameter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
+from functools import cache, lru_cache
 from itertools import accumulate
 
 import torch
@@ -28,8 +31,6 @@ import torch
 from nfab.wire import fusion
 from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import LaneLayout
-
-MAX_SEGMENTS = 8
 
 
 def _blocks(layout: LaneLayout) -> tuple[tuple[int, int], ...]:
@@ -46,7 +47,7 @@ def packed(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     vectorises that over the containers (0.5-0.7x a copy on one core), where a sum over a short
     inner dimension of lanes ran scalar (0.05x)."""
     n = values.shape[0]
-    per = layout.lanes
+    per, s = fusion.static(layout.lanes), fusion.static(layout.lane_bits)
     m = (n + per - 1) // per
     work = torch.int32 if layout.container == torch.uint8 else layout.container
     v = torch.nn.functional.pad(values.to(work), (0, m * per - n))
@@ -54,7 +55,7 @@ def packed(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     for l0, l1 in _blocks(layout):
         grid = v[m * l0 : m * l1].view(m, l1 - l0)
         for lane in range(l0, l1):
-            col = grid[:, lane - l0] << (lane * layout.lane_bits)
+            col = grid[:, lane - l0] << (lane * s)
             out = col if out is None else out | col
     assert out is not None
     return out.to(layout.container)
@@ -73,8 +74,9 @@ def unpacked_into(out: torch.Tensor, c: torch.Tensor, layout: LaneLayout, l0: in
     dimension of lanes ran scalar; the lanes narrowed to int32 before the stack, as int64 -> uint8
     per lane ran 7x slower)."""
     w = c.to(torch.int64 if c.dtype == torch.int64 else torch.int32)
-    narrow = torch.int32 if layout.lane_bits <= 31 else torch.int64
-    lanes = [((w >> (lane * layout.lane_bits)) & layout.max_value).to(narrow) for lane in range(l0, l1)]
+    s, top = fusion.static(layout.lane_bits), fusion.static(layout.max_value)
+    narrow = torch.int32 if s <= 31 else torch.int64
+    lanes = [((w >> (lane * s)) & top).to(narrow) for lane in range(fusion.static(l0), fusion.static(l1))]
     out.copy_(torch.stack(lanes, 1).to(out.dtype))
 
 
@@ -89,18 +91,61 @@ def unpack_fn(layout: LaneLayout, l0: int, l1: int):
 
 
 def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
-    """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them: the
+    """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them or a few more: the
     caller reads the first numel), or None when compiling failed. 1-, 2- and 4-bit lanes of uint8
     containers as whole words (`words`), others block by block."""
     if words.fits(layout):
         return words.unpack(c, layout)
     m = c.numel()
-    out = torch.empty(m * layout.lanes, dtype=lane_dtype(layout), device=c.device)
+    # whole int64 words of lane bytes: a compiled stage writes a block through an int64 view of them
+    out = torch.empty(-(-m * layout.lanes // 8) * 8, dtype=lane_dtype(layout), device=c.device)
     for l0, l1 in _blocks(layout):  # a call per block: one graph writing every block's slice ran 8x slower
-        fusion.run(unpack_fn(layout, l0, l1), out[m * l0 : m * l1].view(m, l1 - l0), c.reshape(-1))
+        if _word_block(layout, l0, l1):  # 8 lanes: one int64 word of bytes per container
+            fusion.run(spread_fn(layout, l0), out[m * l0 : m * l1].view(torch.int64), c.reshape(-1))
+        else:
+            fusion.run(unpack_fn(layout, l0, l1), out[m * l0 : m * l1].view(m, l1 - l0), c.reshape(-1))
         if fusion.failed():
             return None
     return out
+
+
+def _word_block(layout: LaneLayout, l0: int, l1: int) -> bool:
+    """Whether block [l0, l1) of a wide container is 8 lanes of at most 7 bits: its 8 values per
+    container are one int64 word of bytes (`words.compressed` / `words.spread`)."""
+    return layout.container != torch.uint8 and l1 - l0 == 8 and layout.lane_bits <= 7
+
+
+@cache
+def spread_fn(layout: LaneLayout, l0: int):
+    """Block [l0, l0 + 8) of the containers `c` into `out` as int64 words of 8 bytes (one graph each)."""
+
+    def spread_block(out: torch.Tensor, c: torch.Tensor) -> None:
+        s, shift = fusion.static(layout.lane_bits), fusion.static(l0 * layout.lane_bits)
+        out.copy_(words.spread((c.to(torch.int64) >> shift) & ((1 << 8 * s) - 1), s))
+
+    return spread_block
+
+
+@cache
+def word_pack_fn(layout: LaneLayout):
+    """`packed` from the blocks of padded uint8 values: an 8-lane block as int64 words of 8 bytes
+    (`words.compressed`: contiguous loads, where a lane's strided column ran scalar), others as a
+    (containers, lanes) grid, one column per lane (one graph per layout)."""
+
+    def pack_blocks(*parts: torch.Tensor) -> torch.Tensor:
+        s = fusion.static(layout.lane_bits)
+        out = None
+        for (l0, l1), part in zip(_blocks(layout), parts, strict=True):
+            if _word_block(layout, l0, l1):
+                terms = [words.compressed(part, s) << (l0 * s)]
+            else:
+                terms = [part[:, lane - l0].to(torch.int32).to(torch.int64) << (lane * s) for lane in range(l0, l1)]
+            for term in terms:
+                out = term if out is None else out | term
+        assert out is not None
+        return out.to(layout.container)
+
+    return pack_blocks
 
 
 @cache
@@ -118,7 +163,36 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     4-bit lanes of uint8 containers as whole words (`words`), others lane by lane (`packed`)."""
     if words.fits(layout) and values.dtype == torch.uint8:
         return words.pack(values, layout)
+    blocks = _blocks(layout)
+    if values.dtype == torch.uint8 and any(_word_block(layout, l0, l1) for l0, l1 in blocks):
+        m = layout.containers_for(values.numel())
+        padded = values.reshape(-1)
+        if padded.numel() != m * layout.lanes or padded.storage_offset() % 8:  # whole, aligned words
+            padded = torch.nn.functional.pad(padded, (0, m * layout.lanes - padded.numel()))
+        parts = [padded[m * l0 : m * l1].view(torch.int64) if _word_block(layout, l0, l1)
+                 else padded[m * l0 : m * l1].view(m, l1 - l0) for l0, l1 in blocks]
+        return fusion.run(word_pack_fn(layout), *parts)
     return fusion.run(pack_fn(layout), values)
+
+
+def index_dtype(entries: int) -> torch.dtype:
+    """The narrowest integer dtype of a per-element index into `entries` table entries: the index
+    is read once per element, so its bytes are the indexed kernels' extra traffic."""
+    if entries <= 1 << 8:
+        return torch.uint8
+    return torch.int16 if entries <= 1 << 15 else torch.int32
+
+
+@lru_cache(maxsize=64)
+def segment_index(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the segment of every element (`index_dtype`), each segment's counter offset 1 - its start
+    (int64)) on `device`: made on the host once per bucket layout, sent without waiting. The index
+    costs 1-2 bytes per element of the bucket while its layout is in use (64 layouts kept)."""
+    starts = torch.tensor([0, *accumulate(lengths[:-1])], dtype=torch.int64, device="cpu")
+    counts = torch.tensor(lengths, dtype=torch.int64, device="cpu")
+    ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int64), counts, output_size=sum(lengths))
+    index = ids.to(index_dtype(len(lengths)))
+    return index.to(device, non_blocking=True), (1 - starts).to(device, non_blocking=True)
 
 
 def _levels(x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor, half_m: torch.Tensor,
@@ -128,9 +202,40 @@ def _levels(x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch
     lo = fusion.as_i32(key & 0xFFFFFFFF)
     hi = fusion.as_i32((key >> 32) & 0xFFFFFFFF)
     i = torch.arange(x.shape[0], dtype=torch.int32, device=x.device) + first
-    u = fusion.uniform_of((lo + i * fusion.GOLDEN_I32) ^ hi, torch.zeros_like(first))
+    u = fusion.uniform_of((lo + i * fusion.GOLDEN_I32) ^ hi, None)
     t = (x.to(torch.float32) / safe + 1.0) * half_m + u
     return torch.minimum(t.floor().clamp(min=0), m).to(torch.int32)
+
+
+def indexed_levels_into(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, safe: torch.Tensor,
+                        base: torch.Tensor, hi: torch.Tensor, shift: torch.Tensor | None, half_m: torch.Tensor,
+                        m: torch.Tensor) -> None:
+    """out (uint8) = the levels of a whole bucket `x` whose element i belongs to entry index[i] of
+    the small tables `safe` (its divisor), `base` and `hi` (int32: its counter is base + i * G,
+    keyed by hi; `counter_terms`): every segment or block in one kernel, whatever their number.
+    The gathers read tables of a few KB (in cache); the per-element index is what a bucket of
+    many small segments costs instead of a launch per segment."""
+    i = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+    k = index.to(torch.int64)
+    u = fusion.uniform_of((base[k] + i * fusion.GOLDEN_I32) ^ hi[k], shift)
+    t = (x.to(torch.float32) / safe[k] + 1.0) * half_m + u
+    out.copy_(torch.minimum(t.floor().clamp(min=0), m).to(torch.uint8))
+
+
+def counter_terms(keys: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per entry (int32): the counter base `key_lo + offset * G` (mod 2^32) and the key's high word,
+    from int64 `keys` and `offset`. With offset = 1 - (the entry's segment start in the bucket),
+    element i of the bucket hashes base + i * G = key_lo + (i - start + 1) * G: `noise.uniform`'s word."""
+    base = ((keys & 0xFFFFFFFF) + offset * fusion.GOLDEN_I32) & 0xFFFFFFFF  # exact in int64: |offset * G| < 2^63
+    return fusion.as_i32(base), fusion.as_i32((keys >> 32) & 0xFFFFFFFF)
+
+
+def indexed_scaled_into(out: torch.Tensor, sums: torch.Tensor, index: torch.Tensor, scales: torch.Tensor,
+                        unit: torch.Tensor) -> None:
+    """out = (S * unit - 1) * scales[index[i]] of the first out.numel() lane sums: a whole bucket's
+    decode in one kernel, whatever its number of segments or blocks."""
+    n = out.shape[0]
+    out.copy_((sums[:n].to(torch.float32) * unit - 1.0) * scales[index.to(torch.int64)])
 
 
 def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor,
@@ -168,38 +273,56 @@ def scaled_into(out: torch.Tensor, sums: torch.Tensor, unit: torch.Tensor, scale
 def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Sequence[int], m: int,
            layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(payload, levels or None) of qsum's encode by compiled stages: the same containers as
-    `QSum._levels_reference`; the levels are returned only when they were stored (several
-    segments). None when not compiled here (too many segments, a compile error)."""
+    `QSum._levels_reference`; the levels are returned only when they were stored (several lanes
+    or segments). One segment: its levels kernel (one-lane containers: the levels are the
+    payload); several: one kernel for all of them through the per-element segment index. Then
+    the lane packing. None when compiling failed."""
     lengths = list(lengths)
-    if not lengths or len(lengths) > MAX_SEGMENTS or not x.is_contiguous():
+    if not lengths or not x.is_contiguous():
         return None
     dev = x.device
     flat = x.reshape(-1)
-    first = fusion.int_constant(1, dev)
     half_m, top = fusion.constant(0.5 * m, dev), fusion.constant(float(m), dev)
     safe = safe.reshape(-1).to(torch.float32)
-    if len(lengths) == 1 and layout.lanes == 1:
-        payload = fusion.run(encode_one_fn(layout), flat, safe[:1], keys[:1], first, half_m, top)
-        return None if payload is None else (payload, None)
-    levels = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
-    for s, (a, n) in enumerate(zip(accumulate([0, *lengths[:-1]]), lengths, strict=True)):
-        if n == 0:
-            continue
-        seg = slice(a, a + n)
-        fusion.run(levels_into, levels[seg], flat[seg], safe[s : s + 1], keys[s : s + 1], first, half_m, top)
-        if fusion.failed():
+    if len(lengths) == 1:
+        first = fusion.int_constant(1, dev)
+        if layout.lanes == 1:
+            payload = fusion.run(encode_one_fn(layout), flat, safe[:1], keys[:1], first, half_m, top)
+            return None if payload is None else (payload, None)
+        levels = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
+        if fusion.run(levels_into, levels, flat, safe[:1], keys[:1], first, half_m, top) is None and fusion.failed():
             return None
+    else:
+        index, offsets = segment_index(tuple(lengths), dev)
+        terms = fusion.run(counter_terms, keys.reshape(-1), offsets)
+        if terms is None:
+            return None
+        levels = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
+        if fusion.run(indexed_levels_into, levels, flat, index, safe, *terms, None, half_m,
+                      top) is None and fusion.failed():
+            return None
+    if layout.lanes == 1:  # the levels are the payload: no copy kept (the payload may be reduced in place)
+        return levels, None
     payload = pack(levels, layout)
     return None if payload is None else (payload, levels)
 
 
 def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, scale: torch.Tensor,
-           out: torch.Tensor | None) -> torch.Tensor | None:
-    """One segment's decoded mean (fp32, into `out` when given): the same bits as `decode_scaled`'s
-    table of `levels * unit - 1` times the scale. One-lane containers in one kernel; several lanes
-    unpacked first (`unpack`), then scaled. None when compiling failed."""
+           out: torch.Tensor | None, lengths: Sequence[int] | None = None) -> torch.Tensor | None:
+    """The decoded mean (fp32, into `out` when given): the same bits as `decode_scaled`'s table of
+    `levels * unit - 1` times each segment's scale. One segment (`lengths` None): one-lane containers
+    in one kernel, several lanes unpacked first (`unpack`), then scaled; several segments: unpacked
+    (several lanes), then one kernel scaling each element by its segment's scale through the
+    per-element index. None when compiling failed."""
     dev = reduced.device
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
+    if lengths is not None and len(lengths) > 1:
+        sums = reduced.reshape(-1) if layout.lanes == 1 else unpack(reduced, layout)
+        if sums is not None:
+            index, _ = segment_index(tuple(lengths), dev)
+            fusion.run(indexed_scaled_into, res, sums, index, scale.reshape(-1).to(torch.float32),
+                       fusion.constant(unit, dev))
+        return None if sums is None or fusion.failed() else res
     args = (fusion.constant(unit, dev), scale.reshape(-1)[:1].to(torch.float32))
     if layout.lanes == 1:
         fusion.run(decode_one_fn(layout), res, reduced.reshape(-1), *args)

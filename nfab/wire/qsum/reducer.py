@@ -147,10 +147,11 @@ class QSum(Reducer):
                                          list(lengths), one)
             if res is not None:
                 return res
-        if (len(lengths) == 1 and dests is None and numel and fusion.active(reduced, scale_mean)
+        if (dests is None and numel and fusion.active(reduced, scale_mean)
                 and (one is None or (one.dtype == torch.float32 and one.is_contiguous()))):
             m = self.max_level(world_size)  # compiled (`qsum/fused.py`): one kernel into the bucket slice
-            res = qsum_fused.decode(reduced, self._layout, numel, 2.0 / (m * world_size), scale_mean, one)
+            res = qsum_fused.decode(reduced, self._layout, numel, 2.0 / (m * world_size), scale_mean, one,
+                                    lengths if len(lengths) > 1 else None)
             if res is not None:
                 return res
         return decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),

@@ -68,15 +68,42 @@ def quad_lanes(words: torch.Tensor) -> torch.Tensor:
 
 def lanes_of_bytes(words: torch.Tensor, lane_bits: int) -> torch.Tensor:
     """int64 words of 8 values (bytes below 2^lane_bits) -> their containers as one `_word_dtype`
-    word: byte pairs, then 16-bit and 32-bit units, pulled together (values are below 2^7, so the
-    arithmetic shifts are logical)."""
+    word (`compressed`)."""
     if lane_bits == 1:
         return gathered_bits(words).to(torch.uint8)
-    s = lane_bits
-    w = (words | (words >> (8 - s))) & _repeat(16, (1 << 2 * s) - 1)
-    w = (w | (w >> (16 - 2 * s))) & _repeat(32, (1 << 4 * s) - 1)
-    w = (w | (w >> (32 - 4 * s))) & ((1 << 8 * s) - 1)
-    return w.to(_word_dtype(lane_bits))
+    return compressed(words, lane_bits).to(_word_dtype(lane_bits))
+
+
+def compressed(words: torch.Tensor, lane_bits: int) -> torch.Tensor:
+    """int64 words of 8 values (bytes below 2^lane_bits, lane_bits <= 7) -> the 8 values side by side
+    in the word's low 8 * lane_bits bits, value k at bit k * lane_bits (int64): byte pairs, then
+    16-bit and 32-bit units, pulled together (values are below 2^7, so the arithmetic shifts are
+    logical). Up to 4 bits a shifted copy of the word is masked once per step; wider values would
+    spill into the next unit, so each unit's halves are masked apart first."""
+    w, s = words, lane_bits
+    for unit in (16, 32, 64):
+        half, width = unit // 2, s * unit // 16  # each half-unit holds `width` bits
+        keep = _repeat(unit, (1 << 2 * width) - 1) if unit < 64 else (1 << 2 * width) - 1
+        if s <= 4:
+            w = (w | (w >> (half - width))) & keep
+        else:
+            low = _repeat(unit, (1 << half) - 1) if unit < 64 else (1 << half) - 1
+            w = (w & low) | (((w >> half) & low) << width)
+    return w
+
+
+def spread(packed: torch.Tensor, lane_bits: int) -> torch.Tensor:
+    """The inverse of `compressed`: int64 words holding 8 values of lane_bits (<= 7) bits side by
+    side in their low bits -> the values one per byte (int64 words, value k in byte k)."""
+    w, s = packed, lane_bits
+    for unit in (64, 32, 16):
+        half, width = unit // 2, s * unit // 16
+        keep = _repeat(unit, (1 << width) - 1) if unit < 64 else (1 << width) - 1
+        if s <= 4:
+            w = (w | (w << (half - width))) & (keep | (keep << half))
+        else:
+            w = (w & keep) | (((w >> width) & keep) << half)
+    return w
 
 
 def _repeat(unit_bits: int, value: int) -> int:

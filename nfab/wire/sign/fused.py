@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from nfab.wire import fusion
-from nfab.wire.contract import Out, finish_segments, split_out
+from nfab.wire.contract import Out, split_out
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import LaneLayout
@@ -75,12 +75,20 @@ def _vote(counts: torch.Tensor, w: torch.Tensor, vote: str) -> torch.Tensor:
     return torch.sign(diff) if vote == "majority" else diff / w
 
 
+def scale_of(scale: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The scale each element is multiplied by: the one segment's (`scale`, 1 element), or with a
+    per-element segment `index`, its segment's (`scale` then holds one per segment) -- fl(v * s)
+    either way, the eager per-segment scaling's bits, without its expanded pass over the bucket."""
+    return scale if index is None else scale[index.to(torch.int64)]
+
+
 @cache
 def voted_fn(vote: str):
-    """Per-element counts (uint8) as votes times `scale`, into `out`."""
+    """Per-element counts (uint8) as votes times their scale (`scale_of`), into `out`."""
 
-    def voted(out: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> None:
-        out.copy_(_vote(counts[: out.shape[0]], w, vote) * scale)
+    def voted(out: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+              index: torch.Tensor | None = None) -> None:
+        out.copy_(_vote(counts[: out.shape[0]], w, vote) * scale_of(scale, index))
 
     return voted
 
@@ -102,14 +110,15 @@ def encode(x: torch.Tensor, layout: LaneLayout) -> tuple[torch.Tensor, torch.Ten
 
 
 def decode(reduced: torch.Tensor, gathered: bool, layout: LaneLayout, vote: str, world_size: int,
-           scale: torch.Tensor, numel: int, out: torch.Tensor | None) -> torch.Tensor | None:
-    """The decoded votes (fp32, into `out` when given) times `scale` (1 element: the segment's mean
-    scale, or 1.0 for unit votes that the caller scales per segment): `reduced` is the W gathered
-    rows (`gathered`, a (W, bytes) tensor of 1-bit lanes) or the summed count lanes. None when
+           scale: torch.Tensor, numel: int, out: torch.Tensor | None,
+           index: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The decoded votes (fp32, into `out` when given) times their scale (`scale_of`: the one
+    segment's, or each element's segment's through `index`): `reduced` is the W gathered rows
+    (`gathered`, a (W, bytes) tensor of 1-bit lanes) or the summed count lanes. None when
     compiling failed."""
     dev = reduced.device
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
-    w, s = fusion.constant(float(world_size), dev), scale.reshape(-1)[:1].to(torch.float32)
+    w, s = fusion.constant(float(world_size), dev), per_segment(scale, index)
     if gathered:  # words of count bytes, read as bytes
         counted = fusion.run(words.row_counts, reduced)
         counts = None if counted is None else counted.view(torch.uint8)
@@ -117,22 +126,27 @@ def decode(reduced: torch.Tensor, gathered: bool, layout: LaneLayout, vote: str,
         counts = qsum_fused.unpack(reduced, layout)
     if counts is None:
         return None
-    fusion.run(voted_fn(vote), res, counts, w, s)
+    fusion.run(voted_fn(vote), res, counts, w, s, index)
     return None if fusion.failed() else res
 
 
-def decode_segments(decode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor | None],
+def per_segment(scale: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 scale(s) a decode kernel takes: the first (one segment), or all (with an index)."""
+    flat = scale.reshape(-1).to(torch.float32)
+    return flat[:1] if index is None else flat
+
+
+def decode_segments(decode: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor | None],
                     reduced: torch.Tensor, scale_mean: torch.Tensor, numel: int, lengths: Sequence[int],
                     out: Out) -> Any:
-    """A sign reducer's compiled decode into `out`: `decode(scale, one)` with the one segment's scale,
-    or with 1.0 and then the eager per-segment scaling for several segments; None when it does not
-    run here (not switched on, per-segment destinations, an output that is not contiguous fp32)."""
+    """A sign reducer's compiled decode into `out`: `decode(scales, one, index)`, every element times
+    its segment's scale in the decode kernel (several segments: through the per-element segment
+    index, `qsum.fused.segment_index`); None when it does not run here (not switched on,
+    per-segment destinations, an output that is not contiguous fp32)."""
     one, dests = split_out(out)
     if not numel or dests is not None or not fusion.active(reduced, scale_mean):
         return None
     if one is not None and (one.dtype != torch.float32 or not one.is_contiguous()):
         return None
-    if len(lengths) == 1:
-        return decode(scale_mean, one)
-    unit = decode(fusion.constant(1.0, reduced.device), one)
-    return None if unit is None else finish_segments(unit, scale_mean, lengths, None)
+    index = None if len(lengths) == 1 else qsum_fused.segment_index(tuple(lengths), reduced.device)[0]
+    return decode(scale_mean, one, index)

@@ -90,10 +90,11 @@ class _SignReducer(Reducer):
 
     def _decode_fused(self, reduced: torch.Tensor, gathered: bool, layout: LaneLayout, scale_mean: torch.Tensor,
                       numel: int, lengths: Sequence[int], world_size: int, out: Out) -> Any:
-        """The compiled decode (`sign/fused.py`): one kernel for one segment, the vote values then the
-        eager per-segment scaling for several; None when it does not run here."""
+        """The compiled decode (`sign/fused.py`): the votes times each segment's scale in one kernel;
+        None when it does not run here."""
         return sign_fused.decode_segments(
-            lambda scale, one: sign_fused.decode(reduced, gathered, layout, self.vote, world_size, scale, numel, one),
+            lambda scale, one, index: sign_fused.decode(reduced, gathered, layout, self.vote, world_size, scale,
+                                                        numel, one, index),
             reduced, scale_mean, numel, lengths, out)
 
     def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size, out=None):

@@ -119,7 +119,7 @@ class SignScatter(TwoPhaseReducer):
         if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay)) is not None:
             payload, vote_bytes = got  # compiled (`scatter_fused`): the same containers
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
-                vote_bytes.to(torch.bool), scales, lengths))
+                vote_bytes.reshape(-1)[:n].to(torch.bool), scales, lengths))
         votes = torch.zeros(world_size * shard, dtype=torch.bool, device=x.device)
         votes[:n] = sign_codec.sign_bits(x.reshape(-1))
         payload = torch.cat([pack(v, lay) for v in votes.view(world_size, shard)])
@@ -209,8 +209,9 @@ class SignScatter(TwoPhaseReducer):
                     sign_host.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
                 start += n
             return dests if dests is not None else res
-        got = sign_fused.decode_segments(lambda scale, o: scatter_fused.decode(reduced, numel, ternary, scale, o),
-                                         reduced, scale_mean, numel, lengths, out)
+        got = sign_fused.decode_segments(
+            lambda scale, o, index: scatter_fused.decode(reduced, numel, ternary, scale, o, index),
+            reduced, scale_mean, numel, lengths, out)
         if got is not None:  # compiled (`scatter_fused`)
             return got
         if ternary:

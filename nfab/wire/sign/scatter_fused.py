@@ -37,17 +37,26 @@ TRITS_PER_BYTE = 5
 # ---- encode ----------------------------------------------------------------------------------
 def encode(x: torch.Tensor, shard: int, world_size: int,
            layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the W shards' count-lane payload of `x`'s votes, the vote bytes of `x`) compiled, or None when
-    compiling failed."""
-    votes = sign_fused.vote_buffer(x, world_size * shard)  # the shards' padding votes nothing
-    if votes is None:
-        return None
+    """(the W shards' count-lane payload of `x`'s votes, the vote bytes of `x`: flat, or one row per
+    shard, read as `.reshape(-1)[:numel]`) compiled, or None when compiling failed."""
     if words.fits(layout) and shard % layout.lanes == 0:
-        payload = words.pack(votes, layout)
-    else:  # int32/int64 containers: shard by shard (their last container may be part-filled)
-        shards = [qsum_fused.pack(v, layout) for v in votes.view(world_size, shard)]
-        payload = None if any(p is None for p in shards) else torch.cat(shards)  # type: ignore[arg-type]
-    return None if payload is None else (payload, votes[: x.numel()])
+        votes = sign_fused.vote_buffer(x, world_size * shard)  # the shards' padding votes nothing
+        payload = None if votes is None else words.pack(votes, layout)
+        return None if payload is None else (payload, votes[: x.numel()])
+    # int32/int64 containers: shard by shard, each row the shard's votes then zeros to whole containers,
+    # starting on a whole word (`qsum.fused.pack` reads 8 votes as one int64, without a padding copy)
+    per = layout.containers_for(shard) * layout.lanes
+    rows = torch.zeros(world_size, -(-per // 8) * 8, dtype=torch.uint8, device=x.device)
+    flat, n = x.reshape(-1), x.numel()
+    full = n // shard
+    for dst, src in ((rows[:full, :shard], flat[: full * shard].view(full, shard)),
+                     (rows[full : full + 1, : n - full * shard], flat[full * shard :].view(1, -1))):
+        if src.numel() and fusion.run(sign_fused.votes_into, dst, src) is None and fusion.failed():
+            return None
+    shards = [qsum_fused.pack(row[:per], layout) for row in rows]
+    if any(p is None for p in shards):
+        return None
+    return torch.cat(shards), rows[:, :shard]  # type: ignore[arg-type]
 
 
 # ---- the owner's step ------------------------------------------------------------------------
@@ -89,7 +98,8 @@ def _inverse_powers(device: torch.device) -> torch.Tensor:
         device, non_blocking=True)
 
 
-def trit_values_into(out: torch.Tensor, packed: torch.Tensor, inverse: torch.Tensor, scale: torch.Tensor) -> None:
+def trit_values_into(out: torch.Tensor, packed: torch.Tensor, inverse: torch.Tensor, scale: torch.Tensor,
+                     index: torch.Tensor | None = None) -> None:
     """out[i] = (trit i - 1) * scale, trit i = floor(byte / 3^k) mod 3 of byte i // 5, k = i % 5:
     fl(1 / 3^k) rounds up for every k <= 4 and a byte's quotient b / 3^k lies at least 1/81 below
     the next integer, so floor(b * fl(1 / 3^k)) is b // 3^k for every byte (all 243 checked in
@@ -98,27 +108,30 @@ def trit_values_into(out: torch.Tensor, packed: torch.Tensor, inverse: torch.Ten
     values = []
     for k in range(TRITS_PER_BYTE):  # a column per digit, stacked (a broadcast over 5 ran scalar, 8x slower)
         q = (b * inverse[k]).floor()  # floor(byte / 3^k), exact
-        values.append((q - 3.0 * (q * (1.0 / 3.0)).floor() - 1.0) * scale)
-    out.copy_(torch.stack(values, 1).view(-1)[: out.shape[0]])
+        v = q - 3.0 * (q * (1.0 / 3.0)).floor() - 1.0
+        values.append(v * scale if index is None else v)  # several segments: scaled after the stack
+    unit = torch.stack(values, 1).view(-1)[: out.shape[0]]
+    out.copy_(unit if index is None else unit * sign_fused.scale_of(scale, index))
 
 
-def bit_values_into(out: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor) -> None:
-    """out[i] = (2 * bit i - 1) * scale from the bits as count bytes."""
-    out.copy_((counts[: out.shape[0]].to(torch.float32) * 2.0 - 1.0) * scale)
+def bit_values_into(out: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor,
+                    index: torch.Tensor | None = None) -> None:
+    """out[i] = (2 * bit i - 1) * its scale (`sign_fused.scale_of`) from the bits as count bytes."""
+    out.copy_((counts[: out.shape[0]].to(torch.float32) * 2.0 - 1.0) * sign_fused.scale_of(scale, index))
 
 
 def decode(reduced: torch.Tensor, numel: int, ternary: bool, scale: torch.Tensor,
-           out: torch.Tensor | None) -> torch.Tensor | None:
-    """The gathered majority as values times `scale` (1 element: the one segment's, or 1.0 for unit
-    values the caller scales per segment), into `out` when given; None when compiling failed."""
+           out: torch.Tensor | None, index: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The gathered majority as values times their scale (`sign_fused.scale_of`: the one segment's, or
+    each element's segment's through `index`), into `out` when given; None when compiling failed."""
     dev = reduced.device
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
-    s = scale.reshape(-1)[:1].to(torch.float32)
+    s = sign_fused.per_segment(scale, index)
     if ternary:
-        fusion.run(trit_values_into, res, reduced.reshape(-1), _inverse_powers(dev), s)
+        fusion.run(trit_values_into, res, reduced.reshape(-1), _inverse_powers(dev), s, index)
     else:
         counted = fusion.run(words.row_counts, reduced.reshape(1, -1))
         if counted is None:
             return None
-        fusion.run(bit_values_into, res, counted.view(torch.uint8), s)
+        fusion.run(bit_values_into, res, counted.view(torch.uint8), s, index)
     return None if fusion.failed() else res
