@@ -8,7 +8,7 @@ repository root) runs one setting with a few variants and prints their rows, e.g
 
 The study judges nfab where a user meets it: a hand-written loop (`DistributedDataParallel`,
 an optimizer at a constant learning rate, `loss.backward()`, `opt.step()`), on W gloo ranks
-spawned here. The variant decides only what the loop registers on DDP:
+started here. The variant decides only what the loop registers on DDP:
 
 | variant | what DDP communicates |
 |---|---|
@@ -90,6 +90,7 @@ from nfab.bench.studyspec import (
 from nfab.bench.variants import bf16_hook
 from nfab.data import build_dataset, make_loader
 from nfab.data.loader import make_eval_loader
+from nfab.distributed import start_method
 from nfab.errors import NfabError
 from nfab.models import build_model
 from nfab.wire.registry import allreduce_factor
@@ -156,8 +157,9 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
     with tempfile.TemporaryDirectory(prefix="nfab-study-") as tmp:
         out = Path(tmp)
         try:
+            # spawn (a fresh interpreter per rank), or the rank server's fork under the test suite
             mp.start_processes(_worker, args=(setting, todo, profile, seed, _free_port(), str(out)),
-                               nprocs=setting.world_size, join=True, start_method="spawn")
+                               nprocs=setting.world_size, join=True, start_method=start_method())
         except Exception as exc:  # a rank failed: its last line; variants that finished keep their result
             lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
             error = lines[-1] if lines else type(exc).__name__

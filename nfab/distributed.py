@@ -52,6 +52,16 @@ def fork_ranks_from_server(preload: Sequence[str] = PRELOAD) -> None:
     _START = ctx
 
 
+def start_method() -> str:
+    """How gloo ranks start now: "spawn", or "forkserver" once `fork_ranks_from_server` ran.
+
+    For harnesses that start their own rank processes (bench/userloop.py's
+    `torch.multiprocessing.start_processes`): under the test suite they fork from the same
+    warmed server as `run_ranks`. A forked rank sees the server's environment, not the caller's.
+    """
+    return str(_START.get_start_method())
+
+
 def free_port() -> int:
     """An unused TCP port on loopback (for a rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

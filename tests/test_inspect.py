@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from inprocess import nfab_main
 from typer.testing import CliRunner
 
 from nfab.cli.app import app
@@ -70,10 +71,18 @@ def test_hierarchy_json_writes_what_the_table_shows(tmp_path):
     assert f"{data['ratio']:.1f}x fewer bytes" in result.output
 
 
+BAD_HIERARCHY = ["inspect", "gpt", "--size", "nano", "--world-size", "512", "--hierarchy"]
+
+
 @pytest.mark.parametrize("bad", ["63x8", "2y", "auto", "0"])
 def test_a_bad_hierarchy_is_one_line_and_exit_2(bad):
-    res = subprocess.run([sys.executable, "-c", "from nfab.cli.app import main; main()", "inspect", "gpt", "--size",
-                          "nano", "--world-size", "512", "--hierarchy", bad], capture_output=True, text=True,
-                         timeout=120)
+    res = nfab_main(*BAD_HIERARCHY, bad)  # the console entry in this process (tests/inprocess.py)
+    assert res.code == 2, res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_bad_hierarchy_exits_2_from_a_real_process():
+    res = subprocess.run([sys.executable, "-c", "from nfab.cli.app import main; main()", *BAD_HIERARCHY, "63x8"],
+                         capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -113,6 +113,11 @@ def _inner(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     qdisc = shape_loopback(a.rate)
+    from nfab.distributed import fork_ranks_from_server
+
+    # this namespace's ranks fork from one server that imported torch and nfab once (and loaded the
+    # host codecs): each spawned rank would pay that start-up again (2-4 s of CPU per rank)
+    fork_ranks_from_server()
     module, _, name = a.target.partition(":")
     fn = getattr(importlib.import_module(module), name)
     result = fn(json.loads(Path(a.payload).read_text()))

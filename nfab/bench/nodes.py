@@ -225,6 +225,11 @@ def _inner(argv: list[str] | None = None) -> None:
     for key in ("--node", "--nodes", "--world-size"):
         ap.add_argument(key, required=True, type=int)
     a = ap.parse_args(argv)
+    from nfab.distributed import fork_ranks_from_server
+
+    # this node's ranks fork from one server that imported torch and nfab once (and loaded the
+    # host codecs): each spawned rank would pay that start-up again (2-4 s of CPU per rank)
+    fork_ranks_from_server()
     module, _, name = a.target.partition(":")
     fn = getattr(importlib.import_module(module), name)
     addr, _, port = a.master.rpartition(":")

@@ -16,27 +16,35 @@ from nfab.errors import NfabError
 needs_netns = pytest.mark.skipif(nodes.unavailable() is not None, reason=str(nodes.unavailable()))
 LOSSY = ("nfab:bf16", "nfab:fp16", "nfab:q8", "nfab:q4", "nfab:sign")
 TINY = dict(width=4, batch=2, steps=1, warmup=1, cost_model="none")  # cost_model none: same routes on any link
+W4 = dict(variants=("plain", "floor", "nfab-fp32", *LOSSY), world_size=4, width=8, batch=2, steps=2, warmup=1,
+          cost_model="none")
 
 
-def _same_bits(variants, world_size, expect_routes):
-    one = step_mod.run(step_mod.BenchConfig(variants=variants, world_size=world_size, **TINY))
-    two = step_mod.run(step_mod.BenchConfig(variants=variants, world_size=world_size, nodes=2, link="1gbit", **TINY))
+def _same_bits(one, two, variants, expect_routes):
     assert two["link"]["nodes"] == 2 and "tbf" in two["link"]["qdisc"]
     for v in variants:
         assert two["params_sha256"][v] == one["params_sha256"][v], v
         assert two["loss"][v] == one["loss"][v], v
     for v, route in expect_routes.items():  # the lossy route really ran (not a silent fp32 fallback)
         assert route in two["nfab"][v]["route_mix"], (v, two["nfab"][v]["route_mix"])
-    return two
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """W=4 as 2 emulated nodes x 2 ranks on a 1 Gbit/s link, and as one node: each variant once.
+    Both tests below read these runs (a two-node run is start-up mostly: two node processes, their
+    rank servers, the namespaces)."""
+    two_cfg = step_mod.BenchConfig(nodes=2, link="1gbit", **W4)
+    return two_cfg, step_mod.run(two_cfg), step_mod.run(step_mod.BenchConfig(**W4))
 
 
 @pytest.mark.slow
 @pytest.mark.world_size(4)
 @needs_netns
-def test_two_nodes_of_two_ranks_equal_one_node_of_four_bit_for_bit():
-    variants = ("plain", "nfab-fp32", *LOSSY)
-    _same_bits(variants, 4, {"nfab:bf16": "bf16", "nfab:fp16": "fp16", "nfab:q8": "q8", "nfab:q4": "q4",
-                             "nfab:sign": "signgather"})
+def test_two_nodes_of_two_ranks_equal_one_node_of_four_bit_for_bit(four_ranks):
+    _, two, one = four_ranks
+    _same_bits(one, two, W4["variants"], {"nfab:bf16": "bf16", "nfab:fp16": "fp16", "nfab:q8": "q8",
+                                          "nfab:q4": "q4", "nfab:sign": "signgather"})
 
 
 @pytest.mark.slow
@@ -44,19 +52,20 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four_bit_for_bit():
 @needs_netns
 def test_q2_across_two_nodes_equals_one_node():
     # q2 is over capacity at W=4 (fewer than 2 levels per rank), so it is checked at W=2
-    _same_bits(("plain", "nfab:q2"), 2, {"nfab:q2": "q2"})
+    variants = ("plain", "nfab:q2")
+    one = step_mod.run(step_mod.BenchConfig(variants=variants, world_size=2, **TINY))
+    two = step_mod.run(step_mod.BenchConfig(variants=variants, world_size=2, nodes=2, link="1gbit", **TINY))
+    _same_bits(one, two, variants, {"nfab:q2": "q2"})
 
 
 @pytest.mark.slow
 @pytest.mark.world_size(4)
 @needs_netns
-def test_link_bytes_measured_match_the_model():
-    variants = ("plain", "floor", "nfab-fp32", "nfab:q8", "nfab:sign")
-    cfg = step_mod.BenchConfig(variants=variants, world_size=4, nodes=2, link="1gbit", width=8, batch=2, steps=2,
-                               warmup=1, cost_model="none")
-    doc = step_mod.report(cfg, step_mod.run(cfg), command="test")
+def test_link_bytes_measured_match_the_model(four_ranks):
+    cfg, two, _ = four_ranks
+    doc = step_mod.report(cfg, two, command="test")
     rows = {r["variant"]: r for r in doc["rows"]}
-    for v in variants:
+    for v in W4["variants"]:
         measured, modelled = rows[v]["measured_wire_bytes_per_step"], rows[v]["modelled_wire_bytes_per_step"]
         assert measured > 0 and modelled >= 0
         if v != "floor":  # the floor sends only buffers and barriers: headers dominate its few KB

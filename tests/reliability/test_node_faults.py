@@ -4,17 +4,19 @@ Each node is a network namespace (`nfab.bench.nodes`) whose rank talks to the ot
 over a tc-shaped veth pair. The inter-node link is pulled mid-run (one line per node naming
 the timed-out collective and the node, no hang past launch.timeout_s), and one node's rank
 is killed under `--max-restarts 1` (both nodes restart, resume from the checkpoint, no step
-lost or repeated, replicas identical, the restart recorded in summary.json).
+lost or repeated, bit for bit the uninterrupted run, replicas identical, the restart recorded in
+summary.json).
 """
 
 from __future__ import annotations
 
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from relrun import GPT, NFAB, metrics, summary
+from relrun import GPT, NFAB, metrics, nfab, summary
 
 from nfab.bench import nodes
 
@@ -80,12 +82,15 @@ def test_link_down_mid_run_fails_each_node_with_one_line_within_the_timeout(tmp_
 
 def test_one_node_killed_restarts_both_and_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     reference, out = tmp_path / "reference", tmp_path / "restart"
-    with nodes.emulated_nodes(2, "1gbit") as (made, _):
-        ref = finish(start_nodes(made, reference, "--route", "sign", "checkpoint_every=3"), timeout=300)
-        assert all(code == 0 for code, _ in ref), ref
-    with nodes.emulated_nodes(2, "1gbit") as (made, _):
-        results = finish(start_nodes(made, out, "--route", "sign", "--max-restarts", "1", "checkpoint_every=3",
-                                     env={"NFAB_FAULT": "crash@step=5,rank=1"}), timeout=300)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # The uninterrupted run, on one node of 2 ranks beside the emulated nodes: two nodes of one
+        # rank train bit for bit like it (tests/train/test_train_runs.py, tests/bench/test_bench_nodes.py).
+        ref = pool.submit(nfab, "train", *GPT, "--steps", str(STEPS), "--route", "sign", "checkpoint_every=3",
+                          "--nproc", "2", "--run-dir", str(reference), timeout=300)
+        with nodes.emulated_nodes(2, "1gbit") as (made, _):
+            results = finish(start_nodes(made, out, "--route", "sign", "--max-restarts", "1", "checkpoint_every=3",
+                                         env={"NFAB_FAULT": "crash@step=5,rank=1"}), timeout=300)
+        assert ref.result().code == 0, ref.result().stderr
     assert all(code == 0 for code, _ in results), results
     m = metrics(out)
     assert m["step"].tolist() == list(range(STEPS))  # no step lost or repeated

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from trainrun import REPO, metrics, nfab_train, start_train
+from inprocess import nfab_main
+from trainrun import REPO, metrics, start_train
 
 from nfab.distributed import free_port
 
@@ -36,7 +37,8 @@ def test_two_nodes_of_two_reduce_in_two_levels(tmp_path):
 
 @pytest.mark.parametrize("value,says", [("3", "do not divide the world size 2"), ("2y", "NODESxLOCAL")])
 def test_a_bad_hierarchy_is_one_line_and_exit_2(tmp_path, value, says):
-    r = nfab_train(*GPT, f"comm.hierarchy={value}", "--nproc", "2", "--run-dir", str(tmp_path / "bad"))
+    # refused before launch: the console entry in this process (tests/inprocess.py)
+    r = nfab_main("train", *GPT, f"comm.hierarchy={value}", "--nproc", "2", "--run-dir", str(tmp_path / "bad"))
     assert r.code == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in r.stderr, r.stderr
