@@ -1,6 +1,7 @@
 """Two nodes on one machine: network namespaces joined by a shaped veth pair.
 
-`emulated_nodes(2, rate)` creates two named network namespaces (`nfab-PID-0`, `nfab-PID-1`),
+`emulated_nodes(2, rate)` creates two named network namespaces (`nfab-PID-0`, `nfab-PID-1`; the
+process's next context `-2`, `-3`, so several can be open at once),
 each with its loopback up and one end of a veth pair named `nfab0` (10.77.0.1 and 10.77.0.2).
 Both ends are shaped with `tc tbf` at RATE, so each direction of the inter-node link carries
 RATE (full duplex, like a NIC; a single-node `--link` shapes one loopback queue that both
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import re
@@ -45,6 +47,9 @@ PORT = 29411
 """The rendezvous port on node 0 (its namespace is private, so a fixed port is free)."""
 MAX_NODES = 2
 _PREFIX = "nfab-"
+_CONTEXTS = itertools.count()
+"""Numbers the emulated-node contexts of this process, so that several can be open at once
+(each pair of namespaces and its veth have names of their own)."""
 _DELAY = re.compile(r"^\d+(\.\d+)?(us|ms|s)$")
 
 
@@ -134,8 +139,8 @@ def emulated_nodes(count: int, rate: str | None = None, delay: str | None = None
         raise NfabError(why)
     check_nodes(count)
     remove_stale()
-    pid = os.getpid()
-    nodes = [Node(k, f"{_PREFIX}{pid}-{k}", f"{SUBNET}.{k + 1}") for k in range(count)]
+    pid, first = os.getpid(), next(_CONTEXTS) * MAX_NODES
+    nodes = [Node(k, f"{_PREFIX}{pid}-{first + k}", f"{SUBNET}.{k + 1}") for k in range(count)]
     made: list[Node] = []
     try:
         for node in nodes:
@@ -143,7 +148,7 @@ def emulated_nodes(count: int, rate: str | None = None, delay: str | None = None
             made.append(node)
             _run("ip", "-n", node.namespace, "link", "set", "lo", "up")
         if count == 2:
-            a, b = (f"nfv{pid % 100000}{k}" for k in "ab")  # host-side names, renamed inside
+            a, b = (f"nfv{pid % 100000}-{first}{k}" for k in "ab")  # creation names, renamed inside
             _run("ip", "link", "add", a, "netns", nodes[0].namespace, "type", "veth",
                  "peer", "name", b, "netns", nodes[1].namespace)
             for node, tmp in zip(nodes, (a, b), strict=True):

@@ -107,10 +107,11 @@ def test_cli_nodes_without_link_exits_2_with_one_line():
 
 @needs_netns
 def test_namespaces_are_removed_and_the_link_is_shaped_both_ways():
-    with nodes.emulated_nodes(2, "100mbit") as (made, qdiscs):
+    with nodes.emulated_nodes(2, "100mbit") as (made, qdiscs), nodes.emulated_nodes(2, "1gbit") as (more, _):
         assert [n.address for n in made] == ["10.77.0.1", "10.77.0.2"]
         assert all("tbf" in q and "100Mbit" in q for q in qdiscs)
-        names = [n.namespace for n in made]
+        names = [n.namespace for n in made + more]
+        assert len(set(names)) == 4  # two contexts at once: namespaces (and veths) of their own
     import subprocess
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(name in listed for name in names)

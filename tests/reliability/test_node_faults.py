@@ -13,7 +13,9 @@ from __future__ import annotations
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from relrun import GPT, NFAB, metrics, nfab, summary
@@ -54,8 +56,14 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int
     return out
 
 
-def test_link_down_mid_run_fails_each_node_with_one_line_within_the_timeout(tmp_path: Path) -> None:
-    out = tmp_path / "linkdown"
+@dataclass
+class LinkDown:
+    results: list[tuple[int, str]]  # (exit code, stderr) per node
+    elapsed: float  # seconds from pulling the link to both launchers' exit
+    run_dir: Path
+
+
+def pull_the_link(out: Path) -> LinkDown:
     with nodes.emulated_nodes(2, "1gbit") as (made, _):
         # rank 0 dawdles 3 s at step 3, so the link goes down while both ranks are mid-run
         procs = start_nodes(made, out, "--route", "sign", "launch.timeout_s=10", "metrics_every=1",
@@ -63,12 +71,41 @@ def test_link_down_mid_run_fails_each_node_with_one_line_within_the_timeout(tmp_
         deadline = time.monotonic() + 240
         while not (out / "metrics.parquet").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert (out / "metrics.parquet").exists(), "the run never reached its first step"
+        if not (out / "metrics.parquet").exists():
+            return LinkDown(finish(procs, timeout=1), -1.0, out)  # the run never reached its first step
         nodes.set_link(made[0], up=False)
         pulled = time.monotonic()
         results = finish(procs, timeout=120)
-        elapsed = time.monotonic() - pulled
-    for node, (code, err) in enumerate(results):
+        return LinkDown(results, time.monotonic() - pulled, out)
+
+
+def kill_a_node(out: Path) -> list[tuple[int, str]]:
+    with nodes.emulated_nodes(2, "1gbit") as (made, _):
+        return finish(start_nodes(made, out, "--route", "sign", "--max-restarts", "1", "checkpoint_every=3",
+                                  env={"NFAB_FAULT": "crash@step=5,rank=1"}), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Both faults at once, each on a pair of emulated nodes of its own, beside the uninterrupted
+    reference on one node of 2 ranks (two nodes of one rank train bit for bit like it:
+    tests/train/test_train_runs.py, tests/bench/test_bench_nodes.py). The pulled link spends most
+    of its run waiting out its 10 s timeout; the others use the cores meanwhile."""
+    root = tmp_path_factory.mktemp("node-faults")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        jobs = {"linkdown": pool.submit(pull_the_link, root / "linkdown"),
+                "restart": pool.submit(kill_a_node, root / "restart"),
+                "reference": pool.submit(nfab, "train", *GPT, "--steps", str(STEPS), "--route", "sign",
+                                         "checkpoint_every=3", "--nproc", "2", "--run-dir", str(root / "reference"),
+                                         timeout=300)}
+        done = {name: job.result() for name, job in jobs.items()}
+    return {**done, "root": root}
+
+
+def test_link_down_mid_run_fails_each_node_with_one_line_within_the_timeout(runs) -> None:
+    down: LinkDown = runs["linkdown"]
+    assert down.elapsed >= 0, f"the run never reached its first step: {down.results}"
+    for node, (code, err) in enumerate(down.results):
         lines = err.strip().splitlines()
         assert code == 1 and len(lines) == 1, err
         line = lines[0]
@@ -76,21 +113,14 @@ def test_link_down_mid_run_fails_each_node_with_one_line_within_the_timeout(tmp_
                                "(launch.timeout_s) in step "), line
         assert f"on node {node} of 2" in line and f"node {1 - node} never arrived" in line, line
         assert "Traceback" not in err
-    assert elapsed < 60, elapsed  # 10 s timeout + torchrun's teardown, not the 300 s default
-    assert len(metrics(out)) < STEPS and summary(out)["complete"] is False
+    assert down.elapsed < 60, down.elapsed  # 10 s timeout + torchrun's teardown, not the 300 s default
+    assert len(metrics(down.run_dir)) < STEPS and summary(down.run_dir)["complete"] is False
 
 
-def test_one_node_killed_restarts_both_and_resumes_from_the_checkpoint(tmp_path: Path) -> None:
-    reference, out = tmp_path / "reference", tmp_path / "restart"
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        # The uninterrupted run, on one node of 2 ranks beside the emulated nodes: two nodes of one
-        # rank train bit for bit like it (tests/train/test_train_runs.py, tests/bench/test_bench_nodes.py).
-        ref = pool.submit(nfab, "train", *GPT, "--steps", str(STEPS), "--route", "sign", "checkpoint_every=3",
-                          "--nproc", "2", "--run-dir", str(reference), timeout=300)
-        with nodes.emulated_nodes(2, "1gbit") as (made, _):
-            results = finish(start_nodes(made, out, "--route", "sign", "--max-restarts", "1", "checkpoint_every=3",
-                                         env={"NFAB_FAULT": "crash@step=5,rank=1"}), timeout=300)
-        assert ref.result().code == 0, ref.result().stderr
+def test_one_node_killed_restarts_both_and_resumes_from_the_checkpoint(runs) -> None:
+    reference, out = runs["root"] / "reference", runs["root"] / "restart"
+    assert runs["reference"].code == 0, runs["reference"].stderr
+    results = runs["restart"]
     assert all(code == 0 for code, _ in results), results
     m = metrics(out)
     assert m["step"].tolist() == list(range(STEPS))  # no step lost or repeated
