@@ -141,7 +141,11 @@ def codec_work(red: Reducer, x: torch.Tensor, world_size: int) -> Callable[[], t
     hook decodes into its bucket. What the network computes (the payloads' sum, for W copies of this
     rank's payload) is made once, outside: no rank does it."""
     lengths = [x.numel()]
-    shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
+
+    def agreed() -> torch.Tensor | None:  # what the hook's agreement MAX all-reduces (blockq: its codes)
+        return red.agree_input(red.local_scale(x, lengths)) if red.needs_shared_scale else None
+
+    shared = agreed()
     enc = red.encode(x, lengths, world_size, shared, torch.Generator(device=x.device).manual_seed(0))
     payloads = [enc.payload] * world_size
     reduced = red.combine(payloads)
@@ -150,8 +154,7 @@ def codec_work(red: Reducer, x: torch.Tensor, world_size: int) -> Callable[[], t
     out = torch.empty_like(x)
 
     def run() -> torch.Tensor:
-        s = red.local_scale(x, lengths) if red.needs_shared_scale else None
-        red.encode(x, lengths, world_size, s, None)
+        red.encode(x, lengths, world_size, agreed(), None)
         if share is not None:
             red.owner_step(share, world_size)
         return red.decode(reduced, scale, x.numel(), lengths, world_size, out=out)

@@ -95,14 +95,6 @@ def _keyed(keys: torch.Tensor, seg: torch.Tensor, first: torch.Tensor) -> tuple[
     return fusion.as_i32(base).unsqueeze(1), fusion.as_i32(hi).unsqueeze(1)
 
 
-def _levels(x: torch.Tensor, safe: torch.Tensor, base: torch.Tensor, hi: torch.Tensor, col: torch.Tensor,
-            shift: torch.Tensor, half_m: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Levels (fp32 whole numbers in [0, M]) of `x` at columns `col` (int32) of rows keyed by base, hi."""
-    u = fusion.uniform_of((base + col * fusion.GOLDEN_I32) ^ hi, shift)
-    t = (x.to(torch.float32) / safe + 1.0) * half_m + u
-    return torch.minimum(t.floor().clamp(min=0), m)
-
-
 def row_terms(codes: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor, seg: torch.Tensor,
               first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per block row ((rows, 1) each): its divisor (`_safe_rows`: `codes`, uint8, index `scales`)
@@ -115,12 +107,12 @@ def row_terms(codes: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor, seg
 
 
 def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, base: torch.Tensor, hi: torch.Tensor,
-                shift: torch.Tensor, half_m: torch.Tensor, m: torch.Tensor) -> None:
+                shift: torch.Tensor, half_m: torch.Tensor, m: torch.Tensor, weyl: torch.Tensor) -> None:
     """Stochastically rounded levels (uint8, into `out`) of a (blocks, width) view `x` whose rows'
     `row_terms` are `safe`, `base`, `hi`; `shift` (1-element int32): the stratum's offset on the
-    24-bit grid; `half_m`, `m`: 0-d fp32 M / 2 and M (tensors: one graph serves every route)."""
-    col = torch.arange(x.shape[1], dtype=torch.int32, device=x.device)
-    out.copy_(_levels(x, safe, base, hi, col, shift, half_m, m).to(torch.uint8))
+    24-bit grid; `half_m`, `m`: 0-d fp32 M / 2 and M (tensors: one graph serves every route);
+    `weyl`: `fusion.weyl(width)`, the counters' steps along a row."""
+    out.copy_(fusion.levels_of(x, safe, (base + weyl) ^ hi, shift, half_m, m))
 
 
 @cache
@@ -281,20 +273,23 @@ def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths:
     if parts is None:
         index, seg, offset = _block_index(tuple(lengths), block, dev)
         terms = fusion.run(block_terms, codes_, scales, keys, seg, offset)
-        if terms is None or fusion.run(qsum_fused.indexed_levels_into, out, flat, index, *terms,
-                                       *rest) is None and fusion.failed():
+        if terms is None:
             return None
+        weyl = fusion.weyl(fusion.ROW, dev)
+        for at, (x_part, out_part, index_part) in fusion.row_parts(flat, out, index):
+            if fusion.run(qsum_fused.indexed_levels_into, out_part, x_part, index_part, *terms, *rest, weyl,
+                          fusion.int_constant(at, dev)) is None and fusion.failed():
+                return None
         return out
     seg, first = _row_counters(tuple(lengths), block, dev)
+    steps = fusion.weyl(block, dev)
     terms = fusion.run(row_terms, codes_, scales, keys, seg, first)
     if terms is None:
         return None
     for p in parts:
         b = slice(p.first_block, p.first_block + p.rows)
-        args = (grid.rows(out, p), grid.rows(flat, p), *(t[b] for t in terms), *rest)
-        if p.rows == 1:  # a segment's tail: eager (compiling would specialise a graph on the size 1)
-            levels_into(*args)
-        elif fusion.run(levels_into, *args) is None and fusion.failed():
+        args = (grid.rows(out, p), grid.rows(flat, p), *(t[b] for t in terms), *rest, steps[: p.width])
+        if fusion.run(levels_into, *args) is None and fusion.failed():
             return None
     return out
 

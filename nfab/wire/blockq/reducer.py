@@ -99,6 +99,8 @@ def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
         codes = torch.empty(block_max.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
         blockkernels.scale_codes(block_max.numpy(), SCALES.numpy(), codes.numpy())
         return codes
+    if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
+        return codes  # one compiled pass of arithmetic (searchsorted: 2 ms per 64K blocks on a CPU core)
     codes = torch.searchsorted(_scales_on(block_max.device), block_max)
     return codes.clamp_(max=255).to(torch.uint8)
 

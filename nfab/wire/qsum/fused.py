@@ -195,31 +195,33 @@ def segment_index(lengths: tuple[int, ...], device: torch.device) -> tuple[torch
     return index.to(device, non_blocking=True), (1 - starts).to(device, non_blocking=True)
 
 
-def _levels(x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor, half_m: torch.Tensor,
-            m: torch.Tensor) -> torch.Tensor:
-    """Levels (int32 in [0, M]) of the 1-D segment `x` whose element i hashes counter `first + i`
-    (int32 `first` = 1 for a segment's start), `key` its int64 key (1 element)."""
+def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor,
+                half_m: torch.Tensor, m: torch.Tensor, weyl: torch.Tensor) -> None:
+    """out = the levels (`fusion.levels_of`) of rows `x` of one segment ((rows, width) views, out
+    of any integer dtype: one-lane containers are the levels) whose element (r, k) hashes counter
+    `first` + r * ROW + k (int32 `first`: 1 at the segment's start), keyed by the int64 `key`
+    (1 element); `weyl`: `fusion.weyl(ROW)`. A segment is its whole rows of ROW and its last
+    (fewer than ROW) elements as a (1, n) row of their own (`fusion.row_parts`)."""
     lo = fusion.as_i32(key & 0xFFFFFFFF)
     hi = fusion.as_i32((key >> 32) & 0xFFFFFFFF)
-    i = torch.arange(x.shape[0], dtype=torch.int32, device=x.device) + first
-    u = fusion.uniform_of((lo + i * fusion.GOLDEN_I32) ^ hi, None)
-    t = (x.to(torch.float32) / safe + 1.0) * half_m + u
-    return torch.minimum(t.floor().clamp(min=0), m).to(torch.int32)
+    row = (torch.arange(x.shape[0], dtype=torch.int32, device=x.device) * fusion.ROW + first) * fusion.GOLDEN_I32
+    counters = ((lo + row).unsqueeze(1) + weyl[: x.shape[1]]) ^ hi
+    out.copy_(fusion.levels_of(x, safe, counters, None, half_m, m))
 
 
 def indexed_levels_into(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, safe: torch.Tensor,
                         base: torch.Tensor, hi: torch.Tensor, shift: torch.Tensor | None, half_m: torch.Tensor,
-                        m: torch.Tensor) -> None:
-    """out (uint8) = the levels of a whole bucket `x` whose element i belongs to entry index[i] of
-    the small tables `safe` (its divisor), `base` and `hi` (int32: its counter is base + i * G,
-    keyed by hi; `counter_terms`): every segment or block in one kernel, whatever their number.
-    The gathers read tables of a few KB (in cache); the per-element index is what a bucket of
-    many small segments costs instead of a launch per segment."""
-    i = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+                        m: torch.Tensor, weyl: torch.Tensor, at: torch.Tensor) -> None:
+    """out = the levels of rows `x` of a bucket ((rows, width) views, `fusion.row_parts`; the first
+    element at bucket index `at`, int32) whose element i belongs to entry index[i] of the small tables
+    `safe` (its divisor), `base` and `hi` (int32: its counter is base + i * G, keyed by hi;
+    `counter_terms`): every segment or block in one kernel, whatever their number. The gathers
+    read tables of a few KB (in cache); the per-element index is what a bucket of many small
+    segments costs instead of a launch per segment."""
     k = index.to(torch.int64)
-    u = fusion.uniform_of((base[k] + i * fusion.GOLDEN_I32) ^ hi[k], shift)
-    t = (x.to(torch.float32) / safe[k] + 1.0) * half_m + u
-    out.copy_(torch.minimum(t.floor().clamp(min=0), m).to(torch.uint8))
+    row = (torch.arange(x.shape[0], dtype=torch.int32, device=x.device) * fusion.ROW + at) * fusion.GOLDEN_I32
+    counters = (base[k] + row.unsqueeze(1) + weyl[: x.shape[1]]) ^ hi[k]
+    out.copy_(fusion.levels_of(x, safe[k], counters, shift, half_m, m))
 
 
 def counter_terms(keys: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,23 +238,6 @@ def indexed_scaled_into(out: torch.Tensor, sums: torch.Tensor, index: torch.Tens
     decode in one kernel, whatever its number of segments or blocks."""
     n = out.shape[0]
     out.copy_((sums[:n].to(torch.float32) * unit - 1.0) * scales[index.to(torch.int64)])
-
-
-def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor,
-                half_m: torch.Tensor, m: torch.Tensor) -> None:
-    """out (uint8) = the levels of one segment `x` (see `_levels`)."""
-    out.copy_(_levels(x, safe, key, first, half_m, m).to(torch.uint8))
-
-
-@cache
-def encode_one_fn(layout: LaneLayout):
-    """One segment's encode in one graph: levels straight into `layout`'s containers."""
-
-    def encode_one(x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor,
-                   half_m: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        return packed(_levels(x, safe, key, first, half_m, m), layout)
-
-    return encode_one
 
 
 @cache
@@ -284,24 +269,24 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
     flat = x.reshape(-1)
     half_m, top = fusion.constant(0.5 * m, dev), fusion.constant(float(m), dev)
     safe = safe.reshape(-1).to(torch.float32)
+    one_lane = layout.lanes == 1  # the levels are the payload: no copy kept (it may be reduced in place)
+    levels = torch.empty(flat.numel(), dtype=layout.container if one_lane else torch.uint8, device=dev)
+    weyl = fusion.weyl(fusion.ROW, dev)
     if len(lengths) == 1:
-        first = fusion.int_constant(1, dev)
-        if layout.lanes == 1:
-            payload = fusion.run(encode_one_fn(layout), flat, safe[:1], keys[:1], first, half_m, top)
-            return None if payload is None else (payload, None)
-        levels = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
-        if fusion.run(levels_into, levels, flat, safe[:1], keys[:1], first, half_m, top) is None and fusion.failed():
-            return None
+        for at, (x_part, out_part) in fusion.row_parts(flat, levels):
+            if fusion.run(levels_into, out_part, x_part, safe[:1], keys[:1], fusion.int_constant(1 + at, dev),
+                          half_m, top, weyl) is None and fusion.failed():
+                return None
     else:
         index, offsets = segment_index(tuple(lengths), dev)
         terms = fusion.run(counter_terms, keys.reshape(-1), offsets)
         if terms is None:
             return None
-        levels = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
-        if fusion.run(indexed_levels_into, levels, flat, index, safe, *terms, None, half_m,
-                      top) is None and fusion.failed():
-            return None
-    if layout.lanes == 1:  # the levels are the payload: no copy kept (the payload may be reduced in place)
+        for at, (x_part, out_part, index_part) in fusion.row_parts(flat, levels, index):
+            if fusion.run(indexed_levels_into, out_part, x_part, index_part, safe, *terms, None, half_m, top, weyl,
+                          fusion.int_constant(at, dev)) is None and fusion.failed():
+                return None
+    if one_lane:
         return levels, None
     payload = pack(levels, layout)
     return None if payload is None else (payload, levels)
