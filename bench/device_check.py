@@ -15,7 +15,8 @@ Runs, each step under its own time limit, with results as JSON under `--out` (de
    (`fully_shard` per block and on the root): the fp32 route equal to plain FSDP2, a lossy
    mix finite;
 4. hook: a ~100M-parameter GPT (`gpt` size 125m) at W=2 on the one device: step ms of plain
-   DDP and of nfab's hook side by side, and the hook's own ms per step.
+   DDP and of nfab's hook side by side, on the default path and on the compiled torch path
+   (`VARIANTS`), and the hook's own ms per step.
 
 With no CUDA the same script runs on CPU in quick mode (small sizes), says "no CUDA: ran on
 cpu" and finishes in well under 300 s: that is how it is kept working between lendings
@@ -38,6 +39,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("plain", "nfab", "nfab-compiled")
+"""The hook step's DDP runs, interleaved step by step: no hook; nfab's hook on the default path (CUDA:
+eager torch ops; CPU: the numba kernels); nfab's hook with the torch path's stages compiled."""
 MIXED = {"linear": "bq3", "embedding": "bq3", "head": "sign", "norm": "bf16", "bias": "q8"}
 WIRE_REDUCERS = ("allreduce-bf16,signgather,signcount,signscatter,qsum-q8,qsum-q4,blockq-bq3,blockq-bq2,"
                  "blockqscatter-bq3")
@@ -201,21 +205,22 @@ def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool) -> dict:
 
     import nfab
     from nfab.models.registry import build_model
+    from nfab.wire import dispatch, fusion
 
     dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     size, batch, seq = ("nano", 4, 64) if quick else ("125m", 4, 512)
     variants = {}
-    for name in ("plain", "nfab"):
+    for name in VARIANTS:
         spec = build_model("gpt", device=dev, seed=0, size=size)
         kw = {"device_ids": [dev]} if use_cuda else {}
         ddp = DDP(spec.module, bucket_cap_mb=25, **kw)
-        rt = nfab.attach(ddp, route=MIXED, head_modules=spec.head_modules, cost_model=None) if name == "nfab" else None
+        rt = None if name == "plain" else nfab.attach(ddp, route=MIXED, head_modules=spec.head_modules, cost_model=None)
         variants[name] = (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4), rt, spec)
     params = sum(p.numel() for p in variants["plain"][3].module.parameters())
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {k: [] for k in variants}
-    hook_ms: list[float] = []
-    steps, warmup = (4, 1) if quick else (8, 2)
+    hook_ms: dict[str, list[float]] = {k: [] for k in variants if k != "plain"}
+    steps, warmup = (4, 1) if quick else (8, 2)  # the warm-up steps compile the compiled variant's stages
 
     def sync() -> None:
         if use_cuda:
@@ -224,20 +229,24 @@ def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool) -> dict:
     for step in range(steps):
         idx = torch.randint(0, variants["plain"][3].vocab_size, (batch, seq + 1), generator=g).to(dev)
         for name, (ddp, opt, rt, _) in variants.items():
-            sync()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            logits = ddp(idx[:, :-1])
-            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1)).backward()
-            opt.step()
-            sync()
+            compiled = name == "nfab-compiled"
+            with dispatch.host_paths(not compiled), dispatch.compile_paths(compiled):
+                sync()
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                logits = ddp(idx[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+                loss.backward()
+                opt.step()
+                sync()
             if step >= warmup:
                 times[name].append(1e3 * (time.perf_counter() - t0))
                 if rt is not None and rt.step_stats() is not None:
-                    hook_ms.append(1e3 * rt.step_stats().hook_time_s)
+                    hook_ms[name].append(1e3 * rt.step_stats().hook_time_s)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"params": params, "size": size, "step_ms": med, "hook_ms": statistics.median(hook_ms) if hook_ms else None,
-            "overhead": med["nfab"] / med["plain"] - 1}
+    return {"params": params, "size": size, "step_ms": med,
+            "hook_ms": {k: statistics.median(v) if v else None for k, v in hook_ms.items()},
+            "overhead": {k: med[k] / med["plain"] - 1 for k in hook_ms}, "compile_failed": fusion.failed()}
 
 
 def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
@@ -245,7 +254,8 @@ def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
 
     res = run_ranks(_hook_main, 2, cuda, quick, timeout_s=LIMITS_S["hook"])
     r = res[0]
-    return {"ok": True, "model": f"gpt {r['size']} ({r['params'] / 1e6:.1f}M parameters)", "world_size": 2,
+    return {"ok": not r["compile_failed"], "model": f"gpt {r['size']} ({r['params'] / 1e6:.1f}M parameters)",
+            "world_size": 2, "compile_failed": r["compile_failed"],
             "step_ms": r["step_ms"], "hook_ms_per_step": r["hook_ms"], "overhead_vs_plain": r["overhead"],
             "routes": MIXED, "ranks": res}
 
@@ -282,9 +292,11 @@ def _summary(env: dict, results: dict, total_s: float) -> str:
                      f"fp32 route = plain DDP {all(rk['ddp']['fp32_route_equals_plain_ddp'])}; FSDP2: {fsdp}")
     hk = results.get("hook", {})
     if "step_ms" in hk:
-        lines.append(f"  hook: {hk['model']}, W=2: plain {hk['step_ms']['plain']:.1f} ms/step, nfab "
-                     f"{hk['step_ms']['nfab']:.1f} ms/step ({100 * hk['overhead_vs_plain']:+.1f}%), hook "
-                     f"{hk['hook_ms_per_step']:.1f} ms/step")
+        lines.append(f"  hook: {hk['model']}, W=2: plain DDP {hk['step_ms']['plain']:.1f} ms/step")
+        for name, over in hk["overhead_vs_plain"].items():
+            ms = hk["hook_ms_per_step"][name]
+            lines.append(f"    {name}: {hk['step_ms'][name]:.1f} ms/step ({100 * over:+.1f}%), hook "
+                         + (f"{ms:.1f} ms/step" if ms is not None else "not timed"))
     lines.append(f"total {total_s:.0f} s")
     return "\n".join(ln for ln in lines if ln is not None)
 

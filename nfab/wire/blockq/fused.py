@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cache, lru_cache
-from itertools import accumulate
 
 import torch
 
@@ -242,7 +241,7 @@ def _block_index(lengths: tuple[int, ...], block: int, device: torch.device
         ids.append((torch.arange(n, dtype=torch.int64) // block + at).to(dtype))
         at += -(-n // block)
     index = torch.cat(ids) if ids else torch.empty(0, dtype=dtype)
-    starts = torch.tensor([0, *accumulate(lengths[:-1])], dtype=torch.int64)
+    starts = qsum_fused.segment_starts(lengths)
     offset = 1 - starts[seg] if seg.numel() else seg
     return tuple(t.to(device, non_blocking=True) for t in (index, seg, offset))  # type: ignore[return-value]
 

@@ -47,6 +47,7 @@ from nfab.wire.blockq import fused, grid
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.blockq.reducer import BlockQSum, _block_bounds, _compiled, _scales_on, blockkernels, pack_any, radix
 from nfab.wire.contract import TwoPhaseReducer, allgather_factor, allreduce_factor, split_out, write_into
+from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, pack, unpack
 
@@ -223,11 +224,10 @@ def _fused_shards(levels: torch.Tensor, world_size: int, shard: int, layout: Lan
         padded = torch.zeros(world_size * shard, dtype=torch.uint8, device=levels.device)
         padded[:n] = levels
         return fused.pack(padded, layout)
-    rows = torch.zeros(world_size, -(-shard // 8) * 8, dtype=torch.uint8, device=levels.device)
-    full = n // shard
-    rows[:full, :shard] = levels[: full * shard].view(full, shard)
-    if full < world_size:
-        rows[full, : n - full * shard] = levels[full * shard :]
+    rows = qsum_fused.shard_rows(world_size, shard, levels.device)
+    for dst, src in qsum_fused.shard_parts(rows, levels, shard):
+        if src.numel():
+            dst.copy_(src)
     parts = [fused.pack(row[:shard], layout) for row in rows]
     return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
 

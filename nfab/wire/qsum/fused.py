@@ -51,14 +51,24 @@ def packed(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     m = (n + per - 1) // per
     work = torch.int32 if layout.container == torch.uint8 else layout.container
     v = torch.nn.functional.pad(values.to(work), (0, m * per - n))
-    out = None
-    for l0, l1 in _blocks(layout):
-        grid = v[m * l0 : m * l1].view(m, l1 - l0)
-        for lane in range(l0, l1):
-            col = grid[:, lane - l0] << (lane * s)
-            out = col if out is None else out | col
-    assert out is not None
-    return out.to(layout.container)
+    terms = [t for l0, l1 in _blocks(layout) for t in column_terms(v[m * l0 : m * l1].view(m, l1 - l0), l0, s, work)]
+    return or_all(terms).to(layout.container)
+
+
+def column_terms(grid: torch.Tensor, l0: int, s: int, work: torch.dtype) -> list[torch.Tensor]:
+    """Lanes l0, l0 + 1, ... of the containers as the columns of a (containers, lanes) `grid`, each
+    in `work` and shifted to its lane's bits (`s` bits a lane). uint8 values widen through int32:
+    straight to int64 inductor's C++ ran the conversion scalar."""
+    cols = [grid[:, j].to(torch.int32) if grid.dtype == torch.uint8 else grid[:, j] for j in range(grid.shape[1])]
+    return [c.to(work) << ((l0 + j) * s) for j, c in enumerate(cols)]
+
+
+def or_all(terms: list[torch.Tensor]) -> torch.Tensor:
+    """The bitwise OR of integer tensors with disjoint bits (their sum)."""
+    out = terms[0]
+    for t in terms[1:]:
+        out = out | t
+    return out
 
 
 def lane_dtype(layout: LaneLayout) -> torch.dtype:
@@ -134,16 +144,13 @@ def word_pack_fn(layout: LaneLayout):
 
     def pack_blocks(*parts: torch.Tensor) -> torch.Tensor:
         s = fusion.static(layout.lane_bits)
-        out = None
+        terms = []
         for (l0, l1), part in zip(_blocks(layout), parts, strict=True):
             if _word_block(layout, l0, l1):
-                terms = [words.compressed(part, s) << (l0 * s)]
+                terms.append(words.compressed(part, s) << (l0 * s))
             else:
-                terms = [part[:, lane - l0].to(torch.int32).to(torch.int64) << (lane * s) for lane in range(l0, l1)]
-            for term in terms:
-                out = term if out is None else out | term
-        assert out is not None
-        return out.to(layout.container)
+                terms += column_terms(part, l0, s, torch.int64)
+        return or_all(terms).to(layout.container)
 
     return pack_blocks
 
@@ -175,6 +182,27 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     return fusion.run(pack_fn(layout), values)
 
 
+def shard_rows(world_size: int, per: int, device: torch.device) -> torch.Tensor:
+    """W zeroed uint8 rows of at least `per` values, each starting on a whole int64 word: a shard's
+    values (the tail shard's zero-padded) packed from its row (`pack` reads 8 values as one int64)
+    with no padding copy."""
+    return torch.zeros(world_size, -(-per // 8) * 8, dtype=torch.uint8, device=device)
+
+
+def shard_parts(rows: torch.Tensor, flat: torch.Tensor, shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(row views, `flat`'s views) pairs that put `flat` into `shard_rows`, `shard` values a row:
+    its whole shards, then the tail shard (an empty pair when there is none)."""
+    n = flat.shape[0]
+    full = n // shard
+    return [(rows[:full, :shard], flat[: full * shard].view(full, shard)),
+            (rows[full : full + 1, : n - full * shard], flat[full * shard :].view(1, -1))]
+
+
+def segment_starts(lengths: Sequence[int]) -> torch.Tensor:
+    """Where each segment starts in its bucket (int64, CPU)."""
+    return torch.tensor([0, *accumulate(lengths[:-1])], dtype=torch.int64, device="cpu")
+
+
 def index_dtype(entries: int) -> torch.dtype:
     """The narrowest integer dtype of a per-element index into `entries` table entries: the index
     is read once per element, so its bytes are the indexed kernels' extra traffic."""
@@ -188,7 +216,7 @@ def segment_index(lengths: tuple[int, ...], device: torch.device) -> tuple[torch
     """(the segment of every element (`index_dtype`), each segment's counter offset 1 - its start
     (int64)) on `device`: made on the host once per bucket layout, sent without waiting. The index
     costs 1-2 bytes per element of the bucket while its layout is in use (64 layouts kept)."""
-    starts = torch.tensor([0, *accumulate(lengths[:-1])], dtype=torch.int64, device="cpu")
+    starts = segment_starts(lengths)
     counts = torch.tensor(lengths, dtype=torch.int64, device="cpu")
     ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int64), counts, output_size=sum(lengths))
     index = ids.to(index_dtype(len(lengths)))

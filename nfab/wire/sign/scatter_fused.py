@@ -46,11 +46,8 @@ def encode(x: torch.Tensor, shard: int, world_size: int,
     # int32/int64 containers: shard by shard, each row the shard's votes then zeros to whole containers,
     # starting on a whole word (`qsum.fused.pack` reads 8 votes as one int64, without a padding copy)
     per = layout.containers_for(shard) * layout.lanes
-    rows = torch.zeros(world_size, -(-per // 8) * 8, dtype=torch.uint8, device=x.device)
-    flat, n = x.reshape(-1), x.numel()
-    full = n // shard
-    for dst, src in ((rows[:full, :shard], flat[: full * shard].view(full, shard)),
-                     (rows[full : full + 1, : n - full * shard], flat[full * shard :].view(1, -1))):
+    rows = qsum_fused.shard_rows(world_size, per, x.device)
+    for dst, src in qsum_fused.shard_parts(rows, x.reshape(-1), shard):
         if src.numel() and fusion.run(sign_fused.votes_into, dst, src) is None and fusion.failed():
             return None
     shards = [qsum_fused.pack(row[:per], layout) for row in rows]
