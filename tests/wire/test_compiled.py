@@ -30,6 +30,7 @@ LAYOUTS = [
     # a bucket of many small parameters (norms, biases), over 16 block views: every segment and
     # block in one kernel through a per-element index (qsum, blockq)
     [64 * 3 + 5, 7, 130, 64, 1, 200, 64 * 2, 33, 0, 90, 64 * 5 + 63, 17, 5, 70, 3, 64 * 4 + 1],
+    [fusion.ROW * 4 + 1],  # one segment whose last row holds one element (a level stage's own tail kernel)
 ]
 ROUTES = ["blockq-bq3", "blockq-bq2", "blockq-bq4", "blockq-bq8", "blockq-bl5", "blockq-bl6", "blockq-bq4-128",
           "blockq-bq3-256", "blockqscatter-bq3", "blockqscatter-bq4", "blockqscatter-bl5", "signgather",
@@ -56,6 +57,7 @@ def _round_trip(name: str, lengths: list[int], world_size: int, impl: str) -> di
     with dispatch.host_paths(impl == "host"), dispatch.compile_paths(impl == "compiled"):
         shared = (torch.stack([red.local_scale(x, lengths) for x in xs]).amax(0)
                   if red.needs_shared_scale else None)
+        agreed = [] if shared is None else [red.agree_input(shared).cpu()]  # blockq: the scale codes
         encs = [red.encode(x, lengths, world_size, shared, _generator(name, keys, r, world_size))
                 for r, x in enumerate(xs)]
         locals_ = [e.local for e in encs]  # read before the payloads are combined, as the hook does
@@ -66,7 +68,7 @@ def _round_trip(name: str, lengths: list[int], world_size: int, impl: str) -> di
         red.decode(reduced.clone(), scale, n, lengths, world_size, out=bucket[1 : 1 + n])
     return {"payload": [e.payload.cpu() for e in encs], "local": [t.cpu() for t in locals_], "mean": [mean.cpu()],
             "bucket": [bucket.cpu()], "shared": [] if shared is None else [shared.cpu()],
-            "scales": [e.scales.cpu() for e in encs if e.scales is not None]}
+            "scales": [e.scales.cpu() for e in encs if e.scales is not None], "agreed": agreed}
 
 
 def _assert_same(a: dict, b: dict, what: str, keys=None) -> None:
@@ -94,7 +96,7 @@ def _check(name: str, world_size: int) -> None:
             assert torch.allclose(host["mean"][0], compiled["mean"][0], rtol=2e-6, atol=0)
         else:
             _assert_same(host, compiled, f"compiled vs host {lengths}",
-                         ["payload", "local", "mean", "bucket", "shared"])
+                         ["payload", "local", "mean", "bucket", "shared", "agreed"])
 
 
 COMPILED_WORLD_SIZES = [int(w) for w in os.environ.get("NFAB_COMPILE_TESTS_WORLD_SIZES", "2,3").split(",")]
@@ -125,3 +127,36 @@ def test_compiled_stages_compile_once_for_every_bucket_size():
         _round_trip("blockq-bq3", [n], 2, "compiled")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs <= 5, f"{graphs} graphs"  # block max, codes, encode, decode, own decode: a recompile at most
+
+
+def test_each_kind_of_arguments_has_its_own_compiled_stage():
+    """Dynamo makes a graph of its own for every size 0 or 1 and every dtype, and keeps 8 per code
+    object: `fusion._compiled` takes one copy of a stage per kind, so no mix of tails and dtypes in
+    a process reaches the limit."""
+    kinds = {fusion._kind((torch.empty(n, dtype=dt), torch.empty(2, 3), 5)) for n in (0, 1, 2, 700) for dt in
+             (torch.float32, torch.bfloat16)}
+    assert len(kinds) == 6  # sizes 2 and 700 are one kind
+    rows = [fusion._kind((torch.empty(n, 4),)) for n in (0, 1, 2, 9)]
+    assert len(set(rows)) == 3 and rows[2] == rows[3]
+
+
+@needs_compile
+def test_one_stage_over_more_kinds_than_dynamos_limit_stays_compiled():
+    """qsum's level stage over 10 kinds of argument (empty, one-element and longer rows, fp32 and bf16
+    input, uint8 and int32 output) in one process: every one compiled, the same levels as eager."""
+    from nfab.wire.qsum import fused as qsum_fused
+
+    weyl, key = fusion.weyl(fusion.ROW, DEVICE), torch.tensor([123456789123], device=DEVICE)
+    args = (torch.tensor([2.0], device=DEVICE), key, fusion.int_constant(1, DEVICE),
+            fusion.constant(3.5, DEVICE), fusion.constant(7.0, DEVICE), weyl)
+    for rows, width in ((0, fusion.ROW), (1, fusion.ROW), (3, fusion.ROW), (1, 1), (1, 5)):
+        for x_dtype in (torch.float32, torch.bfloat16):
+            for out_dtype in (torch.uint8, torch.int32) if width == 5 else (torch.uint8,):
+                g = torch.Generator().manual_seed(rows + width)
+                x = torch.randn(rows, width, generator=g).to(DEVICE, x_dtype)
+                got, want = (torch.empty(rows, width, dtype=out_dtype, device=DEVICE) for _ in range(2))
+                fusion.run(qsum_fused.levels_into, got, x, *args)
+                with fusion.stages_compiled(False):
+                    fusion.run(qsum_fused.levels_into, want, x, *args)
+                assert not fusion.failed(), "torch.compile failed: the eager path ran"
+                assert torch.equal(got, want), (rows, width, x_dtype, out_dtype)
