@@ -20,7 +20,7 @@ Runs, each step under its own time limit, with results as JSON under `--out` (de
 
 With no CUDA the same script runs on CPU in quick mode (small sizes), says "no CUDA: ran on
 cpu" and finishes in well under 300 s: that is how it is kept working between lendings
-(`make device-check` on a CPU machine: about 100 s on the shared 2-core dev box). At most 8
+(`make device-check` on a CPU machine: about 20 s on the 2-core dev box, 2026-12-04). At most 8
 files are written under the output folder (the device runner brings back no more).
 """
 
