@@ -69,7 +69,7 @@ def _compiled(fn: Callable[..., Any], kind: tuple[Any, ...]) -> Callable[..., An
     """`fn` compiled as its own code object, one per `kind` of arguments (`_kind`). Why: dynamo keeps
     at most `recompile_limit` (8) graphs per code object. Every layout's stage made by one factory
     (`pack_fn(layout)`, ...) is a closure of the same code, and dynamo makes a graph of its own for
-    every size 0 or 1 (a segment's empty or one-element tail, `rows`) and every dtype; past 8 in a
+    every size 0 or 1 (an empty or one-element last row, `row_parts`) and every dtype; past 8 in a
     process (a sweep of routes, world sizes and bucket layouts) the 9th failed to compile and
     switched every stage to eager. A copy of the code per closure and kind keeps one cache each."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
