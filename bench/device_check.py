@@ -201,7 +201,8 @@ def step_ranks(out: Path, cuda: bool, quick: bool) -> dict:
 
 
 def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool, names: tuple[str, ...]) -> dict:
-    """Step ms of plain DDP and of nfab's hook, interleaved step by step, on one GPT per variant."""
+    """Step ms of the `names` variants (`VARIANTS`: plain DDP and nfab's hook on one path),
+    interleaved step by step, on one GPT each."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import nfab
@@ -267,10 +268,9 @@ def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
         variants[name] = {"plain_ms_per_step": r["step_ms"][VARIANTS[0]], "ms_per_step": r["step_ms"][name],
                           "overhead_vs_plain": r["overhead"][name], "hook_ms_per_step": r["hook_ms"][name],
                           "compile_failed": r["compile_failed"], "ranks": res}
-    failed = [k for k, v in variants.items() if v["compile_failed"]]
-    return {"ok": not errors and not failed, "error": "; ".join(f"{k}: {v}" for k, v in errors.items())
-            + "".join(f"{k}: a stage did not compile" for k in failed), "model": model, "world_size": 2,
-            "routes": MIXED, "variants": variants}
+    errors.update({k: "a stage did not compile" for k, v in variants.items() if v["compile_failed"]})
+    return {"ok": not errors, "error": "; ".join(f"{k}: {v}" for k, v in errors.items()), "model": model,
+            "world_size": 2, "routes": MIXED, "variants": variants}
 
 
 STEPS = {"cuda_tests": step_cuda_tests, "compiled_tests": step_compiled_tests, "wire": step_wire,
