@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,17 @@ def run_shaped(rate: str, target: str, payload: dict[str, Any], timeout_s: float
         return json.loads(out.read_text())
 
 
+def forked_target(target: str) -> Callable[..., Any]:
+    """The function `module:name` a namespace's process runs (here and in `nodes`), with the ranks
+    it starts set to fork from one server that imported torch and nfab once (and loaded the host
+    codecs): each spawned rank would pay that start-up again (2-4 s of CPU per rank)."""
+    from nfab.distributed import fork_ranks_from_server
+
+    fork_ranks_from_server()
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _inner(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m nfab.bench.netns")
     ap.add_argument("--rate", required=True)
@@ -113,13 +125,7 @@ def _inner(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     qdisc = shape_loopback(a.rate)
-    from nfab.distributed import fork_ranks_from_server
-
-    # this namespace's ranks fork from one server that imported torch and nfab once (and loaded the
-    # host codecs): each spawned rank would pay that start-up again (2-4 s of CPU per rank)
-    fork_ranks_from_server()
-    module, _, name = a.target.partition(":")
-    fn = getattr(importlib.import_module(module), name)
+    fn = forked_target(a.target)
     result = fn(json.loads(Path(a.payload).read_text()))
     result["link"] = {"rate": a.rate, "bits_per_s": rate_bits_per_s(a.rate), "qdisc": qdisc}
     atomic_write_text(a.out, json.dumps(result))

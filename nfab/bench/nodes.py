@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import itertools
 import json
 import os
@@ -230,13 +229,7 @@ def _inner(argv: list[str] | None = None) -> None:
     for key in ("--node", "--nodes", "--world-size"):
         ap.add_argument(key, required=True, type=int)
     a = ap.parse_args(argv)
-    from nfab.distributed import fork_ranks_from_server
-
-    # this node's ranks fork from one server that imported torch and nfab once (and loaded the
-    # host codecs): each spawned rank would pay that start-up again (2-4 s of CPU per rank)
-    fork_ranks_from_server()
-    module, _, name = a.target.partition(":")
-    fn = getattr(importlib.import_module(module), name)
+    fn = netns.forked_target(a.target)
     addr, _, port = a.master.rpartition(":")
     per_node = a.world_size // a.nodes
     node = {"index": a.node, "nodes": a.nodes, "world_size": a.world_size, "master_addr": addr,

@@ -201,6 +201,14 @@ def row_parts(*tensors: torch.Tensor) -> list[tuple[int, tuple[torch.Tensor, ...
     return parts
 
 
+def row_steps(x: torch.Tensor, first: torch.Tensor, weyl: torch.Tensor) -> torch.Tensor:
+    """(first + r * ROW + k) * G mod 2^32 for element (r, k) of the (rows, width) rows `x`
+    (`row_parts`; int32 `first`, 1 element): the unkeyed counter of each element, one scalar
+    base per row plus the row's steps from `weyl` (no index vector)."""
+    row = (torch.arange(x.shape[0], dtype=torch.int32, device=x.device) * ROW + first) * GOLDEN_I32
+    return row.unsqueeze(1) + weyl[: x.shape[1]]
+
+
 def levels_of(x: torch.Tensor, safe: torch.Tensor, counters: torch.Tensor, shift: torch.Tensor | None,
               half_m: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """Stochastically rounded levels, int32 in [0, M]: floor((x / safe + 1) * M/2 + u) clamped to

@@ -232,9 +232,7 @@ def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: tor
     (fewer than ROW) elements as a (1, n) row of their own (`fusion.row_parts`)."""
     lo = fusion.as_i32(key & 0xFFFFFFFF)
     hi = fusion.as_i32((key >> 32) & 0xFFFFFFFF)
-    row = (torch.arange(x.shape[0], dtype=torch.int32, device=x.device) * fusion.ROW + first) * fusion.GOLDEN_I32
-    counters = ((lo + row).unsqueeze(1) + weyl[: x.shape[1]]) ^ hi
-    out.copy_(fusion.levels_of(x, safe, counters, None, half_m, m))
+    out.copy_(fusion.levels_of(x, safe, (lo + fusion.row_steps(x, first, weyl)) ^ hi, None, half_m, m))
 
 
 def indexed_levels_into(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, safe: torch.Tensor,
@@ -247,8 +245,7 @@ def indexed_levels_into(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor,
     read tables of a few KB (in cache); the per-element index is what a bucket of many small
     segments costs instead of a launch per segment."""
     k = index.to(torch.int64)
-    row = (torch.arange(x.shape[0], dtype=torch.int32, device=x.device) * fusion.ROW + at) * fusion.GOLDEN_I32
-    counters = (base[k] + row.unsqueeze(1) + weyl[: x.shape[1]]) ^ hi[k]
+    counters = (base[k] + fusion.row_steps(x, at, weyl)) ^ hi[k]
     out.copy_(fusion.levels_of(x, safe[k], counters, shift, half_m, m))
 
 
