@@ -14,7 +14,7 @@ import torch
 from nfab.wire import fusion
 from nfab.wire.blockq import fused as blockq_fused
 from nfab.wire.blockq import radix
-from nfab.wire.blockq.reducer import SCALES
+from nfab.wire.blockq.reducer import SCALES, block_reducers
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import layout_for, pack, unpack
@@ -56,12 +56,33 @@ def test_lanes_packed_column_by_column_are_lanes_pack(lane_bits, n):
     assert torch.equal(out[:n].to(torch.int64), unpack(got, layout, n).to(torch.int64))
 
 
-@pytest.mark.parametrize("base", [7, 13, 29, 511])
-def test_radix_digits_by_horner_columns_are_radix_pack(base):
+def _route_radices() -> list[int]:
+    """Every radix a block-scaled route packs its digits in at W = 1..16."""
+    return sorted({red.layout(w).radix for red in block_reducers().values() for w in range(1, 17)
+                   if red.capacity(w).ok and isinstance(red.layout(w), radix.RadixLayout)})
+
+
+@pytest.mark.parametrize("base", _route_radices())
+def test_radix_stages_are_radix_pack_and_unpack(base):
+    """Every radix a route uses (groups of 1, 2, 4 and 8 containers; uint8 and int32 digits): one
+    value (a zero-padded group), then whole groups and a ragged last one; the largest container
+    (every digit R - 1), 0 and containers with a zero low half take the float64 split's
+    corrections."""
     layout = radix.radix_layout(base)
-    n = layout.digits * 37 + 3
-    values = torch.randint(0, min(base, 256), (n,), generator=torch.Generator().manual_seed(base)).to(torch.uint8)
-    assert torch.equal(blockq_fused.pack_fn(layout)(values), radix.pack(values, layout))
+    k, g = layout.digits, torch.Generator().manual_seed(base)
+    for n in (1, 8 * k * 5 + 3):
+        values = torch.randint(0, min(base, 256), (n,), generator=g).to(torch.uint8)
+        values[: min(n, k)] = min(base - 1, 255)
+        m = layout.containers_for(n)
+        digits = torch.randint(0, base, (m * k,), generator=g)
+        digits[:k] = base - 1
+        digits[k : 2 * k] = 0
+        digits.view(m, k)[2:40, : k // 2] = 0  # c = hi * R^h: a float64 quotient just below hi, corrected up
+        with fusion.stages_compiled(False):
+            packed = blockq_fused.radix_pack(values, layout)
+            unpacked = blockq_fused.radix_unpack(radix.pack(digits, layout), layout)
+        assert torch.equal(packed, radix.pack(values, layout))
+        assert unpacked.numel() >= m * k and torch.equal(unpacked[: m * k].to(torch.int64), digits)
 
 
 @pytest.mark.parametrize("vote", ["majority", "mean"])

@@ -144,7 +144,7 @@ def columns_fn(rows: int):
 
 def word_columns(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
     """The (groups, words) int64 words of `head` then the one row `tail`, transposed to (words, groups)."""
-    return torch.cat([head, tail]).t().contiguous()
+    return torch.cat([head.t(), tail.t()], 1)
 
 
 @cache
