@@ -64,9 +64,9 @@ def _route_radices() -> list[int]:
 
 @pytest.mark.parametrize("base", _route_radices())
 def test_radix_stages_are_radix_pack_and_unpack(base):
-    """Every radix a route uses (groups of 1, 2, 4 and 8 containers; uint8 and int32 digits): one
-    value (a zero-padded group), then whole groups and a ragged last one; the largest container
-    (every digit R - 1), 0 and containers with a zero low half take the float64 split's
+    """Every radix a route uses (groups of 1, 2, 4 and 8 containers; uint8 and int32 values and
+    digits): one value (a zero-padded group), then whole groups and a ragged last one; the largest
+    container (every digit R - 1), 0 and containers with a zero low half take the float64 split's
     corrections."""
     layout = radix.radix_layout(base)
     k, g = layout.digits, torch.Generator().manual_seed(base)
@@ -78,10 +78,11 @@ def test_radix_stages_are_radix_pack_and_unpack(base):
         digits[:k] = base - 1
         digits[k : 2 * k] = 0
         digits.view(m, k)[2:40, : k // 2] = 0  # c = hi * R^h: a float64 quotient just below hi, corrected up
+        sums = torch.randint(0, base, (n,), generator=g, dtype=torch.int32)  # the scatter owner's int32 sums
         with fusion.stages_compiled(False):
-            packed = blockq_fused.radix_pack(values, layout)
+            packed = blockq_fused.radix_pack(values, layout), blockq_fused.radix_pack(sums, layout)
             unpacked = blockq_fused.radix_unpack(radix.pack(digits, layout), layout)
-        assert torch.equal(packed, radix.pack(values, layout))
+        assert torch.equal(packed[0], radix.pack(values, layout)) and torch.equal(packed[1], radix.pack(sums, layout))
         assert unpacked.numel() >= m * k and torch.equal(unpacked[: m * k].to(torch.int64), digits)
 
 

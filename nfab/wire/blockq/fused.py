@@ -117,7 +117,8 @@ def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, base: to
 
 def _groups(layout: RadixLayout, width: int) -> tuple[int, int]:
     """(containers, int64 words) per group: the fewest whole containers whose digits, `width` bytes
-    each, fill whole int64 words (k = 22 bytes: 4 containers in 11 words; k = 17: 8 in 17)."""
+    each (1, 2, 4 or 8), fill whole int64 words (k = 22 bytes: 4 containers in 11 words; k = 17: 8
+    in 17)."""
     per_word = 8 // width
     g = math.lcm(layout.digits, per_word) // layout.digits
     return g, g * layout.digits // per_word
@@ -148,19 +149,21 @@ def word_columns(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def pack_fn(layout: RadixLayout):
-    """Radix packing as a traced function: uint8 values, read as int64 words and transposed to
-    (words, groups) by `word_columns` (`radix_pack`), to the (groups, containers) int64 containers.
+def pack_fn(layout: RadixLayout, width: int = 1):
+    """Radix packing as a traced function: non-negative integer values of `width` bytes (uint8 levels,
+    int32 owner sums), read as int64 words and transposed to (words, groups) by `word_columns`
+    (`radix_pack`), to the (groups, containers) int64 containers.
 
-    Each container is the sum of its digits times R^j, each digit a byte of a word, `(w >> 8b) & 255`:
-    exact in int64 (the sum stays below R^k <= 2^63), so `radix.pack`'s integers. Every load is
-    a contiguous row of the transposed words (a group's k * g bytes fill whole words) and every
-    operation an int64 vector one: 0.34 ms per 4M elements on one core plus 0.23 ms for the
-    transposing copy, against 1.4 ms for Horner's rule over strided byte columns (the kernel
-    before, which inductor could not vectorise)."""
-    k, (g, _) = layout.digits, _groups(layout, 1)
+    Each container is the sum of its digits times R^j, each digit a field of a word
+    (`(w >> 8 * width * b) & mask`): exact in int64 (the sum stays below R^k <= 2^63), so
+    `radix.pack`'s integers. Every load is a contiguous row of the transposed words (a group's
+    digits fill whole words) and every operation an int64 vector one: 0.3-0.4 ms per 4M uint8
+    values on one core, plus 0.25-0.5 ms for the transposing copy, against 1.4 ms for Horner's
+    rule over strided byte columns (the kernel before, which inductor ran scalar)."""
+    k, (g, _) = layout.digits, _groups(layout, width)
+    per_word, mask = 8 // width, (1 << 8 * width) - 1
     powers = [layout.radix**j for j in range(k)]
-    where = [[divmod(t * k + j, 8) for j in range(k)] for t in range(g)]  # (word, byte) of each digit
+    where = [[divmod(t * k + j, per_word) for j in range(k)] for t in range(g)]  # (word, field) of each digit
 
     def pack_digits(words: torch.Tensor) -> torch.Tensor:
         containers = []
@@ -168,7 +171,8 @@ def pack_fn(layout: RadixLayout):
             acc = None
             for j in range(fusion.static(k)):
                 w, b = (fusion.static(i) for i in where[t][j])
-                digit = (words[w] >> 8 * b) & 255 if b else words[w] & 255
+                field = words[w] >> fusion.static(8 * width * b) if b else words[w]
+                digit = field & fusion.static(mask) if width < 8 else field
                 term = digit * fusion.static(powers[j]) if j else digit
                 acc = term if acc is None else acc + term
             containers.append(acc)
@@ -236,20 +240,22 @@ def _radix_tensor(base: int, digits: int, device: torch.device) -> torch.Tensor:
 
 
 def radix_pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None:
-    """uint8 `values` as `layout`'s containers (compiled; `radix.pack`'s integers), or None when
-    compiling failed: the whole groups read in place as int64 words, the last, partial group from a
-    zero-padded copy of its bytes (so the kernel never reads past the values)."""
+    """Non-negative integer `values` (uint8 levels, int32 owner sums; each below R) as `layout`'s
+    containers (compiled; `radix.pack`'s integers), or None when compiling failed: the whole groups
+    read in place as int64 words, the last, partial group from a zero-padded copy (so the kernel
+    never reads past the values)."""
     v = values.reshape(-1)
-    if v.storage_offset() % 8:
-        v = v.clone()  # int64 words need 8-byte aligned bytes
-    g, words = _groups(layout, 1)
+    width = v.element_size()
+    if (v.storage_offset() * width) % 8:
+        v = v.clone()  # int64 words need 8-byte aligned values
+    g, words = _groups(layout, width)
     span, n = g * layout.digits, v.numel()
     whole = n // span
-    tail = torch.zeros(span, dtype=torch.uint8, device=v.device)
+    tail = torch.zeros(span, dtype=v.dtype, device=v.device)
     tail[: n - whole * span] = v[whole * span :]
     columns = fusion.run(word_columns, v[: whole * span].view(torch.int64).view(whole, words),
                          tail.view(torch.int64).view(1, words))
-    packed = None if columns is None else fusion.run(pack_fn(layout), columns)
+    packed = None if columns is None else fusion.run(pack_fn(layout, width), columns)
     return None if packed is None else packed.view(-1)[: layout.containers_for(n)]
 
 
