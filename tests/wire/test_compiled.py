@@ -160,3 +160,24 @@ def test_one_stage_over_more_kinds_than_dynamos_limit_stays_compiled():
                     fusion.run(qsum_fused.levels_into, want, x, *args)
                 assert not fusion.failed(), "torch.compile failed: the eager path ran"
                 assert torch.equal(got, want), (rows, width, x_dtype, out_dtype)
+
+
+@needs_compile
+@pytest.mark.parametrize("base", [33, 1276])
+def test_compiled_radix_stages_of_groupings_the_routes_above_do_not_compile(base):
+    """The routes above, at W = 2 and 3, compile the radix stages for groups of 4 and 8 containers
+    of uint8 digits; bl5 at W = 8 (radix 33: 2 containers a group) and bq8 at W = 5 (radix 1276:
+    int32 digits) group otherwise. Against `radix.pack` / `radix.unpack`, a ragged last group."""
+    from nfab.wire.blockq import fused, radix
+
+    layout = radix.radix_layout(base)
+    k, g = layout.digits, torch.Generator().manual_seed(base)
+    n = 8 * k * 50 + 3
+    values = torch.randint(0, min(base, 256), (n,), generator=g).to(torch.uint8)
+    digits = torch.randint(0, base, (layout.containers_for(n) * k,), generator=g)
+    digits[:k] = base - 1
+    packed = fused.radix_pack(values.to(DEVICE), layout)
+    unpacked = fused.radix_unpack(radix.pack(digits, layout).to(DEVICE), layout)
+    assert not fusion.failed() and packed is not None and unpacked is not None
+    assert torch.equal(packed.cpu(), radix.pack(values, layout))
+    assert torch.equal(unpacked[: digits.numel()].cpu().to(torch.int64), digits)

@@ -8,9 +8,10 @@ dozen of them) and its decode four; memory-bound, so a few hundredths of a copy.
 - encode: each block's divisor, counter base and key word in one small kernel over the blocks
   (`row_terms`); the keyed counter hash, the division by the block's agreed scale and the level
   arithmetic in one kernel per block view (the noise never stored); then the lane packing
-  (`qsum.fused.pack`: 1/2/4-bit lanes as whole words) or radix digits (one kernel);
-- decode: one unpacking kernel per lane block (`qsum.fused.unpack`), or one for radix digits
-  (`radix_unpack`: the eager float64 arithmetic, digits stacked as columns), then
+  (`qsum.fused.pack`: 1/2/4-bit lanes as whole words) or radix digits (`radix_pack`: a transposing
+  copy of the values as int64 words, then one kernel);
+- decode: one unpacking kernel per lane block (`qsum.fused.unpack`), or for radix digits a
+  transposing copy of the containers and one kernel writing whole words of digits (`radix_unpack`), then
   `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in one kernel per view.
 
 Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
@@ -144,7 +145,9 @@ def columns_fn(rows: int):
 
 
 def word_columns(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-    """The (groups, words) int64 words of `head` then the one row `tail`, transposed to (words, groups)."""
+    """The (groups, words) int64 words of `head` then the one row `tail`, transposed to (words,
+    groups) in one kernel (`radix_pack`: the values are read in place, only their last, partial
+    group is copied; a cat of the rows first, then the transpose, cost a second copy)."""
     return torch.cat([head.t(), tail.t()], 1)
 
 
@@ -189,7 +192,7 @@ def radix_unpack_fn(layout: RadixLayout):
 
     Per container, the numba kernel's arithmetic (`kernels._chunk_digits`), so the same integers:
     1. split c = hi * R^h + lo (h = k // 2): the quotient int(fl(c) * R^-h) is within one of
-       floor(c / R^h) (R^h >= 2^12: the product's error is below 2^63 * 2^-52 / R^h < 1), and one
+       floor(c / R^h) (R^h >= 2^12: three roundings err by less than 3 * 2^-53 * 2^63 / R^h < 1), and one
        correction each way makes it exact; both parts are then below 2^51 (`test_every_radix_
        splits_into_exact_float64_halves`);
     2. q_j = floor((v + 0.5) * R^-j) for a part v: (v + 0.5) / R^j lies at least 0.5 / R^j from an
@@ -232,7 +235,7 @@ def radix_unpack_fn(layout: RadixLayout):
     return radix_digits
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=64)
 def _radix_tensor(base: int, digits: int, device: torch.device) -> torch.Tensor:
     """float64 [R, R^-1, .., R^-(k - k // 2)] on `device`, made once (`radix_unpack_fn`'s table)."""
     values = [float(base)] + [1.0 / base**j for j in range(1, digits - digits // 2 + 1)]
