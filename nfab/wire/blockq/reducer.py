@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from nfab.wire import dispatch, fusion, host_slices, noise
 from nfab.wire.blockq import fused, grid, radix, replay
+from nfab.wire.blockq.table import SCALES
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
@@ -61,14 +62,6 @@ except ImportError:  # numba missing or unusable: the torch reference runs inste
     blockkernels = None  # type: ignore[assignment]
 
 DEFAULT_BLOCK = 64
-CODE_OFFSET = 160
-CODES_PER_OCTAVE = 4
-SCALES = torch.tensor(
-    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32,
-    device="cpu",
-)
-"""The scale each uint8 code stands for (increasing; code 0 = all-zero block). On the CPU by name:
-made at import, it must not take the caller's default device (`torch.set_default_device`)."""
 LEVEL_BITS = (2, 3, 4, 8)
 """Bits of levels of the `bq<bits>` routes (2^bits levels), registered at every block size."""
 EXTRA_LEVELS = (5, 6)
@@ -100,7 +93,7 @@ def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
         blockkernels.scale_codes(block_max.numpy(), SCALES.numpy(), codes.numpy())
         return codes
     if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
-        return codes  # one compiled pass of arithmetic (searchsorted: 2 ms per 64K blocks on a CPU core)
+        return codes  # one compiled pass of exponent arithmetic (`table.codes_of`)
     codes = torch.searchsorted(_scales_on(block_max.device), block_max)
     return codes.clamp_(max=255).to(torch.uint8)
 
@@ -188,9 +181,9 @@ class BlockQSum(Reducer):
             return self._local_scale_compiled(x, tuple(lengths))
         parts = grid.pieces(tuple(lengths), self.block)
         if parts is not None:  # row maxima of block views: no per-element index
-            out = fused.block_max(x, parts, self.blocks_in(lengths)) if fusion.active(x) else None
-            if out is None:
-                out = grid.block_amax(x, parts, self.blocks_in(lengths))
+            if fusion.active(x) and (out := fused.block_max(x, parts, self.blocks_in(lengths))) is not None:
+                return out  # flagged in the same compiled graph
+            out = grid.block_amax(x, parts, self.blocks_in(lengths))
             bad = ~torch.isfinite(out).all()  # a row's amax keeps its NaN or inf: the flag from the maxima
         else:
             bid, nblocks = grid.block_index(tuple(lengths), self.block, x.device)
