@@ -49,8 +49,8 @@ import torch.distributed as dist
 
 from nfab.wire import dispatch, fusion, host_slices, noise
 from nfab.wire.blockq import fused, grid, radix, replay
-from nfab.wire.blockq.table import SCALES
 from nfab.wire.blockq.radix import RadixLayout
+from nfab.wire.blockq.table import SCALES
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
