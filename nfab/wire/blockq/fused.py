@@ -277,14 +277,6 @@ def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths:
     return out
 
 
-def encode(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
-           parts: tuple[grid.Piece, ...], stratum: noise.Stratum, m: int, layout: Layout) -> torch.Tensor | None:
-    """The payload of the bucket `x` (levels in `layout`'s lanes), the same containers as the eager
-    `round_levels` then `pack_levels`; None when compiling failed."""
-    lev = levels(x, codes_, scales, lengths, block, parts, stratum, m)
-    return None if lev is None else pack(lev, layout)
-
-
 def pack(values: torch.Tensor, layout: Layout) -> torch.Tensor | None:
     """uint8 values in `layout`'s lanes or digits (compiled); None when compiling failed."""
     if isinstance(layout, LaneLayout):
