@@ -85,15 +85,17 @@ def levels_route_name(levels: int, block: int = DEFAULT_BLOCK) -> str:
 
 
 def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
-    """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top)."""
+    """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top; a NaN block
+    max codes as 0)."""
     block_max = block_max.to(torch.float32).contiguous()
+    if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
+        return codes  # one compiled pass of exponent arithmetic (`table.codes_of`), NaN read there
+    block_max = torch.nan_to_num(block_max, nan=0.0)  # a binary search sends NaN past the top
     if _compiled(block_max):  # one compiled binary search per block (torch's searchsorted: 30 ns a block)
         assert blockkernels is not None
         codes = torch.empty(block_max.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
         blockkernels.scale_codes(block_max.numpy(), SCALES.numpy(), codes.numpy())
         return codes
-    if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
-        return codes  # one compiled pass of exponent arithmetic (`table.codes_of`)
     codes = torch.searchsorted(_scales_on(block_max.device), block_max)
     return codes.clamp_(max=255).to(torch.uint8)
 
@@ -210,7 +212,7 @@ class BlockQSum(Reducer):
     def agree_input(self, block_max: torch.Tensor) -> torch.Tensor:
         """This rank's per-block uint8 scale codes (a NaN block max codes as 0: the bucket's
         |g|^2 already flags it): their MAX is the MAX of the fp32 block maxima's codes (monotone)."""
-        return scale_codes(torch.nan_to_num(block_max, nan=0.0))
+        return scale_codes(block_max)
 
     def agree(self, block_max: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The agreed codes: this rank's per-block codes, MAX all-reduced as uint8 (blocking):
@@ -239,7 +241,7 @@ class BlockQSum(Reducer):
 
     def _block_scales(self, shared: torch.Tensor) -> torch.Tensor:
         """The agreed scale of each block (fp32; 0 for an all-zero block)."""
-        codes = shared if shared.dtype == torch.uint8 else scale_codes(torch.nan_to_num(shared, nan=0.0))
+        codes = shared if shared.dtype == torch.uint8 else scale_codes(shared)
         return _scales_on(codes.device)[codes.long()].contiguous()
 
     # ---- encode / launch / decode ---------------------------------------------------
