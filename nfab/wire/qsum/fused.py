@@ -56,10 +56,10 @@ def packed(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
 
 
 def column_terms(grid: torch.Tensor, l0: int, s: int, work: torch.dtype) -> list[torch.Tensor]:
-    """Lanes l0, l0 + 1, ... of the containers as the columns of a (containers, lanes) `grid`, each
+    """Lanes l0, l0 + 1, ... of the containers as the columns of a (..., containers, lanes) `grid`, each
     in `work` and shifted to its lane's bits (`s` bits a lane). uint8 values widen through int32:
     straight to int64 inductor's C++ ran the conversion scalar."""
-    cols = [grid[:, j].to(torch.int32) if grid.dtype == torch.uint8 else grid[:, j] for j in range(grid.shape[1])]
+    cols = [grid[..., j].to(torch.int32) if grid.dtype == torch.uint8 else grid[..., j] for j in range(grid.shape[-1])]
     return [c.to(work) << ((l0 + j) * s) for j, c in enumerate(cols)]
 
 
@@ -197,11 +197,34 @@ def pack_prefix(values: torch.Tensor, n: int, layout: LaneLayout) -> torch.Tenso
     return None if got is None else got[:m]
 
 
-def shard_rows(world_size: int, per: int, device: torch.device) -> torch.Tensor:
-    """W zeroed uint8 rows of at least `per` values, each starting on a whole int64 word: a shard's
-    values (the tail shard's zero-padded) packed from its row (`pack` reads 8 values as one int64)
-    with no padding copy."""
-    return torch.zeros(world_size, -(-per // 8) * 8, dtype=torch.uint8, device=device)
+def shard_rows(world_size: int, per: int, device: torch.device, n: int, shard: int) -> torch.Tensor:
+    """W uint8 rows of at least `per` values, each starting on a whole int64 word, for n values in
+    shards of `shard` (`shard_parts` writes them): zero wherever those values do not land -- a shard's
+    padding, the tail shard's rest -- so each row packs with no padding copy (`pack_rows`). Only the
+    padding is zeroed: a fill of every row took 0.11 ms per 4M values on one CPU core."""
+    rows = torch.empty(world_size, -(-per // 8) * 8, dtype=torch.uint8, device=device)
+    full = min(n // shard, world_size)
+    rows[:full, shard:].zero_()
+    if full < world_size:
+        rows[full, n - full * shard :].zero_()
+        rows[full + 1 :].zero_()
+    return rows
+
+
+def pack_rows(rows: torch.Tensor, count: int, layout: LaneLayout) -> torch.Tensor | None:
+    """Each of `rows`' first `count` values packed in `layout`, the rows' containers one after the
+    other (`shard_rows`: zero past the values); None when compiling failed. Layouts with 8-lane word
+    blocks pack every row in one graph (a graph per row and their concatenation cost 0.3 ms per 4M
+    sign votes at W=4, one CPU core); others row by row."""
+    m = layout.containers_for(count)
+    blocks = _blocks(layout)
+    if rows.shape[1] >= m * layout.lanes and any(_word_block(layout, l0, l1) for l0, l1 in blocks):
+        parts = [rows[:, m * l0 : m * l1].view(torch.int64) if _word_block(layout, l0, l1)
+                 else rows[:, m * l0 : m * l1].unflatten(1, (m, l1 - l0)) for l0, l1 in blocks]
+        got = fusion.run(word_pack_fn(layout), *parts)
+        return None if got is None else got.reshape(-1)
+    packed_rows = [pack(row[:count], layout) for row in rows]
+    return None if any(p is None for p in packed_rows) else torch.cat(packed_rows)  # type: ignore[arg-type]
 
 
 def shard_parts(rows: torch.Tensor, flat: torch.Tensor, shard: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
