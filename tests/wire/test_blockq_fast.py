@@ -158,6 +158,7 @@ def test_compiled_scale_codes_are_searchsorted_clamped() -> None:
     v = torch.cat([edges, torch.tensor([0.0, -0.0, math.nan, math.inf, 3e38, 1e-45, -1.0])])
     fast, ref = _both(lambda: scale_codes(v))
     _same(fast, ref)
+    assert fast[v.isnan()].tolist() == [0]  # a NaN block max codes as 0 (the bucket's |g|^2 flags it)
 
 
 def test_every_radix_splits_into_exact_float64_halves() -> None:

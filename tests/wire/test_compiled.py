@@ -163,6 +163,27 @@ def test_one_stage_over_more_kinds_than_dynamos_limit_stays_compiled():
 
 
 @needs_compile
+def test_compiled_scale_codes_and_flag_of_edge_values_are_eager_bit_for_bit():
+    """blockq's codes of every scale, its neighbours, zeros, subnormals, inf and NaN (`table.codes_of`), and
+    the non-finite flag of block maxima holding an inf (`fused.flagged`): compiled, the same as eager."""
+    from nfab.wire.blockq import fused as blockq_fused
+    from nfab.wire.blockq import table
+
+    s = table.SCALES
+    special = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-41, 2.0**-40, 2.0**23.75, 2.0**24, 3e38, float("inf"),
+                            float("nan")])
+    m = torch.cat([s, torch.nextafter(s, torch.tensor(float("inf"))), torch.nextafter(s, torch.tensor(0.0)), special])
+    got = fusion.run(table.codes_of, m.to(DEVICE), s.to(DEVICE))
+    want = torch.searchsorted(s, torch.nan_to_num(m, nan=0.0)).clamp_(max=255).to(torch.uint8)
+    maxima = torch.tensor([1.0, 2.0, float("inf"), 0.5], device=DEVICE)
+    flagged = fusion.run(blockq_fused.flagged, maxima)
+    assert not fusion.failed(), "torch.compile failed: the eager path ran"
+    assert torch.equal(got.cpu(), want)
+    assert flagged[0].isnan() and torch.equal(flagged[1:], maxima[1:])
+    assert torch.equal(fusion.run(blockq_fused.flagged, maxima[:2]), maxima[:2])
+
+
+@needs_compile
 @pytest.mark.parametrize("base", [33, 1276])
 def test_compiled_radix_stages_of_groupings_the_routes_above_do_not_compile(base):
     """The routes above, at W = 2 and 3, compile the radix stages for groups of 4 and 8 containers

@@ -13,7 +13,7 @@ import torch
 
 from nfab.wire import fusion
 from nfab.wire.blockq import fused as blockq_fused
-from nfab.wire.blockq import radix
+from nfab.wire.blockq import radix, table
 from nfab.wire.blockq.reducer import SCALES, block_reducers
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import words
@@ -36,8 +36,28 @@ def test_scale_codes_by_exponent_arithmetic_are_searchsorted_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     spread = torch.exp2(torch.rand(100_000, generator=g) * 140 - 70)  # 2^-70 .. 2^70
     m = torch.cat([SCALES, up, down, special, spread]).abs()
-    window = blockq_fused._window(SCALES)
-    assert torch.equal(blockq_fused.codes_of(m, window), _reference_codes(m))
+    assert torch.equal(table.codes_of(m, SCALES), _reference_codes(m))
+
+
+def test_every_scale_is_its_octave_entry_times_a_power_of_two():
+    """What `table.codes_of` and `table.scales_of` rest on, for every code."""
+    codes = torch.arange(1, 256)
+    octave, step = torch.div(codes - table.CODE_OFFSET, 4, rounding_mode="floor"), (codes - table.CODE_OFFSET) % 4
+    assert torch.equal(torch.ldexp(SCALES[table.CODE_OFFSET + step], octave), SCALES[1:])
+
+
+def test_block_maxima_holding_a_non_finite_value_flag_block_zero_with_nan():
+    maxima = torch.tensor([1.0, float("nan"), 3.0])
+    assert torch.equal(blockq_fused.flagged(maxima[[0, 2]]), maxima[[0, 2]])
+    flagged = blockq_fused.flagged(maxima)
+    assert flagged[0].isnan() and flagged[2] == 3.0 and maxima[0] == 1.0  # a new tensor: the input kept
+
+
+def test_scales_of_codes_are_the_table_bit_for_bit():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert torch.equal(table.scales_of(codes, SCALES).view(torch.int32), SCALES.view(torch.int32))
+    divisors = table.scales_of(codes, SCALES, 1.0)
+    assert divisors[0] == 1.0 and torch.equal(divisors[1:], SCALES[1:])
 
 
 @pytest.mark.parametrize("lane_bits", [1, 2, 3, 4, 5, 6, 9, 13, 31])

@@ -3,8 +3,9 @@
 Why: eager, blockq's encode is about twenty full passes over the bucket (the counter hash a
 dozen of them) and its decode four; memory-bound, so a few hundredths of a copy. Compiled:
 
-- `local_scale`: one row reduction per block view (max |x|), the non-finite flag from the maxima;
-- agreement: the scale codes (SCALES searched by exponent arithmetic) in one kernel over the blocks;
+- `local_scale`: one row reduction per block view (max |x|) and the non-finite flag from the
+  maxima, one graph;
+- agreement: the scale codes (`table.codes_of`: exponent arithmetic) in one kernel over the blocks;
 - encode: each block's divisor, counter base and key word in one small kernel over the blocks
   (`row_terms`); the keyed counter hash, the division by the block's agreed scale and the level
   arithmetic in one kernel per block view (the noise never stored); then the lane packing
@@ -45,7 +46,7 @@ from functools import cache, lru_cache
 import torch
 
 from nfab.wire import fusion, noise
-from nfab.wire.blockq import grid, radix
+from nfab.wire.blockq import grid, radix, table
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum.lanes import LaneLayout
@@ -59,32 +60,22 @@ def block_max_rows(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(1).to(torch.float32)
 
 
-def codes_of(block_max: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-    """`reducer.scale_codes(nan_to_num(block_max))` by arithmetic: the number of SCALES entries
-    below each block max (searchsorted's index), 255 at most (uint8; NaN as 0, inf as the
-    largest float). `window` is SCALES with 5 entries of +inf on each side (`_window`).
+def flagged(block_max: torch.Tensor) -> torch.Tensor:
+    """`block_max` with block 0 set to NaN when any block max is non-finite (a row's amax keeps its
+    NaN or inf): `local_scale`'s flag for the whole group, on the device."""
+    bad = ~torch.isfinite(block_max).all()
+    return torch.cat([torch.where(bad, torch.full_like(block_max[:1], float("nan")), block_max[:1]), block_max[1:]])
 
-    SCALES has four codes per octave, code 160 + 4e standing for 2^e: for a block max m in
-    [2^e, 2^(e+1)) every entry below code 160 + 4e - 1 lies below m and every one above
-    160 + 4e + 4 at or above it, so the count is 160 + 4e - 1 plus how many of the six entries
-    from there lie below m -- compared against the table itself, so the same codes bit for bit.
-    e comes from m's exponent bits, clamped to [-41, 24] (below 2^-41 only code 0's zero lies
-    under m; from 2^24 every entry does). A zero block max is code 0. (torch.bucketize ran as
-    an uncompiled fallback at 2-3 ms per 64K blocks.)"""
-    m = torch.nan_to_num(block_max, nan=0.0)
-    e = (((m.view(torch.int32) >> 23) & 0xFF) - 127).clamp(-41, 24)
-    start = 160 + 4 * e - 1
-    count = torch.zeros_like(start)
-    for k in range(6):
-        count = count + (window[(start + k + 5).to(torch.int64)] < m).to(torch.int32)
-    code = (start.clamp(min=0) + count).clamp(max=255)
-    return torch.where(m > 0, code, torch.zeros_like(code)).to(torch.uint8)
+
+def flagged_block_max(x: torch.Tensor) -> torch.Tensor:
+    """`block_max_rows` of one (blocks, width) view, `flagged`: one graph (six eager ops on the
+    maxima took 0.15 ms per 64K blocks on one CPU core)."""
+    return flagged(block_max_rows(x))
 
 
 def _safe_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The divisor of each row: its agreed scale, 1 for an all-zero block ((rows, 1) fp32)."""
-    s = scales[codes.to(torch.int64)].unsqueeze(1)
-    return torch.where(s > 0, s, torch.ones_like(s))
+    return table.scales_of(codes, scales, 1.0).unsqueeze(1)
 
 
 def _keyed(keys: torch.Tensor, seg: torch.Tensor, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,15 +268,17 @@ def radix_unpack(c: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None:
 def unit_scaled_into(out: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      unit: torch.Tensor) -> None:
     """out = (S * unit - 1) * scale (fp32) of a (blocks, width) view of W-rank sums `sums` (whole
-    numbers, integer or fp32), `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`."""
+    numbers, integer or fp32), `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`.
+    The scale is one table read per row here (`table.scales_of`'s arithmetic, redone for every
+    16 elements, ran 2x slower on a CPU core)."""
     out.copy_((sums.to(torch.float32) * unit - 1.0) * scales[codes.to(torch.int64)].unsqueeze(1))
 
 
 # ---- the stages (called by the reducer; None: run eager) --------------------------------------
 def block_max(x: torch.Tensor, parts: tuple[grid.Piece, ...], nblocks: int) -> torch.Tensor | None:
-    """`grid.block_amax` compiled per view (one-row views eager); None when compiling failed."""
+    """`grid.block_amax` compiled per view (one-row views eager), `flagged`; None when compiling failed."""
     if len(parts) == 1 and parts[0].rows > 1:
-        return fusion.run(block_max_rows, grid.rows(x, parts[0]))
+        return fusion.run(flagged_block_max, grid.rows(x, parts[0]))
     out = torch.zeros(nblocks, dtype=torch.float32, device=x.device)
     for p in parts:
         view = grid.rows(x, p)
@@ -293,22 +286,14 @@ def block_max(x: torch.Tensor, parts: tuple[grid.Piece, ...], nblocks: int) -> t
         if got is None:
             return None
         out[p.first_block : p.first_block + p.rows] = got
-    return out
-
-
-@lru_cache(maxsize=16)
-def _window(scales: torch.Tensor) -> torch.Tensor:
-    """SCALES (on its device) with 5 entries of +inf before and after: `codes_of`'s window never
-    leaves the table, and an entry outside it never counts as below a block max."""
-    pad = torch.full((5,), float("inf"), dtype=torch.float32, device=scales.device)
-    return torch.cat([pad, scales, pad])
+    return fusion.run(flagged, out)
 
 
 def codes(shared: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """The agreed uint8 codes: `shared` itself, or the codes of its fp32 block maxima (compiled)."""
     if shared.dtype == torch.uint8:
         return shared
-    return fusion.run(codes_of, shared.to(torch.float32).contiguous(), _window(scales))
+    return fusion.run(table.codes_of, shared.contiguous(), scales)
 
 
 @lru_cache(maxsize=256)
@@ -348,13 +333,12 @@ def block_terms(codes_: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor, 
                 offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per block (1-D): its divisor and its segment's counter base and high word
     (`qsum.fused.counter_terms`), for the indexed level kernel."""
-    s = scales[codes_.to(torch.int64)]
-    return (torch.where(s > 0, s, torch.ones_like(s)), *qsum_fused.counter_terms(keys[seg], offset))
+    return table.scales_of(codes_, scales, 1.0), *qsum_fused.counter_terms(keys[seg], offset)
 
 
 def block_scales(codes_: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Each block's agreed scale (fp32): the indexed decode's table."""
-    return scales[codes_.to(torch.int64)]
+    return table.scales_of(codes_, scales)
 
 
 def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
@@ -389,14 +373,6 @@ def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths:
         if fusion.run(levels_into, *args) is None and fusion.failed():
             return None
     return out
-
-
-def encode(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
-           parts: tuple[grid.Piece, ...], stratum: noise.Stratum, m: int, layout: Layout) -> torch.Tensor | None:
-    """The payload of the bucket `x` (levels in `layout`'s lanes), the same containers as the eager
-    `round_levels` then `pack_levels`; None when compiling failed."""
-    lev = levels(x, codes_, scales, lengths, block, parts, stratum, m)
-    return None if lev is None else pack(lev, layout)
 
 
 def pack(values: torch.Tensor, layout: Layout) -> torch.Tensor | None:

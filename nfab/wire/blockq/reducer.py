@@ -50,6 +50,7 @@ import torch.distributed as dist
 from nfab.wire import dispatch, fusion, host_slices, noise
 from nfab.wire.blockq import fused, grid, radix, replay
 from nfab.wire.blockq.radix import RadixLayout
+from nfab.wire.blockq.table import SCALES
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
@@ -61,14 +62,6 @@ except ImportError:  # numba missing or unusable: the torch reference runs inste
     blockkernels = None  # type: ignore[assignment]
 
 DEFAULT_BLOCK = 64
-CODE_OFFSET = 160
-CODES_PER_OCTAVE = 4
-SCALES = torch.tensor(
-    [0.0] + [2.0 ** ((c - CODE_OFFSET) / CODES_PER_OCTAVE) for c in range(1, 256)], dtype=torch.float32,
-    device="cpu",
-)
-"""The scale each uint8 code stands for (increasing; code 0 = all-zero block). On the CPU by name:
-made at import, it must not take the caller's default device (`torch.set_default_device`)."""
 LEVEL_BITS = (2, 3, 4, 8)
 """Bits of levels of the `bq<bits>` routes (2^bits levels), registered at every block size."""
 EXTRA_LEVELS = (5, 6)
@@ -92,15 +85,17 @@ def levels_route_name(levels: int, block: int = DEFAULT_BLOCK) -> str:
 
 
 def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
-    """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top)."""
+    """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top; a NaN block
+    max codes as 0)."""
     block_max = block_max.to(torch.float32).contiguous()
+    if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
+        return codes  # one compiled pass of exponent arithmetic (`table.codes_of`), NaN read there
+    block_max = torch.nan_to_num(block_max, nan=0.0)  # a binary search sends NaN past the top
     if _compiled(block_max):  # one compiled binary search per block (torch's searchsorted: 30 ns a block)
         assert blockkernels is not None
         codes = torch.empty(block_max.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
         blockkernels.scale_codes(block_max.numpy(), SCALES.numpy(), codes.numpy())
         return codes
-    if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
-        return codes  # one compiled pass of arithmetic (searchsorted: 2 ms per 64K blocks on a CPU core)
     codes = torch.searchsorted(_scales_on(block_max.device), block_max)
     return codes.clamp_(max=255).to(torch.uint8)
 
@@ -188,9 +183,9 @@ class BlockQSum(Reducer):
             return self._local_scale_compiled(x, tuple(lengths))
         parts = grid.pieces(tuple(lengths), self.block)
         if parts is not None:  # row maxima of block views: no per-element index
-            out = fused.block_max(x, parts, self.blocks_in(lengths)) if fusion.active(x) else None
-            if out is None:
-                out = grid.block_amax(x, parts, self.blocks_in(lengths))
+            if fusion.active(x) and (out := fused.block_max(x, parts, self.blocks_in(lengths))) is not None:
+                return out  # flagged in the same compiled graph
+            out = grid.block_amax(x, parts, self.blocks_in(lengths))
             bad = ~torch.isfinite(out).all()  # a row's amax keeps its NaN or inf: the flag from the maxima
         else:
             bid, nblocks = grid.block_index(tuple(lengths), self.block, x.device)
@@ -217,7 +212,7 @@ class BlockQSum(Reducer):
     def agree_input(self, block_max: torch.Tensor) -> torch.Tensor:
         """This rank's per-block uint8 scale codes (a NaN block max codes as 0: the bucket's
         |g|^2 already flags it): their MAX is the MAX of the fp32 block maxima's codes (monotone)."""
-        return scale_codes(torch.nan_to_num(block_max, nan=0.0))
+        return scale_codes(block_max)
 
     def agree(self, block_max: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """The agreed codes: this rank's per-block codes, MAX all-reduced as uint8 (blocking):
@@ -246,7 +241,7 @@ class BlockQSum(Reducer):
 
     def _block_scales(self, shared: torch.Tensor) -> torch.Tensor:
         """The agreed scale of each block (fp32; 0 for an all-zero block)."""
-        codes = shared if shared.dtype == torch.uint8 else scale_codes(torch.nan_to_num(shared, nan=0.0))
+        codes = shared if shared.dtype == torch.uint8 else scale_codes(shared)
         return _scales_on(codes.device)[codes.long()].contiguous()
 
     # ---- encode / launch / decode ---------------------------------------------------

@@ -217,19 +217,18 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
 
 def _fused_shards(levels: torch.Tensor, world_size: int, shard: int, layout: LaneLayout) -> torch.Tensor | None:
     """The levels in W shards of `shard` (the tail level 0), each packed in `layout` (compiled): one
-    call for a layout whose shards concatenate to the whole packing (`consecutive`), else one per
-    shard, each row starting on a whole word (`qsum.fused.pack` reads 8 levels as one int64)."""
+    call for a layout whose shards concatenate to the whole packing (`consecutive`), else the shards
+    as rows, each starting on a whole word (`qsum.fused.pack_rows`)."""
     n = levels.numel()
     if consecutive(layout):
         padded = torch.zeros(world_size * shard, dtype=torch.uint8, device=levels.device)
         padded[:n] = levels
         return fused.pack(padded, layout)
-    rows = qsum_fused.shard_rows(world_size, shard, levels.device)
+    rows = qsum_fused.shard_rows(world_size, layout.containers_for(shard) * layout.lanes, levels.device, n, shard)
     for dst, src in qsum_fused.shard_parts(rows, levels, shard):
         if src.numel():
             dst.copy_(src)
-    parts = [fused.pack(row[:shard], layout) for row in rows]
-    return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]
+    return qsum_fused.pack_rows(rows, shard, layout)
 
 
 def _fused_owner(rows: torch.Tensor, own: LaneLayout | RadixLayout, layout: LaneLayout | RadixLayout,

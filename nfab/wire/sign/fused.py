@@ -98,14 +98,8 @@ def encode(x: torch.Tensor, layout: LaneLayout) -> tuple[torch.Tensor, torch.Ten
     """(the vote containers of `x`, its vote bytes: this rank's own votes, kept for error feedback
     instead of unpacking them back from the payload) compiled, or None when compiling failed."""
     n = x.numel()
-    votes = vote_buffer(x, -(-n // 8) * 8)  # whole int64 words for `words.pack`
-    if votes is None:
-        return None
-    if words.fits(layout):  # consecutive lanes: the padding's zero votes only fill the last containers
-        payload = words.pack(votes, layout)
-        payload = None if payload is None else payload[: layout.containers_for(n)]
-    else:
-        payload = qsum_fused.pack(votes[:n], layout)
+    votes = vote_buffer(x, qsum_fused.padded_length(n, layout))  # packed in place: zero votes past n
+    payload = None if votes is None else qsum_fused.pack_prefix(votes, n, layout)
     return None if payload is None else (payload, votes[:n])
 
 

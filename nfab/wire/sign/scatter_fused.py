@@ -46,14 +46,12 @@ def encode(x: torch.Tensor, shard: int, world_size: int,
     # int32/int64 containers: shard by shard, each row the shard's votes then zeros to whole containers,
     # starting on a whole word (`qsum.fused.pack` reads 8 votes as one int64, without a padding copy)
     per = layout.containers_for(shard) * layout.lanes
-    rows = qsum_fused.shard_rows(world_size, per, x.device)
+    rows = qsum_fused.shard_rows(world_size, per, x.device, x.numel(), shard)
     for dst, src in qsum_fused.shard_parts(rows, x.reshape(-1), shard):
         if src.numel() and fusion.run(sign_fused.votes_into, dst, src) is None and fusion.failed():
             return None
-    shards = [qsum_fused.pack(row[:per], layout) for row in rows]
-    if any(p is None for p in shards):
-        return None
-    return torch.cat(shards), rows[:, :shard]  # type: ignore[arg-type]
+    payload = qsum_fused.pack_rows(rows, shard, layout)
+    return None if payload is None else (payload, rows[:, :shard])
 
 
 # ---- the owner's step ------------------------------------------------------------------------
