@@ -151,9 +151,10 @@ def pack_fn(layout: RadixLayout, width: int = 1):
     Each container is the sum of its digits times R^j, each digit a field of a word
     (`(w >> 8 * width * b) & mask`): exact in int64 (the sum stays below R^k <= 2^63), so
     `radix.pack`'s integers. Every load is a contiguous row of the transposed words (a group's
-    digits fill whole words) and every operation an int64 vector one: 0.3-0.4 ms per 4M uint8
-    values on one core, plus 0.25-0.5 ms for the transposing copy, against 1.4 ms for Horner's
-    rule over strided byte columns (the kernel before, which inductor ran scalar)."""
+    digits fill whole words) and every operation an int64 vector one: 0.42-0.76 ms per 4M uint8
+    values on one core, plus 0.35-0.98 ms for the transposing copy (partial 16 x 16 tiles), against
+    1.1-1.5 ms for Horner's rule over strided byte columns (the kernel before, which inductor ran
+    scalar: it stops vectorising at 35 strided loads and stores); docs/gpu.md has the runs."""
     k, (g, _) = layout.digits, _groups(layout, width)
     per_word, mask = 8 // width, (1 << 8 * width) - 1
     powers = [layout.radix**j for j in range(k)]
@@ -191,8 +192,9 @@ def radix_unpack_fn(layout: RadixLayout):
        below that for v < 2^51, so the floor is floor(v / R^j);
     3. digit j = q_j - R * q_(j+1), exact in float64; shifted into its byte(s) of its word.
     Every load is a contiguous row and every operation a vector one; only the words are stored
-    with a stride: 0.7 ms per 4M elements on one core plus 0.13 ms for `columns_fn`, against 4.0 ms
-    for the digits as stacked uint8 columns of float64 divisions (the kernel before)."""
+    with a stride: 0.70-1.05 ms per 4M elements on one core plus 0.25-0.39 ms for `columns_fn`,
+    against 3.0-4.3 ms for the digits as stacked uint8 columns of float64 divisions (the kernel
+    before, which inductor ran scalar)."""
     k, r, h = layout.digits, layout.radix, layout.digits // 2
     split, width = r**h, _digit_width(layout)
     g, words = _groups(layout, width)
