@@ -178,12 +178,17 @@ def test_gathered_vote_rows_counted_in_words_are_the_sum_of_votes(rows):
     assert torch.equal(words.row_counts(packed_rows).view(torch.uint8)[:n], votes.sum(0).to(torch.uint8))
 
 
-def test_trits_read_by_fp32_arithmetic_are_unpack_trits_for_every_byte():
-    packed = torch.arange(243, dtype=torch.uint8)
-    out = torch.empty(243 * 5 - 3)
-    scale = torch.tensor([0.75])
-    scatter_fused.trit_values_into(out, packed, scatter_fused._inverse_powers(torch.device("cpu")), scale)
-    assert torch.equal(out, (unpack_trits(packed, out.numel()).to(torch.float32) - 1.0) * 0.75)
+def test_trit_digits_by_swar_division_are_unpack_trits_for_every_byte_in_every_position():
+    """`digit_words` splits a word of 8 trit bytes into its 5 planes by 16-bit-field arithmetic: every
+    byte value 0..242 at every byte position of the word, against the integer division of `unpack_trits`."""
+    grid = (torch.arange(243).view(-1, 1) + 31 * torch.arange(8).view(1, -1)) % 243  # (words, position)
+    packed = grid.to(torch.uint8).reshape(-1)
+    digits = scatter_fused.digit_words(packed.view(torch.int64)).view(torch.uint8).reshape(-1)
+    want = unpack_trits(packed, 243 * 40)
+    assert torch.equal(digits.to(torch.int32), want)
+    out = torch.empty(243 * 40 - 3)
+    scatter_fused.digit_values_into(out, digits, torch.tensor([0.75]))
+    assert torch.equal(out, (want[: out.numel()].to(torch.float32) - 1.0) * 0.75)
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 7])
@@ -193,4 +198,8 @@ def test_majority_bits_and_trits_by_arithmetic_are_the_eager_owner_step(world_si
     assert torch.equal(scatter_fused.majority_bits(counts.to(torch.uint8), half), (counts > world_size // 2)
                        .to(torch.uint8))
     trits = (counts >= world_size // 2).to(torch.uint8) + (counts > world_size // 2).to(torch.uint8)
-    assert torch.equal(scatter_fused.trit_bytes(counts.to(torch.uint8), half), pack_trits(trits))
+    got = torch.empty(400, dtype=torch.uint8)
+    scatter_fused.trits_into(got, counts.to(torch.uint8), half)
+    assert torch.equal(got, trits)
+    packed = scatter_fused.trit_words(got.view(torch.int64).view(-1, 5)).view(torch.uint8)
+    assert torch.equal(packed, pack_trits(trits))

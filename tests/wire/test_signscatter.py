@@ -102,6 +102,8 @@ def test_trits_round_trip():
     packed = pack_trits(t)
     assert packed.numel() == 200 and int(packed.max()) <= 242
     assert torch.equal(unpack_trits(packed, 997), t[:997].to(torch.int32))
+    tl = t.tolist()  # the order, independently: byte e of group g is sum_k 3^k * trit (40 g + 8 k + e)
+    assert packed.tolist() == [sum(3**k * tl[40 * (b // 8) + 8 * k + b % 8] for k in range(5)) for b in range(200)]
     if dispatch.AVAILABLE:
         table = np.array([-2.0, 0.5, 7.0], dtype=np.float32)
         out = np.empty(990, dtype=np.float32)
@@ -160,17 +162,17 @@ def test_a_slow_reduce_scatter_is_priced_out():
     assert CostModel.from_dict({**data, "reducescatter": None}).reducescatter is None  # older files
 
 
-@pytest.mark.parametrize("start", [0, 3, 5, 9, 10, 17])
+@pytest.mark.parametrize("start", [0, 3, 5, 8, 17, 39, 40, 41, 87])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_decode_trits_every_alignment(start, offset):
-    """The compiled trit decode (pairs of bytes as uint64 words where `out` is 8-byte aligned,
-    value by value elsewhere) gives the table's values at every start and destination offset."""
+    """The compiled trit decode (whole groups of 40 from their 8 bytes, value by value before the
+    first group boundary and after the last) gives the table's values at every start and offset."""
     if not dispatch.AVAILABLE:
         pytest.skip("numba not installed")
     t = torch.randint(0, 3, (2000,), generator=torch.Generator().manual_seed(start)).to(torch.uint8)
     packed = pack_trits(t).numpy()
     table = np.array([-2.0, -0.0, 7.0], dtype=np.float32)
-    for numel in (0, 1, 9, 10, 11, 29, 2000 - start - 3):
+    for numel in (0, 1, 9, 39, 40, 41, 81, 2000 - start - 3):
         buf = np.full(numel + offset + 1, 5.0, dtype=np.float32)
         sign_host.decode_trits(packed, start, numel, table, buf[offset : offset + numel])
         want = table[t[start : start + numel].numpy()]

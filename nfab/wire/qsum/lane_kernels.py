@@ -369,7 +369,10 @@ def byte_lane_digits(containers, lane_bits, lanes, numel, digit, out):
 
 @njit(cache=True, nogil=True)
 def pack_trits(digits, out):
-    """Digits in {0, 1, 2} (a multiple of 5) -> bytes of 5 base-3 digits, digit i times 3**i."""
-    for o in range(out.size):
-        i = 5 * o
-        out[o] = digits[i] + 3 * digits[i + 1] + 9 * digits[i + 2] + 27 * digits[i + 3] + 81 * digits[i + 4]
+    """Digits in {0, 1, 2} (a multiple of 40) -> trit bytes: byte e of each group of 8 is the sum
+    over k of digit 8k + e of the group's 40 times 3**k (`sign.scatter.pack_trits`'s order)."""
+    for g in range(out.size // 8):
+        d = digits[40 * g : 40 * g + 40]
+        o = out[8 * g : 8 * g + 8]
+        for e in range(8):
+            o[e] = d[e] + 3 * d[8 + e] + 9 * d[16 + e] + 27 * d[24 + e] + 81 * d[32 + e]

@@ -170,13 +170,12 @@ def _trit_digits() -> np.ndarray:
 
 
 def decode_trits(packed: np.ndarray, start: int, numel: int, table: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out[i] = table[base-3 digit start + i of `packed` (5 digits per byte, digit j times 3**j)].
-
-    The byte's 5 values come from one row of a 256 x 5 value table (`table` looked up by the
-    digits once per call); pairs of bytes are written as 5 uint64 words."""
+    """out[i] = table[trit start + i of `packed`] (`scatter.pack_trits`'s order: element 8k + e of a
+    group of 40 is digit k of the group's byte e). A byte's value at each digit position comes from
+    a 5 x 256 table (`table` looked up by the digits once per call)."""
     assert trit_kernels is not None
-    rows = np.ascontiguousarray(table.astype(np.float32, copy=False)[_trit_digits()]).view(np.uint32)
-    trit_kernels.decode_trits(packed, start, numel, rows, out.view(np.uint32))
+    columns = np.ascontiguousarray(table.astype(np.float32, copy=False)[_trit_digits()].T).view(np.uint32)
+    trit_kernels.decode_trits(packed, start, numel, columns, out.view(np.uint32))
     return out
 
 
@@ -188,8 +187,8 @@ def _digit_tables(lane_bits: int, half: int, ternary: bool) -> tuple[np.ndarray,
     digit = (counts > half).astype(np.uint8)
     if ternary:
         digit += (counts >= half).astype(np.uint8)  # 0 neg, 1 tie, 2 pos
-    if lane_bits <= 4 and 8 % lane_bits == 0:  # 5 counts' bits: 2 tables of <= 4096 rows
-        fused = trit_kernels.trit_tables(digit, lane_bits) if ternary else (trit_kernels.bit_table(digit, lane_bits),)
+    if lane_bits <= 4 and 8 % lane_bits == 0:  # whole counts per container byte: a 256-row table
+        fused = (trit_kernels.plane_table(digit, lane_bits) if ternary else trit_kernels.bit_table(digit, lane_bits),)
     else:
         fused = ()
     for t in (digit, *fused):
@@ -200,7 +199,8 @@ def _digit_tables(lane_bits: int, half: int, ternary: bool) -> tuple[np.ndarray,
 def shard_majority(containers: torch.Tensor, layout: LaneLayout, shard: int, half: int,
                    ternary: bool) -> torch.Tensor:
     """A shard's summed count lanes -> its packed majority (uint8): bit i = count > half (odd W,
-    `lanes.pack` of 1-bit lanes), or 5 trits a byte (even W, 0 below half, 1 at it, 2 above),
+    `lanes.pack` of 1-bit lanes), or 5 trits a byte (even W, 0 below half, 1 at it, 2 above, in
+    `scatter.pack_trits`'s order),
     `shard` a multiple of 40. uint8 lanes that fill the byte go straight from container bytes
     to digit bytes by table (one pass); others decode to digits first (the table decode)."""
     assert lane_kernels is not None and trit_kernels is not None and shard % 40 == 0
@@ -209,7 +209,7 @@ def shard_majority(containers: torch.Tensor, layout: LaneLayout, shard: int, hal
     out = np.empty(shard // 5 if ternary else shard // 8, dtype=np.uint8)
     if src.dtype == np.uint8 and fused:
         if ternary:
-            trit_kernels.byte_lanes_to_trits(src, layout.lane_bits, fused[0], fused[1], out)
+            trit_kernels.byte_lanes_to_trits(src, layout.lane_bits, fused[0], out)
         else:
             trit_kernels.byte_lanes_to_bits(src, layout.lane_bits, fused[0], out)
         return torch.from_numpy(out)

@@ -3,11 +3,13 @@
 The shard owner turns summed count lanes into one digit per element (a bit at odd W, a
 base-3 trit at even W: 0 negative, 1 tie, 2 positive) and packs them; every rank then
 decodes the gathered digits to fp32. Both steps are table lookups on whole groups, never
-one element at a time: uint8 count containers are a plain bit stream of `lane_bits`-bit
-counts (their lanes fill the byte: 1, 2, 4 or 8 bits), so 5 counts are 5 * lane_bits
-consecutive bits and two small tables (2 counts, 3 counts) give their trit byte; 8 counts
-are `lane_bits` whole bytes, one table row each. The decode moves a pair of trit bytes (10
-values) as five uint64 words. Same bits as the torch reference in `signscatter.py`.
+one element at a time. Trits go by groups of 40 elements in 8 bytes (`scatter.pack_trits`):
+element 8k + e is digit k of byte e, so plane k is 8 consecutive counts, and uint8 count
+containers (a plain bit stream of `lane_bits`-bit counts: 1, 2 or 4 bits) hold a plane in
+`lane_bits` whole bytes, each looked up as the digit bytes of its counts (`plane_table`); the 5
+planes weigh into the group's 8 trit bytes as one uint64 (no byte sum exceeds 242). For bits,
+8 counts are `lane_bits` whole bytes, one table row each. Same bits as the torch reference in
+`scatter.py`.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ from numba import njit
 from nfab.wire import shared_kernels  # noqa: F401  (first: sets numba's cache directory)
 
 
-def trit_tables(digit: np.ndarray, lane_bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(low, high) uint8 tables over the bits of 2 and of 3 consecutive counts: low = d0 + 3 d1,
-    high = 9 d2 + 27 d3 + 81 d4, d = `digit[count]` (a count past `digit` is 0: never summed)."""
-    mask = (1 << lane_bits) - 1
-    d = np.zeros(mask + 1, dtype=np.int64)
+def plane_table(digit: np.ndarray, lane_bits: int) -> np.ndarray:
+    """uint64 table over a container byte: its 8 // lane_bits counts' digits (`digit[count]`, a count
+    past `digit` is 0: never summed), one per byte of the word, count i in byte i."""
+    lanes, mask = 8 // lane_bits, (1 << lane_bits) - 1
+    d = np.zeros(mask + 1, dtype=np.uint64)
     d[: digit.size] = digit[: mask + 1]
-    k2 = np.arange(1 << (2 * lane_bits))
-    k3 = np.arange(1 << (3 * lane_bits))
-    low = d[k2 & mask] + 3 * d[k2 >> lane_bits]
-    high = 9 * d[k3 & mask] + 27 * d[(k3 >> lane_bits) & mask] + 81 * d[k3 >> (2 * lane_bits)]
-    return low.astype(np.uint8), high.astype(np.uint8)
+    b = np.arange(256)
+    row = np.zeros(256, dtype=np.uint64)
+    for i in range(lanes):
+        row |= d[(b >> (i * lane_bits)) & mask] << np.uint64(8 * i)
+    return row
 
 
 def bit_table(digit: np.ndarray, lane_bits: int) -> np.ndarray:
@@ -44,24 +46,25 @@ def bit_table(digit: np.ndarray, lane_bits: int) -> np.ndarray:
 
 
 @njit(cache=True, nogil=True)
-def byte_lanes_to_trits(containers, lane_bits, low, high, out):
-    """out[o] = trit byte of counts 5o .. 5o+4, from uint8 containers whose lanes fill the byte
-    (lane_bits 1, 2 or 4; `trit_tables`): 5 container bytes hold 40 / lane_bits counts, read
-    as one word, 8 / lane_bits outputs of two lookups each. out.size * lane_bits is a multiple
-    of 8 (a shard of whole 40-element groups)."""
-    per = 8 // lane_bits
-    step = np.uint64(5 * lane_bits)
-    two = np.uint64(2 * lane_bits)
-    amask = np.uint64((1 << (2 * lane_bits)) - 1)
-    bmask = np.uint64((1 << (3 * lane_bits)) - 1)
-    for t in range(out.size // per):
-        src = containers[5 * t : 5 * t + 5]
-        u = (np.uint64(src[0]) | (np.uint64(src[1]) << np.uint64(8)) | (np.uint64(src[2]) << np.uint64(16))
-             | (np.uint64(src[3]) << np.uint64(24)) | (np.uint64(src[4]) << np.uint64(32)))
-        o = out[t * per : t * per + per]
-        for q in range(per):
-            key = u >> (step * np.uint64(q))
-            o[q] = low[key & amask] + high[(key >> two) & bmask]
+def byte_lanes_to_trits(containers, lane_bits, planes, out):
+    """out = the trit bytes of the counts in uint8 `containers` whose lanes fill the byte (lane_bits
+    1, 2 or 4; `planes`: `plane_table` of the trit digits): a group's plane k (its 8 counts 8k..8k+7)
+    is `lane_bits` container bytes, their looked-up digit bytes side by side; the group's 8 trit
+    bytes are the planes times 3^k, summed as one uint64 (every byte's sum is at most 242: no
+    carries). out.size is a multiple of 8 (whole groups), `out` 8-byte aligned."""
+    per = np.uint64(64 // lane_bits)  # bits of the digit word one container byte fills
+    words = out.view(np.uint64)
+    step = 5 * lane_bits
+    three = np.uint64(3)
+    for g in range(words.size):
+        src = containers[g * step : g * step + step]
+        acc = np.uint64(0)
+        for k in range(4, -1, -1):
+            plane = np.uint64(0)
+            for b in range(lane_bits):
+                plane |= planes[src[k * lane_bits + b]] << (per * np.uint64(b))
+            acc = acc * three + plane
+        words[g] = acc
 
 
 @njit(cache=True, nogil=True)
@@ -78,42 +81,26 @@ def byte_lanes_to_bits(containers, lane_bits, row, out):
 
 
 @njit(cache=True, nogil=True)
-def decode_trits(packed, start, numel, rows, out):
-    """out[i] (fp32 as uint32 bits) = the value of base-3 digit start + i (5 per byte). `rows`
-    (256 x 5 uint32) holds a byte's 5 values; from the first element of an even byte on, a
-    pair of bytes (10 values, 40 bytes) is written as 5 uint64 words, the middle one joining
-    the two bytes' rows, whenever `out` there is 8-byte aligned (else value by value)."""
+def decode_trits(packed, start, numel, columns, out):
+    """out[i] (fp32 as uint32 bits) = the value of trit start + i: element 8k + e of a group of 40 is
+    digit k of the group's byte e. `columns` (5 x 256 uint32) holds each digit position's value per
+    byte; a whole group is 8 bytes read once and 5 runs of 8 consecutive values written."""
     i = 0
-    while i < numel and (start + i) % 10:
+    while i < numel and (start + i) % 40:
         g = start + i
-        out[i] = rows[packed[g // 5], g % 5]
+        out[i] = columns[(g % 40) >> 3, packed[(g // 40) * 8 + (g & 7)]]
         i += 1
-    pairs = (numel - i) // 10
-    if pairs and (out[i:].ctypes.data & 7) == 0:
-        a = np.empty((256, 3), dtype=np.uint64)  # byte 2p: values 0-1, 2-3, 4 (low half)
-        b = np.empty((256, 3), dtype=np.uint64)  # byte 2p+1: value 0 (high half), 1-2, 3-4
-        for v in range(256):
-            r = rows[v]
-            a[v, 0] = np.uint64(r[0]) | (np.uint64(r[1]) << np.uint64(32))
-            a[v, 1] = np.uint64(r[2]) | (np.uint64(r[3]) << np.uint64(32))
-            a[v, 2] = np.uint64(r[4])
-            b[v, 0] = np.uint64(r[0]) << np.uint64(32)
-            b[v, 1] = np.uint64(r[1]) | (np.uint64(r[2]) << np.uint64(32))
-            b[v, 2] = np.uint64(r[3]) | (np.uint64(r[4]) << np.uint64(32))
-        k0 = (start + i) // 5
-        src = packed[k0 : k0 + 2 * pairs]
-        o64 = out[i : i + 10 * pairs].view(np.uint64)
-        for p in range(pairs):
-            x = np.int64(src[2 * p])
-            y = np.int64(src[2 * p + 1])
-            o = o64[5 * p : 5 * p + 5]
-            o[0] = a[x, 0]
-            o[1] = a[x, 1]
-            o[2] = a[x, 2] | b[y, 0]
-            o[3] = b[y, 1]
-            o[4] = b[y, 2]
-        i += 10 * pairs
+    groups = (numel - i) // 40
+    first = (start + i) // 40
+    for t in range(groups):
+        src = packed[(first + t) * 8 : (first + t) * 8 + 8]
+        o = out[i + 40 * t : i + 40 * t + 40]
+        for k in range(5):
+            col = columns[k]
+            for e in range(8):
+                o[8 * k + e] = col[src[e]]
+    i += 40 * groups
     while i < numel:
         g = start + i
-        out[i] = rows[packed[g // 5], g % 5]
+        out[i] = columns[(g % 40) >> 3, packed[(g // 40) * 8 + (g & 7)]]
         i += 1
