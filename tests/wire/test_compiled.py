@@ -202,3 +202,29 @@ def test_compiled_radix_stages_of_groupings_the_routes_above_do_not_compile(base
     assert not fusion.failed() and packed is not None and unpacked is not None
     assert torch.equal(packed.cpu(), radix.pack(values, layout))
     assert torch.equal(unpacked[: digits.numel()].cpu().to(torch.int64), digits)
+
+
+@needs_compile
+@pytest.mark.parametrize("lane_bits", [5, 6])
+def test_compiled_one_block_int32_lanes_are_lanes_pack_and_unpack(lane_bits):
+    """The int32 lanes of blockq-bq4 at W = 2, 4 and blockq-bq3 at W = 4, 8 (5-bit lanes 6 to a
+    container, 6-bit 5), unpacked as digits in groups of whole words (`digits.unpack_lanes`): a
+    ragged last group, an odd number of containers, every lane at its largest value and at 0."""
+    from nfab.wire.qsum import fused as qsum_fused
+    from nfab.wire.qsum.lanes import layout_for, pack, unpack
+
+    layout = layout_for(lane_bits)
+    assert layout.container == torch.int32 and qsum_fused.digit_lanes(layout)
+    n = 40 * 50 + 3 * layout.lanes + 1
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(lane_bits))
+    values = values.to(torch.uint8)
+    values[: layout.lanes] = layout.max_value
+    values[layout.lanes : 2 * layout.lanes] = 0
+    containers = pack(values, layout)
+    m = containers.numel()
+    packed = qsum_fused.pack(values.to(DEVICE), layout)
+    unpacked = qsum_fused.unpack(containers.to(DEVICE), layout)
+    assert not fusion.failed() and packed is not None and unpacked is not None
+    assert torch.equal(packed.cpu(), containers)
+    assert unpacked.dtype == torch.uint8 and unpacked.numel() >= m * layout.lanes
+    assert torch.equal(unpacked[: m * layout.lanes].cpu().to(torch.int32), unpack(containers, layout, m * layout.lanes))

@@ -17,7 +17,7 @@ from nfab.wire.blockq import radix, table
 from nfab.wire.blockq.reducer import SCALES, block_reducers
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import words
-from nfab.wire.qsum.lanes import layout_for, pack, unpack
+from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
 from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import fused as sign_fused
 from nfab.wire.sign import scatter_fused
@@ -148,6 +148,41 @@ def test_wide_containers_packed_from_words_are_lanes_pack(lane_bits, n):
         packed = qsum_fused.pack(values, layout)
         assert torch.equal(packed, pack(values, layout))
         assert torch.equal(qsum_fused.unpack(packed, layout)[:n], values)
+
+
+def lane_cases(layout, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, containers) of n lane values in `layout`: random, the first container every lane at
+    its largest value, the second all zero; the containers `lanes.pack`'s."""
+    dtype = torch.uint8 if layout.lane_bits <= 8 else torch.int32
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(seed)).to(dtype)
+    values[: layout.lanes] = layout.max_value
+    values[layout.lanes : 2 * layout.lanes] = 0
+    return values, pack(values, layout)
+
+
+@pytest.mark.parametrize("layout", [layout_for(5), layout_for(6), LaneLayout(7, torch.int32, 4, 32),
+                                    LaneLayout(8, torch.int64, 7, 64)], ids=str)
+@pytest.mark.parametrize("n", [1, 6, 24 * 7, 40 * 7 + 3, 40 * 64 + 17])
+def test_one_block_wide_lanes_unpacked_as_digits_are_lanes_unpack(layout, n):
+    """int32 / int64 containers of one block of uint8 lanes (5-bit lanes 6 to an int32, 6-bit 5: the
+    routes'; 7-bit 4 to an int32, 8-bit 7 to an int64): `qsum.fused.unpack` as digits in groups of
+    whole words (`digits.unpack_lanes`, stages run eagerly) is `lanes.unpack`, for whole groups, a
+    ragged last group and an odd number of int32 containers; also from containers that do not
+    start on a whole word. `qsum.fused.pack` is `lanes.pack`."""
+    assert qsum_fused.digit_lanes(layout)
+    lane_bits = layout.lane_bits
+    values, containers = lane_cases(layout, n, lane_bits * 1000 + n)
+    m = containers.numel()
+    shifted = torch.cat([containers[:1], containers])[1:]  # 4 bytes past a word boundary
+    with fusion.stages_compiled(False):
+        packed = qsum_fused.pack(values, layout)
+        unpacked, from_shifted = qsum_fused.unpack(containers, layout), qsum_fused.unpack(shifted, layout)
+    assert torch.equal(packed, containers)
+    want = unpack(containers, layout, m * layout.lanes).to(torch.int64)
+    for got in (unpacked, from_shifted):
+        assert got.dtype == qsum_fused.lane_dtype(layout) and got.numel() >= m * layout.lanes
+        assert torch.equal(got[: m * layout.lanes].to(torch.int64), want)
+    assert torch.equal(unpacked[:n].to(values.dtype), values)
 
 
 @pytest.mark.parametrize("lane_bits", words.LANE_BITS)

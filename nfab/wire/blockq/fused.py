@@ -10,9 +10,10 @@ dozen of them) and its decode four; memory-bound, so a few hundredths of a copy.
   (`row_terms`); the keyed counter hash, the division by the block's agreed scale and the level
   arithmetic in one kernel per block view (the noise never stored); then the lane packing
   (`qsum.fused.pack`: 1/2/4-bit lanes as whole words) or radix digits (`radix_pack`: a transposing
-  copy of the values as int64 words, then one kernel);
-- decode: one unpacking kernel per lane block (`qsum.fused.unpack`), or for radix digits a
-  transposing copy of the containers and one kernel writing whole words of digits (`radix_unpack`), then
+  copy of the values as int64 words, then one kernel; `wire/digits.py`);
+- decode: the lanes unpacked (`qsum.fused.unpack`: a kernel per lane block; the 5/6-bit lanes of
+  int32 containers as digits), or radix digits (`radix_unpack`); digits are a transposing copy of
+  the containers' int64 words and one kernel writing whole words of digits (`wire/digits.py`), then
   `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in one kernel per view.
 
 Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
@@ -39,13 +40,12 @@ for bit. Any compile error falls back to eager (logged once) for the rest of the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from functools import cache, lru_cache
 
 import torch
 
-from nfab.wire import fusion, noise
+from nfab.wire import digits, fusion, noise
 from nfab.wire.blockq import grid, radix, table
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.qsum import fused as qsum_fused
@@ -107,80 +107,17 @@ def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, base: to
     out.copy_(fusion.levels_of(x, safe, (base + weyl) ^ hi, shift, half_m, m))
 
 
-def _groups(layout: RadixLayout, width: int) -> tuple[int, int]:
-    """(containers, int64 words) per group: the fewest whole containers whose digits, `width` bytes
-    each (1, 2, 4 or 8), fill whole int64 words (k = 22 bytes: 4 containers in 11 words; k = 17: 8
-    in 17)."""
-    per_word = 8 // width
-    g = math.lcm(layout.digits, per_word) // layout.digits
-    return g, g * layout.digits // per_word
-
-
 def _digit_width(layout: RadixLayout) -> int:
     """Bytes per unpacked digit: uint8 up to radix 256, else int32."""
     return 1 if layout.radix <= 256 else 4
 
 
 @cache
-def columns_fn(rows: int):
-    """(n,) -> (rows, ceil(n / rows)): element r + rows * j at [r, j], zero-padded (a transposing
-    copy, one kernel): the radix stages' groups as rows, so that their kernels read every operand
-    contiguously (`pack_fn`, `radix_unpack_fn`)."""
-
-    def columns(x: torch.Tensor) -> torch.Tensor:
-        g = fusion.static(rows)
-        n = x.shape[0]
-        return torch.nn.functional.pad(x, (0, (n + g - 1) // g * g - n)).view(-1, g).t().contiguous()
-
-    return columns
-
-
-def word_columns(head: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-    """The (groups, words) int64 words of `head` then the one row `tail`, transposed to (words,
-    groups) in one kernel (`radix_pack`: the values are read in place, only their last, partial
-    group is copied; a cat of the rows first, then the transpose, cost a second copy)."""
-    return torch.cat([head.t(), tail.t()], 1)
-
-
-@cache
-def pack_fn(layout: RadixLayout, width: int = 1):
-    """Radix packing as a traced function: non-negative integer values of `width` bytes (uint8 levels,
-    int32 owner sums), read as int64 words and transposed to (words, groups) by `word_columns`
-    (`radix_pack`), to the (groups, containers) int64 containers.
-
-    Each container is the sum of its digits times R^j, each digit a field of a word
-    (`(w >> 8 * width * b) & mask`): exact in int64 (the sum stays below R^k <= 2^63), so
-    `radix.pack`'s integers. Every load is a contiguous row of the transposed words (a group's
-    digits fill whole words) and every operation an int64 vector one: 0.42-0.76 ms per 4M uint8
-    values on one core, plus 0.35-0.98 ms for the transposing copy (partial 16 x 16 tiles), against
-    1.1-1.5 ms for Horner's rule over strided byte columns (the kernel before, which inductor ran
-    scalar: it stops vectorising at 35 strided loads and stores); docs/gpu.md has the runs."""
-    k, (g, _) = layout.digits, _groups(layout, width)
-    per_word, mask = 8 // width, (1 << 8 * width) - 1
-    powers = [layout.radix**j for j in range(k)]
-    where = [[divmod(t * k + j, per_word) for j in range(k)] for t in range(g)]  # (word, field) of each digit
-
-    def pack_digits(words: torch.Tensor) -> torch.Tensor:
-        containers = []
-        for t in range(fusion.static(g)):
-            acc = None
-            for j in range(fusion.static(k)):
-                w, b = (fusion.static(i) for i in where[t][j])
-                field = words[w] >> fusion.static(8 * width * b) if b else words[w]
-                digit = field & fusion.static(mask) if width < 8 else field
-                term = digit * fusion.static(powers[j]) if j else digit
-                acc = term if acc is None else acc + term
-            containers.append(acc)
-        return torch.stack(containers, 1)
-
-    return pack_digits
-
-
-@cache
 def radix_unpack_fn(layout: RadixLayout):
     """The digits of int64 containers as a traced function: (containers of each group, groups) --
-    `columns_fn` -- to (groups, words) int64 words holding the digits in element order (`width` bytes
-    each: a uint8 or int32 view of them is the digits). `table`: float64 [R, R^-1, R^-2, ...].
+    `digits.columns_fn` -- to (groups, words) int64 words holding the digits in element order
+    (`digits.digit_words`, `width` bytes each: a uint8 or int32 view of them is the digits).
+    `table`: float64 [R, R^-1, R^-2, ...].
 
     Per container, the numba kernel's arithmetic (`kernels._chunk_digits`), so the same integers:
     1. split c = hi * R^h + lo (h = k // 2): the quotient int(fl(c) * R^-h) is within one of
@@ -197,12 +134,11 @@ def radix_unpack_fn(layout: RadixLayout):
     before, which inductor ran scalar)."""
     k, r, h = layout.digits, layout.radix, layout.digits // 2
     split, width = r**h, _digit_width(layout)
-    g, words = _groups(layout, width)
-    per_word = 8 // width
+    g, _ = digits.groups(k, width)
 
     def radix_digits(columns: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         base, cut = fusion.static(split), fusion.static(h)
-        digits = []
+        found = []
         for t in range(fusion.static(g)):
             c = columns[t]
             hi = (c.to(torch.float64) * table[cut]).to(torch.int64)
@@ -215,44 +151,28 @@ def radix_unpack_fn(layout: RadixLayout):
                 q, shifted = part.to(torch.float64), part.to(torch.float64) + 0.5
                 for j in range(1, count + 1):
                     next_q = torch.floor(shifted * table[j])
-                    digits.append((q - next_q * table[0]).to(torch.int64))
+                    found.append((q - next_q * table[0]).to(torch.int64))
                     q = next_q
-        packed = []
-        for w in range(fusion.static(words)):
-            acc = digits[w * per_word]
-            for b in range(1, fusion.static(per_word)):
-                acc = acc | (digits[w * per_word + b] << fusion.static(8 * width * b))
-            packed.append(acc)
-        return torch.stack(packed, 1)
+        return digits.digit_words(found, width)
 
     return radix_digits
 
 
 @lru_cache(maxsize=64)
-def _radix_tensor(base: int, digits: int, device: torch.device) -> torch.Tensor:
+def _radix_tensor(base: int, k: int, device: torch.device) -> torch.Tensor:
     """float64 [R, R^-1, .., R^-(k - k // 2)] on `device`, made once (`radix_unpack_fn`'s table)."""
-    values = [float(base)] + [1.0 / base**j for j in range(1, digits - digits // 2 + 1)]
+    values = [float(base)] + [1.0 / base**j for j in range(1, k - k // 2 + 1)]
     return torch.tensor(values, dtype=torch.float64, device="cpu").to(device, non_blocking=True)
 
 
 def radix_pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None:
     """Non-negative integer `values` (uint8 levels, int32 owner sums; each below R) as `layout`'s
-    containers (compiled; `radix.pack`'s integers), or None when compiling failed: the whole groups
-    read in place as int64 words, the last, partial group from a zero-padded copy (so the kernel
-    never reads past the values)."""
-    v = values.reshape(-1)
-    width = v.element_size()
-    if (v.storage_offset() * width) % 8:
-        v = v.clone()  # int64 words need 8-byte aligned values
-    g, words = _groups(layout, width)
-    span, n = g * layout.digits, v.numel()
-    whole = n // span
-    tail = torch.zeros(span, dtype=v.dtype, device=v.device)
-    tail[: n - whole * span] = v[whole * span :]
-    columns = fusion.run(word_columns, v[: whole * span].view(torch.int64).view(whole, words),
-                         tail.view(torch.int64).view(1, words))
-    packed = None if columns is None else fusion.run(pack_fn(layout, width), columns)
-    return None if packed is None else packed.view(-1)[: layout.containers_for(n)]
+    containers (compiled; `radix.pack`'s integers), or None when compiling failed: `digits.pack`,
+    groups of whole containers whose digits fill whole int64 words. 0.42-0.76 ms per 4M uint8
+    values on one core, plus 0.35-0.98 ms for the transposing copy (partial 16 x 16 tiles), against
+    1.1-1.5 ms for Horner's rule over strided byte columns (the kernel before, which inductor ran
+    scalar: it stops vectorising at 35 strided loads and stores); docs/gpu.md has the runs."""
+    return digits.pack(values, layout.radix, layout.digits)
 
 
 def radix_unpack(c: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None:
@@ -261,7 +181,7 @@ def radix_unpack(c: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None:
     if layout.radix >= radix.EXACT_RADIX:  # never chosen by a layout in use: the eager integer path
         return radix.unpack(c, layout, c.numel() * layout.digits, torch.int64)
     width = _digit_width(layout)
-    columns = fusion.run(columns_fn(_groups(layout, width)[0]), c.reshape(-1))
+    columns = fusion.run(digits.columns_fn(digits.groups(layout.digits, width)[0]), *digits.word_parts(c))
     words = None if columns is None else fusion.run(radix_unpack_fn(layout), columns,
                                                      _radix_tensor(layout.radix, layout.digits, c.device))
     return None if words is None else words.view(torch.uint8 if width == 1 else torch.int32).view(-1)

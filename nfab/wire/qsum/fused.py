@@ -28,7 +28,7 @@ from itertools import accumulate
 
 import torch
 
-from nfab.wire import fusion
+from nfab.wire import digits, fusion
 from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import LaneLayout
 
@@ -103,9 +103,12 @@ def unpack_fn(layout: LaneLayout, l0: int, l1: int):
 def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them or a few more: the
     caller reads the first numel), or None when compiling failed. 1-, 2- and 4-bit lanes of uint8
-    containers as whole words (`words`), others block by block."""
+    containers as whole words (`words`), a one-block wide container as digits (`digit_lanes`),
+    others block by block."""
     if words.fits(layout):
         return words.unpack(c, layout)
+    if digit_lanes(layout):
+        return digits.unpack_lanes(c, layout.lane_bits, layout.lanes, lane_dtype(layout).itemsize)
     m = c.numel()
     # whole int64 words of lane bytes: a compiled stage writes a block through an int64 view of them
     out = torch.empty(-(-m * layout.lanes // 8) * 8, dtype=lane_dtype(layout), device=c.device)
@@ -117,6 +120,26 @@ def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
         if fusion.failed():
             return None
     return out
+
+
+def digit_lanes(layout: LaneLayout) -> bool:
+    """Whether `layout`'s containers are unpacked as base-2^b digits in groups of whole words
+    (`digits.unpack_lanes`): int32 / int64 containers of one block of 2..8 lanes of at most 8 bits
+    (uint8 lane values), not an 8-lane word block: of `layout_for`'s, 5-bit lanes 6 to an int32 and
+    6-bit 5 (blockq-bq4 at W = 2, 4, blockq-bq3 at W = 4 to 8, signcount at W = 16 to 63). Lane l of
+    container j is element j * lanes + l: digit l of a radix-2^b container.
+
+    Why: the lanes as stacked columns of a (containers, lanes) view ran scalar, 1.7-2.5 ms per 4M
+    elements on one core (a 16 MB copy: 1.05 ms); as digits, 0.55-0.8 ms for the transposing copy of
+    the containers' words plus 0.52-0.6 ms for the kernel (`tools/stages.py`, blockq-bq4 W=2, 4,
+    blockq-bq3 W=4, 2026-12-04). Wider lanes (int32 values, 4 to a word) gained less or lost: 9-bit
+    lanes 7 to an int64 2.0 ms against 2.1-2.8, 10-bit 3 to an int32 2.5 against 2.6, 16-bit 3 to an
+    int64 3.6 against 2.5. Packing stays `packed`'s strided columns (1.31-1.44 ms): as digits (the
+    int32 containers two to a word) the values' transposing copy, 0.61-0.8 ms, ate the kernel's
+    gain (0.47-0.64 ms), and read in place (no copy) the kernel ran scalar, 0.96-1.0 ms plus a
+    second call or a copy for the last group."""
+    return (layout.container != torch.uint8 and layout.lane_bits <= 8 and 1 < layout.lanes <= 8
+            and not _word_block(layout, 0, layout.lanes))
 
 
 def _word_block(layout: LaneLayout, l0: int, l1: int) -> bool:
@@ -167,7 +190,8 @@ def pack_fn(layout: LaneLayout):
 
 def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """`lanes.pack` of the 1-D uint8 `values` (compiled), or None when compiling failed: 1-, 2- and
-    4-bit lanes of uint8 containers as whole words (`words`), others lane by lane (`packed`)."""
+    4-bit lanes of uint8 containers as whole words (`words`), 8-lane blocks as words, others lane by
+    lane (`packed`; `digit_lanes` says why a one-block wide container is not packed as digits)."""
     if words.fits(layout) and values.dtype == torch.uint8:
         return words.pack(values, layout)
     blocks = _blocks(layout)
