@@ -131,8 +131,8 @@ def digit_lanes(layout: LaneLayout) -> bool:
 
     Why: the lanes as stacked columns of a (containers, lanes) view ran scalar, 1.7-2.5 ms per 4M
     elements on one core (a 16 MB copy: 1.05 ms); as digits, 0.55-0.8 ms for the transposing copy of
-    the containers' words plus 0.52-0.6 ms for the kernel (`tools/stages.py`, blockq-bq4 W=2, 4,
-    blockq-bq3 W=4, 2026-12-04). Wider lanes (int32 values, 4 to a word) gained less or lost: 9-bit
+    the containers' words plus 0.52-0.6 ms for the kernel (`cost.codec_work` stage by stage,
+    blockq-bq4 W=2, 4, blockq-bq3 W=4, 2026-12-04). Wider lanes (int32 values, 4 to a word) gained less or lost: 9-bit
     lanes 7 to an int64 2.0 ms against 2.1-2.8, 10-bit 3 to an int32 2.5 against 2.6, 16-bit 3 to an
     int64 3.6 against 2.5. Packing stays `packed`'s strided columns (1.31-1.44 ms): as digits (the
     int32 containers two to a word) the values' transposing copy, 0.61-0.8 ms, ate the kernel's
