@@ -221,7 +221,7 @@ def _fused_shards(levels: torch.Tensor, world_size: int, shard: int, layout: Lan
     as rows, each starting on a whole word (`qsum.fused.pack_rows`)."""
     n = levels.numel()
     if consecutive(layout):
-        padded = torch.zeros(world_size * shard, dtype=torch.uint8, device=levels.device)
+        padded = qsum_fused.lane_buffer(world_size * shard, n, levels.device)
         padded[:n] = levels
         return fused.pack(padded, layout)
     rows = qsum_fused.shard_rows(world_size, layout.containers_for(shard) * layout.lanes, levels.device, n, shard)
@@ -262,7 +262,7 @@ def _pack_digit_shards(levels: torch.Tensor, layout: RadixLayout, padded: int, c
         out = torch.empty(padded // layout.digits, dtype=torch.int64, device="cpu")
         blockkernels.radix_pack(levels.numpy(), layout.radix, layout.digits, out.numpy())
         return out
-    full = torch.zeros(padded, dtype=torch.uint8, device=levels.device)
+    full = qsum_fused.lane_buffer(padded, levels.numel(), levels.device)
     full[: levels.numel()] = levels
     if fusion.active(levels) and (got := fused.pack(full, layout)) is not None:
         return got

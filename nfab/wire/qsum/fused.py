@@ -214,6 +214,14 @@ def padded_length(n: int, layout: LaneLayout) -> int:
     return -(-layout.containers_for(n) * layout.lanes // 8) * 8
 
 
+def lane_buffer(total: int, n: int, device: torch.device) -> torch.Tensor:
+    """`total` uint8 values to be written up to n, zero past n (zero lanes, as `lanes.pack` pads):
+    what a stage writes its levels or votes into so that `pack_prefix` packs them in place."""
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    buffer[n:].zero_()
+    return buffer
+
+
 def pack_prefix(values: torch.Tensor, n: int, layout: LaneLayout) -> torch.Tensor | None:
     """`pack` of the first n of the uint8 `values` (`padded_length(n)` of them, zero past n)."""
     m = layout.containers_for(n)
@@ -361,8 +369,7 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
     if one_lane:
         levels = torch.empty(n, dtype=layout.container, device=dev)
     else:  # zero past n: packed in place (`pack_prefix`)
-        buffer = torch.empty(padded_length(n, layout), dtype=torch.uint8, device=dev)
-        buffer[n:].zero_()
+        buffer = lane_buffer(padded_length(n, layout), n, dev)
         levels = buffer[:n]
     weyl = fusion.weyl(fusion.ROW, dev)
     if len(lengths) == 1:

@@ -60,8 +60,7 @@ def vote_buffer(x: torch.Tensor, total: int) -> torch.Tensor | None:
     votes nothing, zero lanes as `lanes.pack` pads; None when compiling failed."""
     flat = x.reshape(-1)
     n = flat.numel()
-    votes = torch.empty(total, dtype=torch.uint8, device=x.device)
-    votes[n:].zero_()
+    votes = qsum_fused.lane_buffer(total, n, x.device)
     if fusion.run(votes_into, votes[:n], flat) is None and fusion.failed():
         return None
     return votes
