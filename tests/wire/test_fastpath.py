@@ -112,6 +112,29 @@ def test_vote_spread_writes_every_container(world_size, numel):
     assert np.array_equal(out, want)
 
 
+@pytest.mark.parametrize("lane_bits", [1, 2, 4])
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 17, 64, 1003])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_level_bytes_packed_by_word_folds_are_lanes_pack(lane_bits, numel, offset):
+    """`pack_bytes` folds whole words of 8 values in a register, the last partial word value by value,
+    into np.empty containers; from values that do not start on a word too: `lanes.pack`'s bytes,
+    every lane at its largest value and at 0."""
+    if not dispatch.AVAILABLE:
+        pytest.skip("numba not installed")
+    from nfab.wire.qsum import lane_kernels as lanekernels
+
+    layout = layout_for(lane_bits)
+    top = (1 << lane_bits) - 1
+    values = np.random.default_rng(numel).integers(0, top + 1, numel).astype(np.uint8)
+    values[: min(numel, 8)] = top
+    values[8:16] = 0
+    buffer = np.zeros(numel + offset, dtype=np.uint8)
+    buffer[offset:] = values
+    out = np.full(layout.containers_for(numel), 0xA5, dtype=np.uint8)
+    lanekernels.pack_bytes(buffer[offset:], lane_bits, out)
+    assert np.array_equal(out, lanes.pack(torch.from_numpy(values), layout).numpy())
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8, 9, 16, 17, 100, 255])
 @pytest.mark.parametrize("start,numel", [(0, 1), (3, 5), (0, 4096), (5, 4100), (1, 9000)])
 def test_decode_bit_rows_counts_every_row(world_size, start, numel):

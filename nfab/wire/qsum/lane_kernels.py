@@ -331,23 +331,58 @@ def decode_wide_lanes(containers, lane_bits, lanes, numel, table, out):
                 out[a + lane] = table[(c >> ((l0 + lane) * lane_bits)) & mask]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _fold_word(t, lane_bits):
+    """The 8 values (each < 2**lane_bits, lane_bits 1, 2 or 4) of the uint64 `t` packed into its low
+    8 // (8 // lane_bits) bytes, value i at bits lane_bits * i: each fold ORs a field's upper half
+    down onto its lower half and masks (no field carries into another: the values' high bits are 0)."""
+    if lane_bits == 4:  # 2 values a byte: fold pairs, then gather the 4 low bytes of the 16-bit fields
+        t = (t | (t >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
+        t = (t | (t >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+        return (t | (t >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
+    if lane_bits == 2:  # 4 a byte: pairs, quads, then the 2 low bytes of the 32-bit fields
+        t = (t | (t >> np.uint64(6))) & np.uint64(0x000F000F000F000F)
+        t = (t | (t >> np.uint64(12))) & np.uint64(0x000000FF000000FF)
+        return (t | (t >> np.uint64(24))) & np.uint64(0xFFFF)
+    t = (t | (t >> np.uint64(7))) & np.uint64(0x0003000300030003)  # 8 a byte: pairs, quads, octets
+    t = (t | (t >> np.uint64(14))) & np.uint64(0x0000000F0000000F)
+    return (t | (t >> np.uint64(28))) & np.uint64(0xFF)
+
+
 @njit(cache=True, nogil=True)
 def pack_bytes(values, lane_bits, out):
-    """Lane-pack uint8 values (each < 2**lane_bits) into uint8 containers of 8 // lane_bits lanes."""
+    """Lane-pack uint8 values (each < 2**lane_bits; lane_bits 1, 2 or 4) into uint8 containers of
+    8 // lane_bits lanes. Whole words of 8 values are folded in a register (`_fold_word`) and
+    stored as their 8 // lanes container bytes; the last, partial word value by value. Per 4M
+    values on one core: 0.2-0.4 ms, against 2.2-5.2 ms for the value-by-value loop over a
+    (containers, lanes) grid it replaces (the level kernel beside it takes about 2)."""
     lanes = 8 // lane_bits
+    per = 8 // lanes  # container bytes per word of 8 values
     n = values.size
-    whole = n // lanes
-    grid = values[: whole * lanes].reshape(whole, lanes)
-    for j in range(whole):
+    words = n // 8
+    v64 = values[: words * 8].view(np.uint64)
+    if per == 4:  # one loop per width, each its stores written out (a slice per word ran 5x slower)
+        for w in range(words):
+            t = _fold_word(v64[w], lane_bits)
+            out[4 * w] = np.uint8(t & np.uint64(0xFF))
+            out[4 * w + 1] = np.uint8((t >> np.uint64(8)) & np.uint64(0xFF))
+            out[4 * w + 2] = np.uint8((t >> np.uint64(16)) & np.uint64(0xFF))
+            out[4 * w + 3] = np.uint8(t >> np.uint64(24))
+    elif per == 2:
+        for w in range(words):
+            t = _fold_word(v64[w], lane_bits)
+            out[2 * w] = np.uint8(t & np.uint64(0xFF))
+            out[2 * w + 1] = np.uint8(t >> np.uint64(8))
+    else:
+        for w in range(words):
+            out[w] = np.uint8(_fold_word(v64[w], lane_bits))
+    for j in range(words * per, out.size):
         c = 0
         for lane in range(lanes):
-            c |= np.int64(grid[j, lane]) << (lane * lane_bits)
+            e = j * lanes + lane
+            if e < n:
+                c |= np.int64(values[e]) << (lane * lane_bits)
         out[j] = c
-    if whole * lanes < n:
-        c = 0
-        for e in range(whole * lanes, n):
-            c |= np.int64(values[e]) << ((e - whole * lanes) * lane_bits)
-        out[whole] = c
 
 
 # ---- count lanes -> small digits (signscatter's owner step) ---------------------------------------
