@@ -45,18 +45,28 @@ def block_max_bits(u, block_starts, block_ends, out):
 
 
 @njit(cache=True, nogil=True)
-def scale_codes(block_max, scales, out):
-    """out[b] = smallest c with scales[c] >= block_max[b], 255 above the top: torch.searchsorted
-    (left) clamped to 255, NaN included (it sorts above everything, as in torch). A branchless
-    binary search over the 256 sorted scales (a branchy one mispredicts every step)."""
-    for b in range(block_max.size):
-        v = block_max[b]
-        pos = 0  # scales[:pos] < v, found in eight halvings: at most 255, the clamp
-        step = 128
-        while step:
-            pos = pos + step if not scales[pos + step - 1] >= v else pos
-            step >>= 1
-        out[b] = pos
+def scale_codes(bits, octave_bits, out):
+    """out[b] = smallest code whose scale covers block max b (`bits`: the maxima's fp32 bits as
+    uint32): `table.codes_of`'s exponent arithmetic, NaN and -0.0 as 0. `octave_bits`: the uint32
+    bits of SCALES[160..163], the octave [1, 2), compared with the maximum's mantissa (as [1, 2))
+    as integers, whose order is the floats' there. Branch-free, so it vectorizes: per 64K blocks on
+    one core, a binary search over the 256 scales took 0.65 ms."""
+    for b in range(bits.size):
+        u = np.int64(bits[b])
+        mantissa = (u & 0x7FFFFF) | 0x3F800000
+        code = 160 + 4 * (((u >> 23) & 0xFF) - 127)
+        for j in range(4):
+            code += 1 if octave_bits[j] < mantissa else 0
+        code = min(max(code, 1), 255)
+        out[b] = code if 0 < u <= 0x7F800000 else 0  # m > 0: not 0, -0.0 or NaN (bits above inf's)
+
+
+@njit(cache=True, nogil=True)
+def scales_of_codes(codes, scales, out):
+    """out[b] = scales[codes[b]]: each block's agreed scale (fp32) from its uint8 code (a table of 256
+    in L1; torch's index with the codes widened to int64 took 0.15 ms per 64K blocks on one core)."""
+    for b in range(codes.size):
+        out[b] = scales[codes[b]]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from nfab.wire import dispatch, fusion, host_slices, noise
 from nfab.wire.blockq import fused, grid, radix, replay
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.blockq.table import SCALES
+from nfab.wire.blockq.table import CODE_OFFSET, CODES_PER_OCTAVE, SCALES
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
@@ -91,14 +91,18 @@ def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
     block_max = block_max.to(torch.float32).contiguous()
     if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
         return codes  # one compiled pass of exponent arithmetic (`table.codes_of`), NaN read there
-    block_max = torch.nan_to_num(block_max, nan=0.0)  # a binary search sends NaN past the top
-    if _compiled(block_max):  # one compiled binary search per block (torch's searchsorted: 30 ns a block)
+    if _compiled(block_max):  # the same exponent arithmetic, compiled for the CPU (NaN read there too)
         assert blockkernels is not None
         codes = torch.empty(block_max.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
-        blockkernels.scale_codes(block_max.numpy(), SCALES.numpy(), codes.numpy())
+        blockkernels.scale_codes(block_max.numpy().view(np.uint32), _OCTAVE_BITS, codes.numpy())
         return codes
+    block_max = torch.nan_to_num(block_max, nan=0.0)  # a binary search sends NaN past the top
     codes = torch.searchsorted(_scales_on(block_max.device), block_max)
     return codes.clamp_(max=255).to(torch.uint8)
+
+
+_OCTAVE_BITS = SCALES[CODE_OFFSET : CODE_OFFSET + CODES_PER_OCTAVE].numpy().view(np.uint32).copy()
+"""The bits of the octave [1, 2)'s four scales, for the CPU kernel's `scale_codes`."""
 
 
 @lru_cache(maxsize=16)
@@ -243,6 +247,11 @@ class BlockQSum(Reducer):
     def _block_scales(self, shared: torch.Tensor) -> torch.Tensor:
         """The agreed scale of each block (fp32; 0 for an all-zero block)."""
         codes = shared if shared.dtype == torch.uint8 else scale_codes(shared)
+        if _compiled(codes):
+            assert blockkernels is not None
+            out = torch.empty(codes.numel(), dtype=torch.float32, device="cpu")  # compiled: CPU
+            blockkernels.scales_of_codes(codes.contiguous().numpy(), SCALES.numpy(), out.numpy())
+            return out
         return _scales_on(codes.device)[codes.long()].contiguous()
 
     # ---- encode / launch / decode ---------------------------------------------------
