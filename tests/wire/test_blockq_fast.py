@@ -181,3 +181,19 @@ def test_compiled_radix_digits_are_unpack(radix: int) -> None:
         out = torch.empty(numel, dtype=torch.int32)
         blockq.blockkernels.radix_digits(containers.numpy(), radix, k, numel, out.numpy())
         assert torch.equal(out.long(), unpack(containers, layout, numel))
+
+
+@pytest.mark.parametrize("lane_bits", [1, 2, 4, 5, 6, 3])
+@pytest.mark.parametrize("n", [0, 1, 5, 7, 9, 1003])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32])
+def test_host_lane_pack_is_lanes_pack(lane_bits: int, n: int, dtype: torch.dtype) -> None:
+    # the CPU kernels' packing (`pack_any`, compiled): uint8 lanes by word folds, one-block int32 lanes
+    # with only the last container padded, several blocks (21 3-bit lanes) padded whole; levels (uint8)
+    # and the owner's integer sums (int32); every lane at its largest value and at 0
+    from nfab.wire.qsum.lanes import layout_for, pack
+
+    layout = layout_for(lane_bits)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n)).to(dtype)
+    values[: layout.lanes] = layout.max_value
+    values[layout.lanes : 2 * layout.lanes] = 0
+    assert torch.equal(blockq.pack_any(values, layout, True), pack(values, layout))
