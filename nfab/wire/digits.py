@@ -132,7 +132,7 @@ def lane_unpack_fn(lane_bits: int, digits: int, width: int, container_bytes: int
     return lane_digits
 
 
-def _aligned(v: torch.Tensor) -> torch.Tensor:
+def word_aligned(v: torch.Tensor) -> torch.Tensor:
     """`v` flat, contiguous and starting on a whole int64 word (a copy only where it is not)."""
     v = v.reshape(-1)
     if not v.is_contiguous() or (v.storage_offset() * v.element_size()) % 8:
@@ -141,10 +141,10 @@ def _aligned(v: torch.Tensor) -> torch.Tensor:
 
 
 def word_parts(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The containers `c` as `columns_fn`'s two parts: their whole int64 words in place (`_aligned`),
+    """The containers `c` as `columns_fn`'s two parts: their whole int64 words in place (`word_aligned`),
     and the last container that does not fill a word (an odd int32 one; `columns_fn` widens it to
     a word of its own) or nothing."""
-    c = _aligned(c)
+    c = word_aligned(c)
     whole = c.numel() - c.numel() % (8 // c.element_size())
     return c[:whole].view(torch.int64), c[whole:]
 
@@ -155,7 +155,7 @@ def pack(values: torch.Tensor, radix: int, digits: int) -> torch.Tensor | None:
     compiling failed: the whole groups read in place as int64 words, the last, partial group from
     a zero-padded copy (so the kernel never reads past the values), both transposed by one copy
     (`word_columns`), then packed (`pack_fn`)."""
-    v = _aligned(values)
+    v = word_aligned(values)
     width = v.element_size()
     g, words = groups(digits, width)
     span, n = g * digits, v.numel()
@@ -175,7 +175,7 @@ def unpack_lanes(c: torch.Tensor, lane_bits: int, digits: int, width: int) -> to
     zero-extended to a word of its own), so the kernel reads every word once, contiguously: per 4M
     5- or 6-bit lanes on one core the copy took 0.35-0.42 ms as int64 words, 0.60-0.72 as int32
     containers, and the kernel 0.51-0.53 ms, 0.51-0.69."""
-    flat = _aligned(c)
+    flat = word_aligned(c)
     cb = flat.element_size()
     g, _ = groups(digits, width, cb)
     columns = fusion.run(columns_fn(g * cb // 8), *word_parts(flat))

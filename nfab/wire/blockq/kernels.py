@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire.shared_kernels import counter, next_counter, noise_u  # first: sets numba's cache directory
+from nfab.wire.blockq.table import CODE_OFFSET, CODES_PER_OCTAVE  # numba reads them as constants
+from nfab.wire.shared_kernels import counter, next_counter, noise_u  # sets numba's cache directory
 
 
 @njit(cache=True, nogil=True)
@@ -48,14 +49,14 @@ def block_max_bits(u, block_starts, block_ends, out):
 def scale_codes(bits, octave_bits, out):
     """out[b] = smallest code whose scale covers block max b (`bits`: the maxima's fp32 bits as
     uint32): `table.codes_of`'s exponent arithmetic, NaN and -0.0 as 0. `octave_bits`: the uint32
-    bits of SCALES[160..163], the octave [1, 2), compared with the maximum's mantissa (as [1, 2))
-    as integers, whose order is the floats' there. Branch-free, so it vectorizes: per 64K blocks on
-    one core, a binary search over the 256 scales took 0.65 ms."""
+    bits of the octave [1, 2)'s four scales (`table.SCALES` from CODE_OFFSET), compared with the
+    maximum's mantissa (as [1, 2)) as integers, whose order is the floats' there. Branch-free, so
+    it vectorizes: per 64K blocks on one core, a binary search over the 256 scales took 0.65 ms."""
     for b in range(bits.size):
         u = np.int64(bits[b])
         mantissa = (u & 0x7FFFFF) | 0x3F800000
-        code = 160 + 4 * (((u >> 23) & 0xFF) - 127)
-        for j in range(4):
+        code = CODE_OFFSET + CODES_PER_OCTAVE * (((u >> 23) & 0xFF) - 127)
+        for j in range(CODES_PER_OCTAVE):
             code += 1 if octave_bits[j] < mantissa else 0
         code = min(max(code, 1), 255)
         out[b] = code if 0 < u <= 0x7F800000 else 0  # m > 0: not 0, -0.0 or NaN (bits above inf's)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from nfab.wire import fusion
+from nfab.wire.digits import word_aligned
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import words
 from nfab.wire.qsum.lanes import LaneLayout, layout_for
@@ -142,10 +143,7 @@ def decode(reduced: torch.Tensor, numel: int, ternary: bool, scale: torch.Tensor
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
     s = sign_fused.per_segment(scale, index)
     if ternary:  # the digits as bytes (whole words: a shard is whole groups), then their values
-        packed = reduced.reshape(-1)
-        if packed.storage_offset() % 8:
-            packed = packed.clone()  # int64 words need 8-byte aligned bytes
-        digits = fusion.run(digit_words, packed.view(torch.int64))
+        digits = fusion.run(digit_words, word_aligned(reduced).view(torch.int64))
         if digits is None:
             return None
         fusion.run(digit_values_into, res, digits.view(torch.uint8).view(-1), s, index)
