@@ -53,14 +53,14 @@ from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.blockq.table import CODE_OFFSET, CODES_PER_OCTAVE, SCALES
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
 from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
+from nfab.wire.qsum.lanes import LaneLayout, chunked_layout, pack, unpack
 from nfab.wire.segments import nonfinite_sum
 
 try:
     from nfab.wire.blockq import kernels as blockkernels
-    from nfab.wire.qsum import lane_kernels
+    from nfab.wire.qsum import chunk_kernels, lane_kernels
 except ImportError:  # numba missing or unusable: the torch reference runs instead
-    blockkernels = lane_kernels = None  # type: ignore[assignment]
+    blockkernels = chunk_kernels = lane_kernels = None  # type: ignore[assignment]
 
 DEFAULT_BLOCK = 64
 LEVEL_BITS = (2, 3, 4, 8)
@@ -453,6 +453,10 @@ def _pack_lanes_host(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     if layout.container == torch.uint8 and layout.lane_bits in (1, 2, 4) and v.dtype == np.uint8:
         lane_kernels.pack_bytes(v, layout.lane_bits, out)
         return payload
+    if layout.chunk:  # contiguous rows, read in place
+        assert chunk_kernels is not None
+        chunk_kernels.pack_chunked(v, n, layout.lane_bits, lanes, layout.chunk, out)
+        return payload
     if lanes > 8:  # several blocks: element order depends on the container count, so pad to whole ones
         whole = out.size * lanes
         padded = np.zeros(whole, dtype=v.dtype)
@@ -471,8 +475,9 @@ def _pack_lanes_host(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
 
 @lru_cache(maxsize=64)
 def _packing(lane_bits: int, values: int) -> LaneLayout | RadixLayout:
-    """The denser of bit lanes of `lane_bits` and int64 digits in base `values`."""
-    lanes = layout_for(lane_bits)
+    """The denser of bit lanes of `lane_bits` (in the chunked order where wide: `lanes.chunked_layout`)
+    and int64 digits in base `values`."""
+    lanes = chunked_layout(lane_bits)
     digits = radix.radix_layout(values)
     return digits if digits.bits_per_element < lanes.bits_per_element else lanes
 

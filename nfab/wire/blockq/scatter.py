@@ -35,6 +35,7 @@ kind: its bytes at the all-reduce bandwidth, its latency the blocking round's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -69,6 +70,12 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
     name = "blockqscatter"
 
     # ---- geometry ------------------------------------------------------------------------
+    def layout(self, world_size: int) -> LaneLayout | RadixLayout:
+        """`BlockQSum.layout` in the plain (unchunked) lane order: an owner packs one shard of sums,
+        and shards concatenate to the whole packing only in that order (`consecutive`)."""
+        lay = super().layout(world_size)
+        return dataclasses.replace(lay, chunk=0) if isinstance(lay, LaneLayout) and lay.chunk else lay
+
     def own_layout(self) -> LaneLayout | RadixLayout:
         """One rank's levels: the W = 1 packing, the denser of bit lanes and base-L digits (L = M + 1
         levels): bit lanes for 2**bits levels (they fill them exactly), int64 digits for bl5 (27

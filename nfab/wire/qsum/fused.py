@@ -29,7 +29,7 @@ from itertools import accumulate
 import torch
 
 from nfab.wire import digits, fusion
-from nfab.wire.qsum import words
+from nfab.wire.qsum import chunks, words
 from nfab.wire.qsum.lanes import LaneLayout
 
 
@@ -104,7 +104,9 @@ def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """The lane values of the 1-D containers `c` (compiled; `lane_dtype`, m * lanes of them or a few more: the
     caller reads the first numel), or None when compiling failed. 1-, 2- and 4-bit lanes of uint8
     containers as whole words (`words`), a one-block wide container as digits (`digit_lanes`),
-    others block by block."""
+    others block by block; a chunked layout by its contiguous rows (`chunks`)."""
+    if layout.chunk:
+        return chunks.unpack(c, layout)
     if words.fits(layout):
         return words.unpack(c, layout)
     if digit_lanes(layout):
@@ -192,6 +194,8 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """`lanes.pack` of the 1-D uint8 `values` (compiled), or None when compiling failed: 1-, 2- and
     4-bit lanes of uint8 containers as whole words (`words`), 8-lane blocks as words, others lane by
     lane (`packed`; `digit_lanes` says why a one-block wide container is not packed as digits)."""
+    if layout.chunk:
+        return chunks.pack(values, layout)
     if words.fits(layout) and values.dtype == torch.uint8:
         return words.pack(values, layout)
     blocks = _blocks(layout)

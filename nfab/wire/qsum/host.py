@@ -23,9 +23,9 @@ from nfab.wire.qsum.lanes import LaneLayout
 from nfab.wire.slices import Slices
 
 try:
-    from nfab.wire.qsum import lane_kernels, level_kernels
+    from nfab.wire.qsum import chunk_kernels, lane_kernels, level_kernels
 except ImportError:  # numba missing: `dispatch.AVAILABLE` is False and the torch reference runs
-    lane_kernels = level_kernels = None  # type: ignore[assignment]
+    chunk_kernels = lane_kernels = level_kernels = None  # type: ignore[assignment]
 
 
 @lru_cache(maxsize=64)
@@ -96,6 +96,11 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
     if numel == 0:
         return res
     table = values.detach().to(torch.float32).contiguous().numpy()
+    if layout.chunk:
+        assert chunk_kernels is not None
+        chunk_kernels.decode_chunked(containers.contiguous().numpy(), layout.lane_bits, layout.lanes, layout.chunk,
+                                     numel, table, res.view(-1).numpy())
+        return res
     decode = lane_kernels.decode_byte_lanes if containers.element_size() == 1 else lane_kernels.decode_wide_lanes
     decode(containers.numpy(), layout.lane_bits, layout.lanes, numel, table, res.view(-1).numpy())
     return res

@@ -15,7 +15,15 @@ containers are one block). Block k holds lanes [l0, l1) and the element range
 [m*l0, m*l1) of the m containers, container-major: element m*l0 + j*(l1-l0) + (l-l0)
 sits in lane l of container j. For uint8 containers that is plain consecutive order.
 The blocking lets a CPU kernel build a block from 8 consecutive votes with one table
-lookup. This module is the reference: torch ops on any device. The compiled CPU paths
+lookup.
+
+*Chunked* layouts (`chunk` > 0: blockq's wide one-block lanes, `chunked_layout`) order elements
+by chunks of `chunk` containers instead: in the chunk of g containers starting at container c0
+(g = chunk, less for the last), lane l of container c0 + j holds element lanes * c0 + l * g + j.
+A chunk holds a contiguous run of elements, lane-major, so packing reads `lanes` contiguous
+rows and unpacking writes them: every load and store of a kernel contiguous (a CPU's vectors, a
+GPU's coalesced accesses), no transposing copy, and with 64-element chunks a row is one
+64-element scale block, so the decode's unpacking and scaling are one pass. This module is the reference: torch ops on any device. The compiled CPU paths
 (`qsum/host.py`, `sign/host.py`) produce identical containers and values, and tests hold them to it.
 """
 
@@ -43,6 +51,8 @@ class LaneLayout:
     container: torch.dtype
     lanes: int
     storage_bits: int
+    chunk: int = 0
+    """Containers per chunk of the chunked element order (module docstring); 0: blocks of 8 lanes."""
 
     @property
     def max_value(self) -> int:
@@ -88,6 +98,34 @@ def layout_for(lane_bits: int) -> LaneLayout:
     return best
 
 
+CHUNK = 64
+"""Containers per chunk of `chunked_layout`s: one 64-element blockq scale block per lane row."""
+
+
+@cache
+def chunked_layout(lane_bits: int) -> LaneLayout:
+    """`layout_for(lane_bits)` in the chunked element order (`CHUNK` containers a chunk) where its
+    containers are wide and hold one block of 2..8 lanes (blockq's lanes sized for W: 5-bit lanes 6
+    to an int32, 6-bit 5, 9-bit 7 to an int64, ...); other layouts as they are. The same containers
+    and bytes, another element order."""
+    base = layout_for(lane_bits)
+    if base.container == torch.uint8 or not 1 < base.lanes <= 8:
+        return base
+    return LaneLayout(base.lane_bits, base.container, base.lanes, base.storage_bits, CHUNK)
+
+
+def chunk_rows(flat: torch.Tensor, layout: LaneLayout, m: int) -> list[tuple[int, torch.Tensor]]:
+    """(first container, (chunks, lanes, g) view) of a chunked layout's m * lanes elements `flat`: the
+    whole chunks as one view, the last, shorter chunk as another (row [c, l] of a view: lane l of
+    that chunk's containers, in element order)."""
+    g, k = layout.chunk, layout.lanes
+    whole = m // g
+    views = [(0, flat[: whole * g * k].view(whole, k, g))] if whole else []
+    if m > whole * g:
+        views.append((whole * g, flat[whole * g * k : m * k].view(1, k, m - whole * g)))
+    return views
+
+
 @cache
 def _blocks(layout: LaneLayout) -> tuple[tuple[int, int], ...]:
     if layout.container == torch.uint8:
@@ -116,6 +154,12 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     padded = torch.zeros(m * layout.lanes, dtype=work, device=flat.device)
     padded[:n] = flat
     out = torch.zeros(m, dtype=work, device=flat.device)
+    if layout.chunk:
+        for c0, rows in chunk_rows(padded, layout, m):
+            dest = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
+            for lane in range(layout.lanes):
+                dest |= rows[:, lane] << (lane * layout.lane_bits)
+        return out
     for lane, col in _lane_views(padded, layout, m):
         out |= col << (lane * layout.lane_bits)
     return out
@@ -129,6 +173,12 @@ def unpack(containers: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Te
     mask = layout.max_value
     m = containers.numel()
     out = torch.empty(m * layout.lanes, dtype=containers.dtype, device=containers.device)
+    if layout.chunk:
+        for c0, rows in chunk_rows(out, layout, m):
+            src = containers[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
+            for lane in range(layout.lanes):
+                torch.bitwise_and(src >> (lane * layout.lane_bits), mask, out=rows[:, lane])
+        return out[:numel]
     for lane, col in _lane_views(out, layout, m):
         torch.bitwise_and(containers >> (lane * layout.lane_bits), mask, out=col)
     return out[:numel]

@@ -1,0 +1,65 @@
+"""Compiled CPU kernels (numba) for the chunked lane order (`lanes.chunked_layout`).
+
+In a chunk of g containers starting at container c0, lane l of container c0 + j holds element
+lanes * c0 + l * g + j: each lane of a chunk is a contiguous row of elements, so both kernels
+run lane by lane over contiguous rows, loops that vectorise. `nfab.wire.qsum.lanes` holds the
+torch reference they match bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from nfab.wire.shared_kernels import prefetch_write  # noqa: F401  first: sets numba's cache directory
+
+
+@njit(cache=True, nogil=True)
+def pack_chunked(values, numel, lane_bits, lanes, chunk, out):
+    """out = `lanes.pack(values[:numel], layout)` of a chunked layout (`out`: its m containers;
+    elements at or past `numel` packed as 0). Whole chunks lane by lane over contiguous rows; the
+    elements of a chunk that reaches past `numel` one by one."""
+    m = out.size
+    for c0 in range(0, m, chunk):
+        g = min(chunk, m - c0)
+        e0 = c0 * lanes
+        dest = out[c0 : c0 + g]
+        if e0 + g * lanes <= numel:
+            row = values[e0 : e0 + g]
+            for j in range(g):
+                dest[j] = row[j]
+            for lane in range(1, lanes):
+                row = values[e0 + lane * g : e0 + (lane + 1) * g]
+                shift = lane * lane_bits
+                for j in range(g):
+                    dest[j] |= np.int64(row[j]) << shift
+            continue
+        for j in range(g):
+            c = np.int64(0)
+            for lane in range(lanes):
+                e = e0 + lane * g + j
+                if e < numel:
+                    c |= np.int64(values[e]) << (lane * lane_bits)
+            dest[j] = c
+
+
+@njit(cache=True, nogil=True)
+def decode_chunked(containers, lane_bits, lanes, chunk, numel, table, out):
+    """out[e] = table[lane value of element e] for e < numel, containers of a chunked layout."""
+    m = containers.size
+    mask = (1 << lane_bits) - 1
+    for c0 in range(0, m, chunk):
+        g = min(chunk, m - c0)
+        e0 = c0 * lanes
+        if e0 >= numel:
+            break
+        src = containers[c0 : c0 + g]
+        for lane in range(lanes):
+            first = e0 + lane * g
+            n = min(g, numel - first)
+            if n <= 0:
+                break
+            shift = lane * lane_bits
+            row = out[first : first + n]
+            for j in range(n):
+                row[j] = table[(src[j] >> shift) & mask]

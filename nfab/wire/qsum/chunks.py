@@ -1,0 +1,96 @@
+"""The chunked lane order (`lanes.chunked_layout`) as traced functions for `torch.compile`.
+
+Lane l of a chunk's containers is a contiguous row of elements, so a (chunks, lanes, g) view of
+the values and a (chunks, g) view of the containers line up: packing ORs `lanes` shifted rows
+into a row of containers, unpacking writes each lane's row, every load and store contiguous
+along g (inductor's C++ vectorises it; a GPU coalesces it). The whole chunks are one view, the
+last, shorter chunk another (`lanes.chunk_rows`), the same graph for both (`dynamic=True`).
+`tests/wire/test_chunked.py` holds them to `lanes.pack` / `lanes.unpack`.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from nfab.wire import fusion
+from nfab.wire.qsum.lanes import LaneLayout, chunk_rows
+
+
+def lane_dtype(layout: LaneLayout) -> torch.dtype:
+    """The narrowest integer dtype that holds a lane value: uint8 up to 8-bit lanes, else int32."""
+    return torch.uint8 if layout.lane_bits <= 8 else torch.int32
+
+
+def lane_values(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
+    """The (chunks, lanes, g) lane values of (chunks, g) containers `c` (traced; int32, or int64 for
+    lanes past 31 bits): one broadcast shift by a lane's offset, computed from the index (a stack
+    of per-lane rows ran 2x slower on one CPU core)."""
+    s, top = fusion.static(layout.lane_bits), fusion.static(layout.max_value)
+    offsets = torch.arange(fusion.static(layout.lanes), dtype=c.dtype, device=c.device).view(1, -1, 1) * s
+    values = (c.unsqueeze(1) >> offsets) & top
+    return values.to(torch.int32) if layout.lane_bits <= 31 else values
+
+
+def _widened(values: torch.Tensor, container: torch.dtype) -> torch.Tensor:
+    """`values` as `container`; uint8 through int32 (straight to int64 inductor's C++ ran it scalar)."""
+    return values.to(torch.int32).to(container) if values.dtype == torch.uint8 else values.to(container)
+
+
+@cache
+def pack_rows_fn(layout: LaneLayout):
+    """(chunks, g) containers from the (chunks, lanes, g) values of whole chunks (one graph per layout)."""
+
+    def pack_rows(out: torch.Tensor, values: torch.Tensor) -> None:
+        s = fusion.static(layout.lane_bits)
+        acc = _widened(values[:, 0], layout.container)
+        for lane in range(1, fusion.static(layout.lanes)):
+            acc = acc | (_widened(values[:, lane], layout.container) << (lane * s))
+        out.copy_(acc)
+
+    return pack_rows
+
+
+@cache
+def unpack_rows_fn(layout: LaneLayout):
+    """The (chunks, lanes, g) lane values of (chunks, g) containers (one graph per layout)."""
+
+    def unpack_rows(out: torch.Tensor, c: torch.Tensor) -> None:
+        out.copy_(lane_values(c, layout).to(out.dtype))
+
+    return unpack_rows
+
+
+def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
+    """`lanes.pack` of the 1-D non-negative integers `values` in a chunked layout (compiled), or None
+    when compiling failed: the chunks whose elements all lie in `values` read in place, the rest
+    (at most two chunks) from a zero-padded copy of their few values."""
+    v = values.reshape(-1)
+    n, k, g = v.numel(), layout.lanes, layout.chunk
+    m = layout.containers_for(n)
+    out = torch.empty(m, dtype=layout.container, device=v.device)
+    whole = n // (g * k)
+    parts = [(0, v[: whole * g * k].view(whole, k, g))] if whole else []
+    if m > whole * g:
+        rest = torch.zeros((m - whole * g) * k, dtype=v.dtype, device=v.device)
+        rest[: n - whole * g * k] = v[whole * g * k :]
+        parts += [(whole * g + c0, rows) for c0, rows in chunk_rows(rest, layout, m - whole * g)]
+    for c0, rows in parts:
+        dest = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
+        if fusion.run(pack_rows_fn(layout), dest, rows) is None and fusion.failed():
+            return None
+    return out
+
+
+def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
+    """The m * lanes lane values (`lane_dtype`, element order) of the m containers `c` of a chunked
+    layout (compiled), or None when compiling failed."""
+    c = c.reshape(-1)
+    m = c.numel()
+    out = torch.empty(m * layout.lanes, dtype=lane_dtype(layout), device=c.device)
+    for c0, rows in chunk_rows(out, layout, m):
+        src = c[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
+        if fusion.run(unpack_rows_fn(layout), rows, src) is None and fusion.failed():
+            return None
+    return out
