@@ -48,6 +48,7 @@ import torch
 from nfab.wire import digits, fusion, noise
 from nfab.wire.blockq import grid, radix, table
 from nfab.wire.blockq.radix import RadixLayout
+from nfab.wire.qsum import chunks as qsum_chunks
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum.lanes import LaneLayout
 
@@ -310,9 +311,55 @@ def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, pa
     """The decoded mean (fp32, into `out` when given: a contiguous fp32 tensor of `numel`) of the
     summed payload, the same bits as the eager unpack, `unit_values` and `scale_blocks_`: a kernel
     per block view, or (`parts` None) one through the block index of the bucket's `lengths`; None
-    when compiling failed."""
+    when compiling failed. Chunked lanes whose chunk rows are the bucket's first blocks are
+    unpacked and scaled in one kernel there (`decode_chunks`)."""
+    if isinstance(layout, LaneLayout) and layout.chunk == block and parts and parts[0].start == 0 \
+            and parts[0].width == block:
+        return decode_chunks(reduced, codes_, scales, parts, numel, total, layout, out, lengths, block)
     sums = unpack(reduced, layout)
     return None if sums is None else scaled(sums, codes_, scales, parts, numel, total, out, lengths, block)
+
+
+@cache
+def scaled_chunks_fn(layout: LaneLayout):
+    """`(S * unit - 1) * scale` of whole chunks of a chunked layout whose lane rows are blocks, as a
+    traced function: out (chunks, lanes, block) fp32, the containers (chunks, block), the rows'
+    codes (chunks, lanes) uint8. One kernel reads the containers and writes the bucket: the
+    unpacked sums are never stored."""
+
+    def scaled_chunks(out: torch.Tensor, c: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor,
+                      unit: torch.Tensor) -> None:
+        sums = qsum_chunks.lane_values(c, layout)
+        out.copy_((sums.to(torch.float32) * unit - 1.0) * scales[codes_.to(torch.int64)].unsqueeze(2))
+
+    return scaled_chunks
+
+
+def decode_chunks(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...],
+                  numel: int, total: int, layout: LaneLayout, out: torch.Tensor | None, lengths: Sequence[int],
+                  block: int) -> torch.Tensor | None:
+    """`decode` of chunked lanes (`layout.chunk == block`) whose first view starts the bucket: there,
+    row l of chunk q is block q * lanes + l, so the whole chunks inside that view are unpacked and
+    scaled in one kernel (`scaled_chunks_fn`); the rest (from a chunk boundary: the same chunking)
+    unpacked, then scaled view by view. None when compiling failed."""
+    k, c = layout.lanes, reduced.reshape(-1)
+    res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=c.device)
+    q = min(parts[0].rows, c.numel() // block * k) // k
+    if q and fusion.run(scaled_chunks_fn(layout), res[: q * k * block].view(q, k, block), c[: q * block].view(q, block),
+                        codes_[: q * k].view(q, k), scales, fusion.constant(2.0 / total, c.device)) is None \
+            and fusion.failed():
+        return None
+    done = q * k * block
+    if done == numel:
+        return res
+    first = parts[0]
+    rest = ([grid.Piece(0, first.rows - q * k, block, first.first_block + q * k)] if first.rows > q * k else []) + [
+        grid.Piece(p.start - done, p.rows, p.width, p.first_block) for p in parts[1:]]
+    sums = qsum_chunks.unpack(c[q * block :], layout)
+    if sums is None:
+        return None
+    rest_mean = scaled(sums, codes_, scales, tuple(rest), numel - done, total, res[done:], lengths, block)
+    return None if rest_mean is None else res
 
 
 def unpack(reduced: torch.Tensor, layout: Layout) -> torch.Tensor | None:
