@@ -450,12 +450,12 @@ def _pack_lanes_host(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     v = values.reshape(-1).numpy()
     payload = torch.empty(layout.containers_for(n), dtype=layout.container, device="cpu")
     out = payload.numpy()
-    if layout.container == torch.uint8 and layout.lane_bits in (1, 2, 4) and v.dtype == np.uint8:
-        lane_kernels.pack_bytes(v, layout.lane_bits, out)
-        return payload
     if layout.chunk:  # contiguous rows, read in place
         assert chunk_kernels is not None
         chunk_kernels.pack_chunked(v, n, layout.lane_bits, lanes, layout.chunk, out)
+        return payload
+    if layout.container == torch.uint8 and layout.lane_bits in (1, 2, 4) and v.dtype == np.uint8:
+        lane_kernels.pack_bytes(v, layout.lane_bits, out)
         return payload
     if lanes > 8:  # several blocks: element order depends on the container count, so pad to whole ones
         whole = out.size * lanes

@@ -1,0 +1,97 @@
+"""The chunked lane order (`lanes.chunked_layout`, blockq's wide one-block lanes) on every path.
+
+The order is stated here once more, independently, in plain Python (`_place`): the torch reference
+(`lanes.pack` / `lanes.unpack`) is held to it, and the numba kernels (`chunk_kernels`) and the
+traced functions (`qsum.chunks`, run as plain torch ops here; compiled in `test_compiled.py`) to the
+reference, over sizes that end inside, at and past a chunk boundary.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nfab.wire import fusion
+from nfab.wire.qsum import chunks, host, lanes
+from nfab.wire.qsum.lanes import CHUNK, chunked_layout, layout_for
+from nfab.wire.registry import REDUCERS
+
+BITS = [1, 2, 3, 4, 5, 6, 7, 9, 10, 12]  # uint8 8, 4, 2 lanes; int64 21; int32 6, 5; int64 9, 7; int32 3, 2
+SIZES = [1, 5, 6, 7, 64 * 6 - 1, 64 * 6, 64 * 6 + 1, 64 * 13 + 3, 64 * 6 * 5 + 64 * 2 + 11, 64 * 6 * 9]
+
+
+def _place(e: int, n: int, lanes: int, chunk: int = CHUNK) -> tuple[int, int]:
+    """(container, lane) of element e of n: chunks of `chunk` containers (the last one shorter),
+    lane-major inside a chunk."""
+    m = -(-n // lanes)
+    c0 = e // (chunk * lanes) * chunk
+    g = min(chunk, m - c0)
+    lane, j = divmod(e - c0 * lanes, g)
+    return c0 + j, lane
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_the_chunked_layouts_are_the_dense_ones_in_another_order(bits):
+    plain, chunked = layout_for(bits), chunked_layout(bits)
+    assert chunked.chunk == CHUNK and chunked.lanes > 1
+    assert (chunked.lane_bits, chunked.container, chunked.lanes, chunked.storage_bits) == (
+        plain.lane_bits, plain.container, plain.lanes, plain.storage_bits)
+
+
+def test_one_lane_layouts_stay_unchunked():
+    for bits in (8, 31, 32, 63):
+        assert chunked_layout(bits).chunk == 0
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n", SIZES)
+def test_reference_places_every_element_where_the_order_says(bits, n):
+    layout = chunked_layout(bits)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n))
+    packed = lanes.pack(values, layout)
+    assert packed.numel() == layout.containers_for(n)
+    for e in range(n):
+        c, lane = _place(e, n, layout.lanes)
+        assert (int(packed[c]) >> lane * bits) & layout.max_value == int(values[e]), (e, c, lane)
+    assert torch.equal(lanes.unpack(packed, layout, n).to(torch.int64), values)
+    m = packed.numel()  # the lanes past n hold 0
+    tail = lanes.unpack(packed, layout, m * layout.lanes)[n:]
+    assert not tail.any()
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n", SIZES)
+def test_numba_kernels_are_the_reference(bits, n):
+    from nfab.wire.blockq.reducer import pack_any
+
+    layout = chunked_layout(bits)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n))
+    narrow = values.to(torch.uint8 if bits <= 8 else torch.int32)
+    ref = lanes.pack(narrow, layout)
+    assert torch.equal(pack_any(narrow, layout, True), ref)
+    table = torch.randn(layout.max_value + 1, generator=torch.Generator().manual_seed(1))
+    for count in (n, max(n - 3, 0)):
+        assert torch.equal(host.decode_table(ref, layout, count, table), lanes.decode_table(ref, layout, count, table))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n", SIZES)
+def test_traced_functions_are_the_reference(bits, n):
+    layout = chunked_layout(bits)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n))
+    narrow = values.to(torch.uint8 if bits <= 8 else torch.int32)
+    ref = lanes.pack(narrow, layout)
+    with fusion.stages_compiled(False):
+        got = chunks.pack(narrow, layout)
+        back = chunks.unpack(ref, layout)
+    assert got is not None and torch.equal(got, ref)
+    assert back is not None and back.numel() == ref.numel() * layout.lanes
+    assert torch.equal(back[:n].to(torch.int64), values) and not back[n:].any()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_blockq_packs_chunked_and_its_scatter_plain(world_size):
+    """blockq's all-reduce lanes sized for W are chunked where wide; blockqscatter's owners pack
+    one shard each, which concatenate to the whole packing only in the plain order."""
+    assert REDUCERS["blockq-bq4"].layout(world_size).chunk == CHUNK
+    assert REDUCERS["blockqscatter-bq4"].layout(world_size).chunk == 0
