@@ -136,7 +136,7 @@ def test_radix_digits_of_extreme_containers() -> None:
 def test_the_cpu_path_is_the_compiled_one(monkeypatch: pytest.MonkeyPatch) -> None:
     # the comparisons above would pass vacuously if both sides ran the reference
     called: list[str] = []
-    names = ("block_max_bits", "scale_codes", "block_levels", "radix_pack", "radix_decode_blocks")
+    names = ("block_max_bits", "scale_codes", "block_levels", "radix_pack_chunked", "radix_decode_chunked")
     for name in names:
         fn = getattr(blockq.blockkernels, name)
         monkeypatch.setattr(blockq.blockkernels, name, lambda *a, _f=fn, _n=name: (called.append(_n), _f(*a))[1])

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from nfab.wire import fusion
+from nfab.wire.blockq import radix
+from nfab.wire.blockq.radix import chunked_radix_layout
 from nfab.wire.qsum import chunks, host, lanes
 from nfab.wire.qsum.lanes import CHUNK, chunked_layout, layout_for
 from nfab.wire.registry import REDUCERS
@@ -93,5 +95,42 @@ def test_traced_functions_are_the_reference(bits, n):
 def test_blockq_packs_chunked_and_its_scatter_plain(world_size):
     """blockq's all-reduce lanes sized for W are chunked where wide; blockqscatter's owners pack
     one shard each, which concatenate to the whole packing only in the plain order."""
-    assert REDUCERS["blockq-bq4"].layout(world_size).chunk == CHUNK
-    assert REDUCERS["blockqscatter-bq4"].layout(world_size).chunk == 0
+    for route in ("bq4", "bq2", "bl5"):  # bit lanes at W=2 and 4, radix digits
+        assert REDUCERS[f"blockq-{route}"].layout(world_size).chunk == CHUNK
+        assert REDUCERS[f"blockqscatter-{route}"].layout(world_size).chunk == 0
+
+
+RADICES = [7, 13, 5, 300]  # bq2 at W=2 and 4 (22 and 17 digits), bl5-like, int32 digits
+
+
+@pytest.mark.parametrize("base", RADICES)
+@pytest.mark.parametrize("n", SIZES)
+def test_radix_reference_places_every_digit_where_the_order_says(base, n):
+    layout = chunked_radix_layout(base)
+    k = layout.digits
+    values = torch.randint(0, base, (n,), generator=torch.Generator().manual_seed(n))
+    packed = radix.pack(values, layout)
+    assert packed.numel() == layout.containers_for(n)
+    for e in range(n):
+        c, place = _place(e, n, k)
+        assert int(packed[c]) // base**place % base == int(values[e]), (e, c, place)
+    assert torch.equal(radix.unpack(packed, layout, n), values)
+    assert not radix.unpack(packed, layout, packed.numel() * k)[n:].any()
+
+
+@pytest.mark.parametrize("base", RADICES)
+@pytest.mark.parametrize("n", SIZES)
+def test_radix_numba_and_traced_paths_are_the_reference(base, n):
+    from nfab.wire.blockq import chunks as blockq_chunks
+    from nfab.wire.blockq.reducer import pack_any
+
+    layout = chunked_radix_layout(base)
+    values = torch.randint(0, base, (n,), generator=torch.Generator().manual_seed(n))
+    narrow = values.to(torch.uint8 if base <= 256 else torch.int32)
+    ref = radix.pack(narrow, layout)
+    assert torch.equal(pack_any(narrow, layout, True), ref)
+    with fusion.stages_compiled(False):
+        got = blockq_chunks.pack_radix(narrow, layout)
+        back = blockq_chunks.unpack_radix(ref, layout)
+    assert got is not None and torch.equal(got, ref)
+    assert back is not None and torch.equal(back[:n].to(torch.int64), values) and not back[n:].any()

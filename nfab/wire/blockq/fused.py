@@ -46,9 +46,8 @@ from functools import cache, lru_cache
 import torch
 
 from nfab.wire import digits, fusion, noise
-from nfab.wire.blockq import grid, radix, table
+from nfab.wire.blockq import chunks, grid, radix, table
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.qsum import chunks as qsum_chunks
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum.lanes import LaneLayout
 
@@ -173,6 +172,8 @@ def radix_pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None
     values on one core, plus 0.35-0.98 ms for the transposing copy (partial 16 x 16 tiles), against
     1.1-1.5 ms for Horner's rule over strided byte columns (the kernel before, which inductor ran
     scalar: it stops vectorising at 35 strided loads and stores); docs/gpu.md has the runs."""
+    if layout.chunk:
+        return chunks.pack_radix(values, layout)
     return digits.pack(values, layout.radix, layout.digits)
 
 
@@ -181,6 +182,8 @@ def radix_unpack(c: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None:
     m * digits of them, the caller reads the first numel), or None when compiling failed."""
     if layout.radix >= radix.EXACT_RADIX:  # never chosen by a layout in use: the eager integer path
         return radix.unpack(c, layout, c.numel() * layout.digits, torch.int64)
+    if layout.chunk:
+        return chunks.unpack_radix(c, layout)
     width = _digit_width(layout)
     columns = fusion.run(digits.columns_fn(digits.groups(layout.digits, width)[0]), *digits.word_parts(c))
     words = None if columns is None else fusion.run(radix_unpack_fn(layout), columns,
@@ -313,49 +316,43 @@ def decode(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, pa
     per block view, or (`parts` None) one through the block index of the bucket's `lengths`; None
     when compiling failed. Chunked lanes whose chunk rows are the bucket's first blocks are
     unpacked and scaled in one kernel there (`decode_chunks`)."""
-    if isinstance(layout, LaneLayout) and layout.chunk == block and parts and parts[0].start == 0 \
-            and parts[0].width == block:
+    if layout.chunk == block and parts and parts[0].start == 0 and parts[0].width == block:
         return decode_chunks(reduced, codes_, scales, parts, numel, total, layout, out, lengths, block)
     sums = unpack(reduced, layout)
     return None if sums is None else scaled(sums, codes_, scales, parts, numel, total, out, lengths, block)
 
 
-@cache
-def scaled_chunks_fn(layout: LaneLayout):
-    """`(S * unit - 1) * scale` of whole chunks of a chunked layout whose lane rows are blocks, as a
-    traced function: out (chunks, lanes, block) fp32, the containers (chunks, block), the rows'
-    codes (chunks, lanes) uint8. One kernel reads the containers and writes the bucket: the
-    unpacked sums are never stored."""
-
-    def scaled_chunks(out: torch.Tensor, c: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor,
-                      unit: torch.Tensor) -> None:
-        sums = qsum_chunks.lane_values(c, layout)
-        out.copy_((sums.to(torch.float32) * unit - 1.0) * scales[codes_.to(torch.int64)].unsqueeze(2))
-
-    return scaled_chunks
-
-
 def decode_chunks(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, parts: tuple[grid.Piece, ...],
-                  numel: int, total: int, layout: LaneLayout, out: torch.Tensor | None, lengths: Sequence[int],
+                  numel: int, total: int, layout: Layout, out: torch.Tensor | None, lengths: Sequence[int],
                   block: int) -> torch.Tensor | None:
-    """`decode` of chunked lanes (`layout.chunk == block`) whose first view starts the bucket: there,
-    row l of chunk q is block q * lanes + l, so the whole chunks inside that view are unpacked and
-    scaled in one kernel (`scaled_chunks_fn`); the rest (from a chunk boundary: the same chunking)
-    unpacked, then scaled view by view. None when compiling failed."""
-    k, c = layout.lanes, reduced.reshape(-1)
+    """`decode` of chunked lanes or digits (`layout.chunk == block`) whose first view starts the
+    bucket: there, row l of chunk q is block q * k + l, so the whole chunks inside that view are
+    unpacked and scaled in one kernel (`chunks.scaled_lanes_fn`; radix digits: after one small
+    kernel splitting each container, `chunks.scaled_digits_fn`); the rest (from a chunk boundary:
+    the same chunking) unpacked, then scaled view by view. None when compiling failed."""
+    k = layout.lanes if isinstance(layout, LaneLayout) else layout.digits
+    c = reduced.reshape(-1)
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=c.device)
     q = min(parts[0].rows, c.numel() // block * k) // k
-    if q and fusion.run(scaled_chunks_fn(layout), res[: q * k * block].view(q, k, block), c[: q * block].view(q, block),
-                        codes_[: q * k].view(q, k), scales, fusion.constant(2.0 / total, c.device)) is None \
-            and fusion.failed():
-        return None
+    if q:
+        dest, src, unit = res[: q * k * block].view(q, k, block), c[: q * block].view(q, block), fusion.constant(
+            2.0 / total, c.device)
+        if isinstance(layout, LaneLayout):
+            got = fusion.run(chunks.scaled_lanes_fn(layout), dest, src, codes_[: q * k].view(q, k), scales, unit)
+        else:
+            halves = chunks.halves_of(src, layout)
+            got = None if halves is None else fusion.run(
+                chunks.scaled_digits_fn(layout), dest, halves, chunks.digit_powers(layout.radix, layout.digits, c.device),
+                codes_[: q * k].view(q, k), scales, unit)
+        if got is None and fusion.failed():
+            return None
     done = q * k * block
     if done == numel:
         return res
     first = parts[0]
     rest = ([grid.Piece(0, first.rows - q * k, block, first.first_block + q * k)] if first.rows > q * k else []) + [
         grid.Piece(p.start - done, p.rows, p.width, p.first_block) for p in parts[1:]]
-    sums = qsum_chunks.unpack(c[q * block :], layout)
+    sums = unpack(c[q * block :], layout)
     if sums is None:
         return None
     rest_mean = scaled(sums, codes_, scales, tuple(rest), numel - done, total, res[done:], lengths, block)

@@ -238,6 +238,76 @@ def radix_decode_blocks(containers, radix, digits, numel, table, block_starts, b
             b += 1
 
 
+@njit(cache=True, nogil=True)
+def radix_pack_chunked(levels, radix, digits, chunk, out):
+    """`radix.pack` of a chunked layout (`out`: its containers; elements past the levels 0): per chunk
+    of g containers, out[c0 + i] = sum_d levels[k * c0 + d * g + i] * R^d, digit by digit over
+    contiguous rows (it vectorizes; exact in int64 in any order)."""
+    n, m = levels.size, out.size
+    powers = np.empty(digits, dtype=np.int64)
+    p = np.int64(1)
+    for d in range(digits):
+        powers[d] = p
+        p *= np.int64(radix)
+    for c0 in range(0, m, chunk):
+        g = min(chunk, m - c0)
+        e0 = c0 * digits
+        dest = out[c0:c0 + g]
+        if e0 + g * digits <= n:
+            row = levels[e0:e0 + g]
+            for i in range(g):
+                dest[i] = np.int64(row[i])
+            for d in range(1, digits):
+                row = levels[e0 + d * g:e0 + (d + 1) * g]
+                pd = powers[d]
+                for i in range(g):
+                    dest[i] += np.int64(row[i]) * pd
+            continue
+        for i in range(g):
+            c = np.int64(0)
+            for d in range(digits):
+                e = e0 + d * g + i
+                if e < n:
+                    c += np.int64(levels[e]) * powers[d]
+            dest[i] = c
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def radix_decode_chunked(containers, radix, digits, chunk, numel, table, block_starts, block_ends, scale_of_block,
+                         out):
+    """`radix_decode_blocks` of a chunked layout: per chunk of containers, their digits
+    (`_chunk_digits`), each digit's row of table values into its contiguous run of `out`, then the
+    chunk's blocks scaled in place. Same float32 products."""
+    r = np.int64(radix)
+    inv_powers, p_lo, halves, quotients, dig = _digit_scratch(r, digits)
+    m = containers.size
+    b = 0
+    for c0 in range(0, m, chunk):
+        g = min(chunk, m - c0)
+        e0 = c0 * digits
+        if e0 >= numel:
+            break
+        _chunk_digits(containers[c0:c0 + g], r, digits, inv_powers, p_lo, halves, quotients, dig)
+        e = min(e0 + g * digits, numel)
+        for d in range(digits):
+            a = e0 + d * g
+            count = min(g, numel - a)
+            if count <= 0:
+                break
+            row = out[a:a + count]
+            dd = dig[d]
+            for i in range(count):
+                row[i] = table[dd[i]]
+        while b < block_starts.size and block_starts[b] < e:  # the blocks that meet this chunk
+            sb = scale_of_block[b]
+            part = out[max(block_starts[b], e0):min(block_ends[b], e)]
+            for k in range(part.size):
+                part[k] = part[k] * sb
+            if block_ends[b] > e:
+                break  # it goes on in the next chunk
+            b += 1
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def radix_digits(containers, radix, digits, numel, out):
     """out[i] = digit i of the (summed) containers: `radix.unpack` (the owner's sum of own digits

@@ -10,16 +10,21 @@ W-rank sum of a digit is at most W * M = R - 1 and never carries into the next d
 the whole sum stays below R^k <= 2^63, so an int64 SUM all-reduce (ring, tree, gloo, NCCL)
 adds every digit exactly.
 
-Element order: element i is digit (i mod k) of container i // k (consecutive). Torch ops
-only, so the same code runs on any device.
+Element order: element i is digit (i mod k) of container i // k (consecutive), or, in a
+*chunked* layout (`chunk` > 0, `chunked_radix_layout`: blockq's all-reduce), the order of
+`lanes.chunked_layout`: in the chunk of g containers starting at container c0 (g = chunk, less
+for the last), digit j of container c0 + i holds element k * c0 + j * g + i, so each digit of a
+chunk is a contiguous row of elements. Torch ops only, so the same code runs on any device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
 import torch
+
+from nfab.wire.qsum.lanes import CHUNK, chunk_rows
 
 _LIMIT = 1 << 63
 """A container's sum stays below R^k, which must not exceed 2^63 (int64's positive range + 1)."""
@@ -32,6 +37,8 @@ class RadixLayout:
     radix: int
     digits: int
     storage_bits: int = 64
+    chunk: int = 0
+    """Containers per chunk of the chunked element order (module docstring); 0: consecutive."""
 
     @property
     def max_value(self) -> int:
@@ -58,6 +65,12 @@ def radix_layout(radix: int) -> RadixLayout:
     return RadixLayout(radix, k)
 
 
+@cache
+def chunked_radix_layout(radix: int) -> RadixLayout:
+    """`radix_layout(radix)` in the chunked element order, `lanes.CHUNK` containers a chunk."""
+    return replace(radix_layout(radix), chunk=CHUNK)
+
+
 @lru_cache(maxsize=64)
 def _powers(radix: int, digits: int, device: torch.device) -> torch.Tensor:
     """R^0 .. R^(k-1) as int64 on `device`: made on the host once and copied without waiting."""
@@ -76,6 +89,14 @@ def pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
     flat = values.reshape(-1)
     if n < m * k:
         flat = torch.cat([flat, flat.new_zeros(m * k - n)])
+    if layout.chunk:  # Horner's rule over each chunk's rows of digits
+        out = torch.empty(m, dtype=torch.int64, device=flat.device)
+        for c0, rows in chunk_rows(flat, k, layout.chunk, m):
+            acc = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
+            acc.copy_(rows[:, k - 1])
+            for j in range(k - 2, -1, -1):
+                acc.mul_(layout.radix).add_(rows[:, j])
+        return out
     grid = flat.view(m, k)
     acc = grid[:, k - 1].to(torch.int64, copy=True)  # a copy: never the caller's int64 values
     for j in range(k - 2, -1, -1):
@@ -106,7 +127,7 @@ def unpack(containers: torch.Tensor, layout: RadixLayout, numel: int,
         for j in range(k):
             out[:, j] = torch.remainder(rest, r)
             rest.floor_divide_(r)
-        return out.view(-1)[:numel]
+        return _element_order(out, layout)[:numel]
     h = (k + 1) // 2
     hi = torch.div(c, r**h, rounding_mode="floor")
     lo = (c - hi * r**h).to(torch.float64)
@@ -116,4 +137,16 @@ def unpack(containers: torch.Tensor, layout: RadixLayout, numel: int,
             torch.div(part, r, out=q).floor_()
             out[:, j].copy_(part.sub_(q, alpha=r))  # the digit: part - R * floor(part / R)
             part, q = q, part
-    return out.view(-1)[:numel]
+    return _element_order(out, layout)[:numel]
+
+
+def _element_order(digits: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
+    """The (containers, k) digits as a flat tensor in `layout`'s element order."""
+    if not layout.chunk:
+        return digits.view(-1)
+    m, k = digits.shape
+    flat = torch.empty(m * k, dtype=digits.dtype, device=digits.device)
+    for c0, rows in chunk_rows(flat, k, layout.chunk, m):
+        q, g = rows.shape[0], rows.shape[2]
+        rows.copy_(digits[c0 : c0 + q * g].view(q, g, k).transpose(1, 2))
+    return flat

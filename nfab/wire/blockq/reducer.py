@@ -365,7 +365,10 @@ class BlockQSum(Reducer):
         res = torch.empty(numel, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
         starts, ends = _block_bounds(lengths, self.block)
         block_scale = self._block_scales(scale_mean).numpy()
-        if isinstance(layout, RadixLayout):
+        if isinstance(layout, RadixLayout) and layout.chunk:
+            blockkernels.radix_decode_chunked(reduced.contiguous().numpy(), layout.radix, layout.digits, layout.chunk,
+                                              numel, values.numpy(), starts, ends, block_scale, res.numpy())
+        elif isinstance(layout, RadixLayout):
             blockkernels.radix_decode_blocks(reduced.numpy(), layout.radix, layout.digits, numel, values.numpy(),
                                              starts, ends, block_scale, res.numpy())
         else:
@@ -433,7 +436,11 @@ def pack_any(values: torch.Tensor, layout: LaneLayout | RadixLayout, compiled: b
     if compiled:
         assert blockkernels is not None
         payload = torch.empty(layout.containers_for(values.numel()), dtype=torch.int64, device="cpu")
-        blockkernels.radix_pack(values.numpy(), layout.radix, layout.digits, payload.numpy())
+        if layout.chunk:
+            blockkernels.radix_pack_chunked(values.reshape(-1).numpy(), layout.radix, layout.digits, layout.chunk,
+                                            payload.numpy())
+        else:
+            blockkernels.radix_pack(values.numpy(), layout.radix, layout.digits, payload.numpy())
         return payload
     return radix.pack(values, layout)
 
@@ -475,10 +482,10 @@ def _pack_lanes_host(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
 
 @lru_cache(maxsize=64)
 def _packing(lane_bits: int, values: int) -> LaneLayout | RadixLayout:
-    """The denser of bit lanes of `lane_bits` (in the chunked order where wide: `lanes.chunked_layout`)
-    and int64 digits in base `values`."""
+    """The denser of bit lanes of `lane_bits` and int64 digits in base `values`, both in the chunked
+    element order (`lanes.chunked_layout`, `radix.chunked_radix_layout`)."""
     lanes = chunked_layout(lane_bits)
-    digits = radix.radix_layout(values)
+    digits = radix.chunked_radix_layout(values)
     return digits if digits.bits_per_element < lanes.bits_per_element else lanes
 
 

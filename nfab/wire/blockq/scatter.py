@@ -71,10 +71,10 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
 
     # ---- geometry ------------------------------------------------------------------------
     def layout(self, world_size: int) -> LaneLayout | RadixLayout:
-        """`BlockQSum.layout` in the plain (unchunked) lane order: an owner packs one shard of sums,
-        and shards concatenate to the whole packing only in that order (`consecutive`)."""
+        """`BlockQSum.layout` in the plain (unchunked) element order: an owner packs one shard of
+        sums, and shards concatenate to the whole packing only in that order (`consecutive`)."""
         lay = super().layout(world_size)
-        return dataclasses.replace(lay, chunk=0) if isinstance(lay, LaneLayout) and lay.chunk else lay
+        return dataclasses.replace(lay, chunk=0) if lay.chunk else lay
 
     def own_layout(self) -> LaneLayout | RadixLayout:
         """One rank's levels: the W = 1 packing, the denser of bit lanes and base-L digits (L = M + 1

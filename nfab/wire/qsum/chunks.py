@@ -33,7 +33,7 @@ def lane_values(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     return values.to(torch.int32) if layout.lane_bits <= 31 else values
 
 
-def _widened(values: torch.Tensor, container: torch.dtype) -> torch.Tensor:
+def widened(values: torch.Tensor, container: torch.dtype) -> torch.Tensor:
     """`values` as `container`; uint8 through int32 (straight to int64 inductor's C++ ran it scalar)."""
     return values.to(torch.int32).to(container) if values.dtype == torch.uint8 else values.to(container)
 
@@ -44,9 +44,9 @@ def pack_rows_fn(layout: LaneLayout):
 
     def pack_rows(out: torch.Tensor, values: torch.Tensor) -> None:
         s = fusion.static(layout.lane_bits)
-        acc = _widened(values[:, 0], layout.container)
+        acc = widened(values[:, 0], layout.container)
         for lane in range(1, fusion.static(layout.lanes)):
-            acc = acc | (_widened(values[:, lane], layout.container) << (lane * s))
+            acc = acc | (widened(values[:, lane], layout.container) << (lane * s))
         out.copy_(acc)
 
     return pack_rows
@@ -64,21 +64,28 @@ def unpack_rows_fn(layout: LaneLayout):
 
 def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """`lanes.pack` of the 1-D non-negative integers `values` in a chunked layout (compiled), or None
-    when compiling failed: the chunks whose elements all lie in `values` read in place, the rest
-    (at most two chunks) from a zero-padded copy of their few values."""
+    when compiling failed (`pack_chunks`)."""
+    return pack_chunks(values, layout.lanes, layout.chunk, layout.container, pack_rows_fn(layout))
+
+
+def pack_chunks(values: torch.Tensor, k: int, g: int, container: torch.dtype, rows_fn) -> torch.Tensor | None:
+    """The containers of `values` (1-D) in chunks of g containers of k lanes or digits, each view of
+    whole chunks packed by the traced `rows_fn(out (chunks, g'), values (chunks, k, g'))`; None when
+    compiling failed. The chunks whose elements all lie in `values` are read in place, the rest (at
+    most two chunks) from a zero-padded copy of their few values."""
     v = values.reshape(-1)
-    n, k, g = v.numel(), layout.lanes, layout.chunk
-    m = layout.containers_for(n)
-    out = torch.empty(m, dtype=layout.container, device=v.device)
+    n = v.numel()
+    m = -(-n // k)
+    out = torch.empty(m, dtype=container, device=v.device)
     whole = n // (g * k)
     parts = [(0, v[: whole * g * k].view(whole, k, g))] if whole else []
     if m > whole * g:
         rest = torch.zeros((m - whole * g) * k, dtype=v.dtype, device=v.device)
         rest[: n - whole * g * k] = v[whole * g * k :]
-        parts += [(whole * g + c0, rows) for c0, rows in chunk_rows(rest, layout, m - whole * g)]
+        parts += [(whole * g + c0, rows) for c0, rows in chunk_rows(rest, k, g, m - whole * g)]
     for c0, rows in parts:
         dest = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
-        if fusion.run(pack_rows_fn(layout), dest, rows) is None and fusion.failed():
+        if fusion.run(rows_fn, dest, rows) is None and fusion.failed():
             return None
     return out
 
@@ -86,11 +93,19 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
 def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     """The m * lanes lane values (`lane_dtype`, element order) of the m containers `c` of a chunked
     layout (compiled), or None when compiling failed."""
+    return unpack_chunks(c, layout.lanes, layout.chunk, lane_dtype(layout), unpack_rows_fn(layout))
+
+
+def unpack_chunks(c: torch.Tensor, k: int, g: int, dtype: torch.dtype, rows_fn, *extra: torch.Tensor
+                  ) -> torch.Tensor | None:
+    """The m * k values (`dtype`, element order) of the m containers `c` in chunks of g, each view
+    of whole chunks unpacked by the traced `rows_fn(out (chunks, k, g'), c (chunks, g'), *extra)`;
+    None when compiling failed."""
     c = c.reshape(-1)
     m = c.numel()
-    out = torch.empty(m * layout.lanes, dtype=lane_dtype(layout), device=c.device)
-    for c0, rows in chunk_rows(out, layout, m):
+    out = torch.empty(m * k, dtype=dtype, device=c.device)
+    for c0, rows in chunk_rows(out, k, g, m):
         src = c[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
-        if fusion.run(unpack_rows_fn(layout), rows, src) is None and fusion.failed():
+        if fusion.run(rows_fn, rows, src, *extra) is None and fusion.failed():
             return None
     return out

@@ -114,11 +114,10 @@ def chunked_layout(lane_bits: int) -> LaneLayout:
     return LaneLayout(base.lane_bits, base.container, base.lanes, base.storage_bits, CHUNK)
 
 
-def chunk_rows(flat: torch.Tensor, layout: LaneLayout, m: int) -> list[tuple[int, torch.Tensor]]:
-    """(first container, (chunks, lanes, g) view) of a chunked layout's m * lanes elements `flat`: the
-    whole chunks as one view, the last, shorter chunk as another (row [c, l] of a view: lane l of
-    that chunk's containers, in element order)."""
-    g, k = layout.chunk, layout.lanes
+def chunk_rows(flat: torch.Tensor, k: int, g: int, m: int) -> list[tuple[int, torch.Tensor]]:
+    """(first container, (chunks, k, g') view) of the m * k elements `flat` of m containers of k lanes
+    (or digits) in chunks of g containers: the whole chunks as one view, the last, shorter chunk as
+    another (row [c, l] of a view: lane l of that chunk's containers, in element order)."""
     whole = m // g
     views = [(0, flat[: whole * g * k].view(whole, k, g))] if whole else []
     if m > whole * g:
@@ -155,7 +154,7 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     padded[:n] = flat
     out = torch.zeros(m, dtype=work, device=flat.device)
     if layout.chunk:
-        for c0, rows in chunk_rows(padded, layout, m):
+        for c0, rows in chunk_rows(padded, layout.lanes, layout.chunk, m):
             dest = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
             for lane in range(layout.lanes):
                 dest |= rows[:, lane] << (lane * layout.lane_bits)
@@ -174,7 +173,7 @@ def unpack(containers: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Te
     m = containers.numel()
     out = torch.empty(m * layout.lanes, dtype=containers.dtype, device=containers.device)
     if layout.chunk:
-        for c0, rows in chunk_rows(out, layout, m):
+        for c0, rows in chunk_rows(out, layout.lanes, layout.chunk, m):
             src = containers[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
             for lane in range(layout.lanes):
                 torch.bitwise_and(src >> (lane * layout.lane_bits), mask, out=rows[:, lane])
