@@ -33,8 +33,10 @@ def radix_rows_fn(layout: RadixLayout):
     """(chunks, g) int64 containers from the (chunks, digits, g) digits of whole chunks, Horner's rule
     per container (exact: every partial sum stays below R^k <= 2^63)."""
 
+    radix_, digits_ = layout.radix, layout.digits
+
     def radix_rows(out: torch.Tensor, values: torch.Tensor) -> None:
-        r, k = fusion.static(layout.radix), fusion.static(layout.digits)
+        r, k = fusion.static(radix_), fusion.static(digits_)
         acc = qsum_chunks.widened(values[:, k - 1], torch.int64)
         for j in range(k - 2, -1, -1):
             acc = acc * r + qsum_chunks.widened(values[:, j], torch.int64)
@@ -48,8 +50,10 @@ def radix_halves_fn(layout: RadixLayout):
     """(chunks, g) int64 containers -> (chunks, 2, g) float64: each container's low and high parts
     (c = hi * R^h + lo, h = k // 2) plus 0.5, the split of `fused.radix_unpack_fn`."""
 
+    split = layout.radix ** (layout.digits // 2)  # a Python int here: traced, the power went symbolic
+
     def radix_halves(c: torch.Tensor, inv_split: torch.Tensor) -> torch.Tensor:
-        base = fusion.static(layout.radix ** (layout.digits // 2))
+        base = fusion.static(split)
         hi = (c.to(torch.float64) * inv_split).to(torch.int64)
         lo = c - hi * base
         under = lo < 0
@@ -61,15 +65,14 @@ def radix_halves_fn(layout: RadixLayout):
     return radix_halves
 
 
-def chunk_digits(halves: torch.Tensor, powers: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
+def chunk_digits(halves: torch.Tensor, powers: torch.Tensor, digits: int, radix: float) -> torch.Tensor:
     """The (chunks, digits, g) digits (float64 whole numbers) of containers split into `halves`
     (`radix_halves_fn`); `powers` (2, digits) float64: each digit's two inverse powers
-    (`digit_powers`). Traced."""
-    k, h = fusion.static(layout.digits), fusion.static(layout.digits // 2)
+    (`digit_powers`). Traced (`digits`, `radix`: constants of the builder's closure)."""
+    k, h = fusion.static(digits), fusion.static(digits // 2)
     low = torch.arange(k, device=halves.device).view(1, -1, 1) < h
     part = torch.where(low, halves[:, :1], halves[:, 1:])
-    return torch.floor(part * powers[0].view(1, -1, 1)) - torch.floor(part * powers[1].view(1, -1, 1)) * float(
-        layout.radix)
+    return torch.floor(part * powers[0].view(1, -1, 1)) - torch.floor(part * powers[1].view(1, -1, 1)) * radix
 
 
 @lru_cache(maxsize=64)
@@ -92,8 +95,10 @@ def inverse_split(radix: int, digits: int, device: torch.device) -> torch.Tensor
 def radix_digits_fn(layout: RadixLayout):
     """The (chunks, digits, g) digits (uint8 / int32 `out`) of split containers (one graph per layout)."""
 
+    k, r = layout.digits, float(layout.radix)
+
     def radix_digit_rows(out: torch.Tensor, halves: torch.Tensor, powers: torch.Tensor) -> None:
-        out.copy_(chunk_digits(halves, powers, layout).to(torch.int32).to(out.dtype))
+        out.copy_(chunk_digits(halves, powers, k, r).to(torch.int32).to(out.dtype))
 
     return radix_digit_rows
 
@@ -119,9 +124,11 @@ def scaled_lanes_fn(layout: LaneLayout):
 def scaled_digits_fn(layout: RadixLayout):
     """`scaled_lanes_fn` for radix digits, from the split containers (`radix_halves_fn`)."""
 
+    k, r = layout.digits, float(layout.radix)
+
     def scaled_digits(out: torch.Tensor, halves: torch.Tensor, powers: torch.Tensor, codes_: torch.Tensor,
                       scales: torch.Tensor, unit: torch.Tensor) -> None:
-        out.copy_(_unit_scaled(chunk_digits(halves, powers, layout), codes_, scales, unit))
+        out.copy_(_unit_scaled(chunk_digits(halves, powers, k, r), codes_, scales, unit))
 
     return scaled_digits
 

@@ -8,13 +8,15 @@ dozen of them) and its decode four; memory-bound, so a few hundredths of a copy.
 - agreement: the scale codes (`table.codes_of`: exponent arithmetic) in one kernel over the blocks;
 - encode: each block's divisor, counter base and key word in one small kernel over the blocks
   (`row_terms`); the keyed counter hash, the division by the block's agreed scale and the level
-  arithmetic in one kernel per block view (the noise never stored); then the lane packing
-  (`qsum.fused.pack`: 1/2/4-bit lanes as whole words) or radix digits (`radix_pack`: a transposing
-  copy of the values as int64 words, then one kernel; `wire/digits.py`);
-- decode: the lanes unpacked (`qsum.fused.unpack`: a kernel per lane block; the 5/6-bit lanes of
-  int32 containers as digits), or radix digits (`radix_unpack`); digits are a transposing copy of
-  the containers' int64 words and one kernel writing whole words of digits (`wire/digits.py`), then
-  `(S * 2 / (M * W) - 1) * scale` and the store into the bucket slice in one kernel per view.
+  arithmetic in one kernel per block view (the noise never stored); then the packing of the
+  chunked lanes or radix digits (`blockq/chunks.py`, `qsum/chunks.py`: each lane or digit of a
+  chunk a contiguous row of levels, so one kernel reading rows and writing containers);
+- decode: where the chunk rows are the bucket's first blocks (a bucket that starts with a view of
+  whole 64-element blocks), the containers unpacked and `(S * 2 / (M * W) - 1) * scale` stored
+  into the bucket in one kernel (`decode_chunks`; radix digits after a small kernel splitting each
+  container); elsewhere the lanes or digits unpacked, then scaled in one kernel per view.
+  blockqscatter's own and summed shards keep the plain order (`qsum.fused`, `radix_unpack`:
+  digits in groups of whole words after a transposing copy, `wire/digits.py`).
 
 Fewer kernels ran slower on one CPU core: a container that reads its lanes' levels as a sum over
 a short inner dimension, or a level kernel that finds its block's scale by an index expression,
