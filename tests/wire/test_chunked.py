@@ -134,3 +134,21 @@ def test_radix_numba_and_traced_paths_are_the_reference(base, n):
         back = blockq_chunks.unpack_radix(ref, layout)
     assert got is not None and torch.equal(got, ref)
     assert back is not None and torch.equal(back[:n].to(torch.int64), values) and not back[n:].any()
+
+
+@pytest.mark.parametrize("base", [5, 7, 9, 13, 25, 300])
+def test_traced_radix_digits_of_extreme_containers(base):
+    """Containers whose every digit is R - 1 (the largest W-rank sums), 0, and neighbours of R^k: the
+    float64 quotient of each part's split is corrected to the exact integer, and every part's
+    digits come out of float32 arithmetic exactly."""
+    from nfab.wire.blockq import chunks as blockq_chunks
+
+    layout = chunked_radix_layout(base)
+    r, k = layout.radix, layout.digits
+    top = r**k - 1
+    edge = [top, 0, top - 1, r ** (k - 1), r ** (k - 1) - 1, (r**k) // 2]
+    containers = torch.tensor((edge * 30)[: CHUNK + 7], dtype=torch.int64)
+    with fusion.stages_compiled(False):
+        got = blockq_chunks.unpack_radix(containers, layout)
+    assert got is not None
+    assert torch.equal(got.to(torch.int64), radix.unpack(containers, layout, containers.numel() * k))

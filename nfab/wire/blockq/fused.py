@@ -342,10 +342,10 @@ def decode_chunks(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Ten
         if isinstance(layout, LaneLayout):
             got = fusion.run(chunks.scaled_lanes_fn(layout), dest, src, codes_[: q * k].view(q, k), scales, unit)
         else:
-            halves = chunks.halves_of(src, layout)
-            got = None if halves is None else fusion.run(
-                chunks.scaled_digits_fn(layout), dest, halves, chunks.digit_powers(layout.radix, layout.digits, c.device),
-                codes_[: q * k].view(q, k), scales, unit)
+            parts_ = chunks.parts_of(src, layout)
+            got = None if parts_ is None else fusion.run(
+                chunks.scaled_digits_fn(layout), dest, codes_[: q * k].view(q, k), scales, unit,
+                chunks.digit_powers(layout.radix, layout.digits, c.device), *parts_)
         if got is None and fusion.failed():
             return None
     done = q * k * block
