@@ -77,7 +77,7 @@ def pack_fn(radix: int, digits: int, width: int = 1):
     digits fill whole words) and every operation an int64 vector one."""
     k, (g, _) = digits, groups(digits, width)
     per_word, mask = 8 // width, (1 << 8 * width) - 1
-    powers = [radix**j for j in range(k)]
+    powers = [fusion.static(radix**j) for j in range(k)]  # registered outside the trace (`fusion.static`)
     where = [[divmod(t * k + j, per_word) for j in range(k)] for t in range(g)]  # (word, field) of each digit
 
     def pack_digits(words: torch.Tensor) -> torch.Tensor:

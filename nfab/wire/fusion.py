@@ -146,15 +146,27 @@ def _kind(args: tuple[Any, ...]) -> tuple[Any, ...]:
                  for a in args)
 
 
-_STATIC: dict[int, int] = {}
+_STATIC: dict[int, int] = {v: v for v in range(1 << 12)} | {(1 << b) + d: (1 << b) + d for b in range(64) for d in (-1, 0)}
+"""`static`'s table, filled before any stage traces: small ints, powers of two and masks; builders
+add their larger constants (radix powers) when they build (`static` outside a trace)."""
 
 
 def static(value: int) -> int:
     """`value` as a constant inside a traced stage. Why: under `dynamic=True` dynamo makes a closure's
     ints (and its objects' int attributes) symbolic, and inductor's C++ then computed a shift by a
     lane width as a float vector (a C++ compile error, so the eager fallback). Looked up in a
-    module-level table, the int is specialised to its value (a guard on it), as a literal would be."""
-    return _STATIC.setdefault(value, value)
+    module-level table, the int is specialised to its value (a guard on it), as a literal would be.
+
+    Traced, it only reads the table: a value already there costs a guard on that value alone. A
+    value added while tracing guards the table's length, so every graph traced before it compiles
+    again on its next call (a dozen graphs per new constant in `test_compiled.py`): builders call
+    `static` on their constants when they build, outside the trace, and the table starts filled."""
+    if not torch.compiler.is_compiling():
+        return _STATIC.setdefault(value, value)
+    try:
+        return _STATIC[value]
+    except KeyError:  # not registered: added while tracing (the length guard above)
+        return _STATIC.setdefault(value, value)
 
 
 @lru_cache(maxsize=256)

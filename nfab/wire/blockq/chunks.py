@@ -36,7 +36,7 @@ def radix_rows_fn(layout: RadixLayout):
     """(chunks, g) int64 containers from the (chunks, digits, g) digits of whole chunks, Horner's rule
     per container (exact: every partial sum stays below R^k <= 2^63)."""
 
-    radix_, digits_ = layout.radix, layout.digits
+    radix_, digits_ = fusion.static(layout.radix), fusion.static(layout.digits)  # registered outside the trace
 
     def radix_rows(out: torch.Tensor, values: torch.Tensor) -> None:
         r, k = fusion.static(radix_), fusion.static(digits_)
@@ -67,7 +67,7 @@ def radix_parts_fn(layout: RadixLayout):
     float64 product corrected by one each way (R^d >= 2^13 for every layout here, so the product
     errs by less than one; `fused.radix_unpack_fn` has the argument)."""
     d = part_digits(layout.radix)
-    count, base = -(-layout.digits // d), layout.radix**d  # Python ints here: traced, the power went symbolic
+    count, base = -(-layout.digits // d), fusion.static(layout.radix**d)  # here: traced, the power went symbolic
 
     def radix_parts(c: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, ...]:
         unit = fusion.static(base)

@@ -135,7 +135,7 @@ def radix_unpack_fn(layout: RadixLayout):
     against 3.0-4.3 ms for the digits as stacked uint8 columns of float64 divisions (the kernel
     before, which inductor ran scalar)."""
     k, r, h = layout.digits, layout.radix, layout.digits // 2
-    split, width = r**h, _digit_width(layout)
+    split, width = fusion.static(r**h), _digit_width(layout)  # registered outside the trace (`fusion.static`)
     g, _ = digits.groups(k, width)
 
     def radix_digits(columns: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

@@ -110,3 +110,27 @@ def unpack_chunks(c: torch.Tensor, k: int, g: int, dtype: torch.dtype, rows_fn, 
         if fusion.run(rows_fn, rows, src, *extra) is None and fusion.failed():
             return None
     return out
+
+
+@cache
+def scaled_rows_fn(layout: LaneLayout):
+    """One segment's decode of whole chunks: out (chunks, lanes, g) fp32 = (S * unit - 1) * scale from
+    the containers (chunks, g), `scale` the segment's (1 element): the sums are never stored."""
+
+    def scaled_rows(out: torch.Tensor, c: torch.Tensor, unit: torch.Tensor, scale: torch.Tensor) -> None:
+        out.copy_((lane_values(c, layout).to(torch.float32) * unit - 1.0) * scale)
+
+    return scaled_rows
+
+
+def decode_whole_chunks(c: torch.Tensor, layout: LaneLayout, numel: int, unit: torch.Tensor, scale: torch.Tensor,
+                        out: torch.Tensor) -> int | None:
+    """One segment's decode of the whole chunks of containers `c` whose elements all lie below
+    `numel`, into `out` (fp32, `numel`), in one kernel (`scaled_rows_fn`); how many elements that
+    wrote, or None when compiling failed."""
+    k, g = layout.lanes, layout.chunk
+    q = min(numel // (g * k), c.numel() // g)
+    if q and fusion.run(scaled_rows_fn(layout), out[: q * g * k].view(q, k, g), c[: q * g].view(q, g), unit,
+                        scale) is None and fusion.failed():
+        return None
+    return q * g * k

@@ -229,7 +229,7 @@ def lane_buffer(total: int, n: int, device: torch.device) -> torch.Tensor:
 def pack_prefix(values: torch.Tensor, n: int, layout: LaneLayout) -> torch.Tensor | None:
     """`pack` of the first n of the uint8 `values` (`padded_length(n)` of them, zero past n)."""
     m = layout.containers_for(n)
-    got = pack(values if words.fits(layout) else values[: m * layout.lanes], layout)
+    got = pack(values if words.fits(layout) and not layout.chunk else values[: m * layout.lanes], layout)
     return None if got is None else got[:m]
 
 
@@ -415,6 +415,12 @@ def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, s
     args = (fusion.constant(unit, dev), scale.reshape(-1)[:1].to(torch.float32))
     if layout.lanes == 1:
         fusion.run(decode_one_fn(layout), res, reduced.reshape(-1), *args)
-    elif (sums := unpack(reduced, layout)) is not None:
-        fusion.run(scaled_into, res, sums, *args)
+        return None if fusion.failed() else res
+    c, done = reduced.reshape(-1), 0
+    if layout.chunk:  # whole chunks unpacked and scaled in one kernel; the rest from its chunk boundary on
+        done = chunks.decode_whole_chunks(c, layout, numel, *args, res)
+        if done is None or done == numel:
+            return None if done is None else res
+    if (sums := unpack(c[done // layout.lanes :], layout)) is not None:
+        fusion.run(scaled_into, res[done:], sums, *args)
     return None if fusion.failed() else res
