@@ -125,15 +125,13 @@ def qsum_reduce_scatter(red: QSum, rows: torch.Tensor, segments: Sequence[Sequen
     """Mean of row `rank` over the W ranks' `rows` (W, C) by exact qsum: `segments[r]` is row r's
     segment table, `seeds` one noise seed per segment of all rows (this rank's own: ranks round
     independently, as on DDP). Rows are encoded where they lie; a row whose levels do not fill whole
-    containers or chunks (q4/q2: C not a multiple of 2 * 64 / 4 * 64) is encoded on its own, so each
-    row starts a chunk.
+    containers (q4/q2, C not a multiple of 2/4) is encoded on its own, so each row starts a container.
     `out` (C fp32 elements): decoded into directly."""
     w, c = rows.shape
     flat_lengths = [n for seg in segments for n in seg]
     shared = red.agree(red.local_scale(rows.reshape(-1), flat_lengths), group)  # blocking fp32 MAX, per segment
     firsts = list(accumulate([0, *(len(seg) for seg in segments)]))
-    lay = red.lane_layout
-    if c % (lay.lanes * max(lay.chunk, 1)) == 0:  # the rows' packings, end to end, are the whole input's
+    if c % red.lane_layout.lanes == 0:  # the rows' packings, end to end, are the whole input's
         payload = red.encode(rows.reshape(-1), flat_lengths, w, shared, noise.Seeds(seeds)).payload
     else:
         payload = torch.cat([red.encode(rows[r], segments[r], w, shared[firsts[r] : firsts[r + 1]],

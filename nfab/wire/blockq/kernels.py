@@ -308,6 +308,44 @@ def radix_decode_chunked(containers, radix, digits, chunk, numel, table, block_s
             b += 1
 
 
+@njit(cache=True, nogil=True)
+def lanes_decode_chunked(containers, lane_bits, lanes, chunk, numel, unit, block_starts, block_ends, scale_of_block,
+                         out):
+    """`BlockQSum.decode` of chunked bit lanes in one pass: out[e] = (S * unit - 1) * its block's scale,
+    S the lane value of element e, in float32 in that order (the bits of the value table
+    `arange * unit - 1` times the block scale). Each lane of a chunk is a contiguous row, so the
+    arithmetic runs over rows (it vectorizes), where a table lookup per element ran scalar (1.8 ms
+    per 4M 4-bit lanes on one core)."""
+    m = containers.size
+    mask = (1 << lane_bits) - 1
+    one = np.float32(1.0)
+    b = 0
+    for c0 in range(0, m, chunk):
+        g = min(chunk, m - c0)
+        e0 = c0 * lanes
+        if e0 >= numel:
+            break
+        src = containers[c0:c0 + g]
+        for lane in range(lanes):
+            first = e0 + lane * g
+            count = min(g, numel - first)
+            if count <= 0:
+                break
+            shift = lane * lane_bits
+            row = out[first:first + count]
+            for j in range(count):
+                row[j] = np.float32((src[j] >> shift) & mask) * unit - one
+        e = min(e0 + g * lanes, numel)
+        while b < block_starts.size and block_starts[b] < e:  # the blocks that meet this chunk
+            sb = scale_of_block[b]
+            part = out[max(block_starts[b], e0):min(block_ends[b], e)]
+            for k in range(part.size):
+                part[k] = part[k] * sb
+            if block_ends[b] > e:
+                break  # it goes on in the next chunk
+            b += 1
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def radix_digits(containers, radix, digits, numel, out):
     """out[i] = digit i of the (summed) containers: `radix.unpack` (the owner's sum of own digits

@@ -329,7 +329,8 @@ class BlockQSum(Reducer):
             values = self.sum_values(layout, world_size, reduced.device)
             one, _ = split_out(out)  # a bucket slice is decoded into directly; slices or bf16 by a copy
             direct = one if one is not None and _compiled(one) and one.dtype == torch.float32 else None
-            mean = self._decode_compiled(reduced, scale_mean, numel, tuple(lengths), layout, values, direct)
+            mean = self._decode_compiled(reduced, scale_mean, numel, tuple(lengths), layout, values, direct,
+                                         self.steps * world_size)
             return mean if direct is not None else write_into(out, mean)
         one, _ = split_out(out)  # a contiguous fp32 bucket slice is decoded into directly
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
@@ -358,9 +359,10 @@ class BlockQSum(Reducer):
 
     def _decode_compiled(self, reduced: torch.Tensor, scale_mean: torch.Tensor, numel: int,
                          lengths: tuple[int, ...], layout: LaneLayout | RadixLayout, values: torch.Tensor,
-                         out: torch.Tensor | None) -> torch.Tensor:
-        """`decode` on the CPU: digits, value table and block scales in one compiled pass (bit
-        lanes: the compiled table decode, then the block scales in place). Same bits."""
+                         out: torch.Tensor | None, total: int) -> torch.Tensor:
+        """`decode` on the CPU: digits, value table and block scales in one compiled pass (chunked
+        bit lanes: the table's arithmetic, `values`' entries, with unit 2 / `total`; plain bit lanes:
+        the compiled table decode, then the block scales in place). Same bits."""
         assert blockkernels is not None
         res = torch.empty(numel, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
         starts, ends = _block_bounds(lengths, self.block)
@@ -371,6 +373,10 @@ class BlockQSum(Reducer):
         elif isinstance(layout, RadixLayout):
             blockkernels.radix_decode_blocks(reduced.numpy(), layout.radix, layout.digits, numel, values.numpy(),
                                              starts, ends, block_scale, res.numpy())
+        elif layout.chunk:  # the table's arithmetic per row, then the block scales, in one pass
+            blockkernels.lanes_decode_chunked(reduced.contiguous().numpy(), layout.lane_bits, layout.lanes, layout.chunk,
+                                              numel, np.float32(2.0 / total), starts, ends,
+                                              block_scale, res.numpy())
         else:
             qsum_host.decode_table(reduced, layout, numel, values, out=res)
             blockkernels.scale_blocks(res.numpy(), starts, ends, block_scale)

@@ -19,8 +19,10 @@ from nfab.wire.qsum.lanes import LaneLayout, chunk_rows
 
 
 def lane_dtype(layout: LaneLayout) -> torch.dtype:
-    """The narrowest integer dtype that holds a lane value: uint8 up to 8-bit lanes, else int32."""
-    return torch.uint8 if layout.lane_bits <= 8 else torch.int32
+    """The narrowest integer dtype that holds a lane value: uint8 up to 8-bit lanes."""
+    if layout.lane_bits <= 8:
+        return torch.uint8
+    return torch.int32 if layout.lane_bits <= 31 else torch.int64
 
 
 def lane_values(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
@@ -97,40 +99,16 @@ def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     return unpack_chunks(c, layout.lanes, layout.chunk, lane_dtype(layout), unpack_rows_fn(layout))
 
 
-def unpack_chunks(c: torch.Tensor, k: int, g: int, dtype: torch.dtype, rows_fn, *extra: torch.Tensor
-                  ) -> torch.Tensor | None:
+def unpack_chunks(c: torch.Tensor, k: int, g: int, dtype: torch.dtype, rows_fn) -> torch.Tensor | None:
     """The m * k values (`dtype`, element order) of the m containers `c` in chunks of g, each view
-    of whole chunks unpacked by the traced `rows_fn(out (chunks, k, g'), c (chunks, g'), *extra)`;
-    None when compiling failed."""
+    of whole chunks unpacked by the traced `rows_fn(out (chunks, k, g'), c (chunks, g'))`; None when
+    compiling failed."""
     c = c.reshape(-1)
     m = c.numel()
     out = torch.empty(m * k, dtype=dtype, device=c.device)
     for c0, rows in chunk_rows(out, k, g, m):
         src = c[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
-        if fusion.run(rows_fn, rows, src, *extra) is None and fusion.failed():
+        if fusion.run(rows_fn, rows, src) is None and fusion.failed():
             return None
     return out
 
-
-@cache
-def scaled_rows_fn(layout: LaneLayout):
-    """One segment's decode of whole chunks: out (chunks, lanes, g) fp32 = (S * unit - 1) * scale from
-    the containers (chunks, g), `scale` the segment's (1 element): the sums are never stored."""
-
-    def scaled_rows(out: torch.Tensor, c: torch.Tensor, unit: torch.Tensor, scale: torch.Tensor) -> None:
-        out.copy_((lane_values(c, layout).to(torch.float32) * unit - 1.0) * scale)
-
-    return scaled_rows
-
-
-def decode_whole_chunks(c: torch.Tensor, layout: LaneLayout, numel: int, unit: torch.Tensor, scale: torch.Tensor,
-                        out: torch.Tensor) -> int | None:
-    """One segment's decode of the whole chunks of containers `c` whose elements all lie below
-    `numel`, into `out` (fp32, `numel`), in one kernel (`scaled_rows_fn`); how many elements that
-    wrote, or None when compiling failed."""
-    k, g = layout.lanes, layout.chunk
-    q = min(numel // (g * k), c.numel() // g)
-    if q and fusion.run(scaled_rows_fn(layout), out[: q * g * k].view(q, k, g), c[: q * g].view(q, g), unit,
-                        scale) is None and fusion.failed():
-        return None
-    return q * g * k

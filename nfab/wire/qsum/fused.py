@@ -71,11 +71,7 @@ def or_all(terms: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def lane_dtype(layout: LaneLayout) -> torch.dtype:
-    """The narrowest integer dtype that holds a lane value: uint8 up to 8-bit lanes."""
-    if layout.lane_bits <= 8:
-        return torch.uint8
-    return torch.int32 if layout.lane_bits <= 31 else torch.int64
+lane_dtype = chunks.lane_dtype
 
 
 def unpacked_into(out: torch.Tensor, c: torch.Tensor, layout: LaneLayout, l0: int, l1: int) -> None:
@@ -415,12 +411,6 @@ def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, s
     args = (fusion.constant(unit, dev), scale.reshape(-1)[:1].to(torch.float32))
     if layout.lanes == 1:
         fusion.run(decode_one_fn(layout), res, reduced.reshape(-1), *args)
-        return None if fusion.failed() else res
-    c, done = reduced.reshape(-1), 0
-    if layout.chunk:  # whole chunks unpacked and scaled in one kernel; the rest from its chunk boundary on
-        done = chunks.decode_whole_chunks(c, layout, numel, *args, res)
-        if done is None or done == numel:
-            return None if done is None else res
-    if (sums := unpack(c[done // layout.lanes :], layout)) is not None:
-        fusion.run(scaled_into, res[done:], sums, *args)
+    elif (sums := unpack(reduced, layout)) is not None:
+        fusion.run(scaled_into, res, sums, *args)
     return None if fusion.failed() else res

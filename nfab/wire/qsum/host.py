@@ -152,11 +152,8 @@ def qsum_levels(x: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, lengt
         lv = torch.from_numpy(levels)
         return lv, lv
     containers = np.empty(layout.containers_for(n), dtype=np.uint8)
-    assert lane_kernels is not None and chunk_kernels is not None
-    if layout.chunk:
-        chunk_kernels.pack_chunked(levels, n, layout.lane_bits, layout.lanes, layout.chunk, containers)
-    else:
-        lane_kernels.pack_bytes(levels, layout.lane_bits, containers)
+    assert lane_kernels is not None
+    lane_kernels.pack_bytes(levels, layout.lane_bits, containers)
     return torch.from_numpy(levels), torch.from_numpy(containers)
 
 

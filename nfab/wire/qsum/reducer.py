@@ -24,7 +24,7 @@ from nfab.wire.contract import (
 )
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import LaneLayout, chunked_layout, pack, unpack
+from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
 from nfab.wire.slices import Slices
 
 
@@ -45,7 +45,7 @@ class QSum(Reducer):
             raise ValueError(f"qsum supports 2, 4 or 8 bit lanes, got {bits}")
         self.bits = bits
         self.route = f"q{bits}"
-        self._layout = chunked_layout(bits)  # q4, q2: lanes in the chunked order; q8: one lane
+        self._layout = layout_for(bits)
 
     @property
     def lane_layout(self) -> LaneLayout:
