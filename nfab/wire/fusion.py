@@ -146,7 +146,8 @@ def _kind(args: tuple[Any, ...]) -> tuple[Any, ...]:
                  for a in args)
 
 
-_STATIC: dict[int, int] = {v: v for v in range(1 << 12)} | {(1 << b) + d: (1 << b) + d for b in range(64) for d in (-1, 0)}
+_STATIC: dict[int, int] = {v: v for v in range(1 << 12)} | {
+    (1 << b) + d: (1 << b) + d for b in range(64) for d in (-1, 0)}
 """`static`'s table, filled before any stage traces: small ints, powers of two and masks; builders
 add their larger constants (radix powers) when they build (`static` outside a trace)."""
 

@@ -374,8 +374,8 @@ class BlockQSum(Reducer):
             blockkernels.radix_decode_blocks(reduced.numpy(), layout.radix, layout.digits, numel, values.numpy(),
                                              starts, ends, block_scale, res.numpy())
         elif layout.chunk:  # the table's arithmetic per row, then the block scales, in one pass
-            blockkernels.lanes_decode_chunked(reduced.contiguous().numpy(), layout.lane_bits, layout.lanes, layout.chunk,
-                                              numel, np.float32(2.0 / total), starts, ends,
+            blockkernels.lanes_decode_chunked(reduced.contiguous().numpy(), layout.lane_bits, layout.lanes,
+                                              layout.chunk, numel, np.float32(2.0 / total), starts, ends,
                                               block_scale, res.numpy())
         else:
             qsum_host.decode_table(reduced, layout, numel, values, out=res)

@@ -23,8 +23,11 @@ by chunks of `chunk` containers instead: in the chunk of g containers starting a
 A chunk holds a contiguous run of elements, lane-major, so packing reads `lanes` contiguous
 rows and unpacking writes them: every load and store of a kernel contiguous (a CPU's vectors, a
 GPU's coalesced accesses), no transposing copy, and with 64-element chunks a row is one
-64-element scale block, so the decode's unpacking and scaling are one pass. This module is the reference: torch ops on any device. The compiled CPU paths
-(`qsum/host.py`, `sign/host.py`) produce identical containers and values, and tests hold them to it.
+64-element scale block, so the decode's unpacking and scaling are one pass.
+
+This module is the reference: torch ops on any device. The compiled CPU paths (`qsum/host.py`,
+`sign/host.py`, `qsum/chunk_kernels.py`) produce identical containers and values, and tests hold
+them to it.
 """
 
 from __future__ import annotations
