@@ -89,13 +89,12 @@ def pack(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor:
     flat = values.reshape(-1)
     if n < m * k:
         flat = torch.cat([flat, flat.new_zeros(m * k - n)])
-    if layout.chunk:  # Horner's rule over each chunk's rows of digits
+    if layout.chunk:  # per view of chunks: each row of digits times its power, summed (exact: below R^k)
         out = torch.empty(m, dtype=torch.int64, device=flat.device)
+        powers = _powers(layout.radix, k, flat.device).view(1, k, 1)
         for c0, rows in chunk_rows(flat, k, layout.chunk, m):
-            acc = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
-            acc.copy_(rows[:, k - 1])
-            for j in range(k - 2, -1, -1):
-                acc.mul_(layout.radix).add_(rows[:, j])
+            dest = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
+            torch.sum(rows.to(torch.int64) * powers, 1, out=dest)
         return out
     grid = flat.view(m, k)
     acc = grid[:, k - 1].to(torch.int64, copy=True)  # a copy: never the caller's int64 values

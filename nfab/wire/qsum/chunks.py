@@ -82,9 +82,8 @@ def pack_chunks(values: torch.Tensor, k: int, g: int, container: torch.dtype, ro
     out = torch.empty(m, dtype=container, device=v.device)
     whole = n // (g * k)
     parts = [(0, v[: whole * g * k].view(whole, k, g))] if whole else []
-    if m > whole * g:
-        rest = torch.zeros((m - whole * g) * k, dtype=v.dtype, device=v.device)
-        rest[: n - whole * g * k] = v[whole * g * k :]
+    if m > whole * g:  # one op: a zero-padded copy of the last few values
+        rest = torch.nn.functional.pad(v[whole * g * k :], (0, m * k - n))
         parts += [(whole * g + c0, rows) for c0, rows in chunk_rows(rest, k, g, m - whole * g)]
     for c0, rows in parts:
         dest = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -145,6 +145,14 @@ def _lane_views(flat: torch.Tensor, layout: LaneLayout, m: int):
             yield lane, grid[:, lane - l0]
 
 
+@lru_cache(maxsize=64)
+def _lane_shifts(layout: LaneLayout, device: torch.device) -> torch.Tensor:
+    """(1, lanes, 1) each lane's bit offset in the container dtype, on `device`: made once, so a
+    chunked view packs or unpacks in a fixed few ops whatever its lane count."""
+    offsets = torch.arange(layout.lanes, dtype=layout.container, device="cpu") * layout.lane_bits
+    return offsets.view(1, -1, 1).to(device, non_blocking=True)
+
+
 def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     """Pack non-negative integers (each <= layout.max_value) into containers.
 
@@ -158,11 +166,11 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
     padded = torch.zeros(m * layout.lanes, dtype=work, device=flat.device)
     padded[:n] = flat
     out = torch.zeros(m, dtype=work, device=flat.device)
-    if layout.chunk:
+    if layout.chunk:  # per view of chunks: every lane shifted by a broadcast offset, summed (disjoint bits)
+        shifts = _lane_shifts(layout, flat.device)
         for c0, rows in chunk_rows(padded, layout.lanes, layout.chunk, m):
             dest = out[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
-            for lane in range(layout.lanes):
-                dest |= rows[:, lane] << (lane * layout.lane_bits)
+            torch.sum(rows.to(shifts.dtype) << shifts, 1, dtype=shifts.dtype, out=dest)
         return out
     for lane, col in _lane_views(padded, layout, m):
         out |= col << (lane * layout.lane_bits)
@@ -177,11 +185,11 @@ def unpack(containers: torch.Tensor, layout: LaneLayout, numel: int) -> torch.Te
     mask = layout.max_value
     m = containers.numel()
     out = torch.empty(m * layout.lanes, dtype=containers.dtype, device=containers.device)
-    if layout.chunk:
+    if layout.chunk:  # per view of chunks: one broadcast shift, one mask
+        shifts = _lane_shifts(layout, containers.device)
         for c0, rows in chunk_rows(out, layout.lanes, layout.chunk, m):
-            src = containers[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], rows.shape[2])
-            for lane in range(layout.lanes):
-                torch.bitwise_and(src >> (lane * layout.lane_bits), mask, out=rows[:, lane])
+            src = containers[c0 : c0 + rows.shape[0] * rows.shape[2]].view(rows.shape[0], 1, rows.shape[2])
+            torch.bitwise_and(src.to(shifts.dtype) >> shifts, mask, out=rows)
         return out[:numel]
     for lane, col in _lane_views(out, layout, m):
         torch.bitwise_and(containers >> (lane * layout.lane_bits), mask, out=col)
