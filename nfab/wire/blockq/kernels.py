@@ -207,6 +207,21 @@ def _digit_scratch(r, digits):
     return inv_powers, p_lo, halves, quotients, dig
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _scale_span(out, a, e, b, block_starts, block_ends, scale_of_block):
+    """out[a:e] times each block's scale, for the blocks from `b` on that meet [a, e) (a chunk's
+    elements, in order); returns the block the next chunk starts in (one reaching past e goes on there)."""
+    while b < block_starts.size and block_starts[b] < e:
+        sb = scale_of_block[b]
+        part = out[max(block_starts[b], a):min(block_ends[b], e)]
+        for k in range(part.size):
+            part[k] = part[k] * sb
+        if block_ends[b] > e:
+            break
+        b += 1
+    return b
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def radix_decode_blocks(containers, radix, digits, numel, table, block_starts, block_ends, scale_of_block, out):
     """out[i] = table[digit i of the (summed) containers] * (its block's scale): `radix.unpack`, the
@@ -228,14 +243,7 @@ def radix_decode_blocks(containers, radix, digits, numel, table, block_starts, b
             row = ob[j * digits:(j + 1) * digits]  # the last container may hold fewer elements
             for d in range(row.size):
                 row[d] = table[dig[d, j]]
-        while b < block_starts.size and block_starts[b] < e:  # the blocks that meet this chunk
-            sb = scale_of_block[b]
-            part = out[max(block_starts[b], a):min(block_ends[b], e)]
-            for k in range(part.size):
-                part[k] = part[k] * sb
-            if block_ends[b] > e:
-                break  # it goes on in the next chunk
-            b += 1
+        b = _scale_span(out, a, e, b, block_starts, block_ends, scale_of_block)
 
 
 @njit(cache=True, nogil=True)
@@ -298,14 +306,7 @@ def radix_decode_chunked(containers, radix, digits, chunk, numel, table, block_s
             dd = dig[d]
             for i in range(count):
                 row[i] = table[dd[i]]
-        while b < block_starts.size and block_starts[b] < e:  # the blocks that meet this chunk
-            sb = scale_of_block[b]
-            part = out[max(block_starts[b], e0):min(block_ends[b], e)]
-            for k in range(part.size):
-                part[k] = part[k] * sb
-            if block_ends[b] > e:
-                break  # it goes on in the next chunk
-            b += 1
+        b = _scale_span(out, e0, e, b, block_starts, block_ends, scale_of_block)
 
 
 @njit(cache=True, nogil=True)
@@ -336,14 +337,7 @@ def lanes_decode_chunked(containers, lane_bits, lanes, chunk, numel, unit, block
             for j in range(count):
                 row[j] = np.float32((src[j] >> shift) & mask) * unit - one
         e = min(e0 + g * lanes, numel)
-        while b < block_starts.size and block_starts[b] < e:  # the blocks that meet this chunk
-            sb = scale_of_block[b]
-            part = out[max(block_starts[b], e0):min(block_ends[b], e)]
-            for k in range(part.size):
-                part[k] = part[k] * sb
-            if block_ends[b] > e:
-                break  # it goes on in the next chunk
-            b += 1
+        b = _scale_span(out, e0, e, b, block_starts, block_ends, scale_of_block)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
