@@ -31,6 +31,9 @@ parameter's encoding does not depend on its bucket neighbours):
    bit lanes (`wire/lanes.py`) or base-(W*M+1) digits of an int64 (`wire/radix.py`),
    whichever packs denser: bq3 at W=4 is 5-bit lanes, 6 per int32 = 5.33 bits/element; bq2
    at W=4 is 17 base-13 digits per int64 = 3.76 bits/element (before the ring's factor).
+   Both in the chunked element order (`lanes.chunked_layout`): each lane or digit of a chunk
+   of 64 containers is one 64-element block, so packing and decoding read and write
+   contiguous rows, and the compiled decode unpacks and scales in one pass.
 
 Decode: mean = (2 * sum / (M * W) - 1) * scale, per element. Replay does the same
 arithmetic for W virtual ranks and is bit-identical to the real reduction.

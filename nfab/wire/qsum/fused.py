@@ -123,8 +123,9 @@ def unpack(c: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
 def digit_lanes(layout: LaneLayout) -> bool:
     """Whether `layout`'s containers are unpacked as base-2^b digits in groups of whole words
     (`digits.unpack_lanes`): int32 / int64 containers of one block of 2..8 lanes of at most 8 bits
-    (uint8 lane values), not an 8-lane word block: of `layout_for`'s, 5-bit lanes 6 to an int32 and
-    6-bit 5 (blockq-bq4 at W = 2, 4, blockq-bq3 at W = 4 to 8, signcount at W = 16 to 63). Lane l of
+    (uint8 lane values), not an 8-lane word block, in the plain order: of `layout_for`'s, 5-bit lanes
+    6 to an int32 and 6-bit 5 (blockqscatter-bq4's sums at W = 2, 4, blockqscatter-bq3's at W = 4 to
+    8, signcount at W = 16 to 63; blockq's all-reduce lanes are chunked, `chunks`). Lane l of
     container j is element j * lanes + l: digit l of a radix-2^b container.
 
     Why: the lanes as stacked columns of a (containers, lanes) view ran scalar, 1.7-2.5 ms per 4M
