@@ -8,6 +8,7 @@ reference, over sizes that end inside, at and past a chunk boundary.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,29 @@ def test_numba_kernels_are_the_reference(bits, n):
     table = torch.randn(layout.max_value + 1, generator=torch.Generator().manual_seed(1))
     for count in (n, max(n - 3, 0)):
         assert torch.equal(host.decode_table(ref, layout, count, table), lanes.decode_table(ref, layout, count, table))
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n", SIZES)
+def test_numba_block_decode_is_the_reference_arithmetic(bits, n):
+    """`lanes_decode_chunked` (blockq's CPU decode of chunked lanes): (S * unit - 1) * the block's
+    scale in float32, as the reference unpacking followed by the eager arithmetic gives it."""
+    from nfab.wire.blockq import kernels as blockkernels
+
+    layout = chunked_layout(bits)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n))
+    packed = lanes.pack(values, layout)
+    unit = np.float32(2.0 / layout.max_value)
+    for count in (n, max(n - 3, 0)):
+        starts = np.arange(0, count, 64, dtype=np.int64)
+        ends = np.minimum(starts + 64, count)
+        scales = torch.rand(starts.size, generator=torch.Generator().manual_seed(2)) + 0.5
+        got = np.empty(count, dtype=np.float32)
+        blockkernels.lanes_decode_chunked(packed.numpy(), bits, layout.lanes, layout.chunk, count, unit, starts, ends,
+                                          scales.numpy(), got)
+        per_element = torch.repeat_interleave(scales, torch.from_numpy(ends - starts))
+        want = (lanes.unpack(packed, layout, count).to(torch.float32) * float(unit) - 1.0) * per_element
+        assert torch.equal(torch.from_numpy(got), want)
 
 
 @pytest.mark.parametrize("bits", BITS)

@@ -67,7 +67,7 @@ def radix_parts_fn(layout: RadixLayout):
     float64 product corrected by one each way (R^d >= 2^13 for every layout here, so the product
     errs by less than one; `fused.radix_unpack_fn` has the argument)."""
     d = part_digits(layout.radix)
-    count, base = -(-layout.digits // d), fusion.static(layout.radix**d)  # here: traced, the power went symbolic
+    count, base = -(-layout.digits // d), fusion.static(layout.radix**d)  # registered outside the trace
 
     def radix_parts(c: torch.Tensor, inverse: torch.Tensor) -> tuple[torch.Tensor, ...]:
         unit = fusion.static(base)
@@ -129,9 +129,10 @@ def radix_digits_fn(layout: RadixLayout):
     return radix_digit_rows
 
 
-def _unit_scaled(sums: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-    """(S * unit - 1) * scale in fp32, the scale each row's code's (`fused.unit_scaled_into`'s order)."""
-    return (sums.to(torch.float32) * unit - 1.0) * scales[codes_.to(torch.int64)].unsqueeze(2)
+def unit_scaled(sums: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """(S * unit - 1) * scale in fp32, in that order (the eager `unit_values`, then `scale_blocks_`),
+    each row of `sums` scaled by its code's scale (`codes_` one dimension short of `sums`)."""
+    return (sums.to(torch.float32) * unit - 1.0) * scales[codes_.to(torch.int64)].unsqueeze(-1)
 
 
 @cache
@@ -141,7 +142,7 @@ def scaled_lanes_fn(layout: LaneLayout):
 
     def scaled_lanes(out: torch.Tensor, c: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor,
                      unit: torch.Tensor) -> None:
-        out.copy_(_unit_scaled(qsum_chunks.lane_values(c, layout), codes_, scales, unit))
+        out.copy_(unit_scaled(qsum_chunks.lane_values(c, layout), codes_, scales, unit))
 
     return scaled_lanes
 
@@ -154,7 +155,7 @@ def scaled_digits_fn(layout: RadixLayout):
 
     def scaled_digits(out: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, unit: torch.Tensor,
                       powers: torch.Tensor, *parts: torch.Tensor) -> None:
-        out.copy_(_unit_scaled(chunk_digits(parts, powers, k, d, r), codes_, scales, unit))
+        out.copy_(unit_scaled(chunk_digits(parts, powers, k, d, r), codes_, scales, unit))
 
     return scaled_digits
 

@@ -110,8 +110,8 @@ def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, base: to
 
 
 def _digit_width(layout: RadixLayout) -> int:
-    """Bytes per unpacked digit: uint8 up to radix 256, else int32."""
-    return 1 if layout.radix <= 256 else 4
+    """Bytes per unpacked digit (`chunks.digit_width`: uint8 up to radix 256, else int32)."""
+    return chunks.digit_width(layout).itemsize
 
 
 @cache
@@ -199,7 +199,7 @@ def unit_scaled_into(out: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor,
     numbers, integer or fp32), `unit` the 0-d fp32 2 / (M * W): `unit_values` then `scale_blocks_`.
     The scale is one table read per row here (`table.scales_of`'s arithmetic, redone for every
     16 elements, ran 2x slower on a CPU core)."""
-    out.copy_((sums.to(torch.float32) * unit - 1.0) * scales[codes.to(torch.int64)].unsqueeze(1))
+    out.copy_(chunks.unit_scaled(sums, codes, scales, unit))
 
 
 # ---- the stages (called by the reducer; None: run eager) --------------------------------------

@@ -1,9 +1,10 @@
 """Compiled CPU kernels (numba) for the chunked lane order (`lanes.chunked_layout`).
 
 In a chunk of g containers starting at container c0, lane l of container c0 + j holds element
-lanes * c0 + l * g + j: each lane of a chunk is a contiguous row of elements, so both kernels
-run lane by lane over contiguous rows, loops that vectorise. `nfab.wire.qsum.lanes` holds the
-torch reference they match bit for bit.
+lanes * c0 + l * g + j: each lane of a chunk is a contiguous row of elements, so the packing runs
+lane by lane over contiguous rows, loops that vectorise. `nfab.wire.qsum.lanes` holds the torch
+reference it matches bit for bit. blockq decodes these lanes by
+`blockq.kernels.lanes_decode_chunked` (the value table's arithmetic and the block scales in one pass).
 """
 
 from __future__ import annotations
@@ -42,24 +43,3 @@ def pack_chunked(values, numel, lane_bits, lanes, chunk, out):
                     c |= np.int64(values[e]) << (lane * lane_bits)
             dest[j] = c
 
-
-@njit(cache=True, nogil=True)
-def decode_chunked(containers, lane_bits, lanes, chunk, numel, table, out):
-    """out[e] = table[lane value of element e] for e < numel, containers of a chunked layout."""
-    m = containers.size
-    mask = (1 << lane_bits) - 1
-    for c0 in range(0, m, chunk):
-        g = min(chunk, m - c0)
-        e0 = c0 * lanes
-        if e0 >= numel:
-            break
-        src = containers[c0 : c0 + g]
-        for lane in range(lanes):
-            first = e0 + lane * g
-            n = min(g, numel - first)
-            if n <= 0:
-                break
-            shift = lane * lane_bits
-            row = out[first : first + n]
-            for j in range(n):
-                row[j] = table[(src[j] >> shift) & mask]

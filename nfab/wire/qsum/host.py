@@ -23,9 +23,9 @@ from nfab.wire.qsum.lanes import LaneLayout
 from nfab.wire.slices import Slices
 
 try:
-    from nfab.wire.qsum import chunk_kernels, lane_kernels, level_kernels
+    from nfab.wire.qsum import lane_kernels, level_kernels
 except ImportError:  # numba missing: `dispatch.AVAILABLE` is False and the torch reference runs
-    chunk_kernels = lane_kernels = level_kernels = None  # type: ignore[assignment]
+    lane_kernels = level_kernels = None  # type: ignore[assignment]
 
 
 @lru_cache(maxsize=64)
@@ -86,8 +86,10 @@ def gathered_levels(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tens
 
 def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """`lanes.decode_table`: one compiled pass on CPU, the torch reference elsewhere (same values)."""
-    fast = supports(containers) and values.numel() == layout.max_value + 1 and (
+    """`lanes.decode_table`: one compiled pass on CPU, the torch reference elsewhere (same values). The
+    compiled kernels read the plain lane order; a chunked layout (blockq's, which decodes by
+    `blockq.kernels.lanes_decode_chunked`) takes the reference here."""
+    fast = supports(containers) and not layout.chunk and values.numel() == layout.max_value + 1 and (
         out is None or (supports(out) and out.dtype == torch.float32))
     if not fast:
         return lanes.decode_table(containers, layout, numel, values, out)
@@ -96,11 +98,6 @@ def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, value
     if numel == 0:
         return res
     table = values.detach().to(torch.float32).contiguous().numpy()
-    if layout.chunk:
-        assert chunk_kernels is not None
-        chunk_kernels.decode_chunked(containers.contiguous().numpy(), layout.lane_bits, layout.lanes, layout.chunk,
-                                     numel, table, res.view(-1).numpy())
-        return res
     decode = lane_kernels.decode_byte_lanes if containers.element_size() == 1 else lane_kernels.decode_wide_lanes
     decode(containers.numpy(), layout.lane_bits, layout.lanes, numel, table, res.view(-1).numpy())
     return res

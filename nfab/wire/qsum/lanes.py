@@ -33,7 +33,7 @@ them to it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
 import torch
@@ -116,7 +116,7 @@ def chunked_layout(lane_bits: int) -> LaneLayout:
     base = layout_for(lane_bits)
     if base.lanes == 1:
         return base
-    return LaneLayout(base.lane_bits, base.container, base.lanes, base.storage_bits, CHUNK)
+    return replace(base, chunk=CHUNK)
 
 
 def chunk_rows(flat: torch.Tensor, k: int, g: int, m: int) -> list[tuple[int, torch.Tensor]]:
