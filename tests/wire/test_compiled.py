@@ -121,12 +121,15 @@ def test_the_stages_uncompiled_are_the_eager_and_the_host_path_bit_for_bit(name,
 
 @needs_compile
 def test_compiled_stages_compile_once_for_every_bucket_size():
-    """dynamic=True: new bucket sizes reuse the graphs (no compile per shape)."""
-    torch._dynamo.utils.counters.clear()
-    for n in (64 * 50, 64 * 77, 64 * 1000):
-        _round_trip("blockq-bq3", [n], 2, "compiled")
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs <= 5, f"{graphs} graphs"  # block max, codes, encode, decode, own decode: a recompile at most
+    """dynamic=True: a new bucket size of the same kind (whole chunks; whole chunks and a tail) reuses
+    the graphs (no compile per shape). Counted as graphs added by the second size of each kind, so
+    whichever tests compiled the stages before, the check is the same."""
+    for sizes in ((64 * 50, 64 * 1000), (64 * 77, 64 * 177)):
+        _round_trip("blockq-bq3", [sizes[0]], 2, "compiled")
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        _round_trip("blockq-bq3", [sizes[1]], 2, "compiled")
+        added = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        assert added == 0, f"{added} graphs compiled again for {sizes[1]} elements"
 
 
 def test_each_kind_of_arguments_has_its_own_compiled_stage():

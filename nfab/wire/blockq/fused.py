@@ -7,10 +7,11 @@ dozen of them) and its decode four; memory-bound, so a few hundredths of a copy.
   maxima, one graph;
 - agreement: the scale codes (`table.codes_of`: exponent arithmetic) in one kernel over the blocks;
 - encode: each block's divisor, counter base and key word in one small kernel over the blocks
-  (`row_terms`); the keyed counter hash, the division by the block's agreed scale and the level
-  arithmetic in one kernel per block view (the noise never stored); then the packing of the
-  chunked lanes or radix digits (`blockq/chunks.py`, `qsum/chunks.py`: each lane or digit of a
-  chunk a contiguous row of levels, so one kernel reading rows and writing containers);
+  (`row_terms`); then, where the chunk rows are the bucket's first blocks (`packed_levels`), the
+  keyed counter hash, the division by the block's agreed scale, the level arithmetic and the
+  packing of the chunked lanes or radix digits in one kernel (`chunks.packed_levels_fn`: each lane
+  or digit of a chunk a contiguous row of x; the noise and the levels never stored); elsewhere
+  the levels in one kernel per block view, then packed (`blockq/chunks.py`, `qsum/chunks.py`);
 - decode: where the chunk rows are the bucket's first blocks (a bucket that starts with a view of
   whole 64-element blocks), the containers unpacked and `(S * 2 / (M * W) - 1) * scale` stored
   into the bucket in one kernel (`decode_chunks`; radix digits after a small kernel splitting each
@@ -275,7 +276,7 @@ def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths:
     a kernel per block view, or (`parts` None: many small segments) one for the whole bucket through
     the per-element block index. None when compiling failed (the caller runs eager)."""
     dev = x.device
-    rest = (fusion.int_constant(stratum.shift, dev), fusion.constant(0.5 * m, dev), fusion.constant(float(m), dev))
+    rest = _level_constants(stratum, m, dev)
     flat = x.reshape(-1)
     out = torch.empty(flat.numel(), dtype=torch.uint8, device=dev)
     keys = stratum.keys(len(lengths), dev)
@@ -290,16 +291,65 @@ def levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths:
                           fusion.int_constant(at, dev)) is None and fusion.failed():
                 return None
         return out
-    seg, first = _row_counters(tuple(lengths), block, dev)
-    steps = fusion.weyl(block, dev)
-    terms = fusion.run(row_terms, codes_, scales, keys, seg, first)
-    if terms is None:
-        return None
+    terms = fusion.run(row_terms, codes_, scales, keys, *_row_counters(tuple(lengths), block, dev))
+    return None if terms is None else _levels_by_rows(out, flat, terms, rest, fusion.weyl(block, dev), parts)
+
+
+def _level_constants(stratum: noise.Stratum, m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A level kernel's constants: the stratum's shift (int32), M / 2 and M (fp32), as tensors."""
+    return (fusion.int_constant(stratum.shift, device), fusion.constant(0.5 * m, device),
+            fusion.constant(float(m), device))
+
+
+def _levels_by_rows(out: torch.Tensor, flat: torch.Tensor, terms: tuple[torch.Tensor, ...],
+                    rest: tuple[torch.Tensor, ...], steps: torch.Tensor, parts: Sequence[grid.Piece]
+                    ) -> torch.Tensor | None:
+    """`levels_into` for every view `parts` of `flat` (into `out`), its rows' `row_terms` read from
+    `terms` by their block numbers; `rest`: the stratum's shift, M / 2 and M. `out`, or None when
+    compiling failed."""
     for p in parts:
         b = slice(p.first_block, p.first_block + p.rows)
         args = (grid.rows(out, p), grid.rows(flat, p), *(t[b] for t in terms), *rest, steps[: p.width])
         if fusion.run(levels_into, *args) is None and fusion.failed():
             return None
+    return out
+
+
+def packed_levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
+                  parts: tuple[grid.Piece, ...] | None, stratum: noise.Stratum, m: int, layout: Layout
+                  ) -> torch.Tensor | None:
+    """blockq's payload of the bucket `x` (`levels`, then `pack`: the same containers) where the layout
+    is chunked by blocks and the bucket starts with a view of at least one chunk of whole blocks
+    (`decode_chunks`' case, the usual bucket): the whole chunks of that view go from x to containers
+    in one kernel (`chunks.packed_levels_fn`, the levels never stored), the rest (from a chunk
+    boundary: the same chunking) by `levels` and `pack`. None outside that case (the caller takes
+    `levels`, then `pack`) or when compiling failed."""
+    k = layout.lanes if isinstance(layout, LaneLayout) else layout.digits
+    if not (layout.chunk == block and parts and parts[0].start == 0 and parts[0].width == block
+            and parts[0].rows >= k):
+        return None
+    dev, flat, q = x.device, x.reshape(-1), parts[0].rows // k
+    rest = _level_constants(stratum, m, dev)
+    terms = fusion.run(row_terms, codes_, scales, stratum.keys(len(lengths), dev),
+                       *_row_counters(tuple(lengths), block, dev))
+    if terms is None:
+        return None
+    steps = fusion.weyl(block, dev)
+    container = layout.container if isinstance(layout, LaneLayout) else torch.int64
+    out = torch.empty(layout.containers_for(flat.numel()), dtype=container, device=dev)
+    whole = (out[: q * block].view(q, block), flat[: q * k * block].view(q, k, block),
+             *(t[: q * k].view(q, k, 1) for t in terms))
+    if fusion.run(chunks.packed_levels_fn(layout), *whole, *rest, steps) is None and fusion.failed():
+        return None
+    done = q * k * block
+    if done == flat.numel():
+        return out
+    levels_ = torch.empty(flat.numel() - done, dtype=torch.uint8, device=dev)
+    got = _levels_by_rows(levels_, flat[done:], terms, rest, steps, _after_chunks(parts, q * k))
+    packed = None if got is None else pack(got, layout)
+    if packed is None:
+        return None
+    out[q * block :].copy_(packed)
     return out
 
 
@@ -351,14 +401,20 @@ def decode_chunks(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Ten
     done = q * k * block
     if done == numel:
         return res
-    first = parts[0]
-    rest = ([grid.Piece(0, first.rows - q * k, block, first.first_block + q * k)] if first.rows > q * k else []) + [
-        grid.Piece(p.start - done, p.rows, p.width, p.first_block) for p in parts[1:]]
+    rest = _after_chunks(parts, q * k)
     sums = unpack(c[q * block :], layout)
     if sums is None:
         return None
-    rest_mean = scaled(sums, codes_, scales, tuple(rest), numel - done, total, res[done:], lengths, block)
+    rest_mean = scaled(sums, codes_, scales, rest, numel - done, total, res[done:], lengths, block)
     return None if rest_mean is None else res
+
+
+def _after_chunks(parts: tuple[grid.Piece, ...], rows: int) -> tuple[grid.Piece, ...]:
+    """The views of what follows the first `rows` rows of the first view (whole chunks), numbered
+    from there (their block numbers unchanged)."""
+    first, done = parts[0], rows * parts[0].width
+    head = (grid.Piece(0, first.rows - rows, first.width, first.first_block + rows),) if first.rows > rows else ()
+    return head + tuple(grid.Piece(p.start - done, p.rows, p.width, p.first_block) for p in parts[1:])
 
 
 def unpack(reduced: torch.Tensor, layout: Layout) -> torch.Tensor | None:

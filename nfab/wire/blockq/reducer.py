@@ -263,14 +263,36 @@ class BlockQSum(Reducer):
         MAX-agreed fp32 block max, which maps to the same codes). `generator` is this rank's
         `noise.Stratum` (stratified rounding); plain generators round independently."""
         lengths = list(lengths)
+        m = self.steps
+        payload = self._payload_fused(x, lengths, shared_scale, generator, world_size)
+        if payload is not None:  # no levels stored: the local copy unpacks them (read before the launch)
+            layout = self.layout(world_size)
+
+            def own() -> torch.Tensor:
+                levels_ = _unpacked(payload, layout, x.numel())
+                return self.scale_blocks_(unit_values(levels_, m), shared_scale, lengths)
+
+            return Encoded(payload, None, make_local=own)
         levels, compiled = self.round_levels(x, lengths, shared_scale, generator)
         payload = self.pack_levels(levels, world_size, compiled)
-        m = self.steps
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
             return self.scale_blocks_(unit_values(levels, m), shared_scale, lengths)
 
         return Encoded(payload, None, make_local=local)
+
+    def _payload_fused(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor | None, generator: Any,
+                       world_size: int) -> torch.Tensor | None:
+        """`encode`'s payload straight from `x` by the compiled stages (`fused.packed_levels`: the
+        levels and their packing in one kernel, the same containers), or None where they do not run."""
+        if shared is None or not fusion.active(x, shared):  # (active: the host kernels do not run)
+            return None
+        scales = _scales_on(x.device)
+        codes = fused.codes(shared, scales)
+        stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
+        return None if codes is None else fused.packed_levels(
+            x, codes, scales, lengths, self.block, grid.pieces(tuple(lengths), self.block), stratum, self.steps,
+            self.layout(world_size))
 
     def round_levels(self, x: torch.Tensor, lengths: Sequence[int], shared_scale: torch.Tensor | None,
                generator: Any = None) -> tuple[torch.Tensor, bool]:

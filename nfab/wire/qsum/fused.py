@@ -294,30 +294,87 @@ def segment_index(lengths: tuple[int, ...], device: torch.device) -> tuple[torch
     return index.to(device, non_blocking=True), (1 - starts).to(device, non_blocking=True)
 
 
-def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor,
-                half_m: torch.Tensor, m: torch.Tensor, weyl: torch.Tensor) -> None:
-    """out = the levels (`fusion.levels_of`) of rows `x` of one segment ((rows, width) views, out
-    of any integer dtype: one-lane containers are the levels) whose element (r, k) hashes counter
-    `first` + r * ROW + k (int32 `first`: 1 at the segment's start), keyed by the int64 `key`
-    (1 element); `weyl`: `fusion.weyl(ROW)`. A segment is its whole rows of ROW and its last
-    (fewer than ROW) elements as a (1, n) row of their own (`fusion.row_parts`)."""
+def segment_counters(x: torch.Tensor, key: torch.Tensor, first: torch.Tensor, weyl: torch.Tensor) -> torch.Tensor:
+    """The keyed counters (int32) of rows `x` of one segment ((rows, width) views) whose element (r, k)
+    hashes counter `first` + r * ROW + k (int32 `first`: 1 at the segment's start), keyed by the
+    int64 `key` (1 element); `weyl`: `fusion.weyl(ROW)`. A segment is its whole rows of ROW and its
+    last (fewer than ROW) elements as a (1, n) row of their own (`fusion.row_parts`)."""
     lo = fusion.as_i32(key & 0xFFFFFFFF)
     hi = fusion.as_i32((key >> 32) & 0xFFFFFFFF)
-    out.copy_(fusion.levels_of(x, safe, (lo + fusion.row_steps(x, first, weyl)) ^ hi, None, half_m, m))
+    return (lo + fusion.row_steps(x, first, weyl)) ^ hi
+
+
+def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor,
+                half_m: torch.Tensor, m: torch.Tensor, weyl: torch.Tensor) -> None:
+    """out = the levels (`fusion.levels_of`) of rows `x` of one segment (`segment_counters`; out of any
+    integer dtype: one-lane containers are the levels)."""
+    out.copy_(fusion.levels_of(x, safe, segment_counters(x, key, first, weyl), None, half_m, m))
+
+
+def indexed_terms(x: torch.Tensor, index: torch.Tensor, safe: torch.Tensor, base: torch.Tensor, hi: torch.Tensor,
+                  weyl: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(divisor, keyed counter) of every element of rows `x` of a bucket ((rows, width) views,
+    `fusion.row_parts`; the first element at bucket index `at`, int32) whose element i belongs to
+    entry index[i] of the small tables `safe` (its divisor), `base` and `hi` (int32: its counter is
+    base + i * G, keyed by hi; `counter_terms`): every segment or block in one kernel, whatever their
+    number. The gathers read tables of a few KB (in cache); the per-element index is what a bucket
+    of many small segments costs instead of a launch per segment."""
+    k = index.to(torch.int64)
+    return safe[k], (base[k] + fusion.row_steps(x, at, weyl)) ^ hi[k]
 
 
 def indexed_levels_into(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, safe: torch.Tensor,
                         base: torch.Tensor, hi: torch.Tensor, shift: torch.Tensor | None, half_m: torch.Tensor,
                         m: torch.Tensor, weyl: torch.Tensor, at: torch.Tensor) -> None:
-    """out = the levels of rows `x` of a bucket ((rows, width) views, `fusion.row_parts`; the first
-    element at bucket index `at`, int32) whose element i belongs to entry index[i] of the small tables
-    `safe` (its divisor), `base` and `hi` (int32: its counter is base + i * G, keyed by hi;
-    `counter_terms`): every segment or block in one kernel, whatever their number. The gathers
-    read tables of a few KB (in cache); the per-element index is what a bucket of many small
-    segments costs instead of a launch per segment."""
-    k = index.to(torch.int64)
-    counters = (base[k] + fusion.row_steps(x, at, weyl)) ^ hi[k]
-    out.copy_(fusion.levels_of(x, safe[k], counters, shift, half_m, m))
+    """out = the levels of rows `x` of a bucket through the per-element index (`indexed_terms`)."""
+    out.copy_(fusion.levels_of(x, *indexed_terms(x, index, safe, base, hi, weyl, at), shift, half_m, m))
+
+
+def packed_levels(x: torch.Tensor, safe: torch.Tensor, counters: torch.Tensor, shift: torch.Tensor | None,
+                  half_m: torch.Tensor, m: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
+    """The containers (rows, ROW / lanes) of the levels of whole rows `x` (rows, ROW) and their terms
+    (`counters`, and `safe` where it is per element: (rows, ROW) each), in the consecutive order:
+    container j of a row holds its levels j * lanes .. + lanes - 1, lowest lane first. Each lane's
+    levels come from strided views of x and of those terms, in registers. The views' sizes are
+    constants of the trace: split by a dynamic size (`view(rows, -1, lanes)`, or views made outside
+    the trace), inductor's C++ gathered each strided load element by element, 2.5x slower than the
+    level kernel and the packing apart."""
+    k, bits = fusion.static(layout.lanes), fusion.static(layout.lane_bits)
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:
+        return t.view(t.shape[0], fusion.static(fusion.ROW // k), k) if t.dim() == 2 else t
+
+    x, counters = lanes(x), lanes(counters)
+    safe = lanes(safe) if safe.dim() == 2 else safe
+
+    def level(j: int) -> torch.Tensor:
+        return fusion.levels_of(x[..., j], safe[..., j] if safe.dim() == 3 else safe, counters[..., j], shift,
+                                half_m, m)
+
+    acc = level(0)
+    for j in range(1, k):
+        acc = acc | (level(j) << (j * bits))
+    return acc
+
+
+@cache
+def packed_levels_fn(layout: LaneLayout, indexed: bool):
+    """`levels_into` (`indexed`: `indexed_levels_into`) writing the rows' containers (`packed_levels`)
+    instead of their levels: one kernel from x to the payload, the levels never stored (1.8 ms per
+    4M q4 elements on one CPU core against 1.8 + 0.3 for the level kernel and the packing)."""
+    if indexed:
+        def packed_indexed_into(out: torch.Tensor, x: torch.Tensor, index: torch.Tensor, safe: torch.Tensor,
+                                base: torch.Tensor, hi: torch.Tensor, shift: torch.Tensor | None,
+                                half_m: torch.Tensor, m: torch.Tensor, weyl: torch.Tensor, at: torch.Tensor) -> None:
+            out.copy_(packed_levels(x, *indexed_terms(x, index, safe, base, hi, weyl, at), shift, half_m, m, layout))
+
+        return packed_indexed_into
+
+    def packed_segment_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor,
+                            first: torch.Tensor, half_m: torch.Tensor, m: torch.Tensor, weyl: torch.Tensor) -> None:
+        out.copy_(packed_levels(x, safe, segment_counters(x, key, first, weyl), None, half_m, m, layout))
+
+    return packed_segment_into
 
 
 def counter_terms(keys: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,11 +410,12 @@ def scaled_into(out: torch.Tensor, sums: torch.Tensor, unit: torch.Tensor, scale
 
 def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Sequence[int], m: int,
            layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(payload, levels or None) of qsum's encode by compiled stages: the same containers as
-    `QSum._levels_reference`; the levels are returned only when they were stored (several lanes
-    or segments). One segment: its levels kernel (one-lane containers: the levels are the
-    payload); several: one kernel for all of them through the per-element segment index. Then
-    the lane packing. None when compiling failed."""
+    """(payload, the levels where they were stored, else None) of qsum's encode by compiled stages:
+    the same containers as `QSum._levels_reference`. One segment: a level kernel per
+    `fusion.row_parts` part; several: one for all of them through the per-element segment index.
+    One-lane containers are the levels; q4's are packed inside the level kernel
+    (`packed_levels_fn`; its last short row apart); q2's levels are stored, then packed. None when
+    compiling failed."""
     lengths = list(lengths)
     if not lengths or not x.is_contiguous():
         return None
@@ -365,32 +423,51 @@ def encode(x: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, lengths: Seq
     flat = x.reshape(-1)
     half_m, top = fusion.constant(0.5 * m, dev), fusion.constant(float(m), dev)
     safe = safe.reshape(-1).to(torch.float32)
-    one_lane = layout.lanes == 1  # the levels are the payload: no copy kept (it may be reduced in place)
-    n = flat.numel()
-    if one_lane:
-        levels = torch.empty(n, dtype=layout.container, device=dev)
-    else:  # zero past n: packed in place (`pack_prefix`)
-        buffer = lane_buffer(padded_length(n, layout), n, dev)
-        levels = buffer[:n]
+    n, k = flat.numel(), layout.lanes
     weyl = fusion.weyl(fusion.ROW, dev)
     if len(lengths) == 1:
-        for at, (x_part, out_part) in fusion.row_parts(flat, levels):
-            if fusion.run(levels_into, out_part, x_part, safe[:1], keys[:1], fusion.int_constant(1 + at, dev),
-                          half_m, top, weyl) is None and fusion.failed():
-                return None
+        stage, parts = levels_into, fusion.row_parts(flat)
+
+        def extra(at: int) -> tuple[torch.Tensor | None, ...]:
+            return safe[:1], keys[:1], fusion.int_constant(1 + at, dev), half_m, top, weyl
     else:
         index, offsets = segment_index(tuple(lengths), dev)
         terms = fusion.run(counter_terms, keys.reshape(-1), offsets)
         if terms is None:
             return None
-        for at, (x_part, out_part, index_part) in fusion.row_parts(flat, levels, index):
-            if fusion.run(indexed_levels_into, out_part, x_part, index_part, safe, *terms, None, half_m, top, weyl,
-                          fusion.int_constant(at, dev)) is None and fusion.failed():
-                return None
-    if one_lane:
-        return levels, None
-    payload = pack_prefix(buffer, n, layout)
-    return None if payload is None else (payload, levels)
+        stage, parts = indexed_levels_into, fusion.row_parts(flat, index)
+
+        def extra(at: int) -> tuple[torch.Tensor | None, ...]:
+            return safe, *terms, None, half_m, top, weyl, fusion.int_constant(at, dev)
+    # one lane: the levels are the payload; two (q4): whole rows packed in the level kernel; four (q2):
+    # levels, then packed (its stride-4 loads, inductor's C++ gathered element by element: 6x slower)
+    packed = packed_levels_fn(layout, stage is indexed_levels_into) if k == 2 else None
+    direct = k == 1 or packed is not None
+    if direct:
+        payload = torch.empty(layout.containers_for(n), dtype=layout.container, device=dev)
+    else:  # zero past n: packed in place (`pack_prefix`)
+        levels = lane_buffer(padded_length(n, layout), n, dev)
+    tail: tuple[int, torch.Tensor, int] | None = None
+    for at, (x_part, *index_part) in parts:
+        rows, width = x_part.shape
+        args = (x_part, *index_part, *extra(at))
+        if k == 1:
+            fusion.run(stage, payload[at : at + rows * width].view(rows, width), *args)
+        elif packed is not None and width == fusion.ROW:
+            fusion.run(packed, payload[at // k : (at + rows * width) // k].view(rows, width // k), *args)
+        elif packed is not None:  # the last, short row: its levels zero-padded to whole containers
+            short = lane_buffer(padded_length(width, layout), width, dev)
+            fusion.run(stage, short[:width].view(1, width), *args)
+            tail = (at, short, width)
+        else:
+            fusion.run(stage, levels[at : at + rows * width].view(rows, width), *args)
+        if fusion.failed():
+            return None
+    if not direct:
+        payload = pack_prefix(levels, n, layout)
+    elif tail is not None and (last := pack_prefix(tail[1], tail[2], layout)) is not None:
+        payload[tail[0] // k :].copy_(last)
+    return None if payload is None or fusion.failed() else (payload, None if direct else levels[:n])
 
 
 def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, scale: torch.Tensor,

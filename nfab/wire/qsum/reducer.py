@@ -84,7 +84,7 @@ class QSum(Reducer):
             # one compiled pass: divide, shift, add the noise (computed, never stored), round, clamp
             levels, payload = qsum_host.qsum_levels(x, keys, safe.reshape(-1), lengths, m, self._layout)
         elif fusion.active(x, safe) and (got := qsum_fused.encode(x, safe, keys, lengths, m, self._layout)) is not None:
-            payload, levels = got  # compiled (`qsum/fused.py`): one segment's levels are never stored
+            payload, levels = got  # compiled (`qsum/fused.py`): q8's and q4's levels are never stored
         else:
             levels, payload = self._levels_reference(x, safe, lengths, m, keys)
         values = self.level_values(world_size, 1, x.device)
