@@ -207,6 +207,14 @@ def pack_radix(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None
     return qsum_chunks.pack_chunks(values, layout.digits, layout.chunk, torch.int64, radix_rows_fn(layout))
 
 
+def pack_into(values: torch.Tensor, layout: LaneLayout | RadixLayout, out: torch.Tensor) -> torch.Tensor | None:
+    """`lanes.pack` / `radix.pack` of a chunked layout (compiled) into `out`, or None when compiling failed."""
+    if isinstance(layout, RadixLayout):
+        return qsum_chunks.pack_chunks(values, layout.digits, layout.chunk, torch.int64, radix_rows_fn(layout), out)
+    return qsum_chunks.pack_chunks(values, layout.lanes, layout.chunk, layout.container,
+                                   qsum_chunks.pack_rows_fn(layout), out)
+
+
 def parts_of(c: torch.Tensor, layout: RadixLayout) -> tuple[torch.Tensor, ...] | None:
     """`radix_parts_fn` of (chunks, g) containers (compiled), or None when compiling failed."""
     return fusion.run(radix_parts_fn(layout), c, inverse_part(layout.radix, c.device))

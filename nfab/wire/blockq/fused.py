@@ -315,6 +315,14 @@ def _levels_by_rows(out: torch.Tensor, flat: torch.Tensor, terms: tuple[torch.Te
     return out
 
 
+def packs_levels(layout: Layout, block: int, parts: tuple[grid.Piece, ...] | None) -> bool:
+    """Whether `packed_levels` runs for this bucket: a layout chunked by blocks, and a bucket that
+    starts with a view of at least one chunk of whole blocks."""
+    k = layout.lanes if isinstance(layout, LaneLayout) else layout.digits
+    return bool(layout.chunk == block and parts and parts[0].start == 0 and parts[0].width == block
+                and parts[0].rows >= k)
+
+
 def packed_levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int], block: int,
                   parts: tuple[grid.Piece, ...] | None, stratum: noise.Stratum, m: int, layout: Layout
                   ) -> torch.Tensor | None:
@@ -324,10 +332,9 @@ def packed_levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, l
     in one kernel (`chunks.packed_levels_fn`, the levels never stored), the rest (from a chunk
     boundary: the same chunking) by `levels` and `pack`. None outside that case (the caller takes
     `levels`, then `pack`) or when compiling failed."""
-    k = layout.lanes if isinstance(layout, LaneLayout) else layout.digits
-    if not (layout.chunk == block and parts and parts[0].start == 0 and parts[0].width == block
-            and parts[0].rows >= k):
+    if not packs_levels(layout, block, parts):
         return None
+    k = layout.lanes if isinstance(layout, LaneLayout) else layout.digits
     dev, flat, q = x.device, x.reshape(-1), parts[0].rows // k
     rest = _level_constants(stratum, m, dev)
     terms = fusion.run(row_terms, codes_, scales, stratum.keys(len(lengths), dev),
@@ -346,11 +353,7 @@ def packed_levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, l
         return out
     levels_ = torch.empty(flat.numel() - done, dtype=torch.uint8, device=dev)
     got = _levels_by_rows(levels_, flat[done:], terms, rest, steps, _after_chunks(parts, q * k))
-    packed = None if got is None else pack(got, layout)
-    if packed is None:
-        return None
-    out[q * block :].copy_(packed)
-    return out
+    return None if got is None or chunks.pack_into(got, layout, out[q * block :]) is None else out
 
 
 def pack(values: torch.Tensor, layout: Layout) -> torch.Tensor | None:

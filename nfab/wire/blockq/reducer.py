@@ -285,14 +285,14 @@ class BlockQSum(Reducer):
                        world_size: int) -> torch.Tensor | None:
         """`encode`'s payload straight from `x` by the compiled stages (`fused.packed_levels`: the
         levels and their packing in one kernel, the same containers), or None where they do not run."""
-        if shared is None or not fusion.active(x, shared):  # (active: the host kernels do not run)
-            return None
+        layout, parts = self.layout(world_size), grid.pieces(tuple(lengths), self.block)
+        if shared is None or not fusion.active(x, shared) or not fused.packs_levels(layout, self.block, parts):
+            return None  # (active: the host kernels do not run)
         scales = _scales_on(x.device)
         codes = fused.codes(shared, scales)
         stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
-        return None if codes is None else fused.packed_levels(
-            x, codes, scales, lengths, self.block, grid.pieces(tuple(lengths), self.block), stratum, self.steps,
-            self.layout(world_size))
+        return None if codes is None else fused.packed_levels(x, codes, scales, lengths, self.block, parts, stratum,
+                                                               self.steps, layout)
 
     def round_levels(self, x: torch.Tensor, lengths: Sequence[int], shared_scale: torch.Tensor | None,
                generator: Any = None) -> tuple[torch.Tensor, bool]:

@@ -71,15 +71,17 @@ def pack(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor | None:
     return pack_chunks(values, layout.lanes, layout.chunk, layout.container, pack_rows_fn(layout))
 
 
-def pack_chunks(values: torch.Tensor, k: int, g: int, container: torch.dtype, rows_fn) -> torch.Tensor | None:
-    """The containers of `values` (1-D) in chunks of g containers of k lanes or digits, each view of
-    whole chunks packed by the traced `rows_fn(out (chunks, g'), values (chunks, k, g'))`; None when
-    compiling failed. The chunks whose elements all lie in `values` are read in place, the rest (at
-    most two chunks) from a zero-padded copy of their few values."""
+def pack_chunks(values: torch.Tensor, k: int, g: int, container: torch.dtype, rows_fn,
+                out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The containers of `values` (1-D) in chunks of g containers of k lanes or digits (into `out`
+    when given: ceil(n / k) of `container`), each view of whole chunks packed by the traced
+    `rows_fn(out (chunks, g'), values (chunks, k, g'))`; None when compiling failed. The chunks
+    whose elements all lie in `values` are read in place, the rest (at most two chunks) from a
+    zero-padded copy of their few values."""
     v = values.reshape(-1)
     n = v.numel()
     m = -(-n // k)
-    out = torch.empty(m, dtype=container, device=v.device)
+    out = torch.empty(m, dtype=container, device=v.device) if out is None else out
     whole = n // (g * k)
     parts = [(0, v[: whole * g * k].view(whole, k, g))] if whole else []
     if m > whole * g:  # one op: a zero-padded copy of the last few values
