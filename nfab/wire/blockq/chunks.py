@@ -204,11 +204,13 @@ def digit_width(layout: RadixLayout) -> torch.dtype:
 
 def pack_radix(values: torch.Tensor, layout: RadixLayout) -> torch.Tensor | None:
     """`radix.pack` of a chunked layout (compiled), or None when compiling failed."""
-    return qsum_chunks.pack_chunks(values, layout.digits, layout.chunk, torch.int64, radix_rows_fn(layout))
+    return pack_into(values, layout)
 
 
-def pack_into(values: torch.Tensor, layout: LaneLayout | RadixLayout, out: torch.Tensor) -> torch.Tensor | None:
-    """`lanes.pack` / `radix.pack` of a chunked layout (compiled) into `out`, or None when compiling failed."""
+def pack_into(values: torch.Tensor, layout: LaneLayout | RadixLayout,
+              out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`lanes.pack` / `radix.pack` of a chunked layout (compiled; into `out` when given), or None when
+    compiling failed."""
     if isinstance(layout, RadixLayout):
         return qsum_chunks.pack_chunks(values, layout.digits, layout.chunk, torch.int64, radix_rows_fn(layout), out)
     return qsum_chunks.pack_chunks(values, layout.lanes, layout.chunk, layout.container,
