@@ -62,15 +62,21 @@ def test_reference_places_every_element_where_the_order_says(bits, n):
     assert not tail.any()
 
 
+def _lane_case(bits: int, n: int) -> tuple[lanes.LaneLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chunked layout, n random lane values (int64), the same in the narrowest dtype the paths take,
+    their reference packing)."""
+    layout = chunked_layout(bits)
+    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n))
+    narrow = values.to(torch.uint8 if bits <= 8 else torch.int32)
+    return layout, values, narrow, lanes.pack(narrow, layout)
+
+
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n", SIZES)
 def test_numba_kernels_are_the_reference(bits, n):
     from nfab.wire.blockq.reducer import pack_any
 
-    layout = chunked_layout(bits)
-    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n))
-    narrow = values.to(torch.uint8 if bits <= 8 else torch.int32)
-    ref = lanes.pack(narrow, layout)
+    layout, _, narrow, ref = _lane_case(bits, n)
     assert torch.equal(pack_any(narrow, layout, True), ref)
     table = torch.randn(layout.max_value + 1, generator=torch.Generator().manual_seed(1))
     for count in (n, max(n - 3, 0)):
@@ -103,10 +109,7 @@ def test_numba_block_decode_is_the_reference_arithmetic(bits, n):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("n", SIZES)
 def test_traced_functions_are_the_reference(bits, n):
-    layout = chunked_layout(bits)
-    values = torch.randint(0, layout.max_value + 1, (n,), generator=torch.Generator().manual_seed(n))
-    narrow = values.to(torch.uint8 if bits <= 8 else torch.int32)
-    ref = lanes.pack(narrow, layout)
+    layout, values, narrow, ref = _lane_case(bits, n)
     with fusion.stages_compiled(False):
         got = chunks.pack(narrow, layout)
         back = chunks.unpack(ref, layout)
