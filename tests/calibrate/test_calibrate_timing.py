@@ -41,7 +41,11 @@ def test_split_has_wall_and_cpu_seconds_for_every_shown_stage() -> None:
 
     clock = StageClock()
     with clock.stage("reference"):
-        sum(i * i for i in range(200_000))  # CPU work: the CPU ratio needs a reference CPU time
+        # CPU work long enough (0.3 s) that rounding each figure to 10 ms cannot move the ratio by 10 %:
+        # a fixed amount of work took 10 ms on a fast runner and the rounded ratio read 2.0 against 1.0.
+        start = time.process_time()
+        while time.process_time() - start < 0.3:
+            sum(i * i for i in range(10_000))
     split = clock.split()
     want = {f"{k}_s" for k in SHOWN} | {f"{k}_cpu_s" for k in SHOWN[:-1]} | {"total_s", "cpu_s", "ratio", "cpu_ratio"}
     assert set(split) == want
