@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -12,10 +10,8 @@ from nfab.errors import ConfigError
 
 
 def test_digits_split_is_fixed_and_complete() -> None:
-    start = time.perf_counter()
     train = build_dataset("digits", split="train", seed=0)
     test = build_dataset("digits", split="test", seed=7)
-    assert time.perf_counter() - start < 5.0
     assert len(train) + len(test) == 1797 and len(test) == 359
     assert train.spec.num_classes == 10 and train.spec.input_shape == (1, 8, 8)
     assert torch.equal(build_dataset("digits", split="test", seed=0).images, test.images)

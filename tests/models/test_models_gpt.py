@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -40,11 +38,8 @@ def test_gpt_rejects_sequences_longer_than_block() -> None:
         gpt(torch.zeros(1, 9, dtype=torch.long))
 
 
-def test_gpt_1_3b_builds_on_meta_quickly() -> None:
-    start = time.perf_counter()
+def test_gpt_1_3b_builds_on_meta() -> None:
     spec = build_model("gpt", size="1.3b", device="meta")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10.0
     assert all(p.device.type == "meta" for p in spec.module.parameters())
     # 24 x (12 d^2 + 13 d) + 50304 d + 2048 d with d = 2048: 1,315,819,520
     assert 1.25e9 < spec.num_parameters < 1.40e9
