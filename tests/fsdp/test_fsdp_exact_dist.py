@@ -25,7 +25,7 @@ from nfab.distributed import run_ranks  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 from nfab.runtime.control.moment import replay_variance  # noqa: E402
 from nfab.runtime.core import rowscatter  # noqa: E402
-from nfab.runtime.frontends.fsdp_layout import codec_for, plan_layouts, step_wire_bytes  # noqa: E402
+from nfab.runtime.frontends.fsdp_layout import codec_for, fsdp_modules, plan_layouts, step_wire_bytes  # noqa: E402
 from nfab.wire import noise  # noqa: E402
 from nfab.wire.blockq.scatter import BlockQScatter  # noqa: E402
 from nfab.wire.contract import reduce_scatter_flat  # noqa: E402
@@ -84,6 +84,9 @@ def _exact(rank: int, world_size: int, route, op_name: str) -> list[str]:
     assert (rt.moment is not None) == moment
     op = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM,
           "premul": dist._make_nccl_premul_sum(0.25)}.get(op_name)  # set_gradient_divide_factor(4)
+    if op_name == "premul":  # as FSDP2 does: the op comes from the divide factor (torch 2.11's op hides it)
+        for m in fsdp_modules(model):
+            m.set_gradient_divide_factor(4.0)
     factor = {"avg": 1.0, "sum": float(world_size), "premul": world_size * 0.25}[op_name]
     checked = []
     for step in range(2):

@@ -3,8 +3,8 @@
 `frontends/fsdp.py` installs nfab's reduce-scatter from these; `nfab inspect --parallel fsdp` counts a
 step's bytes with `plan_layouts` + `step_wire_bytes` on a meta model, no process group needed.
 FSDP2 exposes no public accessor for a param group's parameters and their padded shard sizes:
-`group_entries` and `shard_group` are the one place that reads FSDP2's records (`_get_fsdp_state`,
-`FSDPParam`).
+`param_groups`, `group_entries` and `shard_group` are the one place that reads FSDP2's records
+(`_get_fsdp_state`, `FSDPParam`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,18 @@ def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
     return [m for m in root.modules() if isinstance(m, FSDPModule)]
 
 
+def param_groups(module: FSDPModule) -> list[Any]:
+    """The module's FSDP2 param groups. torch 2.11 keeps one (`_fsdp_param_group`, or None); 2.13
+    keeps a list (`_fsdp_param_groups`, for per-parameter meshes). Read either, so nfab runs on
+    the torch a GPU image ships, not only the one this project pins."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def group_entries(module: FSDPModule, names: dict[int, str],
                   regions: dict[str, str]) -> tuple[Any, list[tuple[str, str, int, int]]] | None:
     """The module's one param group and its (name, region, padded shard numel, numel) in reduce order;
@@ -60,8 +72,7 @@ def group_entries(module: FSDPModule, names: dict[int, str],
     HSDP, a dim other than 0 sharded, a custom reduce-scatter already installed."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-    state = module._get_fsdp_state()
-    groups = state._fsdp_param_groups
+    groups = param_groups(module)
     if not groups:
         return None
     if len(groups) > 1:
@@ -90,12 +101,11 @@ def group_entries(module: FSDPModule, names: dict[int, str],
 def shard_group(root: nn.Module) -> dist.ProcessGroup | None:
     """The process group FSDP2 reduce-scatters over (the root's shard group)."""
     assert isinstance(root, FSDPModule)
-    groups = root._get_fsdp_state()._fsdp_param_groups
+    groups = param_groups(root)
     if not groups:
-        mods = [m for m in fsdp_modules(root) if m._get_fsdp_state()._fsdp_param_groups]
-        if not mods:
+        groups = next((g for g in map(param_groups, fsdp_modules(root)) if g), [])
+        if not groups:
             raise NfabError("nfab.attach: this FSDP2 model has no sharded parameters")
-        groups = mods[0]._get_fsdp_state()._fsdp_param_groups
     return groups[0].mesh_info.shard_process_group
 
 
