@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -23,10 +24,12 @@ from nfab.runtime.control.optim import (
 )
 from nfab.runtime.core.hierarchy import Hierarchy, parse
 from nfab.runtime.core.scales import QSUM_SCALES
-from nfab.runtime.frontends import fsdp as fsdp_front
-from nfab.runtime.frontends import fsdp_layout
+from nfab.runtime.frontends import fsdp2
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
+
+if TYPE_CHECKING:
+    from nfab.runtime.frontends.fsdp import ShardedRuntime
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ def attach(
     coalesce: bool = True,
     hierarchy: Hierarchy | str | int | None = None,
     noise_moment: bool | str = "auto",
-) -> Runtime | fsdp_front.ShardedRuntime:
+) -> Runtime | ShardedRuntime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
 
     `ddp_model` may instead be an FSDP2 model (`fully_shard` on each block and on the root): nfab's
@@ -117,6 +120,10 @@ def attach(
         raise NfabError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     parse(hierarchy)  # a malformed spec is refused before any collective
     sharded = _is_fsdp2(ddp_model)
+    if sharded:  # the front end is imported here: an older torch attaches DDP without it (fsdp2.py)
+        fsdp2.require("nfab.attach on an FSDP2 model")
+        from nfab.runtime.frontends import fsdp as fsdp_front
+        from nfab.runtime.frontends import fsdp_layout
     if not sharded and not isinstance(ddp_model, DistributedDataParallel):
         raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model or an FSDP2 "
                         "model (torch.distributed.fsdp.fully_shard)")
@@ -210,9 +217,9 @@ def _grad_device(ddp_model: torch.nn.Module):
 
 def _is_fsdp2(model: object) -> bool:
     """An FSDP2 root (`fully_shard`); FSDP1 (`FullyShardedDataParallel`) is refused with its reason."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel):
         raise NfabError("nfab.attach supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1 "
                         "(FullyShardedDataParallel): its flat-parameter comm hooks are not wired")
-    return isinstance(model, FSDPModule)
+    return fsdp2.is_fsdp2(model)

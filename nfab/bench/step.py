@@ -59,6 +59,7 @@ from nfab.errors import ConfigError
 from nfab.fsutil import atomic_write_text
 from nfab.models import build_model
 from nfab.profile.schema import Profile
+from nfab.runtime.frontends import fsdp2
 from nfab.train.config import NFAB_BUCKET_MB
 from nfab.train.setup import loss_fn
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
@@ -152,6 +153,8 @@ class BenchConfig:
             object.__setattr__(self, "variants", FSDP_STEP_VARIANTS)
         if self.parallel == "fsdp" and self.nodes > 1:
             raise ConfigError("--parallel fsdp runs on one emulated node (--nodes 1)")
+        if self.parallel == "fsdp":
+            fsdp2.require("--parallel fsdp")
         unknown = [v for v in self.variants if v not in known and not v.startswith(ROUTE_VARIANT)]
         if unknown:
             raise ConfigError(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}")

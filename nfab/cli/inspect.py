@@ -118,6 +118,9 @@ def register(app: typer.Typer) -> None:
 
 def _print_fsdp(model, size, spec, prof, world_size, explicit, step, total_steps, cm, json_path) -> None:  # noqa: ANN001
     """`--parallel fsdp`: one row per `fully_shard` unit, totals against FSDP2's FP32 and bf16 reduce-scatter."""
+    from nfab.runtime.frontends import fsdp2
+
+    fsdp2.require("nfab inspect --parallel fsdp")
     from nfab.inspect_fsdp import inspect_fsdp
 
     res = inspect_fsdp(model, spec.module, prof, world_size, explicit=explicit, shard_units=spec.shard_units,

@@ -238,6 +238,10 @@ class TrainConfig(StrictModel):
     def _flags(self) -> TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("give at most one of --resume and --overwrite")
+        if self.parallel == "fsdp":
+            from nfab.runtime.frontends import fsdp2
+
+            fsdp2.require("parallel fsdp")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,11 +21,11 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nfab.integrations.accelerate needs Accelerate: pip install 'nfab[accelerate]'") from e
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
+from nfab.runtime.frontends import fsdp2
 from nfab.runtime.frontends.ddp import Runtime
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def attach(
     if accelerator.num_processes == 1:
         log.info("nfab: one process, no gradient communication to compress; training without nfab")
         return None
-    if not isinstance(prepared_model, DistributedDataParallel | FSDPModule):
+    if not (isinstance(prepared_model, DistributedDataParallel) or fsdp2.is_fsdp2(prepared_model)):
         raise NfabError(
             f"nfab needs the DistributedDataParallel or FSDP2 model from accelerator.prepare, got "
             f"{type(prepared_model).__name__} (distributed type {accelerator.distributed_type})"

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nfab.integrations.transformers needs Transformers: pip install 'nfab[transformers]'") from e
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
@@ -37,7 +36,11 @@ from nfab.integrations.defaults import attach_with_defaults
 from nfab.integrations.metrics import step_metrics
 from nfab.integrations.state import load_rank_file, save_rank_file
 from nfab.profile.schema import Profile
+from nfab.runtime.frontends import fsdp2
 from nfab.runtime.frontends.ddp import Runtime
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class NfabCallback(TrainerCallback):
         if args.world_size == 1:
             log.info("nfab: one process, no gradient communication to compress; training without nfab")
             return
-        if not isinstance(model, DistributedDataParallel | FSDPModule):
+        if not (isinstance(model, DistributedDataParallel) or fsdp2.is_fsdp2(model)):
             raise NfabError(f"nfab needs the Trainer to wrap the model in DistributedDataParallel or FSDP2, got "
                             f"{type(model).__name__} (FSDP1 and DeepSpeed own their communication)")
         self.runtime = attach_with_defaults(model, self.profile, self.route, self.attach_kwargs,

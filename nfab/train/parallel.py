@@ -34,11 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.models.spec import ModelSpec
+from nfab.runtime.frontends import fsdp2
 
 Parallel = Literal["ddp", "fsdp"]
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -104,7 +103,9 @@ class Wrapped:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """A DTensor's local shard (FSDP2's gradients), any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def plain_wire_bytes(module: nn.Module, world_size: int, parallel: Parallel) -> int:
@@ -123,6 +124,7 @@ def shard_per_block(spec: ModelSpec) -> nn.Module:
     block's gradients while the backward runs on; the root takes what is left (embeddings,
     final norm, head). A model without units (a CNN, a user's factory) is sharded as one unit.
     """
+    fully_shard = fsdp2.fully_shard()
     units = dict(spec.module.named_modules())
     for name in spec.shard_units:
         fully_shard(units[name])
