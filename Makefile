@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-gpu device-check demo lint bench study clean
+.PHONY: install test test-fast test-gpu device-check device-wheels compat demo lint bench study clean
 
 install: $(STAMP)
 
@@ -23,10 +23,36 @@ test-fast: install
 test-gpu: install
 	$(BIN)/python -m pytest -q -m cuda -rs
 
-# the one prepared command for a lent GPU (no venv there: its python3 holds torch); on CPU a quick run
+# the one prepared command for a lent GPU (no venv there: its python3 holds torch); on CPU a quick run.
+# The GPU image lacks pydantic: `make device-wheels` here saves its wheels in .whl/ (git-ignored), the
+# device call carries .whl, and device-check installs them into $(DEVICE_SITE) when pydantic is missing.
 DEVICE_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+DEVICE_SITE := /tmp/nfab-site
+DEVICE_WHEELS := pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 device-check:
-	PYTHONPATH=$(CURDIR) $(DEVICE_PY) bench/device_check.py
+	@if ! $(DEVICE_PY) -c "import pydantic" 2>/dev/null && [ -d .whl ]; then \
+	  $(DEVICE_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	    --target $(DEVICE_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR):$(DEVICE_SITE)$(if $(PYTHONPATH),:$(PYTHONPATH)) $(DEVICE_PY) bench/device_check.py
+
+device-wheels:  # Python 3.12 x86-64 wheels of what the GPU image lacks, for the device call's carry
+	grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $(DEVICE_WHEELS)
+
+# the suite and the CPU device check on another torch, in a venv of its own: the GPU image's (2.11, the
+# default) or the oldest declared (2.4.1: DDP only, FSDP2 refused in one line). PyPI's x86-64 builds are
+# CUDA builds (about 5 GB in the venv); they run on the CPU.
+TORCH ?= 2.11.0
+COMPAT := .venv-torch$(TORCH)
+compat:
+	$(PY) -m venv $(COMPAT)
+	$(COMPAT)/bin/pip install --quiet --upgrade pip setuptools wheel
+	echo "torch==$(TORCH)" > $(COMPAT)/constraints.txt
+	$(COMPAT)/bin/pip install --quiet -c $(COMPAT)/constraints.txt -e '.[dev]'
+	OMP_NUM_THREADS=1 $(COMPAT)/bin/python -m pytest -q -p no:cacheprovider
+	$(MAKE) device-check DEVICE_PY=$(COMPAT)/bin/python
 
 demo: install
 	$(BIN)/nfab demo

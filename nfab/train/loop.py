@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ from nfab.errors import NfabError
 from nfab.models import build_model, model_signature
 from nfab.profile.schema import file_sha256
 from nfab.runtime.frontends.ddp import Runtime
-from nfab.runtime.frontends.fsdp import ShardedRuntime
 from nfab.train import checkpoint, fault
 from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
@@ -34,6 +33,9 @@ from nfab.train.parallel import Wrapped, wrap
 from nfab.train.progress import ProgressBar
 from nfab.train.setup import BatchStream, build_optimizer, loss_fn, lr_factor
 from nfab.wire import cost as cost_mod
+
+if TYPE_CHECKING:
+    from nfab.runtime.frontends.fsdp import ShardedRuntime  # FSDP2's front end: imported when used
 
 log = logging.getLogger(__name__)
 _STAGE = ["setup"]

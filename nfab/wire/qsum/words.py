@@ -144,14 +144,17 @@ def bytes_of_lanes(lanes: torch.Tensor, lane_bits: int) -> torch.Tensor:
 
 @cache
 def _packer(lane_bits: int):
-    """`lanes_of_bytes` for one lane width (one graph each)."""
-    return lambda words: lanes_of_bytes(words, lane_bits)
+    """`lanes_of_bytes` for one lane width (one graph each). The width goes through `fusion.static`:
+    torch 2.11's dynamo made the closure's int symbolic and could not trace `1 << 2 * width`."""
+    bits = fusion.static(lane_bits)
+    return lambda words: lanes_of_bytes(words, fusion.static(bits))
 
 
 @cache
 def _unpacker(lane_bits: int):
-    """`bytes_of_lanes` for one lane width (one graph each)."""
-    return lambda lanes: bytes_of_lanes(lanes, lane_bits)
+    """`bytes_of_lanes` for one lane width (one graph each; the width static, as in `_packer`)."""
+    bits = fusion.static(lane_bits)
+    return lambda lanes: bytes_of_lanes(lanes, fusion.static(bits))
 
 
 def as_units(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
