@@ -46,6 +46,27 @@ OPTIONS: dict[str, Any] = {
 }
 """Inductor settings for every codec graph: the eager path's roundings (see the module docstring)."""
 
+
+@cache
+def inductor_options() -> dict[str, Any]:
+    """`OPTIONS` as this torch's inductor spells them. Raises `RuntimeError` (so `_run` falls back to the
+    exact eager path, with its reason) where inductor lacks one: torch before 2.6 has neither Triton
+    setting, and compiled without them a GPU's graph would not round as eager does. torch 2.4 holds
+    the contraction flag as a bool, 2.11 and later as "off"/"on"; passed as the wrong type, every
+    compile failed with a message that named the flag, not the torch."""
+    from torch._inductor import config
+
+    out: dict[str, Any] = {}
+    for key, value in OPTIONS.items():
+        node: Any = config
+        for part in key.split("."):
+            if not hasattr(node, part):
+                raise RuntimeError(f"torch {torch.__version__}'s inductor has no {key} setting, which keeps "
+                                   "compiled codec stages bit-equal to eager")
+            node = getattr(node, part)
+        out[key] = (value != "off") if isinstance(node, bool) and isinstance(value, str) else value
+    return out
+
 GOLDEN_I32 = noise.GOLDEN - (1 << 32)
 MIX2_I32 = noise.MIX2 - (1 << 32)
 
@@ -74,7 +95,7 @@ def _compiled(fn: Callable[..., Any], kind: tuple[Any, ...]) -> Callable[..., An
     switched every stage to eager. A copy of the code per closure and kind keeps one cache each."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     own.__kwdefaults__ = fn.__kwdefaults__
-    return torch.compile(own, dynamic=True, fullgraph=True, options=OPTIONS)
+    return torch.compile(own, dynamic=True, fullgraph=True, options=inductor_options())
 
 
 @contextmanager

@@ -28,6 +28,7 @@ def test_a_route_variant_trains_the_held_out_model(tmp_path):
 
 
 @pytest.mark.world_size(2)
+@pytest.mark.fsdp2
 def test_the_recipe_loop_under_fsdp2(tmp_path):
     """`--parallel fsdp`: fully_shard per block, accumulation with set_requires_gradient_sync,
     clipping on DTensors. Route fp32 is plain FSDP2's reduce-scatter, so its losses are plain FSDP2's

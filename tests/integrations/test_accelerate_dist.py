@@ -190,6 +190,7 @@ def _fsdp2(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.world_size(2)
+@pytest.mark.fsdp2
 def test_attach_on_the_fsdp2_model_accelerate_prepares():
     """`FullyShardedDataParallelPlugin(fsdp_version=2)`: the adapter attaches to the FSDP2 model
     Accelerate's own preparation builds (on CPU only with the distributed type a GPU host would get:

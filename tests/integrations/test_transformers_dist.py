@@ -181,6 +181,7 @@ def _fsdp2(rank: int, world_size: int, out: str) -> dict:
 
 
 @pytest.mark.world_size(2)
+@pytest.mark.fsdp2
 def test_trainer_fsdp2_setting_runs_nfab(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """`fsdp="full_shard"`, `fsdp_config={"fsdp_version": 2}`: the callback attaches to the FSDP2 model the
     Trainer's Accelerate builds (on CPU only with the distributed type a GPU host gets: `gpuhost`), a
