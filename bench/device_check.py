@@ -283,7 +283,7 @@ def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
 
 def _cannot_compile() -> str | None:
     """Why this torch cannot compile the codec stages exactly (its inductor lacks a setting
-    `fusion.OPTIONS` needs: torch before 2.6), or None. Any other compile failure fails the step."""
+    `fusion.OPTIONS` needs: torch 2.4), or None. Any other compile failure fails the step."""
     from nfab.wire import fusion
 
     try:

@@ -50,7 +50,7 @@ OPTIONS: dict[str, Any] = {
 @cache
 def inductor_options() -> dict[str, Any]:
     """`OPTIONS` as this torch's inductor spells them. Raises `RuntimeError` (so `_run` falls back to the
-    exact eager path, with its reason) where inductor lacks one: torch before 2.6 has neither Triton
+    exact eager path, with its reason) where inductor lacks one: torch 2.4 has neither Triton
     setting, and compiled without them a GPU's graph would not round as eager does. torch 2.4 holds
     the contraction flag as a bool, 2.11 and later as "off"/"on"; passed as the wrong type, every
     compile failed with a message that named the flag, not the torch."""
