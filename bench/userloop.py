@@ -252,6 +252,7 @@ def _worker(rank: int, setting: Setting, variants: tuple[str, ...], profile: str
             result.wall_s = time.perf_counter() - t0
             if rank == 0:
                 Path(out, f"{variant}.json").write_text(json.dumps(asdict(result)))
+        dist.barrier()  # every rank reaches the teardown: under torch 2.4 a rank alone in destroy hung
     finally:
         dist.destroy_process_group()
 
