@@ -154,9 +154,8 @@ def _fsdp2(rank: int, dev: torch.device, quick: bool) -> dict:
     recorded, not raised; a torch without FSDP2's custom reduce-scatter (before 2.9) is a skip."""
     from nfab.runtime.frontends import fsdp2
 
-    if not fsdp2.supported():
-        return {"skipped": f"torch {torch.__version__} lacks FSDPModule.set_custom_reduce_scatter "
-                           f"(nfab's FSDP2 needs >= {fsdp2.MIN_TORCH})"}
+    if (why := fsdp2.unsupported()) is not None:
+        return {"skipped": why}
     try:
         from torch.distributed.fsdp import fully_shard
 

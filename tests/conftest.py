@@ -26,10 +26,10 @@ if _TORCH < (2, 6):  # Transformers 5 builds no model on it (nfab's integration 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests marked `fsdp2` on a torch without nfab's FSDP2 front end, with the reason."""
-    if fsdp2.supported():
+    why = fsdp2.unsupported()
+    if why is None:
         return
-    skip = pytest.mark.skip(reason=f"torch {torch.__version__} has no FSDPModule.set_custom_reduce_scatter "
-                                   f"(nfab's FSDP2 needs >= {fsdp2.MIN_TORCH})")
+    skip = pytest.mark.skip(reason=why)
     for item in items:
         if "fsdp2" in item.keywords:
             item.add_marker(skip)

@@ -67,6 +67,7 @@ def inductor_options() -> dict[str, Any]:
         out[key] = (value != "off") if isinstance(node, bool) and isinstance(value, str) else value
     return out
 
+
 GOLDEN_I32 = noise.GOLDEN - (1 << 32)
 MIX2_I32 = noise.MIX2 - (1 << 32)
 

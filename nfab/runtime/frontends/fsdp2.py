@@ -48,11 +48,20 @@ def supported() -> bool:
     return any(hasattr(cls, "set_custom_reduce_scatter") for cls in module_types())
 
 
+def unsupported(what: str = "nfab's FSDP2 front end") -> str | None:
+    """The one line that says why this torch is too old for the front end, or None where it is not
+    (what `require` raises, the device check records and the test suite's skips print)."""
+    if supported():
+        return None
+    return (f"{what} needs torch >= {MIN_TORCH} (FSDPModule.set_custom_reduce_scatter); "
+            f"this is torch {torch.__version__}: train with DDP, or upgrade torch")
+
+
 def require(what: str = "nfab's FSDP2 front end") -> None:
     """Refuse with one line where this torch is too old for the front end."""
-    if not supported():
-        raise NfabError(f"{what} needs torch >= {MIN_TORCH} (FSDPModule.set_custom_reduce_scatter); "
-                        f"this is torch {torch.__version__}: train with DDP, or upgrade torch")
+    why = unsupported(what)
+    if why is not None:
+        raise NfabError(why)
 
 
 def fully_shard() -> Callable[..., Any]:
