@@ -238,3 +238,21 @@ def test_majority_bits_and_trits_by_arithmetic_are_the_eager_owner_step(world_si
     assert torch.equal(got, trits)
     packed = scatter_fused.trit_words(got.view(torch.int64).view(-1, 5)).view(torch.uint8)
     assert torch.equal(packed, pack_trits(trits))
+
+
+def test_levels_are_floor_then_clamp_for_every_t_and_zero_for_nan():
+    """`fusion.levels_of` caps at M, truncates and raises to 0 as an integer (3 vector instructions
+    where NaN-aware clamps are 8): the reference's floor-then-clamp for every non-NaN t, including
+    the edges, the fp32 rounding of M + u up to M + 1, and +-inf; a NaN gives 0, as the reference's
+    uint8 cast does."""
+    m = 15.0
+    x = torch.tensor([-3.0, -1.0, -0.999, -1e-7, 0.0, 0.5, 0.9999, 1.0, 1.0001, 7.0, float("inf"),
+                      -float("inf"), 3e38, -3e38, float("nan")])
+    safe = torch.tensor(1.0)
+    counters = torch.arange(x.numel(), dtype=torch.int32) * 7919
+    got = fusion.levels_of(x, safe, counters, None, torch.tensor(m / 2), torch.tensor(m))
+    t = (x / safe + 1.0) * (m / 2) + fusion.uniform_of(counters, None)
+    want = t.floor().clamp(0, m).nan_to_num(nan=0.0).to(torch.int32)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    top = fusion.levels_of(torch.ones(4), safe, counters[:4], None, torch.tensor(127.5), torch.tensor(255.0))
+    assert int(top.max()) <= 255
