@@ -301,7 +301,7 @@ def segment_counters(x: torch.Tensor, key: torch.Tensor, first: torch.Tensor, we
     last (fewer than ROW) elements as a (1, n) row of their own (`fusion.row_parts`)."""
     lo = fusion.as_i32(key & 0xFFFFFFFF)
     hi = fusion.as_i32((key >> 32) & 0xFFFFFFFF)
-    return (lo + fusion.row_steps(x, first, weyl)) ^ hi
+    return fusion.row_steps(x, first, weyl, lo) ^ hi
 
 
 def levels_into(out: torch.Tensor, x: torch.Tensor, safe: torch.Tensor, key: torch.Tensor, first: torch.Tensor,
@@ -479,16 +479,38 @@ def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, s
     per-element index. None when compiling failed."""
     dev = reduced.device
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
+    unit_ = fusion.constant(unit, dev)
     if lengths is not None and len(lengths) > 1:
-        sums = reduced.reshape(-1) if layout.lanes == 1 else unpack(reduced, layout)
-        if sums is not None:
-            index, _ = segment_index(tuple(lengths), dev)
-            fusion.run(indexed_scaled_into, res, sums, index, scale.reshape(-1).to(torch.float32),
-                       fusion.constant(unit, dev))
-        return None if sums is None or fusion.failed() else res
-    args = (fusion.constant(unit, dev), scale.reshape(-1)[:1].to(torch.float32))
+        index, _ = segment_index(tuple(lengths), dev)
+        scales = scale.reshape(-1).to(torch.float32)
+        if layout.lanes == 1:
+            fusion.run(indexed_scaled_into, res, reduced.reshape(-1), index, scales, unit_)
+        else:
+            _lanes_scaled_into(res, reduced.reshape(-1), layout, unit_, scales, index)
+        return None if fusion.failed() else res
+    scale = scale.reshape(-1)[:1].to(torch.float32)
     if layout.lanes == 1:
-        fusion.run(decode_one_fn(layout), res, reduced.reshape(-1), *args)
-    elif (sums := unpack(reduced, layout)) is not None:
-        fusion.run(scaled_into, res, sums, *args)
+        fusion.run(decode_one_fn(layout), res, reduced.reshape(-1), unit_, scale)
+    else:
+        _lanes_scaled_into(res, reduced.reshape(-1), layout, unit_, scale, None)
     return None if fusion.failed() else res
+
+
+def _lanes_scaled_into(res: torch.Tensor, c: torch.Tensor, layout: LaneLayout, unit: torch.Tensor,
+                       scale: torch.Tensor, index: torch.Tensor | None) -> None:
+    """res = the decoded lane sums of containers `c` (several lanes each), scaled by `scale` (one
+    value) or, with a per-element `index`, by each element's entry of `scale`. Whole int64 words of
+    uint8 lanes in one kernel (`words.scaled_fn`); the rest (a last partial word, containers that do
+    not start on a word, wider containers) unpacked (`unpack`), then scaled."""
+    n, done = res.shape[0], 0
+    if words.fits(layout) and (body := words.whole_words(c, n, layout.lane_bits)):
+        vals = 64 // layout.lane_bits
+        done = body * vals
+        per = () if index is None else (index[:done].view(body, vals),)
+        fusion.run(words.scaled_fn(layout.lane_bits, index is not None), res[:done].view(body, vals),
+                   c[: body * 8].view(torch.int64), words.lane_shifts(layout.lane_bits, c.device), unit, scale, *per)
+    if done < n and (sums := unpack(c[done // layout.lanes :], layout)) is not None:
+        if index is None:
+            fusion.run(scaled_into, res[done:], sums, unit, scale)
+        else:
+            fusion.run(indexed_scaled_into, res[done:], sums, index[done:], scale, unit)
