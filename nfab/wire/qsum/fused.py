@@ -474,9 +474,9 @@ def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, s
            out: torch.Tensor | None, lengths: Sequence[int] | None = None) -> torch.Tensor | None:
     """The decoded mean (fp32, into `out` when given): the same bits as `decode_scaled`'s table of
     `levels * unit - 1` times each segment's scale. One segment (`lengths` None): one-lane containers
-    in one kernel, several lanes unpacked first (`unpack`), then scaled; several segments: unpacked
-    (several lanes), then one kernel scaling each element by its segment's scale through the
-    per-element index. None when compiling failed."""
+    in one kernel; several lanes by `_lanes_scaled_into` (whole words of uint8 lanes in one kernel).
+    Several segments: the same, each element scaled by its segment's scale through the per-element
+    index. None when compiling failed."""
     dev = reduced.device
     res = out.view(-1) if out is not None else torch.empty(numel, dtype=torch.float32, device=dev)
     unit_ = fusion.constant(unit, dev)
@@ -499,18 +499,14 @@ def decode(reduced: torch.Tensor, layout: LaneLayout, numel: int, unit: float, s
 def _lanes_scaled_into(res: torch.Tensor, c: torch.Tensor, layout: LaneLayout, unit: torch.Tensor,
                        scale: torch.Tensor, index: torch.Tensor | None) -> None:
     """res = the decoded lane sums of containers `c` (several lanes each), scaled by `scale` (one
-    value) or, with a per-element `index`, by each element's entry of `scale`. Whole int64 words of
-    uint8 lanes in one kernel (`words.scaled_fn`); the rest (a last partial word, containers that do
-    not start on a word, wider containers) unpacked (`unpack`), then scaled."""
-    n, done = res.shape[0], 0
-    if words.fits(layout) and (body := words.whole_words(c, n, layout.lane_bits)):
-        vals = 64 // layout.lane_bits
-        done = body * vals
-        per = () if index is None else (index[:done].view(body, vals),)
-        fusion.run(words.scaled_fn(layout.lane_bits, index is not None), res[:done].view(body, vals),
-                   c[: body * 8].view(torch.int64), words.lane_shifts(layout.lane_bits, c.device), unit, scale, *per)
-    if done < n and (sums := unpack(c[done // layout.lanes :], layout)) is not None:
-        if index is None:
-            fusion.run(scaled_into, res[done:], sums, unit, scale)
-        else:
-            fusion.run(indexed_scaled_into, res[done:], sums, index[done:], scale, unit)
+    value) or, with a per-element `index`, by each element's entry of `scale`: uint8 lanes of 1, 2 or
+    4 bits in one graph (`words.scaled_into`); others (and containers that do not start on a word)
+    unpacked (`unpack`), then scaled."""
+    if words.fits(layout) and words.scaled_into(res, c, layout.lane_bits, unit, scale, index):
+        return
+    if (sums := unpack(c, layout)) is None:
+        return
+    if index is None:
+        fusion.run(scaled_into, res, sums, unit, scale)
+    else:
+        fusion.run(indexed_scaled_into, res, sums, index, scale, unit)

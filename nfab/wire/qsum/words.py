@@ -199,35 +199,54 @@ def lane_shifts(lane_bits: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(64 // lane_bits, dtype=torch.int64, device="cpu") * lane_bits).to(device, non_blocking=True)
 
 
-def whole_words(c: torch.Tensor, numel: int, lane_bits: int) -> int:
-    """How many leading int64 words of the 1-D uint8 containers `c` hold only values of the first
-    `numel` elements and can be read in place (0 when `c` does not start on a word)."""
-    if c.storage_offset() % 8:
-        return 0
-    return min(numel // (64 // lane_bits), c.numel() // 8)
-
-
 @cache
 def scaled_fn(lane_bits: int, indexed: bool):
-    """The decode of whole words in one graph: out (words, 64 / lane_bits) = (S * unit - 1) * scale, S
-    each lane's value (`lane_shifts`), scale one fp32 value or, `indexed`, each element's entry of
-    `scales` through its per-element index. Why: unpacked to bytes first and then scaled, a decode
-    wrote and read a byte per element more and took a stage more (4M elements on one CPU core,
-    4-bit lanes: 0.80 ms against 1.12-1.19; 2-bit: 0.75 against 1.09; 2026-12-05)."""
-    mask = fusion.static((1 << lane_bits) - 1)
+    """A decode of uint8 containers of `lane_bits`-bit lanes in one graph: out = (S * unit - 1) * scale,
+    S each lane's value, scale one fp32 value or (`indexed`) each element's entry of `scales` through
+    its per-element index. The containers come as whole int64 words, out (words, 64 / lane_bits),
+    each word a row and its values' bit offsets a column table (`lane_shifts`), and as the last few
+    bytes (at most 8), their values into `tail`. Why: unpacked to bytes first and then scaled, a
+    decode wrote and read a byte per element more and took a stage more, two with a tail (4M
+    elements on one CPU core, 4-bit lanes: 0.80 ms against 1.12-1.19; 2-bit: 0.75 against 1.09;
+    2026-12-05)."""
+    mask, per = fusion.static((1 << lane_bits) - 1), fusion.static(8 // lane_bits)
 
-    def values(w: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-        return ((w.unsqueeze(1) >> shifts) & fusion.static(mask)).to(torch.float32)
+    def values(w: torch.Tensor, shifts: torch.Tensor, tail: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        body = (w.unsqueeze(1) >> shifts) & fusion.static(mask)
+        offsets = torch.arange(fusion.static(per), dtype=torch.int32, device=c.device) * fusion.static(lane_bits)
+        rest = ((c.to(torch.int32).unsqueeze(1) >> offsets) & fusion.static(mask)).reshape(-1)[: tail.shape[0]]
+        return body.to(torch.float32), rest.to(torch.float32)
 
     if indexed:
-        def scaled_words_indexed(out: torch.Tensor, w: torch.Tensor, shifts: torch.Tensor, unit: torch.Tensor,
-                                 scales: torch.Tensor, index: torch.Tensor) -> None:
-            out.copy_((values(w, shifts) * unit - 1.0) * scales[index.to(torch.int64)])
+        def scaled_words_indexed(out: torch.Tensor, w: torch.Tensor, shifts: torch.Tensor, tail: torch.Tensor,
+                                 c: torch.Tensor, unit: torch.Tensor, scales: torch.Tensor, index: torch.Tensor,
+                                 tail_index: torch.Tensor) -> None:
+            body, rest = values(w, shifts, tail, c)
+            out.copy_((body * unit - 1.0) * scales[index.to(torch.int64)])
+            tail.copy_((rest * unit - 1.0) * scales[tail_index.to(torch.int64)])
 
         return scaled_words_indexed
 
-    def scaled_words(out: torch.Tensor, w: torch.Tensor, shifts: torch.Tensor, unit: torch.Tensor,
-                     scale: torch.Tensor) -> None:
-        out.copy_((values(w, shifts) * unit - 1.0) * scale)
+    def scaled_words(out: torch.Tensor, w: torch.Tensor, shifts: torch.Tensor, tail: torch.Tensor, c: torch.Tensor,
+                     unit: torch.Tensor, scale: torch.Tensor) -> None:
+        body, rest = values(w, shifts, tail, c)
+        out.copy_((body * unit - 1.0) * scale)
+        tail.copy_((rest * unit - 1.0) * scale)
 
     return scaled_words
+
+
+def scaled_into(res: torch.Tensor, c: torch.Tensor, lane_bits: int, unit: torch.Tensor, scale: torch.Tensor,
+                index: torch.Tensor | None) -> bool:
+    """res = the decoded values of the uint8 containers `c` by one `scaled_fn` graph: False (nothing
+    done) when `c` does not start on a whole int64 word, which the graph reads in place."""
+    if c.storage_offset() % 8:
+        return False
+    n, vals, per = res.shape[0], 64 // lane_bits, 8 // lane_bits
+    body = n // vals
+    done = body * vals
+    args = (res[:done].view(body, vals), c[: body * 8].view(torch.int64), lane_shifts(lane_bits, c.device),
+            res[done:], c[body * 8 : body * 8 - (-(n - done) // per)], unit, scale)
+    per_element = () if index is None else (index[:done].view(body, vals), index[done:n])
+    fusion.run(scaled_fn(lane_bits, index is not None), *args, *per_element)
+    return True
