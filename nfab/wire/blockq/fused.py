@@ -351,6 +351,11 @@ def packed_levels(x: torch.Tensor, codes_: torch.Tensor, scales: torch.Tensor, l
     done = q * k * block
     if done == flat.numel():
         return out
+    if _rest_in_one(layout, lengths):
+        rows = slice(q * k, q * k - (-(flat.numel() - done) // block))
+        got = fusion.run(chunks.packed_rest_fn(layout, block), out[q * block :], flat[done:],
+                         *(t[rows] for t in terms), *rest, steps)
+        return None if got is None and fusion.failed() else out
     levels_ = torch.empty(flat.numel() - done, dtype=torch.uint8, device=dev)
     got = _levels_by_rows(levels_, flat[done:], terms, rest, steps, _after_chunks(parts, q * k))
     return None if got is None or chunks.pack_into(got, layout, out[q * block :]) is None else out
@@ -404,12 +409,24 @@ def decode_chunks(reduced: torch.Tensor, codes_: torch.Tensor, scales: torch.Ten
     done = q * k * block
     if done == numel:
         return res
+    if _rest_in_one(layout, lengths):
+        rows = slice(q * k, q * k - (-(numel - done) // block))
+        got = fusion.run(chunks.scaled_rest_fn(layout, block), res[done:], c[q * block : q * block - (
+            -(numel - done) // k)], codes_[rows], scales, fusion.constant(2.0 / total, c.device))
+        return None if got is None and fusion.failed() else res
     rest = _after_chunks(parts, q * k)
     sums = unpack(c[q * block :], layout)
     if sums is None:
         return None
     rest_mean = scaled(sums, codes_, scales, rest, numel - done, total, res[done:], lengths, block)
     return None if rest_mean is None else res
+
+
+def _rest_in_one(layout: Layout, lengths: Sequence[int]) -> bool:
+    """Whether what follows a bucket's whole chunks is one graph each way (`chunks.packed_rest_fn`,
+    `scaled_rest_fn`): bit lanes, and a bucket of one segment, so that the rest is consecutive blocks
+    within one partial chunk. Several segments, and radix digits, keep the stages per view."""
+    return isinstance(layout, LaneLayout) and len(lengths) == 1
 
 
 def _after_chunks(parts: tuple[grid.Piece, ...], rows: int) -> tuple[grid.Piece, ...]:
