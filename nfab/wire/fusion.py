@@ -256,12 +256,13 @@ def levels_of(x: torch.Tensor, safe: torch.Tensor, counters: torch.Tensor, shift
     The same integers as floor-then-clamp for every t but NaN: capped at M (t > M, +inf), cut toward
     zero (a non-negative t truncates to its floor), then raised to 0 as an integer (a t below 0, -inf
     and NaN, which the x86 conversion makes INT_MIN, all give 0; the reference casts a NaN level to
-    0 as well, and a non-finite gradient is flagged before its levels matter). Why this order: a
-    compare-and-select and an integer max are 3 vector instructions where NaN-aware float clamps
-    (`clamp`, `minimum`) are 8; the level kernel is compute-bound on one CPU core (1.94 -> 1.70 ms
-    per 4M elements with the key's low word added per row, `row_steps`; measured 2026-12-05)."""
+    0 as well, and a non-finite gradient is flagged before its levels matter). Why this order: one
+    NaN-aware float clamp and an integer max are 5 vector instructions where two float clamps were 8,
+    in a level kernel that is compute-bound on one CPU core. A compare-and-select for the cap (3 in
+    all) ran as fast in a one-level kernel but made inductor store every digit's t in radix packing
+    (bq2: 6.2 -> 8.6-11 ms per 4M elements), as it reads t twice."""
     t = (x.to(torch.float32) / safe + 1.0) * half_m + uniform_of(counters, shift)
-    return torch.where(t > m, m, t).to(torch.int32).clamp(min=0)
+    return torch.minimum(t, m).to(torch.int32).clamp(min=0)
 
 
 def as_i32(words: torch.Tensor) -> torch.Tensor:

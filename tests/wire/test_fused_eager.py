@@ -241,8 +241,8 @@ def test_majority_bits_and_trits_by_arithmetic_are_the_eager_owner_step(world_si
 
 
 def test_levels_are_floor_then_clamp_for_every_t_and_zero_for_nan():
-    """`fusion.levels_of` caps at M, truncates and raises to 0 as an integer (3 vector instructions
-    where NaN-aware clamps are 8): the reference's floor-then-clamp for every non-NaN t, including
+    """`fusion.levels_of` caps at M, truncates and raises to 0 as an integer (5 vector instructions
+    where two NaN-aware clamps are 8): the reference's floor-then-clamp for every non-NaN t, including
     the edges, the fp32 rounding of M + u up to M + 1, and +-inf; a NaN gives 0, as the reference's
     uint8 cast does."""
     m = 15.0
