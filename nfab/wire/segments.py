@@ -140,13 +140,19 @@ def abs_sum(part: torch.Tensor) -> torch.Tensor:
     the torch path's stages are (one read of `part`: 0.3 ms for 4M fp32, where eager takes 1.2 ms
     and the float64 norm 2.6 ms), else eager (a bucket's many small norms and biases)."""
     if part.numel() >= _COMPILED_SUM_MIN and fusion.active(part):
-        got = fusion.run(_abs_sum64, part)
+        got = fusion.run(abs_sum64, part)
         if got is not None:
             return got
-    return _abs_sum64(part)
+    return abs_sum64(part)
 
 
-def _abs_sum64(part: torch.Tensor) -> torch.Tensor:
+def summed_in_one(x: torch.Tensor, lengths: Sequence[int]) -> bool:
+    """Whether `segment_mean_abs(x, lengths)` is one compiled `abs_sum64` of the whole of `x` (one segment,
+    large enough: `abs_sum`), which a stage that reads x anyway may compute in its own graph instead."""
+    return len(lengths) == 1 and x.numel() >= _COMPILED_SUM_MIN and fusion.active(x) and not dispatch.on_host(x)
+
+
+def abs_sum64(part: torch.Tensor) -> torch.Tensor:
     """sum |part| in float64: `abs_sum`'s one definition, compiled or eager."""
     return part.abs().sum(dtype=torch.float64)
 

@@ -78,11 +78,11 @@ def _assert_same(a: dict, b: dict, what: str, keys=None) -> None:
             assert torch.equal(x, y), f"{what}: {key}[{i}]"
 
 
-def _check(name: str, world_size: int) -> None:
+def _check(name: str, world_size: int, layouts: list[list[int]] = LAYOUTS) -> None:
     """The compiled path (stages compiled or not, as the caller set) against eager and numba."""
     if not REDUCERS[name].capacity(world_size).ok:
         pytest.skip("over capacity")
-    for lengths in LAYOUTS:
+    for lengths in layouts:
         eager, compiled = _round_trip(name, lengths, world_size, "torch"), _round_trip(name, lengths, world_size,
                                                                                         "compiled")
         assert not fusion.failed(), "torch.compile failed: the eager path ran"
@@ -117,6 +117,42 @@ def test_the_stages_uncompiled_are_the_eager_and_the_host_path_bit_for_bit(name,
     signscatter's int64 shards to what W=2 and 3 reach."""
     with fusion.stages_compiled(False):
         _check(name, world_size)
+
+
+LARGE_SEGMENT = [[(1 << 16) + 77]]
+"""One segment from 64K elements: its sign scale's |x| sum is compiled, in the votes' graph (`summed_in_one`)."""
+
+
+def _summed_calls(monkeypatch) -> list[int]:
+    from nfab.wire.sign import fused as sign_fused
+    calls: list[int] = []
+    summed = sign_fused.votes_summed_into
+
+    def counted(out, x):
+        calls.append(x.numel())
+        return summed(out, x)
+
+    monkeypatch.setattr(sign_fused, "votes_summed_into", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("signgather", 2), ("signgather", 4), ("signcount", 2),
+                                                  ("signcount", 4), ("signscatter", 2)])
+def test_a_large_segment_sums_its_sign_scale_in_the_votes_graph(name, world_size, monkeypatch):
+    """The votes and the scale's |x| sum from one read of x: the eager path's scale and payload, bit for
+    bit. (signscatter at W=4 writes its votes shard by shard into int32 rows and sums apart.)"""
+    calls = _summed_calls(monkeypatch)
+    with fusion.stages_compiled(False):
+        _check(name, world_size, LARGE_SEGMENT)
+    assert calls and set(calls) == {LARGE_SEGMENT[0][0]}, "the votes' graph did not sum the scale"
+
+
+@needs_compile
+@pytest.mark.parametrize("name", sorted(SIGN))
+def test_a_large_segment_sums_its_sign_scale_in_the_compiled_votes_graph(name, monkeypatch):
+    calls = _summed_calls(monkeypatch)
+    _check(name, 2, LARGE_SEGMENT)
+    assert calls, "the votes' graph did not sum the scale"
 
 
 @needs_compile

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from nfab.wire import fusion
+from nfab.wire import fusion, segments
 from nfab.wire.contract import Out, split_out
 from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import words
@@ -55,15 +55,26 @@ def votes_into(out: torch.Tensor, x: torch.Tensor) -> None:
     out.copy_(vote_bytes(x))
 
 
-def vote_buffer(x: torch.Tensor, total: int) -> torch.Tensor | None:
-    """`total` vote bytes (uint8, total >= x.numel()): x's `vote_bytes`, then zeros -- padding that
-    votes nothing, zero lanes as `lanes.pack` pads; None when compiling failed."""
+def votes_summed_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`votes_into`, and sum |x| in float64 (`segments.abs_sum64`, the sign scale's sum) from the same
+    read of x. Why: the votes and the scale each read the whole bucket; on a GPU one graph is a pass
+    over it fewer (one CPU core, 4M elements: 1.33 ms against 1.41 and a stage call more)."""
+    out.copy_(vote_bytes(x))
+    return segments.abs_sum64(x)
+
+
+def vote_buffer(x: torch.Tensor, total: int, summed: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(`total` vote bytes (uint8, total >= x.numel()): x's `vote_bytes`, then zeros -- padding that
+    votes nothing, zero lanes as `lanes.pack` pads; with `summed`, sum |x| in float64 from the same
+    graph, else None); None when compiling failed."""
     flat = x.reshape(-1)
     n = flat.numel()
     votes = qsum_fused.lane_buffer(total, n, x.device)
-    if fusion.run(votes_into, votes[:n], flat) is None and fusion.failed():
+    got = fusion.run(votes_summed_into if summed else votes_into, votes[:n], flat)
+    if got is None and fusion.failed():
         return None
-    return votes
+    return votes, got if summed else None
 
 
 # ---- decode ----------------------------------------------------------------------------------
@@ -93,13 +104,18 @@ def voted_fn(vote: str):
 
 
 # ---- the stages (called by the reducers; None: run eager) -------------------------------------
-def encode(x: torch.Tensor, layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+def encode(x: torch.Tensor, layout: LaneLayout, summed: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """(the vote containers of `x`, its vote bytes: this rank's own votes, kept for error feedback
-    instead of unpacking them back from the payload) compiled, or None when compiling failed."""
+    instead of unpacking them back from the payload, and with `summed` sum |x| in float64, else None)
+    compiled, or None when compiling failed."""
     n = x.numel()
-    votes = vote_buffer(x, qsum_fused.padded_length(n, layout))  # packed in place: zero votes past n
-    payload = None if votes is None else qsum_fused.pack_prefix(votes, n, layout)
-    return None if payload is None else (payload, votes[:n])
+    got = vote_buffer(x, qsum_fused.padded_length(n, layout), summed)  # packed in place: zero votes past n
+    if got is None:
+        return None
+    votes, total = got
+    payload = qsum_fused.pack_prefix(votes, n, layout)
+    return None if payload is None else (payload, votes[:n], total)
 
 
 def decode(reduced: torch.Tensor, gathered: bool, layout: LaneLayout, vote: str, world_size: int,

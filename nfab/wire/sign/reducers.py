@@ -63,11 +63,13 @@ class _SignReducer(Reducer):
         if n and sign_host.sign_supports(x):
             bits, sums = sign_host.sign_votes(x, lengths)
             return self._encoded(bits, sums, n, lengths, layout)
-        scales = segments.segment_mean_abs(x, lengths)
-        if n and fusion.active(x) and (got := sign_fused.encode(x, layout)) is not None:
-            payload, vote_bytes = got  # compiled (`sign/fused.py`): the same containers
+        summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph
+        if n and fusion.active(x) and (got := sign_fused.encode(x, layout, summed)) is not None:
+            payload, vote_bytes, total = got  # compiled (`sign/fused.py`): the same containers
+            scales = segments.means(total.reshape(1), lengths) if summed else segments.segment_mean_abs(x, lengths)
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
                 vote_bytes.to(torch.bool), scales, lengths))
+        scales = segments.segment_mean_abs(x, lengths)
         bits = sign_codec.sign_bits(x)
         return Encoded(pack(bits, layout), scales, make_local=lambda: sign_codec.sign_values(bits, scales, lengths))
 

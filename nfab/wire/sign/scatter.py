@@ -122,11 +122,14 @@ class SignScatter(TwoPhaseReducer):
             scales = mean_abs_of_sums(sums, lengths)
             kept = bits.copy()
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(kept, n, scales, lengths))
-        scales = segments.segment_mean_abs(x, lengths)
-        if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay)) is not None:
-            payload, vote_bytes = got  # compiled (`scatter_fused`): the same containers
+        summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph, where it can be
+        if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay, summed)) is not None:
+            payload, vote_bytes, total = got  # compiled (`scatter_fused`): the same containers
+            scales = segments.means(total.reshape(1), lengths) if total is not None else segments.segment_mean_abs(
+                x, lengths)
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
                 vote_bytes.reshape(-1)[:n].to(torch.bool), scales, lengths))
+        scales = segments.segment_mean_abs(x, lengths)
         votes = torch.zeros(world_size * shard, dtype=torch.bool, device=x.device)
         votes[:n] = sign_codec.sign_bits(x.reshape(-1))
         payload = torch.cat([pack(v, lay) for v in votes.view(world_size, shard)])

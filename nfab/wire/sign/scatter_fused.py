@@ -39,14 +39,15 @@ TRITS_PER_BYTE = 5
 
 
 # ---- encode ----------------------------------------------------------------------------------
-def encode(x: torch.Tensor, shard: int, world_size: int,
-           layout: LaneLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+def encode(x: torch.Tensor, shard: int, world_size: int, layout: LaneLayout,
+           summed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """(the W shards' count-lane payload of `x`'s votes, the vote bytes of `x`: flat, or one row per
-    shard, read as `.reshape(-1)[:numel]`) compiled, or None when compiling failed."""
+    shard, read as `.reshape(-1)[:numel]`, and with `summed` sum |x| in float64 from the votes' graph
+    where the shards are whole words, else None) compiled, or None when compiling failed."""
     if words.fits(layout) and shard % layout.lanes == 0:
-        votes = sign_fused.vote_buffer(x, world_size * shard)  # the shards' padding votes nothing
-        payload = None if votes is None else words.pack(votes, layout)
-        return None if payload is None else (payload, votes[: x.numel()])
+        got = sign_fused.vote_buffer(x, world_size * shard, summed)  # the shards' padding votes nothing
+        payload = None if got is None else words.pack(got[0], layout)
+        return None if got is None or payload is None else (payload, got[0][: x.numel()], got[1])
     # int32/int64 containers: shard by shard, each row the shard's votes then zeros to whole containers,
     # starting on a whole word (`qsum.fused.pack` reads 8 votes as one int64, without a padding copy)
     per = layout.containers_for(shard) * layout.lanes
@@ -55,7 +56,7 @@ def encode(x: torch.Tensor, shard: int, world_size: int,
         if src.numel() and fusion.run(sign_fused.votes_into, dst, src) is None and fusion.failed():
             return None
     payload = qsum_fused.pack_rows(rows, shard, layout)
-    return None if payload is None else (payload, rows[:, :shard])
+    return None if payload is None else (payload, rows[:, :shard], None)
 
 
 # ---- the owner's step ------------------------------------------------------------------------
