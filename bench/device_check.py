@@ -262,7 +262,7 @@ def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
 
     variants, errors, skipped, model = {}, {}, {}, ""
     for name, share in ((VARIANTS[1], 0.4), (VARIANTS[2], 0.6)):
-        if name == VARIANTS[2] and (why := _cannot_compile()):
+        if name == VARIANTS[2] and (why := _compile_unsupported()):
             skipped[name] = why
             continue
         try:
@@ -280,16 +280,11 @@ def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
             "world_size": 2, "routes": MIXED, "variants": variants, "skipped_variants": skipped}
 
 
-def _cannot_compile() -> str | None:
-    """Why this torch cannot compile the codec stages exactly (its inductor lacks a setting
-    `fusion.OPTIONS` needs: torch 2.4), or None. Any other compile failure fails the step."""
+def _compile_unsupported() -> str | None:
+    """`fusion.unsupported()`, imported when the step runs. Any other compile failure fails the step."""
     from nfab.wire import fusion
 
-    try:
-        fusion.inductor_options()
-    except RuntimeError as e:
-        return str(e)
-    return None
+    return fusion.unsupported()
 
 
 STEPS = {"cuda_tests": step_cuda_tests, "compiled_tests": step_compiled_tests, "wire": step_wire,

@@ -40,7 +40,7 @@ def nonfinite_sum(buffer: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(buffer.sum(dtype=torch.float32))
 
 
-def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int], summed: torch.Tensor | None = None) -> torch.Tensor:
     """Mean |x| over each consecutive segment of `x` (one scale per parameter slice), fp32.
 
     A per-parameter scale keeps a large conv kernel's magnitude from swamping a small
@@ -51,9 +51,12 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     |x| is read once, with no full-size temporary; elsewhere one reduction per segment,
     compiled for large segments when the torch path's stages are (`fusion.active`). Each
     path's order is fixed: every rank and every replay gets the same bits; the paths agree
-    to fp32 rounding.
+    to fp32 rounding. `summed`: the float64 sum |x| of a one-segment `x` that a stage reading x anyway
+    already made (`summed_in_one`), used as it is.
     """
     lengths = list(lengths)
+    if summed is not None:
+        return means(summed.reshape(1), lengths)
     if not lengths:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
     if not dispatch.on_host(x):

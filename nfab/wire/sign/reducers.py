@@ -66,7 +66,7 @@ class _SignReducer(Reducer):
         summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph
         if n and fusion.active(x) and (got := sign_fused.encode(x, layout, summed)) is not None:
             payload, vote_bytes, total = got  # compiled (`sign/fused.py`): the same containers
-            scales = segments.means(total.reshape(1), lengths) if summed else segments.segment_mean_abs(x, lengths)
+            scales = segments.segment_mean_abs(x, lengths, total)
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
                 vote_bytes.to(torch.bool), scales, lengths))
         scales = segments.segment_mean_abs(x, lengths)

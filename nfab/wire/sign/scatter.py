@@ -125,8 +125,7 @@ class SignScatter(TwoPhaseReducer):
         summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph, where it can be
         if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay, summed)) is not None:
             payload, vote_bytes, total = got  # compiled (`scatter_fused`): the same containers
-            scales = segments.means(total.reshape(1), lengths) if total is not None else segments.segment_mean_abs(
-                x, lengths)
+            scales = segments.segment_mean_abs(x, lengths, total)
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
                 vote_bytes.reshape(-1)[:n].to(torch.bool), scales, lengths))
         scales = segments.segment_mean_abs(x, lengths)
