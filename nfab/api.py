@@ -135,8 +135,12 @@ def attach(
     else:
         prof = profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
         explicit = False
+    if not sharded and getattr(ddp_model, "_comm_hooks", None):
+        raise NfabError("this DDP model already has a communication hook (nfab.attach called twice, or "
+                        "register_comm_hook before it): DDP takes one, so attach once to a model without one")
     module = ddp_model if sharded else ddp_model.module
-    check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature)
+    check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature,
+                 optimizer=optimizer)
     if not explicit:  # spike/jump thresholds fitted on a shorter reference run: widened for this one
         run_steps = total_steps or calibrated_steps(prof, "run_steps")
         prof = prof.model_copy(update={"health": for_run(prof.health, calibrated_steps(prof), run_steps)})

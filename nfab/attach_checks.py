@@ -7,6 +7,9 @@ every rank before anything is registered.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
+import torch
 from torch import nn
 
 from nfab.errors import NfabError, ProfileError
@@ -36,12 +39,38 @@ def check_model(profile: Profile, module: nn.Module, model_signature: str | None
             f"(signature {profile.model.signature[:12]}…, this model {signature[:12]}…)")
 
 
+def check_globs(profile: Profile, module: nn.Module) -> None:
+    """Every parameter-name glob of the route names a trainable parameter: `{"lyr1.*": "bq2"}` for
+    `l1` would otherwise send everything FP32 with nothing said."""
+    names = [name for name, p in module.named_parameters() if p.requires_grad]
+    for glob in profile.overrides:
+        if not any(fnmatchcase(name, glob) for name in names):
+            sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            raise NfabError(f"route glob {glob!r} matches no trainable parameter of this model (its names: {sample})")
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer | None, module: nn.Module) -> None:
+    """`optimizer=` steps at least one of the model's trainable parameters: nfab reads its moments for
+    the drift monitor and corrects its second moment, which another model's optimizer would not
+    hold. (A model split between optimizers passes the one for its largest part.)"""
+    if optimizer is None:
+        return
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if trainable and not any(id(p) in owned for p in trainable):
+        raise NfabError(f"optimizer= ({type(optimizer).__name__}) steps none of this model's parameters: "
+                        "pass the optimizer built from the wrapped model's parameters")
+
+
 def check_attach(profile: Profile, module: nn.Module, *, explicit: bool, total_steps: int | None,
-                 model_signature: str | None) -> None:
-    """Everything `attach` can check before registering: phases vs total_steps, the model's signature.
+                 model_signature: str | None, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Everything `attach` can check before registering: phases vs total_steps, the model's signature,
+    the route's parameter globs, the optimizer's parameters.
 
     Route names were checked when the profile or route was parsed (`nfab.profile.routes`).
     """
     check_phases(profile, total_steps)
     if not explicit:
         check_model(profile, module, model_signature)
+    check_globs(profile, module)
+    check_optimizer(optimizer, module)

@@ -9,6 +9,7 @@ path removes temp files of writers on this host that are no longer alive.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -19,8 +20,15 @@ from typing import Any
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call `write(tmp_path)`, fsync it, then rename the temp file onto `path`."""
-    path = Path(path)
+    """Call `write(tmp_path)`, fsync it, then rename the temp file onto `path`.
+
+    A symlink is written through (its target is replaced, the link stays); a path that exists but
+    is no regular file (a folder, a device, a pipe) is refused with an `OSError` naming it: the
+    rename would replace it (as root, `-o /dev/full` once replaced the device node)."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        code = errno.EISDIR if path.is_dir() else errno.EINVAL
+        raise OSError(code, "is a folder" if path.is_dir() else "is not a regular file", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{_HOST}-{os.getpid()}.", suffix=".tmp", dir=path.parent)

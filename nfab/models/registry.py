@@ -19,6 +19,7 @@ from nfab.models.options import check_options
 from nfab.models.resnet import resnet18
 from nfab.models.spec import OPTIMIZER_FAMILIES, TASKS, ModelSpec
 from nfab.models.vit import vit
+from nfab.runtime.bindings import default_heads
 
 MODELS: dict[str, Callable[..., ModelSpec]] = {
     "resnet18": resnet18,
@@ -135,8 +136,7 @@ def _build_user_model(
         raise ConfigError(f"user model {target!r}: optimizer must be one of {OPTIMIZER_FAMILIES}, got {optimizer!r}")
     heads = attribute("head_modules")
     if heads is None:
-        children = dict(module.named_children())
-        heads = tuple(h for h in ("head", "fc", "classifier", "lm_head") if h in children)[:1]
+        heads = default_heads(module)
     facts = {k: v for k in _SPEC_INTS if isinstance(v := attribute(k), int)}
     if task == "lm" and not {"vocab_size", "block_size"} <= facts.keys():
         raise ConfigError(f"user lm model {target!r} must expose int attributes vocab_size and block_size")

@@ -16,8 +16,9 @@ from torch import nn
 SMALL_NUMEL = 1024
 """Parameters with fewer elements than this are their own region class, `small`."""
 
-HEAD_NAMES = ("head", "lm_head", "fc", "classifier")
-"""Module names (last path component) taken as a model's output head by default."""
+HEAD_NAMES = ("head", "lm_head", "classifier", "fc")
+"""Module names (last path component) taken as a model's output head by default, strongest first
+(`default_heads`): `fc` is torchvision's head but also a common name for an MLP layer."""
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
 
@@ -43,6 +44,26 @@ def _module_region(module: nn.Module) -> str:
     return "other"
 
 
+def default_heads(model: nn.Module) -> tuple[str, ...]:
+    """The module(s) taken as the output head when the caller names none: those whose last name is
+    the strongest of HEAD_NAMES present, outside any numbered stack (`blocks.0.fc` is a block's MLP
+    layer, not the head), and the shallowest of them (`fc` beside `block1.fc`: the top one).
+
+    Why not every module so named: a user GPT whose MLP layers are `blocks.N.fc` had 30% of its
+    gradient classed `head` (kept FP32 by a profile with no head route) and sent 2.8x fewer bytes
+    than FP32 instead of 12x, with nothing said."""
+    found: dict[str, list[str]] = {}
+    for name, _ in model.named_modules():
+        parts = name.split(".") if name else []
+        if parts and parts[-1] in HEAD_NAMES and not any(part.isdigit() for part in parts):
+            found.setdefault(parts[-1], []).append(name)
+    for leaf in HEAD_NAMES:
+        if leaf in found:
+            depth = min(name.count(".") for name in found[leaf])
+            return tuple(name for name in found[leaf] if name.count(".") == depth)
+    return ()
+
+
 def classify(
     model: nn.Module,
     head_modules: Iterable[str] | None = None,
@@ -51,19 +72,13 @@ def classify(
     """Region class for every trainable parameter, keyed by its (first) qualified name.
 
     Tied weights appear once, under the name `named_parameters` gives them first.
-    `head_modules` are module-name prefixes that form the output head (default: any
-    module whose last name component is one of HEAD_NAMES).
+    `head_modules` are module-name prefixes that form the output head (default: `default_heads`).
     """
-    heads = tuple(head_modules) if head_modules is not None else None
+    heads = tuple(head_modules) if head_modules is not None else default_heads(model)
     out: dict[str, Binding] = {}
     seen: set[int] = set()
     for mod_name, module in model.named_modules():
-        leaf = mod_name.rsplit(".", 1)[-1]
-        is_head = (
-            any(mod_name == h or mod_name.startswith(h + ".") for h in heads)
-            if heads is not None
-            else leaf in HEAD_NAMES
-        )
+        is_head = any(mod_name == h or mod_name.startswith(h + ".") for h in heads)
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue

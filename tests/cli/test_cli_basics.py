@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from nfab import __version__
 from nfab.cli.app import app
 
+REPO = Path(__file__).resolve().parents[2]
+
 runner = CliRunner()
 NFAB = str(Path(sys.executable).parent / "nfab")
 
@@ -54,3 +56,21 @@ def test_user_errors_are_one_line_and_exit_2():
         assert res.code == 2, (args, res.stderr)
         assert "Traceback" not in res.stderr + res.stdout
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_usage_and_file_system_errors_are_one_line_and_exit_2(tmp_path: Path):
+    """click's own refusals (it boxes them in several lines) and an OSError on a path the user gave
+    (a folder that cannot be made, a folder where a file goes) end as one line too."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder\n")
+    parquet = str(REPO / "calibrations/vit/calibration.parquet")
+    for args, says in ((["train", "--steps", "abc"], "Invalid value for '--steps'"),
+                       (["bogus"], "No such command 'bogus'"),
+                       (["bench", "tta", "--steps", "0"], "greater than or equal to 1"),
+                       (["report", str(REPO / "calibrations/vit"), "--out", str(blocker / "report")], "a-file"),
+                       (["fit", parquet, "-o", str(tmp_path)], "is a folder")):
+        res = nfab_main(*args)
+        assert res.code == 2, (args, res.stderr)
+        assert "Traceback" not in res.stderr + res.stdout and says in res.stderr, (args, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert blocker.read_text() == "not a folder\n"

@@ -90,3 +90,20 @@ def test_a_checkpoint_save_killed_midway_is_swept_and_latest_stays_complete(tmp_
         assert checkpoint.read(latest / "state.pt")["step"] == 9  # weights-only load
     finally:
         dist.destroy_process_group()
+
+
+def test_a_symlink_is_written_through_and_a_folder_or_device_is_refused(tmp_path: Path) -> None:
+    """The rename would replace whatever stands at the path: a link (the user's own layout), a folder,
+    or, as root, a device node (`nfab profile schema -o /dev/full` once left a regular file there)."""
+    target = atomic_write_text(tmp_path / "real.json", "old\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write_text(link, "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+    folder = tmp_path / "folder.json"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        atomic_write_text(folder, "x\n")
+    with pytest.raises(OSError, match="is not a regular file"):
+        atomic_write_text("/dev/null", "x\n")
+    assert Path("/dev/null").is_char_device() and temps(tmp_path) == []

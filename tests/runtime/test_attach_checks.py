@@ -150,3 +150,42 @@ def test_a_route_on_probation_is_probed_every_step(group) -> None:
     assert len(probed()) == 1  # one region per probe, in rotation
     rt.step += 2
     assert bool(probed()) is (rt.step % h.probe_every == 0)
+
+
+def test_a_route_glob_that_matches_no_parameter_is_refused(group) -> None:
+    """A typo in a parameter glob (`lyr1.*` for `layer1.*`) would leave every parameter FP32 silently."""
+    ddp = shipped_resnet()
+    with pytest.raises(NfabError, match=r"route glob 'lyr1\.\*' matches no trainable parameter .*conv1\.weight"):
+        nfab.attach(ddp, route={"conv": "sign", "lyr1.*": "bq2"}, cost_model=None)
+    assert not hooked(ddp)
+    assert nfab.attach(shipped_resnet(), route={"layer1.*": "bq2"}, cost_model=None) is not None
+
+
+def test_a_second_attach_is_refused_before_it_touches_the_optimizer(group) -> None:
+    """DDP takes one comm hook: a second attach, or one after the user's own `register_comm_hook`,
+    is one NfabError and leaves no optimizer hook of its own behind (it used to add one, then fail
+    with torch's RuntimeError)."""
+    ddp = shipped_resnet()
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    nfab.attach(ddp, route="bq2", cost_model=None, optimizer=opt)
+    before = len(opt._optimizer_step_pre_hooks)
+    with pytest.raises(NfabError, match="already has a communication hook"):
+        nfab.attach(ddp, route="bq2", cost_model=None, optimizer=opt)
+    assert len(opt._optimizer_step_pre_hooks) == before
+    ddp = shipped_resnet()
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    ddp.register_comm_hook(None, _probe_hook)
+    with pytest.raises(NfabError, match="already has a communication hook"):
+        nfab.attach(ddp, route="bq2", cost_model=None, optimizer=opt)
+    assert not opt._optimizer_step_pre_hooks
+
+
+def test_an_optimizer_of_another_model_is_refused(group) -> None:
+    ddp = shipped_resnet()
+    other = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), lr=1e-3)
+    with pytest.raises(NfabError, match="steps none of this model's parameters"):
+        nfab.attach(ddp, route="bq2", cost_model=None, optimizer=other)
+    assert not hooked(ddp)
+    ddp = shipped_resnet()
+    first = list(ddp.parameters())[:3]  # a model split between optimizers passes one of them
+    assert nfab.attach(ddp, route="bq2", cost_model=None, optimizer=torch.optim.SGD(first, lr=0.1)) is not None

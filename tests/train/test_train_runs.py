@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -162,3 +164,19 @@ def test_finished_run_dir_is_refused(runs) -> None:
     assert r.code == 2 and "already holds a finished run" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr + r.stdout
     assert sorted(str(p) for p in done.rglob("*")) == before
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    """SIGINT to `nfab train` (Ctrl-C): torchrun's launcher raises its own SignalException, which
+    printed a 59-line traceback and exit 1; now one line and the shell's 130."""
+    out = tmp_path / "interrupted"
+    p = start_train("--config", str(RESNET[1]), "--steps", "5000", "--quiet", "model.width=8", "data.batch_size=16",
+                    "comm.cost_model=none", "--route", "sign", "--nproc", "2", "--run-dir", str(out))
+    deadline = time.monotonic() + 120
+    while not (out / "logs").exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    time.sleep(3)  # the ranks are up
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["error: interrupted"], stderr
