@@ -365,16 +365,19 @@ def mean_step_ms(v: dict[str, Any]) -> float:
 
 def summary_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Table rows: time and steps to target, speed-ups against FP32 and bf16, bytes to target."""
-    fp32_bytes = doc["variants"]["fp32"]["wire_bytes"] / max(doc["variants"]["fp32"]["steps"], 1)
+    def per_step(v: dict[str, Any]) -> float:  # `wire_bytes` runs to the target (or the end): so do the steps
+        return v["wire_bytes"] / max(v["steps_to_target"] or v["steps"], 1)
+
+    fp32_bytes = per_step(doc["variants"]["fp32"])
     rows = []
     for name, v in doc["variants"].items():
-        per_step = v["wire_bytes"] / max(v["steps_to_target"] or v["steps"], 1)
+        sent = per_step(v)
         rows.append({"variant": name, "time_to_target_s": v["time_to_target_s"],
                      "steps_to_target": v["steps_to_target"], "steps": v["steps"], "final_loss": v["final_loss"],
                      **{k: v.get(k) for k in ("speedup_vs_fp32", "speedup_vs_bf16", "speedup_vs_fp32_at_least",
                                               "speedup_vs_bf16_at_least")},
                      "wire_bytes": v["wire_bytes"], "step_ms": mean_step_ms(v),
-                     "fewer_bytes_per_step_vs_fp32": None if per_step == 0 else float(fp32_bytes / per_step)})
+                     "fewer_bytes_per_step_vs_fp32": None if sent == 0 else float(fp32_bytes / sent)})
     return rows
 
 

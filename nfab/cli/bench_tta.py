@@ -37,7 +37,8 @@ def print_report(doc: dict[str, Any]) -> None:
         table.add_row(r["variant"], "never" if t is None else f"{t:.1f}",
                       f"{r['steps_to_target'] or '-'} / {r['steps']}",
                       _x(r["speedup_vs_fp32"], r["speedup_vs_fp32_at_least"]),
-                      _x(r["speedup_vs_bf16"], r["speedup_vs_bf16_at_least"]), f"{r['final_loss']:.4f}",
+                      _x(r["speedup_vs_bf16"], r["speedup_vs_bf16_at_least"]) if "bf16" in doc["variants"] else "-",
+                      f"{r['final_loss']:.4f}",
                       f"{r['step_ms']:.0f}", f"{r['wire_bytes'] / 1e6:.1f}", "" if fewer is None else f"{fewer:.1f}x")
     console.print(table)
     console.print(f"{doc['parameters']:,} parameters; FP32 {doc['fp32_steps']} steps, others up to "

@@ -115,6 +115,8 @@ def register(app: typer.Typer) -> None:
                                              "tighten it until the gap is within --tol-validate.")] = True,
         tol_validate: Annotated[float, typer.Option(
             "--tol-validate", help="Validation: maximum relative held-out loss gap to FP32 at the end.")] = 0.01,
+        overwrite: Annotated[bool, typer.Option(
+            "--overwrite", help="Replace a calibration already in the output folder.")] = False,
     ) -> None:
         """Measure routes per phase and region class on W virtual ranks, then fit a profile."""
         from nfab.calibrate import calibrate as run
@@ -127,6 +129,10 @@ def register(app: typer.Typer) -> None:
                 routes=tuple(r.strip() for r in routes.split(",") if r.strip()) if routes else None,
             )
             target = out if out is not None else Path("calibrations") / model.replace(":", "_").replace("/", "_")
+            held = [name for name in ("calibration.parquet", "profile.json") if (target / name).exists()]
+            if held and not overwrite:  # from a clone's root the default folder is the shipped calibration
+                raise NfabError(f"{target} already holds a calibration ({', '.join(held)}): pass --overwrite to "
+                                "replace it, or --out DIR")
             command = _command_line(ctx.params)
             console.print(f"calibrating [bold]{cfg.model}[/] on {cfg.dataset}, W={cfg.world_size}, "
                           f"{cfg.steps} steps, {cfg.phases} phases, trials of {cfg.trial_steps} steps"

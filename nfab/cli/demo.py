@@ -31,8 +31,8 @@ def register(app: typer.Typer) -> None:
     @app.command("demo")
     def demo(
         out: Annotated[Path, typer.Option(help="Folder for every artifact of the demo.")] = Path("runs/demo"),
-        steps: Annotated[int, typer.Option(help="Training steps per run.")] = 150,
-        nproc: Annotated[int, typer.Option(help="gloo ranks per run.")] = 2,
+        steps: Annotated[int, typer.Option(help="Training steps per run.", min=1)] = 150,
+        nproc: Annotated[int, typer.Option(help="gloo ranks per run.", min=1)] = 2,
         calibrate: Annotated[bool, typer.Option(help="Calibrate first (else use the shipped profile).")] = True,
     ) -> None:
         """Calibrate resnet18, train FP32 / static sign / profile-guided, and report."""
@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         config = str(resolve_config("resnet18-digits"))  # the shipped config, cloned or installed
         calib = out / "calibration"
         if calibrate:
-            _run(["calibrate", "resnet18", "--quick", "--out", str(calib)])
+            _run(["calibrate", "resnet18", "--quick", "--out", str(calib), "--overwrite"])
             profile = calib / "profile.json"
         else:
             profile = resolve_profile("resnet18")

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from nfab.cli.output import console
+from nfab.config.run import NFAB_BUCKET_MB
 from nfab.overrides import parse_kv
 
 _META_MIN_PARAMS = 50_000_000
@@ -26,7 +27,8 @@ def register(app: typer.Typer) -> None:
         step: Annotated[int, typer.Option(help="Training step whose profile phase to show.")] = 0,
         total_steps: Annotated[int | None, typer.Option(
             help="Run length (for phases given as fractions; default: the profile's calibrated length).")] = None,
-        bucket_cap_mb: Annotated[float, typer.Option(help="DDP bucket cap.")] = 25.0,
+        bucket_cap_mb: Annotated[float, typer.Option(
+            help="DDP bucket cap, MB (default: 4, what nfab train gives its hook).")] = NFAB_BUCKET_MB,
         cost: Annotated[Path | None, typer.Option(help="Cost model JSON from `nfab bench wire --cost`.")] = None,
         buckets: Annotated[int, typer.Option(help="Show at most this many buckets.")] = 12,
         json_path: Annotated[Path | None, typer.Option(

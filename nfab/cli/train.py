@@ -93,5 +93,5 @@ def register(app: typer.Typer) -> None:
         if "perplexity" in ev:
             parts.append(f"perplexity {ev['perplexity']:.2f}")
         parts.append(f"compression {s['compression_ratio']:.1f}x")
-        if not quiet:
-            console.print(f"[bold]{result.run_dir}[/]: " + ", ".join(parts), highlight=False)
+        # printed under `--quiet` too (it drops the progress bar): where the run went, and its figures
+        console.print(f"[bold]{result.run_dir}[/]: " + ", ".join(parts), highlight=False, soft_wrap=True)

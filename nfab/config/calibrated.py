@@ -1,7 +1,7 @@
 """A profile's `provenance.calibrated`: the setting it was calibrated under, as a run config.
 
 `nfab train --profile P` starts from this setting (model and options, data set and
-options, optimizer, batch size, schedule, length), so the profile alone reproduces the
+options, optimizer, batch size, schedule, length, W as ranks on one node), so the profile alone reproduces the
 run it was fitted for; anything given explicitly overrides it. When the result no
 longer matches the profile's model signature, `explain_mismatch` names the options
 that differ from the calibrated ones.
@@ -90,6 +90,7 @@ def profile_base(profile: Profile, path: str) -> dict[str, Any]:
     base["schedule"] = setting.schedule_config().model_dump(mode="json")
     base["steps"] = setting.steps
     base["seed"] = setting.seed
+    base["launch"] = {"nproc": setting.world_size}  # W: the profile's capacity and fit assume it
     return base
 
 

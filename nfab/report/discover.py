@@ -1,7 +1,7 @@
 """Turn the PATH arguments of `nfab report` into loaded run and calibration artifacts.
 
 Globs are expanded here too, because a shell may pass `runs/*` through unexpanded
-(quoted, or on Windows). A dir is a run dir when it holds summary.json or
+(quoted, or on Windows), and a folder of run dirs stands for them. A dir is a run dir when it holds summary.json or
 metrics.parquet (checked first: a run dir may carry a copy of its profile.json), and a
 calibration dir when it holds calibration.parquet or profile.json. A JSON file whose `kind`
 is `nfab.bench.tta` is a time-to-accuracy result. Anything else is a user error, named in
@@ -55,6 +55,7 @@ def expand_paths(args: Iterable[str]) -> list[Path]:
             paths.extend(Path(m) for m in matches)
         else:
             paths.append(Path(arg))
+    paths = [inner for path in paths for inner in (_collected(path) or [path])]
     seen: set[Path] = set()
     unique: list[Path] = []
     for path in paths:
@@ -67,6 +68,19 @@ def expand_paths(args: Iterable[str]) -> list[Path]:
     if not unique:
         raise NfabError("nothing to report: give at least one run or calibration dir, or a bench tta JSON")
     return unique
+
+
+def _artifact_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / f).is_file() for f in _RUN_FILES + _CALIBRATION_FILES)
+
+
+def _collected(path: Path) -> list[Path] | None:
+    """The run and calibration dirs one level inside a folder that is neither itself (`runs/demo`
+    after `make demo`: fp32, static-sign, profile, calibration; its `report` is skipped), or None."""
+    if not path.is_dir() or _artifact_dir(path):
+        return None
+    inner = [child for child in sorted(path.iterdir()) if _artifact_dir(child)]
+    return inner or None
 
 
 def kind_of(path: Path) -> str:

@@ -100,3 +100,17 @@ def test_tiny_run_reaches_targets_by_the_rule_and_report_renders_it(tmp_path):
     path.write_text(json.dumps(doc))
     result = CliRunner().invoke(app, ["report", str(path), "--out", str(out)])
     assert result.exit_code == 2 and "no fp32 variant" in result.output
+
+
+def test_bytes_per_step_count_to_the_target_for_fp32_too():
+    """`wire_bytes` runs to the target: FP32 reached it at step 90 of 150, so its bytes a step are over
+    90 steps (it was over 150: FP32 read 0.6x against itself and nfab half its real ratio)."""
+    doc = {"variants": {
+        "fp32": {"wire_bytes": 90 * 14.0, "steps_to_target": 90, "steps": 150, "time_to_target_s": 9.0,
+                 "train_time_s": 15.0, "final_loss": 0.05},
+        "nfab-profile": {"wire_bytes": 60 * 1.0, "steps_to_target": 60, "steps": 150, "time_to_target_s": 3.0,
+                         "train_time_s": 10.0, "final_loss": 0.04},
+        "bf16": {"wire_bytes": 150 * 7.0, "steps_to_target": None, "steps": 150, "time_to_target_s": None,
+                 "train_time_s": 15.0, "final_loss": 0.09}}}
+    fewer = {r["variant"]: r["fewer_bytes_per_step_vs_fp32"] for r in tta.summary_rows(doc)}
+    assert fewer == {"fp32": 1.0, "nfab-profile": 14.0, "bf16": 2.0}

@@ -17,6 +17,7 @@ from nfab.cli.app import app
 from nfab.profile.schema import Profile, file_sha256
 from nfab.report.artifacts import load_calibration
 
+REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 
@@ -114,6 +115,8 @@ def test_fit_subprocess_has_no_traceback(tmp_path: Path) -> None:
 
 
 def test_calibrate_bad_input_is_one_line() -> None:
+    assert "already holds a calibration (calibration.parquet, profile.json): pass --overwrite" in _one_line_error(
+        ["calibrate", "resnet18", "--out", str(REPO / "calibrations/resnet18")])  # the shipped one, from a clone
     assert "unknown model" in _one_line_error(["calibrate", "nosuchmodel", "--dataset", "digits"])
     assert "unknown route" in _one_line_error(["calibrate", "resnet18", "--routes", "fp32,q3"])
     assert "unknown option" in _one_line_error(["calibrate", "resnet18", "nosuchkey=1"])

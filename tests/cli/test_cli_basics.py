@@ -67,6 +67,7 @@ def test_usage_and_file_system_errors_are_one_line_and_exit_2(tmp_path: Path):
     for args, says in ((["train", "--steps", "abc"], "Invalid value for '--steps'"),
                        (["bogus"], "No such command 'bogus'"),
                        (["bench", "tta", "--steps", "0"], "greater than or equal to 1"),
+                       (["demo", "--steps", "0", "--out", str(tmp_path / "demo")], "greater than or equal to 1"),
                        (["report", str(REPO / "calibrations/vit"), "--out", str(blocker / "report")], "a-file"),
                        (["fit", parquet, "-o", str(tmp_path)], "is a folder")):
         res = nfab_main(*args)
@@ -74,3 +75,4 @@ def test_usage_and_file_system_errors_are_one_line_and_exit_2(tmp_path: Path):
         assert "Traceback" not in res.stderr + res.stdout and says in res.stderr, (args, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert blocker.read_text() == "not a folder\n"
+    assert not (tmp_path / "demo").exists()  # refused before its calibration ran

@@ -37,9 +37,12 @@ def test_every_shipped_profile_reproduces_its_setting_alone(name: str, tmp_path:
     assert cfg.data.name == setting["dataset"] and cfg.data.batch_size == setting["batch_size"]
     assert cfg.optim.name == setting["optimizer"]["name"] and cfg.optim.lr == setting["optimizer"]["lr"]
     assert cfg.steps == setting["steps"]
+    assert cfg.launch.nproc == setting["world_size"]  # it trained on one rank before: no gradient was sent
     # by name, too; explicit flags and key=value win over the profile
-    again = resolved(tmp_path, flags=[f"comm.profile={name}", "steps=7"], overrides=["optim.lr=0.001"])
+    again = resolved(tmp_path, flags=[f"comm.profile={name}", "steps=7", "launch.nproc=2"],
+                     overrides=["optim.lr=0.001"])
     assert again.comm.profile == str(path) and again.steps == 7 and again.optim.lr == 0.001
+    assert again.launch.nproc == 2
 
 
 def test_a_changed_option_is_named_in_the_signature_error(tmp_path: Path) -> None:

@@ -133,6 +133,13 @@ def test_globs_are_expanded(standard: dict[str, Path], tmp_path: Path):
     assert sorted(report.runs["run"]) == ["fp32-run", "sign-run"]
 
 
+def test_a_folder_of_runs_stands_for_its_run_dirs(standard: dict[str, Path], tmp_path: Path):
+    """`nfab report runs/*` after `make demo`: `runs/demo` holds the runs (and a `report` folder)."""
+    (tmp_path / "runs" / "report").mkdir()
+    report = build_report([str(tmp_path / "runs")], tmp_path / "out")
+    assert sorted(report.runs["run"]) == ["fp32-run", "sign-run"]
+
+
 def test_same_dir_name_is_disambiguated(make_run: Callable[..., Path], tmp_path: Path):
     a = make_run("a/seed0", route="fp32", wire_per_step=4, route_mix={"fp32": 1.0})
     b = make_run("b/seed0", route="fp32", wire_per_step=4, route_mix={"fp32": 1.0})

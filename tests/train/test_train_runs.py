@@ -106,6 +106,8 @@ def test_gpt_sign_artifacts(runs) -> None:
     assert s["noise_moment"] is True  # "auto": a static route under AdamW
     assert (m["wire_bytes"] < m["baseline_wire_bytes"]).iloc[1:].all()  # step 0 runs before DDP's bucket rebuild
     assert (m["collectives"] > 0).all() and (m["scale_rounds"] == 0).all()  # the hook ran; sign has no scale round
+    out, result = runs["gpt-sign"]
+    assert str(out) in result.stdout and "8 steps" in result.stdout  # `--quiet` drops the progress bar, not this line
 
 
 def test_resnet_fp32_equals_route_fp32(runs) -> None:
