@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nfab"
 
 FLOORS: dict[str, int] = {
     "errors": 0,
-    "validation": 1, "fsutil": 1, "overrides": 1, "distributed": 1,
+    "validation": 1, "fsutil": 1, "overrides": 1, "distributed": 1, "heads": 1,
     "wire": 2,
     "profile": 3,
     "runtime": 4, "models": 4,

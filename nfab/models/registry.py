@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from nfab.errors import ConfigError
+from nfab.heads import default_heads
 from nfab.models.gpt import gpt
 from nfab.models.options import check_options
 from nfab.models.resnet import resnet18
 from nfab.models.spec import OPTIMIZER_FAMILIES, TASKS, ModelSpec
 from nfab.models.vit import vit
-from nfab.runtime.bindings import default_heads
 
 MODELS: dict[str, Callable[..., ModelSpec]] = {
     "resnet18": resnet18,

@@ -7,8 +7,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import twins  # noqa: E402
 from torch import nn  # noqa: E402
 
+from nfab.heads import default_heads  # noqa: E402
 from nfab.models import build_model  # noqa: E402
-from nfab.runtime.bindings import classify, default_heads  # noqa: E402
+from nfab.runtime.bindings import classify  # noqa: E402
 
 
 def test_awkward_model_regions():
