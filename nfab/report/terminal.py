@@ -16,7 +16,7 @@ _LEFT = {"run", "status", "model", "dataset", "route", "baseline", "calibration"
 
 
 # Shorter headers than the page's: an 80-column terminal must hold the run table.
-_SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain-DDP\nMB",
+_SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain\nDDP MB",
           "compression_ratio": "compr-\nession", "fallback_steps": "fall-\nbacks",
           "cost_gated_steps": "cost-\ngated",
           "wall_time_s": "wall\ns", "accuracy_delta_pts": "Δ acc\n(pts)",
@@ -34,7 +34,7 @@ _WRAPPABLE = {"route", "model", "dataset", "baseline"}
 
 def _table(title: str, frame: pd.DataFrame, columns: list[str]) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold",
-                  box=box.SIMPLE_HEAD)
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for column in columns:
         table.add_column(_SHORT.get(column, header(column)),
                          justify="left" if column in _LEFT else "right",
