@@ -1,10 +1,10 @@
 """A profile's `provenance.calibrated`: the setting it was calibrated under, as a run config.
 
 `nfab train --profile P` starts from this setting (model and options, data set and
-options, optimizer, batch size, schedule, length, W as ranks on one node), so the profile alone reproduces the
-run it was fitted for; anything given explicitly overrides it. When the result no
-longer matches the profile's model signature, `explain_mismatch` names the options
-that differ from the calibrated ones.
+options, optimizer, batch size, schedule, length, W as ranks on one node), so the profile
+alone reproduces the run it was fitted for; anything given explicitly overrides it. When
+the result no longer matches the profile's model signature, `explain_mismatch` names the
+options that differ from the calibrated ones.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Turn the PATH arguments of `nfab report` into loaded run and calibration artifacts.
 
 Globs are expanded here too, because a shell may pass `runs/*` through unexpanded
-(quoted, or on Windows), and a folder of run dirs stands for them. A dir is a run dir when it holds summary.json or
-metrics.parquet (checked first: a run dir may carry a copy of its profile.json), and a
-calibration dir when it holds calibration.parquet or profile.json. A JSON file whose `kind`
-is `nfab.bench.tta` is a time-to-accuracy result. Anything else is a user error, named in
-one line.
+(quoted, or on Windows), and a folder of run dirs stands for them. A dir is a run dir
+when it holds summary.json or metrics.parquet (checked first: a run dir may carry a copy
+of its profile.json), and a calibration dir when it holds calibration.parquet or
+profile.json. A JSON file whose `kind` is `nfab.bench.tta` is a time-to-accuracy result.
+Anything else is a user error, named in one line.
 """
 
 from __future__ import annotations
