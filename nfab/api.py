@@ -116,9 +116,21 @@ def attach(
         raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
     if error_feedback not in ERROR_FEEDBACK_CHOICES or not isinstance(error_feedback, bool | str):
         raise NfabError(f"error_feedback must be 'auto', True or False, got {error_feedback!r}")
+    wrapped = getattr(optimizer, "optimizer", None)  # Accelerate's AcceleratedOptimizer, Lightning's wrapper
+    if isinstance(wrapped, torch.optim.Optimizer):
+        optimizer = wrapped  # the torch optimizer: its step hooks and state are the ones that act
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise NfabError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     parse(hierarchy)  # a malformed spec is refused before any collective
+    if not (cost_model is None or isinstance(cost_model, str | Path | cost_mod.CostModel)):
+        raise NfabError(f"cost_model must be 'measure', a JSON path, a CostModel or None, got "
+                        f"{type(cost_model).__name__}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise NfabError(f"seed must be an int, got {seed!r}")
+    if head_modules is not None:
+        if isinstance(head_modules, str) or not all(isinstance(h, str) for h in head_modules):
+            raise NfabError(f"head_modules must be a tuple of module names, got {head_modules!r}")
+        head_modules = tuple(head_modules)
     sharded = _is_fsdp2(ddp_model)
     if sharded:  # the front end is imported here: an older torch attaches DDP without it (fsdp2.py)
         fsdp2.require("nfab.attach on an FSDP2 model")

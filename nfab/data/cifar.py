@@ -35,6 +35,11 @@ _NUMPY_GLOBALS = {
     ("numpy.core.multiarray", "scalar"),
     ("numpy._core.multiarray", "_reconstruct"),
     ("numpy._core.multiarray", "scalar"),
+    # what Python 3 writes: numpy >= 2 stores an array under protocol 5 as `_frombuffer`, and a
+    # protocol <= 2 pickle from Python 3 stores bytes through `_codecs.encode` (no code runs in either)
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),
 }
 
 

@@ -37,9 +37,14 @@ def _module_region(module: nn.Module) -> str:
         return "conv"
     if isinstance(module, nn.Embedding | nn.EmbeddingBag):
         return "embedding"
-    if isinstance(module, nn.Linear):
-        return "linear"
+    if isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and _matrix(module)):
+        return "linear"  # Conv1D: Transformers' GPT-2 family's linear layer (weight transposed), not a conv
     return "other"
+
+
+def _matrix(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, nn.Parameter) and weight.dim() == 2
 
 
 def classify(

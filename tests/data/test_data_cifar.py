@@ -92,3 +92,13 @@ def test_cifar10_malformed_batches(cifar_dir: Path, payload: object, message: st
     with pytest.raises(ConfigError, match=message) as info:
         build_dataset(f"cifar10:{cifar_dir}", split="test", seed=0)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_cifar10_reads_batches_python_3_writes_at_any_protocol(cifar_dir: Path, protocol: int) -> None:
+    """Protocol 5 stores an array as numpy's `_frombuffer`, protocol 2 from Python 3 stores bytes via
+    `_codecs.encode`: both were refused as foreign globals, so a user's own batches did not load."""
+    raw = write_batch(cifar_dir.parent / "scratch", seed=9)
+    (cifar_dir / "test_batch").write_bytes(pickle.dumps(raw, protocol=protocol))
+    test = build_dataset(f"cifar10:{cifar_dir}", split="test", seed=0)
+    assert len(test) == PER_BATCH and int(test[5][1]) == raw[b"labels"][5]

@@ -45,10 +45,12 @@ def _baseline(stats) -> int:
 def _train(rank: int, world_size: int) -> dict:
     accelerator = Accelerator(cpu=True)
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, opt, loader = accelerator.prepare(model, opt, _loader())
-    runtime = nfab_accelerate.attach(accelerator, model, route="sign", cost_model=None, total_steps=STEPS)
-    assert runtime is not None
+    # the prepared optimizer, as docs/integrations.md says: nfab corrects the torch AdamW inside it
+    runtime = nfab_accelerate.attach(accelerator, model, route="sign", cost_model=None, total_steps=STEPS,
+                                     optimizer=opt)
+    assert runtime is not None and runtime.moment is not None
     batches = iter(loader)
     for _ in range(STEPS):
         x, y = next(batches)

@@ -189,3 +189,16 @@ def test_an_optimizer_of_another_model_is_refused(group) -> None:
     ddp = shipped_resnet()
     first = list(ddp.parameters())[:3]  # a model split between optimizers passes one of them
     assert nfab.attach(ddp, route="bq2", cost_model=None, optimizer=torch.optim.SGD(first, lr=0.1)) is not None
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"cost_model": 5}, "cost_model must be 'measure', a JSON path, a CostModel or None, got int"),
+    ({"seed": "x"}, "seed must be an int"),
+    ({"head_modules": "fc"}, "head_modules must be a tuple of module names"),
+])
+def test_argument_types_are_checked_at_the_call(group, kwargs, match) -> None:
+    """`cost_model=5` used to fail inside backward, 11 frames deep; `seed="x"` trained."""
+    ddp = shipped_resnet()
+    with pytest.raises(NfabError, match=match):
+        nfab.attach(ddp, route="bq2", **{"cost_model": None, **kwargs})
+    assert not hooked(ddp)
