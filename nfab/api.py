@@ -170,6 +170,10 @@ def attach(
                                             total_steps=total_steps, seed=seed, head_modules=head_modules,
                                             group=group)
         fsdp_front.install(runtime, ddp_model)
+        if (not explicit and resolve_error_feedback(error_feedback, optimizer)
+                and any(p.error_feedback for p in prof.phases) and torch.distributed.get_rank(group) == 0):
+            log.warning("nfab: this profile's phases carry error feedback, which FSDP2 does not offer (a full-size "
+                        "residual per rank): it runs without it, as it was not validated")
         if optimizer is not None and _corrects_moment(noise_moment, prof, explicit, optimizer):
             runtime.moment = NoiseMoment(optimizer, dict(ddp_model.named_parameters()))
         return runtime

@@ -73,6 +73,16 @@ def profile_table(profile: Profile) -> Table:
     return table
 
 
+def _traceback_log(exc: BaseException) -> str:
+    """`exc`'s traceback in a temp file, whose path the one error line names (as `nfab train` names its rank log)."""
+    import tempfile
+    import traceback
+
+    with tempfile.NamedTemporaryFile("w", prefix="nfab-calibrate-", suffix=".log", delete=False) as f:
+        f.write("".join(traceback.format_exception(exc)))
+    return f.name
+
+
 def register(app: typer.Typer) -> None:
     @app.command("calibrate")
     def calibrate(
@@ -147,6 +157,9 @@ def register(app: typer.Typer) -> None:
                              tol_loss=tol_loss, validate=validate, tol_validate=tol_validate)
         except NfabError as exc:
             fail(str(exc))
+        except Exception as exc:  # noqa: BLE001  (a user model's forward or backward, mostly: one line and a log)
+            fail(f"calibration failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                 f"(traceback: {_traceback_log(exc)})", code=1)
         from nfab.profile.evidence import describe_timing, describe_validation
 
         console.print(profile_table(result.profile))

@@ -242,6 +242,14 @@ class TrainConfig(StrictModel):
             from nfab.runtime.frontends import fsdp2
 
             fsdp2.require("parallel fsdp")
+            from nfab.profile.schema import Profile
+            from nfab.runtime.frontends import fsdp_layout
+
+            # what the FSDP2 front end refuses, refused here: before the ranks start and the run dir is made
+            route = self.comm.route
+            fsdp_layout.check_options(Profile.static(route if route is not None else "fp32"),
+                                      explicit=route is not None, error_feedback=self.comm.error_feedback,
+                                      hierarchy=self.comm.hierarchy)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -117,6 +117,9 @@ class NfabCallback(TrainerCallback):
             return
         self._logged_step = stats.step
         self.trainer.log(step_metrics(stats))
+        # that log's `on_log` (DefaultFlowCallback) cleared should_log, which dropped the Trainer's own
+        # loss / grad_norm / learning_rate log of this step: the step is still to be logged
+        self.trainer.control.should_log = True
 
 
 def attach(

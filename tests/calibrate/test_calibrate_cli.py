@@ -128,3 +128,35 @@ def test_routes_help_lists_the_default_routes() -> None:
     res = runner.invoke(app, ["calibrate", "--help"], env={"COLUMNS": "200"})
     text = "".join(res.output.replace("│", "").split())
     assert res.exit_code == 0 and ",".join(DEFAULT_ROUTES) in text
+
+
+BROKEN_MODEL = '''
+from torch import nn
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        raise RuntimeError("the user's forward is broken")
+
+
+def build(**options):
+    return Broken()
+'''
+
+
+def test_a_user_models_failure_is_one_line_naming_its_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """It was a 73-line traceback; `nfab train` said the same in one line."""
+    (tmp_path / "brokenmodel.py").write_text(BROKEN_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = runner.invoke(app, ["calibrate", "brokenmodel:build", "--dataset", "digits", "-w", "2", "--steps", "4",
+                              "--quick", "--out", str(tmp_path / "cal")])
+    assert res.exit_code == 1, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert "calibration failed: RuntimeError: the user's forward is broken (traceback: " in line, res.output
+    log = Path(line.rsplit("(traceback: ", 1)[1].rstrip(")"))
+    assert "Traceback" not in res.output and "in forward" in log.read_text()
+    log.unlink()

@@ -15,7 +15,7 @@ from nfab.calibrate import make_config
 from nfab.cli.app import main
 from nfab.config.shipped import resolve_config as resolve_config_name
 from nfab.config.shipped import shipped_names
-from nfab.errors import ConfigError, ProfileError
+from nfab.errors import ConfigError, NfabError, ProfileError
 from nfab.profile.schema import Profile
 from nfab.train.launch import resolve_config, validate
 
@@ -134,3 +134,19 @@ def test_model_and_dataset_flags_win_over_the_config_file(tmp_path: Path) -> Non
     cfg = resolved(tmp_path, config="resnet18-digits", flags=["comm.route=sign"], names={"model": "vit"})
     assert cfg.model.name == "vit" and "width" not in cfg.model.options  # resnet's options do not follow
     assert cfg.data.name == "digits" and cfg.model.options["image_size"] == 8
+
+
+@pytest.mark.parametrize(("flags", "match"), [
+    (["comm.route=bq2", "comm.error_feedback=true"], "error_feedback=True is not offered on FSDP2"),
+    (["comm.route=bq2", "comm.hierarchy=1x2"], "hierarchy= is not offered on FSDP2"),
+    (["comm.route=bf16"], "route bf16 is not offered on FSDP2"),
+])
+def test_what_fsdp2_refuses_is_refused_before_the_ranks_start(tmp_path: Path, flags: list[str], match: str) -> None:
+    """It was refused inside rank 0, after the run dir was made ("training failed: rank 0 ...")."""
+    from nfab.runtime.frontends import fsdp2
+
+    if fsdp2.unsupported() is not None:
+        pytest.skip(fsdp2.unsupported())
+    with pytest.raises(NfabError, match=match):
+        resolved(tmp_path, config="gpt-nano-stdlib", flags=[*flags, "parallel=fsdp"])
+    assert not (tmp_path / "run").exists()

@@ -174,3 +174,32 @@ def test_attach_refuses_several_param_groups_and_hsdp_with_one_line():
     if len(msgs) > 1:
         assert "an FSDP2 module with several param groups" in msgs[1]
     assert all("\n" not in m for m in msgs)
+
+
+def _ef_profile_warnings(rank: int, world_size: int) -> list[str]:
+    import logging
+
+    from nfab.profile.schema import Profile
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logging.getLogger("nfab").addHandler(Keep())
+    profile = Profile.static("bq3")  # as a profile (not route=): its phase carries error feedback
+    for opt in (torch.optim.SGD, torch.optim.AdamW):
+        model = fsdpmodels.shard(fsdpmodels.Tiny())
+        nfab.attach(model, profile, cost_model=None, optimizer=opt(model.parameters(), lr=0.01))
+        seen.append(f"-- after {opt.__name__}")
+    return seen
+
+
+@pytest.mark.world_size(2)
+def test_a_profile_with_error_feedback_says_fsdp2_runs_it_without():
+    """Under SGD a profile phase's error feedback runs on DDP; FSDP2 does not offer it, which went unsaid."""
+    first, second = run_ranks(_ef_profile_warnings, 2)
+    said = [m for m in first if "FSDP2 does not offer" in m]
+    assert len(said) == 1 and first.index(said[0]) < first.index("-- after SGD")  # SGD only: AdamW has none
+    assert not any("FSDP2 does not offer" in m for m in second)  # rank 0 says it

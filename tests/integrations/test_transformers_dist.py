@@ -69,6 +69,7 @@ def _train(rank: int, world_size: int, out: str) -> dict:
         "error_feedback": rt.error_feedback,
         "history": [(s.step, s.wire_bytes, _baseline(s), s.route_mix) for s in rt.history],
         "logged": [row for row in trainer.state.log_history if "nfab/compression" in row],
+        "losses": [row["step"] for row in trainer.state.log_history if "loss" in row],
     }
 
 
@@ -85,6 +86,7 @@ def test_trainer_runs_nfab_and_logs_its_stats(tmp_path: Path, monkeypatch: pytes
                 assert baseline / wire > 1.0
             assert set(mix) <= {"signcount", "signgather"}
         assert [row["step"] for row in r["logged"]] == list(range(1, STEPS + 1))  # logging_steps=1
+        assert r["losses"] == list(range(1, STEPS + 1))  # the Trainer's own log stays beside nfab's
         for row, (_, wire, baseline, _) in zip(r["logged"], r["history"], strict=True):
             assert row["nfab/compression"] == pytest.approx(baseline / wire)
             assert sum(v for k, v in row.items() if k.startswith("nfab/route/")) == pytest.approx(1.0)
