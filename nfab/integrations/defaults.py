@@ -8,8 +8,24 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nfab.config.shipped import resolve_profile
+from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.frontends.ddp import Runtime
+
+
+def checked(profile: str | Path | Profile | None, route: str | dict[str, str] | None,
+            where: str = "") -> Profile | None:
+    """`profile` loaded (a path or a shipped name) and `route` parsed where the user hands them to an
+    adapter, so a missing file or a bad route is one `NfabError` at that call: Lightning and the
+    Trainer attach only inside `fit()` / `train()`, where it surfaced in dozens of framework frames.
+    Returns the profile to attach with (None for a route)."""
+    if (profile is None) == (route is None):
+        raise NfabError(f"{where}give exactly one of profile= or route=")
+    if route is not None:
+        Profile.static(route)
+        return None
+    return profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
 
 
 def attach_with_defaults(

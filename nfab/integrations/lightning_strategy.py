@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from nfab.errors import NfabError
-from nfab.integrations.defaults import attach_with_defaults
+from nfab.integrations.defaults import attach_with_defaults, checked
 from nfab.integrations.metrics import step_metrics
 from nfab.integrations.state import KEY, RankStates, restore
 from nfab.profile.schema import Profile
@@ -65,8 +65,7 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
             strategy_kwargs: Mapping[str, Any] | None = None,
             **attach_kwargs: Any,
         ) -> None:
-            if (profile is None) == (route is None):
-                raise NfabError("NfabDDPStrategy: give exactly one of profile= or route=")
+            profile = checked(profile, route, "NfabDDPStrategy: ")
             strategy_kwargs = dict(strategy_kwargs or {})
             if "ddp_comm_hook" in strategy_kwargs or "ddp_comm_wrapper" in strategy_kwargs:
                 raise NfabError("NfabDDPStrategy registers nfab's hook; DDP takes one, so drop ddp_comm_hook/wrapper")

@@ -32,7 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
-from nfab.integrations.defaults import attach_with_defaults
+from nfab.integrations.defaults import attach_with_defaults, checked
 from nfab.integrations.metrics import step_metrics
 from nfab.integrations.state import load_rank_file, save_rank_file
 from nfab.profile.schema import Profile
@@ -136,8 +136,6 @@ def attach(
     before the backward, so nfab's loss-spike check has no loss here; its gradient-norm,
     non-finite and fidelity checks run as usual.
     """
-    if (profile is None) == (route is None):
-        raise NfabError("give exactly one of profile= or route=")
-    callback = NfabCallback(trainer, profile, route, dict(attach_kwargs))
+    callback = NfabCallback(trainer, checked(profile, route), route, dict(attach_kwargs))
     trainer.add_callback(callback)
     return callback

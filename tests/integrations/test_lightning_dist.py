@@ -119,6 +119,14 @@ def test_strategy_attaches_on_cpu_gloo_and_logs_each_step(tmp_path: Path):
     assert torch.equal(res[0]["params"], res[1]["params"])
 
 
+def test_a_bad_profile_or_route_is_refused_where_the_strategy_is_built():
+    """Not at `fit()`, inside some 26 frames of Lightning on every rank."""
+    with pytest.raises(NfabError, match="cannot read profile /nonexistent.json"):
+        NfabDDPStrategy("/nonexistent.json")
+    with pytest.raises(NfabError, match="unknown route 'q3'"):
+        NfabDDPStrategy(route="q3")
+
+
 def test_strategy_needs_one_of_profile_or_route():
     with pytest.raises(NfabError, match="exactly one"):
         NfabDDPStrategy()

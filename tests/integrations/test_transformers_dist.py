@@ -113,6 +113,8 @@ def test_needs_one_of_profile_or_route(tmp_path: Path):
     trainer = Trainer(model=_tiny_gpt2(), args=_args(str(tmp_path)), train_dataset=_Tokens())
     with pytest.raises(NfabError, match="exactly one"):
         nfab_transformers.attach(trainer)
+    with pytest.raises(NfabError, match="cannot read profile /nonexistent.json"):  # at attach, not in train()
+        nfab_transformers.attach(trainer, "/nonexistent.json")
 
 
 def _ckpt_run(out: str, resume: str | None) -> dict:
