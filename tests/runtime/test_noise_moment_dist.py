@@ -17,7 +17,7 @@ from test_blockq_hook_dist import _block_scale  # noqa: E402
 
 import nfab  # noqa: E402
 from nfab.runtime.bindings import classify  # noqa: E402
-from nfab.runtime.control.moment import FLOOR, rounding_variance  # noqa: E402
+from nfab.runtime.control.moment import FLOOR, NoiseMoment, rounding_variance  # noqa: E402
 from nfab.wire import noise  # noqa: E402
 from nfab.wire.blockq.reducer import scale_codes  # noqa: E402
 from nfab.wire.registry import candidates  # noqa: E402
@@ -100,3 +100,36 @@ def test_the_hook_takes_the_rounding_variance_out_of_adams_second_moment() -> No
     for r in run_ranks(_moment_in_hook, 3, 4, timeout_s=300):
         assert r["bad"] == [] and r["checked"] > 0 and all(r["replicas"])
         assert r["applied"] == 3  # steps 1..3 (step 0: no second moment yet)
+
+
+def test_a_step_with_a_closure_is_corrected_after_its_backward() -> None:
+    """Lightning runs forward and backward inside `optimizer.step(closure)`: the step pre-hook fires
+    before the step's variance is recorded. The correction must follow the closure and equal what a
+    plain step (backward, then `step()`) gives, bit for bit, on every step."""
+    def run(with_closure: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(8, 4, bias=False)
+        opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+        moment = NoiseMoment(opt, {"w": layer.weight})
+        x = torch.randn(16, 8)
+        seen = []
+
+        def backward() -> torch.Tensor:
+            opt.zero_grad()
+            loss = layer(x).square().mean()
+            loss.backward()
+            moment.record(["w"], [layer.weight.numel()], layer.weight.grad.reshape(-1).square() * 0.1)
+            return loss
+
+        for _ in range(4):
+            if with_closure:
+                opt.step(backward)
+            else:
+                backward()
+                opt.step()
+            seen.append(opt.state[layer.weight]["exp_avg_sq"].clone())
+        assert moment.applied_steps == 3 and not moment._pending  # step 1 has no v yet; nothing left over
+        return seen
+
+    for plain, closed in zip(run(False), run(True), strict=True):
+        assert torch.equal(plain, closed)

@@ -88,16 +88,36 @@ def _debias(beta2: float, updates: torch.Tensor | float | None) -> torch.Tensor 
 
 class NoiseMoment:
     """Collects each step's rounding variance per parameter (from the decode callbacks) and takes
-    it out of the optimizer's second moment just before `optimizer.step()` (a step pre-hook)."""
+    it out of the optimizer's second moment just before `optimizer.step()` updates it (a step
+    pre-hook; after the closure of a `step(closure)`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> None:
         self.optimizer = optimizer
         self._names = {id(t): n for n, t in params.items()}  # the optimizer's parameters by name
         self._pending: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()  # decode callbacks may run on the collectives' threads
-        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.apply())
+        optimizer.register_step_pre_hook(self._before_step)
         self.applied_steps = 0
         """Steps whose second moment was corrected (none before the optimizer's first step: no v yet)."""
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Correct v now, or, for `step(closure)`, right after the closure: Lightning runs the forward and
+        backward inside the closure, so this hook fires before the step's own variance is recorded (it
+        applied the step before's, one step late, and a resume lost what was pending)."""
+        # `args` is what `step` was called with, the optimizer first: (optimizer, closure?)
+        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            self.apply()
+            return None
+
+        def corrected() -> object:
+            loss = closure()
+            self.apply()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": corrected}
+        return (args[0], corrected, *args[2:]), kwargs
 
     def record(self, names: Sequence[str], lengths: Sequence[int], var: torch.Tensor) -> None:
         """The variance of one decoded group, split into its parameters (flat, in group order)."""
