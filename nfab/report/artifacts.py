@@ -72,6 +72,9 @@ class RunSummary:
     profile_path: str | None = None
     is_fp32: bool = False
     """True for the FP32 reference: "route": "fp32" or "fp32": true."""
+    parallel: str = "ddp"
+    """"ddp" or "fsdp" (runs before FSDP2 recorded none: DDP). An FSDP2 run's baseline is FSDP2's
+    reduce-scatter, so it is compared with an FSDP2 FP32 run only."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,6 +227,7 @@ def parse_summary(data: dict[str, Any], path: Path) -> RunSummary:
         route=route,
         profile_path=None if profile is None else str(profile.get("path", "")) or None,
         is_fp32=route == "fp32" or data.get("fp32") is True,
+        parallel=_typed(data, "parallel", str, path) or "ddp",
     )
 
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 HEADERS = {
     "run": "run", "status": "status", "model": "model", "dataset": "dataset",
-    "world_size": "W", "route": "route", "steps": "steps",
+    "world_size": "W", "parallel": "parallel", "route": "route", "steps": "steps",
     "accuracy": "accuracy", "loss": "loss", "perplexity": "ppl",
-    "wire_mb": "wire MB", "baseline_mb": "plain-DDP MB", "compression_ratio": "compression",
+    "wire_mb": "wire MB", "baseline_mb": "plain DDP/FSDP2 MB", "compression_ratio": "compression",
     "fallback_steps": "fallback steps", "cost_gated_steps": "cost-gated steps", "wall_time_s": "wall s",
     "baseline": "vs FP32 run", "accuracy_delta_pts": "Δ accuracy (pts)",
     "loss_delta_pct": "Δ loss (%)", "traffic_ratio": "traffic ratio (FP32 run / this)",

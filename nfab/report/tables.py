@@ -22,7 +22,7 @@ from nfab.report.artifacts import (
 MB = 1e6  # report traffic in MB = 10^6 bytes
 
 RUN_COLUMNS = (
-    "run", "status", "model", "dataset", "world_size", "route", "steps",
+    "run", "status", "model", "dataset", "world_size", "parallel", "route", "steps",
     "accuracy", "loss", "perplexity", "wire_mb", "baseline_mb", "compression_ratio",
     "fallback_steps", "cost_gated_steps", "wall_time_s", "fp32_reference",
 )
@@ -87,6 +87,7 @@ def run_row(run: RunArtifacts) -> dict[str, object]:
         "model": s.model if s else "?",
         "dataset": s.dataset if s else "?",
         "world_size": s.world_size if s else math.nan,
+        "parallel": s.parallel if s else "?",
         "route": describe_route(run),
         "steps": steps,
         "accuracy": _nan(accuracy),
@@ -119,9 +120,11 @@ def run_table(runs: tuple[RunArtifacts, ...]) -> pd.DataFrame:
 
 
 def _baseline_for(row: pd.Series, references: pd.DataFrame) -> pd.Series | None:
-    """The FP32 run to compare against: same model and dataset, same W preferred."""
+    """The FP32 run to compare against: same model, dataset and parallelism (an FSDP2 run sends
+    reduce-scatter shards, DDP all-reduced buckets: their bytes do not compare), same W preferred."""
     same = references[(references["model"] == row["model"])
                       & (references["dataset"] == row["dataset"])
+                      & (references["parallel"] == row["parallel"])
                       & (references["run"] != row["run"])]
     if same.empty:
         return None

@@ -11,12 +11,12 @@ from rich.text import Text
 from nfab.report.formatting import calibration_heading, cell, header
 from nfab.report.model import Report, visible_columns
 
-_LEFT = {"run", "status", "model", "dataset", "route", "baseline", "calibration", "phase",
+_LEFT = {"run", "status", "model", "dataset", "parallel", "route", "baseline", "calibration", "phase",
          "region", "error_feedback", "variant"}
 
 
 # Shorter headers than the page's: an 80-column terminal must hold the run table.
-_SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain\nDDP MB",
+_SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain\nMB",
           "compression_ratio": "compr-\nession", "fallback_steps": "fall-\nbacks",
           "cost_gated_steps": "cost-\ngated",
           "wall_time_s": "wall\ns", "accuracy_delta_pts": "Δ acc\n(pts)",
@@ -46,7 +46,7 @@ def _table(title: str, frame: pd.DataFrame, columns: list[str]) -> Table:
     return table
 
 
-_FOLDABLE = ("model", "dataset", "world_size")
+_FOLDABLE = ("model", "dataset", "world_size", "parallel")
 
 
 def _fold_constants(frame: pd.DataFrame, columns: list[str]) -> tuple[list[str], str]:

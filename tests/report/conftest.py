@@ -47,7 +47,8 @@ def _metrics(steps: int, wire_per_step: int, route_mix: dict[str, float],
 def write_run(root: Path, name: str, *, route: str | None, wire_per_step: int,
               route_mix: dict[str, float], steps: int = 20, accuracy: float = 0.9,
               loss: float = 0.4, fallback_steps: tuple[int, ...] = (),
-              summary: bool = True, complete: bool = True, lm: bool = False) -> Path:
+              summary: bool = True, complete: bool = True, lm: bool = False, parallel: str | None = None,
+              ) -> Path:
     """A run dir; totals in summary.json agree with the per-step metrics."""
     path = root / name
     path.mkdir(parents=True)
@@ -65,6 +66,7 @@ def write_run(root: Path, name: str, *, route: str | None, wire_per_step: int,
             "compression_ratio": fp32 / wire, "fallback_steps": len(fallback_steps),
             "skipped_steps": 0, "wall_time_s": 12.5, "route": route, "profile": None,
             "nfab_version": "0.1.0", "torch_version": "2.13", "command": "nfab train",
+            **({} if parallel is None else {"parallel": parallel}),
         }))
     return path
 

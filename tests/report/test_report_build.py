@@ -140,6 +140,18 @@ def test_a_folder_of_runs_stands_for_its_run_dirs(standard: dict[str, Path], tmp
     assert sorted(report.runs["run"]) == ["fp32-run", "sign-run"]
 
 
+def test_an_fsdp2_run_is_compared_with_an_fsdp2_fp32_run(make_run: Callable[..., Path], tmp_path: Path):
+    """FSDP2's baseline is its reduce-scatter (W-1)/W of the gradient, DDP's an all-reduce: a profile
+    under FSDP2 read 21.3x against the DDP FP32 run, 10.7x against its own."""
+    runs = [make_run("ddp-fp32", route="fp32", wire_per_step=2000, route_mix={"fp32": 1.0}),
+            make_run("fsdp-fp32", route="fp32", wire_per_step=1000, route_mix={"fp32": 1.0}, parallel="fsdp"),
+            make_run("fsdp-bq2", route="bq2", wire_per_step=100, route_mix={"bq2": 1.0}, parallel="fsdp")]
+    report = build_report([str(r) for r in runs], tmp_path / "out")
+    (row,) = report.comparison.to_dict("records")
+    assert row["baseline"] == "fsdp-fp32" and row["traffic_ratio"] == pytest.approx(10.0)
+    assert list(report.runs["parallel"]) == ["ddp", "fsdp", "fsdp"]  # no key in summary.json: DDP
+
+
 def test_same_dir_name_is_disambiguated(make_run: Callable[..., Path], tmp_path: Path):
     a = make_run("a/seed0", route="fp32", wire_per_step=4, route_mix={"fp32": 1.0})
     b = make_run("b/seed0", route="fp32", wire_per_step=4, route_mix={"fp32": 1.0})
