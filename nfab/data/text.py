@@ -141,7 +141,8 @@ def text_file(
     """Byte windows over a local UTF-8 text file (optionally only its first `max_bytes`)."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"text file not found: {file}")
+        raise ConfigError(f"text: {file} is a folder, not a text file" if file.is_dir()
+                          else f"text file not found: {file}")
     if max_bytes is not None and max_bytes < 1:
         raise ConfigError(f"text: max_bytes must be >= 1, got {max_bytes}")
     with file.open("rb") as f:

@@ -45,6 +45,8 @@ def test_text_file(tmp_path: Path) -> None:
 def test_text_file_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="text file not found"):
         build_dataset(f"text:{tmp_path / 'missing.txt'}", split="train", seed=0)
+    with pytest.raises(ConfigError, match="is a folder, not a text file"):
+        build_dataset(f"text:{tmp_path}", split="train", seed=0)
     binary = tmp_path / "blob.bin"
     binary.write_bytes(b"abc\xff\xfe" * 100)
     with pytest.raises(ConfigError, match="not UTF-8 text"):
