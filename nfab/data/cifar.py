@@ -66,6 +66,8 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     data, labels = batch[b"data"], batch[b"labels"]
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2:
         raise ConfigError(f"{path}: b'data' must be a uint8 (N, {PIXELS}) array")
+    if data.shape[0] == 0:
+        raise ConfigError(f"{path}: holds no images")
     if data.shape[1] != PIXELS:
         raise ConfigError(f"{path}: b'data' has {data.shape[1]} columns, expected {PIXELS}")
     try:

@@ -147,6 +147,7 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     cfg.data.options = pair.data_options
     spec = pair.spec
     data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
+    build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)  # each rank evaluates on it
     world = cfg.launch.world_size
     make_loader(data, batch_size=cfg.data.batch_size, rank=0, world_size=world, seed=cfg.seed)
     if cfg.comm.profile is not None:

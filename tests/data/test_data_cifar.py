@@ -102,3 +102,17 @@ def test_cifar10_reads_batches_python_3_writes_at_any_protocol(cifar_dir: Path, 
     (cifar_dir / "test_batch").write_bytes(pickle.dumps(raw, protocol=protocol))
     test = build_dataset(f"cifar10:{cifar_dir}", split="test", seed=0)
     assert len(test) == PER_BATCH and int(test[5][1]) == raw[b"labels"][5]
+
+
+def test_a_broken_test_batch_is_refused_before_the_ranks_start(cifar_dir: Path, tmp_path: Path) -> None:
+    """Only the train split was read before launch: a broken test_batch failed inside rank 0, after
+    the run dir was made (and an empty one said "b'labels' must be 0 ints")."""
+    from nfab.train.launch import resolve_config, validate
+
+    _dump(cifar_dir / "test_batch", {b"data": np.zeros((0, 3072), np.uint8), b"labels": []})
+    run_dir = tmp_path / "run"
+    cfg = resolve_config(None, [], ["comm.route=sign", f"run_dir={run_dir}"],
+                         names={"model": "resnet18", "data": f"cifar10:{cifar_dir}"})
+    with pytest.raises(ConfigError, match="test_batch: holds no images"):
+        validate(cfg)
+    assert not run_dir.exists()
