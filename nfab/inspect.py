@@ -178,9 +178,12 @@ def inspect_model(
     per_level = {"node-local": [0.0, 0.0], "across nodes": [0.0, 0.0], "all ranks": [0.0, 0.0]}
     per_region: dict[str, RegionRow] = {}
     for b in bindings.values():
-        row = per_region.setdefault(b.region, RegionRow(b.region, 0, 0, phase.route_for(b.region), ""))
+        row = per_region.setdefault(b.region, RegionRow(b.region, 0, 0, "", ""))
         row.params += 1
         row.elements += b.numel
+        wanted = ctl.wanted_route(phase, Slice(0, b.numel, b.name, b.region))  # a name glob beats the class
+        if wanted not in row.route.split(","):
+            row.route = ",".join(filter(None, [row.route, wanted]))
     for i, bucket in enumerate(ddp_buckets(model, bucket_cap_mb)):
         slices, off = [], 0
         for pname, p in bucket:

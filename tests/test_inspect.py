@@ -86,3 +86,16 @@ def test_a_bad_hierarchy_exits_2_from_a_real_process():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_region_routes_follow_the_route_globs():
+    """`*:sign,norm:fp32`: the glob beats the class, so norms go sign too; the table said fp32 for
+    every region while the reducers and bytes were sign."""
+    spec = build_model("resnet18", device="meta", width=8, small_input=True, num_classes=10)
+    res = inspect_model("resnet18", spec.module, Profile.static("*:sign,norm:fp32"), 4, explicit=True,
+                        cost_model=default_cost_model(4), head_modules=spec.head_modules)
+    assert {r.region: r.route for r in res.regions}["norm"] == "sign"
+    mixed = inspect_model("resnet18", spec.module, Profile.static("conv:sign,*.bias:q8"), 4, explicit=True,
+                          cost_model=default_cost_model(4), head_modules=spec.head_modules)
+    assert {r.region: r.route for r in mixed.regions}["conv"] == "sign"
+    assert {r.region: r.route for r in mixed.regions}["norm"] == "fp32,q8"  # BatchNorm weights fp32, biases q8
