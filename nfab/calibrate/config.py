@@ -15,11 +15,10 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nfab.config.files import config_from_dict, merge, read_yaml, set_dotted
 from nfab.config.optim import resolve_optim
-from nfab.config.pairing import resolve_pairing
+from nfab.config.pairing import default_data, resolve_pairing
 from nfab.config.run import OptimConfig, ScheduleConfig, TrainConfig
 from nfab.config.shipped import DEFAULT_CONFIGS
 from nfab.errors import ConfigError
-from nfab.models import build_model
 from nfab.models.options import accepted_options
 from nfab.models.registry import MODELS
 from nfab.overrides import parse_kv
@@ -41,10 +40,6 @@ but the redundant ones, so a newly registered reducer is a candidate at once."""
 
 QUICK_TRIAL_ROUTES: tuple[str, ...] = ("sign", "q8")
 """Routes `--quick` trials: the cheapest lossy route and the safest cheap one."""
-
-DEFAULT_DATA = {"lm": "stdlib-text", "classification": "digits"}
-"""The data set a user model is calibrated on when neither a config nor --dataset names one."""
-
 
 class CalibrationConfig(StrictModel):
     """One sweep: the run setting (model, data, optimizer, schedule, length), W virtual ranks, routes, phases."""
@@ -170,9 +165,8 @@ def _setting_base(model: str, config: str | None, dataset: str | None) -> dict[s
     if dataset is not None:
         data = merge(data, {"data": {"name": dataset}})
     elif "name" not in (data.get("data") or {}):
-        spec = build_model(model, device="meta", **{k: v for k, v in (data.get("model") or {}).items()
-                                                    if k != "name"})
-        data = merge(data, {"data": {"name": DEFAULT_DATA[spec.task]}})
+        options = {k: v for k, v in (data.get("model") or {}).items() if k != "name"}
+        data = merge(data, {"data": {"name": default_data(model, options)}})
     return data
 
 

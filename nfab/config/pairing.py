@@ -81,6 +81,15 @@ class Pairing:
     data: DataSpec
 
 
+DEFAULT_DATA = {"lm": "stdlib-text", "classification": "digits"}
+"""The data set a model trains and calibrates on when neither a config nor --dataset names one."""
+
+
+def default_data(model: str, options: dict[str, Any]) -> str:
+    """`DEFAULT_DATA` for the model's task (built on the meta device: a user factory declares its task)."""
+    return DEFAULT_DATA[build_model(model, device="meta", **options).task]
+
+
 def resolve_pairing(model: str, model_options: dict[str, Any], dataset: str, data_options: dict[str, Any],
                     seed: int) -> Pairing:
     """Fit the model's options to the data set (and a text window to a fixed-context model), then check."""

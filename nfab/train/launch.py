@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nfab.config.calibrated import explain_mismatch, profile_base
-from nfab.config.pairing import resolve_pairing
+from nfab.config.pairing import default_data, resolve_pairing
 from nfab.config.shipped import resolve_profile
 from nfab.data import build_dataset, make_loader
 from nfab.errors import ConfigError, NfabError, ProfileError
@@ -64,6 +64,10 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
     """
     sections = {k: {"name": v} for k, v in (names or {}).items() if v is not None}
     probe = load_config(config_path, overrides + flags, sections=sections)
+    if "model" in sections and "data" not in sections and config_path is None and probe.comm.profile is None:
+        # `--model M` alone: M's task picks the data set, as `nfab calibrate M` does (a classifier
+        # was paired with the config default's stdlib-text and refused)
+        sections["data"] = {"name": default_data(probe.model.name, probe.model.options)}
     base: dict[str, Any] = {}
     where = ""
     if config_path is None and probe.resume and probe.run_dir:
@@ -146,6 +150,8 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     cfg.model.options = pair.model_options
     cfg.data.options = pair.data_options
     spec = pair.spec
+    if not any(p.requires_grad for p in spec.module.parameters()):  # DDP refused it inside every rank
+        raise ConfigError(f"model {spec.name} has no trainable parameter: nothing to train or to communicate")
     data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
     build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)  # each rank evaluates on it
     world = cfg.launch.world_size

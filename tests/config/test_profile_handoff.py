@@ -54,6 +54,9 @@ def test_a_changed_option_is_named_in_the_signature_error(tmp_path: Path) -> Non
 
 
 def test_models_fit_their_data_set(tmp_path: Path) -> None:
+    for model, data in (("resnet18", "digits"), ("vit", "digits"), ("gpt", "stdlib-text")):
+        # `--model M` alone: M's task picks the data set, as calibrate does (resnet18 got stdlib-text)
+        assert resolved(tmp_path, flags=["comm.route=sign"], names={"model": model}).data.name == data
     cfg = resolved(tmp_path, flags=["comm.route=sign"], names={"model": "resnet18", "data": "digits"})
     assert cfg.model.options == {"num_classes": 10, "in_channels": 1, "image_size": 8, "small_input": True}
     vit = resolved(tmp_path, flags=["comm.route=sign"], names={"model": "vit", "data": "digits"})
@@ -149,4 +152,16 @@ def test_what_fsdp2_refuses_is_refused_before_the_ranks_start(tmp_path: Path, fl
         pytest.skip(fsdp2.unsupported())
     with pytest.raises(NfabError, match=match):
         resolved(tmp_path, config="gpt-nano-stdlib", flags=[*flags, "parallel=fsdp"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_with_nothing_to_train_is_refused_before_the_ranks_start(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDP refuses a module without a trainable parameter, inside every rank after the run dir is made."""
+    (tmp_path / "frozenmodel.py").write_text(
+        "from torch import nn\n\n\ndef build(**options):\n    m = nn.Linear(64, 10)\n"
+        "    m.requires_grad_(False)\n    return m\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="model frozenmodel:build has no trainable parameter"):
+        resolved(tmp_path, flags=["comm.route=sign"], names={"model": "frozenmodel:build", "data": "digits"})
     assert not (tmp_path / "run").exists()
