@@ -47,6 +47,8 @@ class UnitRow:
     wire_bytes: float
     fp32_bytes: float
     bf16_bytes: float
+    fallbacks: str = ""
+    """Why a region left its profile route, e.g. `cost(norm)`: the cost gate priced FP32 cheaper."""
 
 
 @dataclass(slots=True)
@@ -110,5 +112,6 @@ def inspect_fsdp(name: str, model: nn.Module, profile: Profile, world_size: int,
             out.route_bytes[label] = out.route_bytes.get(label, 0.0) + b
             labels.append(f"{label}:{g.numel / layout.chunk:.0%}")
         fp32, bf16 = (rowscatter.plain_bytes(layout.chunk, w, size) for size in (4, 2))
-        out.units.append(UnitRow(unit, layout.real_elements(), " ".join(labels), wire, fp32, bf16))
+        fallbacks = ", ".join(sorted({f"{why}({region})" for why, region in routes.fallbacks}))
+        out.units.append(UnitRow(unit, layout.real_elements(), " ".join(labels), wire, fp32, bf16, fallbacks))
     return out

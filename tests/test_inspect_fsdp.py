@@ -51,3 +51,18 @@ def test_cli_prints_the_plan_and_refuses_an_unknown_wrapper(tmp_path):
     assert doc["ratio_fp32"] == pytest.approx(doc["fp32_bytes"] / doc["wire_bytes"]) and doc["ratio_fp32"] > 10
     bad = CliRunner().invoke(app, ["inspect", "gpt", "--parallel", "zero"])
     assert isinstance(bad.exception, ConfigError)  # `nfab` (main) prints it as one line, exit 2
+
+
+def test_units_name_what_the_cost_gate_kept_fp32():
+    """On a link where one more collective's latency outweighs the bytes, a profile's block route is
+    priced dearer than FP32's reduce-scatter: the plan said so nowhere (it showed fp32 bytes only)."""
+    from nfab.wire.cost import CostModel, LinkCost
+
+    spec = build_model("gpt", device="meta", size="nano")
+    fast = CostModel("gloo", 2, LinkCost(1e-3, 1e12), LinkCost(1e-3, 1e12))
+    res = inspect_fsdp("gpt", spec.module, Profile.static("bq2"), 2, explicit=False, shard_units=spec.shard_units,
+                       cost_model=fast, head_modules=spec.head_modules)
+    assert all("cost(" in u.fallbacks for u in res.units) and set(res.route_bytes) == {"fp32"}
+    assert "cost(" in res.to_dict()["units"][0]["fallbacks"]
+    kept = _plan(spec, "bq2", 2)  # an explicit route is honoured as asked
+    assert all(u.fallbacks == "" for u in kept.units)

@@ -129,16 +129,20 @@ def _print_fsdp(model, size, spec, prof, world_size, explicit, step, total_steps
                        step=step, total_steps=total_steps, cost_model=cm, head_modules=spec.head_modules)
     t = Table(title=f"{model} {size or ''} under FSDP2 — {res.total_params:,} parameters, {len(res.units)} "
                     f"fully_shard units, W={world_size}, phase {res.phase!r}")
-    for col in ("unit", "elements", "routes", "wire MB", "fp32 MB", "bf16 MB"):
-        t.add_column(col, justify="left" if col in ("unit", "routes") else "right")
+    for col in ("unit", "elements", "routes", "wire MB", "fp32 MB", "bf16 MB", "fallbacks"):
+        t.add_column(col, justify="left" if col in ("unit", "routes", "fallbacks") else "right")
     shown = res.units if len(res.units) <= 8 else [*res.units[:3], None, *res.units[-2:]]
     for u in shown:
         if u is None:
-            t.add_row("...", "", "", "", "", "")
+            t.add_row("...", "", "", "", "", "", "")
             continue
         t.add_row(u.unit, f"{u.elements:,}", u.routes, f"{u.wire_bytes / 1e6:.2f}", f"{u.fp32_bytes / 1e6:.2f}",
-                  f"{u.bf16_bytes / 1e6:.2f}")
+                  f"{u.bf16_bytes / 1e6:.2f}", u.fallbacks)
     console.print(t)
+    gated = sorted({f for u in res.units for f in u.fallbacks.split(", ") if f})
+    if gated:  # the units the table elides may carry them too
+        console.print(f"kept off their profile route in some unit: {', '.join(gated)} (cost: the cost model "
+                      "prices FP32 cheaper there; --cost names the link's)", highlight=False, soft_wrap=True)
     mix = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(res.route_bytes.items()))
     console.print(f"reduce-scatter per step, per rank: [bold]{res.wire_bytes / 1e6:.2f} MB[/] sent ({mix}) vs "
                   f"FSDP2 FP32 {res.fp32_bytes / 1e6:.2f} MB ({res.fp32_bytes / res.wire_bytes:.2f}x fewer) and "
