@@ -21,6 +21,7 @@ from nfab.runtime.control.optim import (
     is_adaptive,
     is_sharded,
     resolve_error_feedback,
+    torch_optimizer,
 )
 from nfab.runtime.core.hierarchy import Hierarchy, parse
 from nfab.runtime.core.scales import QSUM_SCALES
@@ -116,9 +117,7 @@ def attach(
         raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
     if error_feedback not in ERROR_FEEDBACK_CHOICES or not isinstance(error_feedback, bool | str):
         raise NfabError(f"error_feedback must be 'auto', True or False, got {error_feedback!r}")
-    wrapped = getattr(optimizer, "optimizer", None)  # Accelerate's AcceleratedOptimizer, Lightning's wrapper
-    if isinstance(wrapped, torch.optim.Optimizer):
-        optimizer = wrapped  # the torch optimizer: its step hooks and state are the ones that act
+    optimizer = torch_optimizer(optimizer)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise NfabError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     parse(hierarchy)  # a malformed spec is refused before any collective

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
+from nfab.runtime.control.optim import torch_optimizer
 from nfab.runtime.frontends.ddp import Runtime
 
 
@@ -49,7 +50,7 @@ def attach_with_defaults(
 
     kwargs = dict(attach_kwargs)
     kwargs.setdefault("total_steps", total_steps)
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = torch_optimizer(optimizer)
     if isinstance(inner, torch.optim.Optimizer):
         kwargs.setdefault("optimizer", inner)
     return attach(ddp_model, profile, route=route, **kwargs)

@@ -45,6 +45,14 @@ _SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
 """Optimizer-state keys holding a per-coordinate second moment (Adam*, RMSprop, Adagrad)."""
 
 
+def torch_optimizer(optimizer: object) -> object:
+    """The torch optimizer a framework's wrapper holds as `.optimizer` (Accelerate's
+    `AcceleratedOptimizer`, Lightning's `LightningOptimizer`), else `optimizer` itself: the wrapper
+    subclasses `Optimizer` but its step hooks and state are not the ones that act."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
 def is_adaptive(optimizer: torch.optim.Optimizer) -> bool:
     """Does `optimizer` scale each coordinate by its own statistics (Adam-like)?
 
