@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 
 from nfab.errors import NfabError
 from nfab.integrations.defaults import attach_with_defaults, checked
-from nfab.integrations.metrics import step_metrics
+from nfab.integrations.metrics import StepLog
 from nfab.integrations.state import KEY, RankStates, restore
 from nfab.profile.schema import Profile
 from nfab.runtime.frontends.ddp import Runtime
@@ -75,7 +75,7 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
             self._attach_kwargs = attach_kwargs
             self.runtime: Runtime | None = None
             """nfab's hook state on this rank, set when `fit` wraps the model in DDP."""
-            self._logged_step = -1
+            self._nfab_log = StepLog()
             self._pending: dict[str, Any] | None = None
 
         def setup(self, trainer: Any) -> None:
@@ -87,7 +87,7 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
             self.runtime = attach_with_defaults(self.model, self._nfab_profile, self._nfab_route,
                                                 self._attach_kwargs, total_steps=_total_steps(trainer),
                                                 optimizer=optimizer)
-            self._logged_step = -1
+            self._nfab_log.reset()
             if self._pending is not None:  # resuming: nfab's state from the checkpoint, this rank's entry
                 restore(self.runtime, self.model, self._pending)
                 self._pending = None
@@ -125,12 +125,9 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
             return out
 
         def _log_step(self) -> None:
-            stats = self.runtime.step_stats() if self.runtime is not None else None
-            # a closure that skipped backward, or a second optimizer, leaves the same step: log it once
-            if stats is None or stats.step == self._logged_step:
-                return
-            self._logged_step = stats.step
-            self.lightning_module.log_dict(step_metrics(stats), on_step=True, on_epoch=False, sync_dist=False)
+            metrics = self._nfab_log.metrics(self.runtime.step_stats() if self.runtime is not None else None)
+            if metrics is not None:
+                self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 
     NfabDDPStrategy.__module__ = module
     NfabDDPStrategy.__qualname__ = NfabDDPStrategy.__name__

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
 from nfab.integrations.defaults import attach_with_defaults, checked
-from nfab.integrations.metrics import step_metrics
+from nfab.integrations.metrics import StepLog
 from nfab.integrations.state import load_rank_file, save_rank_file
 from nfab.profile.schema import Profile
 from nfab.runtime.frontends import fsdp2
@@ -67,7 +67,7 @@ class NfabCallback(TrainerCallback):
         self.attach_kwargs = attach_kwargs
         self.runtime: Runtime | None = None
         self._ddp: DistributedDataParallel | FSDPModule | None = None
-        self._logged_step = -1
+        self._log = StepLog()
         self.resume_from: str | Path | None = None
         """The checkpoint folder to restore nfab's state from (default: see the module doc)."""
 
@@ -85,7 +85,7 @@ class NfabCallback(TrainerCallback):
         self.runtime = attach_with_defaults(model, self.profile, self.route, self.attach_kwargs,
                                             total_steps=state.max_steps, optimizer=self.trainer.optimizer)
         self._ddp = model
-        self._logged_step = -1
+        self._log.reset()
         if state.global_step > 0:
             self._restore(args, state, model)
 
@@ -112,11 +112,10 @@ class NfabCallback(TrainerCallback):
         # DefaultFlowCallback (always first) has already decided whether this step is logged
         if self.runtime is None or not control.should_log:
             return
-        stats = self.runtime.step_stats()
-        if stats is None or stats.step == self._logged_step:
+        metrics = self._log.metrics(self.runtime.step_stats())
+        if metrics is None:
             return
-        self._logged_step = stats.step
-        self.trainer.log(step_metrics(stats))
+        self.trainer.log(metrics)
         # that log's `on_log` (DefaultFlowCallback) cleared should_log, which dropped the Trainer's own
         # loss / grad_norm / learning_rate log of this step: the step is still to be logged
         self.trainer.control.should_log = True

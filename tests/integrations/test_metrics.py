@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from nfab.integrations.metrics import step_metrics
+from nfab.integrations.metrics import StepLog, step_metrics
 from nfab.runtime.stats import StepStats
 
 
@@ -30,3 +30,19 @@ def test_import_nfab_never_imports_a_framework():
             "print(sorted({'lightning', 'accelerate', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_step_log_logs_each_step_once_and_zeroes_a_route_the_step_left():
+    log = StepLog()
+    first = StepStats(step=1, phase="p", wire_bytes=10, baseline_wire_bytes=320,
+                      route_elements={"bq2": 800, "fp32": 200})
+    assert log.metrics(first)["nfab/route/bq2"] == 0.8
+    assert log.metrics(first) is None  # a second optimizer, or a closure that skipped backward: same step
+    assert log.metrics(None) is None
+    fell_back = StepStats(step=2, phase="p", wire_bytes=320, baseline_wire_bytes=320, route_elements={"fp32": 1000},
+                          fallback=True)
+    m = log.metrics(fell_back)
+    # a logger keeping each key's last value would otherwise still read bq2 at 0.8 beside fp32 at 1.0
+    assert m["nfab/route/bq2"] == 0.0 and m["nfab/route/fp32"] == 1.0
+    log.reset()
+    assert log.metrics(fell_back) is not None  # a new run starts its count afresh
