@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nfab.attach_checks import check_attach
+from nfab.attach_checks import check_attach, sign_zero_warning
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
+from nfab.runtime.bindings import trained_module
 from nfab.runtime.control.health import for_run
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.control.optim import (
@@ -149,7 +150,7 @@ def attach(
     if not sharded and getattr(ddp_model, "_comm_hooks", None):
         raise NfabError("this DDP model already has a communication hook (nfab.attach called twice, or "
                         "register_comm_hook before it): DDP takes one, so attach once to a model without one")
-    module = ddp_model if sharded else ddp_model.module
+    module = ddp_model if sharded else trained_module(ddp_model.module)
     check_attach(prof, module, explicit=explicit, total_steps=total_steps, model_signature=model_signature,
                  optimizer=optimizer)
     if not explicit:  # spike/jump thresholds fitted on a shorter reference run: widened for this one
@@ -183,8 +184,12 @@ def attach(
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
                       qsum_scale=qsum_scale, coalesce=coalesce, hierarchy=hierarchy)
+    zeros = sign_zero_warning(prof, runtime.regions, error_feedback=use_ef,
+                              find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
+    if zeros is not None and runtime.rank == 0:
+        log.warning(zeros)
     if cm is not None and runtime.rank == 0 and runtime.controller.gated_everywhere(
-            runtime.regions, {n: p.numel() for n, p in ddp_model.module.named_parameters()}):
+            runtime.regions, {n: p.numel() for n, p in module.named_parameters()}):
         log.warning(cost_gate_line(cm, runtime.controller.world_size))
     if optimizer is None and prof.noise_moment and noise_moment == "auto":
         log.warning("this profile was calibrated with the noise-corrected second moment: pass optimizer= "
@@ -193,12 +198,12 @@ def attach(
         log.warning("%s shards its state: the drift monitor compares probes without preconditioning",
                     type(optimizer).__name__)
     elif optimizer is not None:
-        runtime.preconditioner = Preconditioner(optimizer, dict(ddp_model.module.named_parameters()))
+        runtime.preconditioner = Preconditioner(optimizer, dict(module.named_parameters()))
         if noise_moment is True and not is_adaptive(optimizer):
             log.warning("noise_moment=True under %s: it keeps no second moment, nothing to correct",
                         type(optimizer).__name__)
         elif _corrects_moment(noise_moment, prof, explicit, optimizer):
-            runtime.moment = NoiseMoment(optimizer, dict(ddp_model.module.named_parameters()))
+            runtime.moment = NoiseMoment(optimizer, dict(module.named_parameters()))
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
 

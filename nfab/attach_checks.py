@@ -62,10 +62,31 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, module: nn.Module) 
                         "pass the optimizer built from the wrapped model's parameters")
 
 
+GRADIENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The gradient dtypes nfab's hook reduces (DDP buckets a model's gradients in its parameters' dtype)."""
+
+
+def check_params(module: nn.Module) -> None:
+    """Every trainable parameter has a dense gradient of a dtype the hook reduces.
+
+    A float64 (or complex) model and an `Embedding(sparse=True)` pass through DDP, and would
+    fail inside the first backward: in the norm pass (float64) or the bucket plan (a sparse
+    gradient has no storage to view).
+    """
+    for name, p in module.named_parameters():
+        if p.requires_grad and p.dtype not in GRADIENT_DTYPES:
+            raise NfabError(f"parameter {name!r} is {p.dtype}: nfab reduces float32, bfloat16 and float16 "
+                            "gradients (convert the model, e.g. model.float())")
+    for name, m in module.named_modules():
+        if getattr(m, "sparse", False) is True and any(p.requires_grad for p in m.parameters(recurse=False)):
+            raise NfabError(f"{type(m).__name__} {name or '(root)'!r} has sparse=True: nfab's hook reduces dense "
+                            "gradients (DDP all-reduces a sparse one without a hook); build it with sparse=False")
+
+
 def check_attach(profile: Profile, module: nn.Module, *, explicit: bool, total_steps: int | None,
                  model_signature: str | None, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Everything `attach` can check before registering: phases vs total_steps, the model's signature,
-    the route's parameter globs, the optimizer's parameters.
+    the route's parameter globs, the optimizer's parameters, the parameters' dtypes and density.
 
     Route names were checked when the profile or route was parsed (`nfab.profile.routes`).
     """
@@ -74,3 +95,31 @@ def check_attach(profile: Profile, module: nn.Module, *, explicit: bool, total_s
         check_model(profile, module, model_signature)
     check_globs(profile, module)
     check_optimizer(optimizer, module)
+    check_params(module)
+
+
+def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused: bool,
+                      error_feedback: bool) -> str | None:
+    """The line `attach` logs where a sign route will meet exact zeros it cannot carry, else None.
+
+    A sign vote is one bit: an exactly-zero element votes positive (as in signSGD), so without
+    error feedback to carry the difference, a zero becomes +scale. Two cases are visible here:
+    an embedding region on sign (rows a batch does not touch are zero every step) and DDP's
+    `find_unused_parameters=True` (a parameter unused on some ranks is zero there).
+    """
+    signed: set[str] = set()
+    for phase in profile.phases:
+        if error_feedback and phase.error_feedback:
+            continue
+        for name, region in regions.items():
+            glob = next((g for g in profile.overrides if fnmatchcase(name, g)), None)
+            route = profile.overrides[glob] if glob is not None else phase.routes.get(region, "fp32")
+            if route.startswith("sign"):
+                signed.add(region)
+    if not signed or not ("embedding" in signed or find_unused):
+        return None
+    where = ("embedding rows a batch does not touch" if "embedding" in signed
+             else "parameters unused on some ranks (find_unused_parameters=True)")
+    return (f"nfab: sign votes cannot abstain: an exactly-zero gradient votes positive, so {where} get "
+            "+scale each step without error feedback. Route them bq2 (a zero stays zero) or fp32, or use "
+            "error feedback (SGD)")

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
 from nfab.fsutil import atomic_write_bytes
+from nfab.runtime.bindings import trained_module
 from nfab.runtime.frontends.ddp import Runtime
 
 KEY = "nfab"
@@ -41,7 +42,7 @@ def _host_state(runtime: Runtime) -> dict[str, Any]:
 
 
 def _devices(model: torch.nn.Module) -> dict[str, torch.device]:
-    module = model.module if isinstance(model, DistributedDataParallel) else model
+    module = trained_module(model.module) if isinstance(model, DistributedDataParallel) else model
     return {n: p.device for n, p in module.named_parameters()}
 
 

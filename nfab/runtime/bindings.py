@@ -47,6 +47,15 @@ def _matrix(module: nn.Module) -> bool:
     return isinstance(weight, nn.Parameter) and weight.dim() == 2
 
 
+def trained_module(module: nn.Module) -> nn.Module:
+    """The user's model under `torch.compile`'s wrapper (`OptimizedModule._orig_mod`, as in
+    `DDP(torch.compile(model))`): the same parameter objects, named as the model names them
+    (without `_orig_mod.`), so a profile's signature, its globs and the regions match either way."""
+    while isinstance(inner := getattr(module, "_orig_mod", None), nn.Module):
+        module = inner
+    return module
+
+
 def classify(
     model: nn.Module,
     head_modules: Iterable[str] | None = None,

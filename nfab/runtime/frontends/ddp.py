@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.profile.schema import Phase, Profile
-from nfab.runtime.bindings import classify
+from nfab.runtime.bindings import classify, trained_module
 from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import BucketRoutes
 from nfab.runtime.control.fidelity import RegionFidelity
@@ -101,7 +101,7 @@ class Runtime(RuntimeState):
         self.scales = AmaxHistory(qsum_scale)
         self.coalesce = coalesce  # send a bucket with a signgather group as one all-gather when cheaper
         self.error_feedback = error_feedback
-        module = ddp.module
+        module = trained_module(ddp.module)
         self.bindings = classify(module, head_modules)
         self.names = {id(p): n for n, p in module.named_parameters()}
         self.regions = {n: b.region for n, b in self.bindings.items()}
