@@ -36,7 +36,8 @@ def register(app: typer.Typer) -> None:
             "--config", "-c", help="YAML config: a path or a shipped name (gpt-nano-stdlib).")] = None,
         profile: Annotated[str | None, typer.Option(
             help="Operating profile: profile.json or a shipped name (resnet18). Alone, it reproduces the "
-                 "calibrated setting (model, data, optimizer, batch, schedule, steps).")] = None,
+                 "calibrated setting (model, data, optimizer, batch, schedule, steps, W); with --fp32 or "
+                 "--route, that setting sent as they say (the baseline beside it).")] = None,
         route: Annotated[str | None, typer.Option(
             help="Static route: sign, q8, ... everywhere, or conv:sign,norm:fp32,*.bias:fp32.")] = None,
         fp32: Annotated[bool, typer.Option("--fp32", help="Plain DDP / FSDP2, no nfab hook (the reference).")] = False,
@@ -63,6 +64,9 @@ def register(app: typer.Typer) -> None:
         bad = [a for a in extra if "=" not in a or a.startswith("-")]
         if bad:
             fail(f"unknown option or argument {bad[0]!r} (overrides look like key=value)")
+        setting = None
+        if profile is not None and (fp32 or route is not None):
+            setting, profile = profile, None  # the profile's calibrated setting, sent as --fp32 / --route say
         comm = []
         if profile is not None or route is not None or fp32:
             comm = ["comm.profile=null", "comm.route=null", "comm.fp32=false"]
@@ -75,7 +79,7 @@ def register(app: typer.Typer) -> None:
             "launch.node_rank": node_rank, "launch.rdzv_endpoint": rdzv_endpoint,
             "launch.rdzv_backend": rdzv_backend, "launch.max_restarts": max_restarts,
         })
-        cfg = resolve_config(config, extra, flags, names={"model": model, "data": dataset})
+        cfg = resolve_config(config, extra, flags, names={"model": model, "data": dataset}, setting=setting)
         cfg.command = shlex.join(["nfab", *sys.argv[1:]])
         try:
             result = launch(cfg, warn=warn)

@@ -54,11 +54,13 @@ class WorkerError(NfabError):
 
 
 def resolve_config(config_path: str | None, overrides: list[str], flags: list[str],
-                   names: dict[str, str] | None = None) -> TrainConfig:
+                   names: dict[str, str] | None = None, setting: str | None = None) -> TrainConfig:
     """The run's config, each layer over the one before:
 
-    the profile's calibrated setting (`--profile` alone reproduces it), or for `--resume`
-    without a config the run dir's saved config; then the config file; then `names`
+    the profile's calibrated setting (`--profile` alone reproduces it; `setting`, a profile
+    given beside `--fp32` or `--route`, gives its setting without its routes: the baseline
+    of the same run), or for `--resume` without a config the run dir's saved config; then
+    the config file; then `names`
     (`--model` / `--dataset`: a section naming another builder drops the options of the
     one below); then `key=value` overrides and flags.
     """
@@ -75,9 +77,11 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
         if saved.is_file():
             base = {k: v for k, v in json.loads(saved.read_text()).items() if k not in _NOT_PERSISTED}
             where = str(saved)
-    if not base and probe.comm.profile is not None:
-        path = str(resolve_profile(probe.comm.profile))
+    if not base and (setting is not None or probe.comm.profile is not None):
+        path = str(resolve_profile(setting or probe.comm.profile))
         base = profile_base(Profile.load(path), path)
+        if setting is not None:
+            del base["comm"]  # the setting only: the flags say how it communicates
     if not base and not sections:
         return probe
     try:

@@ -57,7 +57,11 @@ def test_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
     assert len(runs) == 2
     summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
     assert all(s["complete"] and s["steps"] == 3 for s in summaries)
-    config = json.loads(next(r for r in runs if "profile" in r.name).joinpath("config.json").read_text())
+    configs = {("fp32" if "fp32" in r.name else "profile"): json.loads((r / "config.json").read_text()) for r in runs}
+    config = configs["profile"]
     assert config["model"]["options"]["width"] == 4  # the calibrated setting, not the config file's
     assert config["comm"]["profile"] == "calibrations/resnet18/profile.json"
+    # the FP32 line trains the same setting (it ran a config file at another W, and the report compared the two)
+    for key in ("model", "data", "optim", "launch"):
+        assert configs["fp32"][key] == config[key], key
     assert (tmp_path / "report" / "report.html").is_file() or any(tmp_path.rglob("report.html"))

@@ -45,6 +45,18 @@ def test_every_shipped_profile_reproduces_its_setting_alone(name: str, tmp_path:
     assert again.launch.nproc == 2
 
 
+@pytest.mark.parametrize("comm", [["comm.fp32=true"], ["comm.route=bq2"]])
+def test_a_profile_beside_fp32_or_a_route_gives_its_setting_as_the_baseline(comm: list[str], tmp_path: Path) -> None:
+    """`--profile P --fp32`: the FP32 run of P's calibrated setting (the same model, data and W), the
+    fair baseline beside `--profile P` (the README's FP32 line ran a config file at another W)."""
+    calibrated = resolved(tmp_path, flags=["comm.profile=resnet18"])
+    cfg = validate(resolve_config(None, [], [*comm, f"run_dir={tmp_path / 'run'}"], setting="resnet18"))
+    assert cfg.comm.profile is None and (cfg.comm.fp32 or cfg.comm.route == "bq2")
+    for key in ("model", "data", "optim", "schedule", "launch"):
+        assert getattr(cfg, key) == getattr(calibrated, key), key
+    assert cfg.steps == calibrated.steps and cfg.seed == calibrated.seed
+
+
 def test_a_changed_option_is_named_in_the_signature_error(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match=r"options differ from the calibrated setting: "
                                            r"model\.width=8 \(calibrated: 16\)"):
