@@ -111,6 +111,16 @@ def fidelity_bars(optimizer: str | None, tol_cosine: float, high_cosine: float) 
     return tol_cosine, high_cosine
 
 
+def adaptive_cosine_note(profile: Profile, asked: float | None) -> str | None:
+    """One line when the cosine bar asked for sits below the adaptive optimizer's, which then holds:
+    `--tol-cosine 0.5` under AdamW fits exactly what the default does, and should say so."""
+    used = profile.provenance.get("tol_cosine")
+    if asked is None or used is None or asked >= used:
+        return None
+    return (f"note: --tol-cosine {asked} is below the {used} every lossy route needs under an adaptive "
+            f"optimizer (ADAPTIVE_COSINE): the fit used {used}")
+
+
 def optimizer_of(table: pd.DataFrame, meta: dict[str, Any] | None) -> str | None:
     """The optimizer family the table was measured under (meta first, then the table's column)."""
     opt = (meta or {}).get("optimizer")

@@ -75,12 +75,34 @@ def test_calibrate_writes_table_and_profile(calibrated: Path) -> None:
 
 def test_fit_refits_with_other_tolerances(calibrated: Path, tmp_path: Path) -> None:
     out = tmp_path / "strict.json"
-    res = runner.invoke(app, ["fit", str(calibrated / "calibration.parquet"), "--tol-cosine", "1.5",
-                              "--tol-loss", "-1", "-o", str(out)])
+    res = runner.invoke(app, ["fit", str(calibrated / "calibration.parquet"), "--tol-cosine", "1.0",
+                              "--tol-loss", "0", "-o", str(out)])
     assert res.exit_code == 0, res.output
     p = Profile.load(out)
-    assert p.routes_used() == {"fp32"}
-    assert json.loads(out.read_text())["provenance"]["tol_cosine"] == 1.5
+    assert p.routes_used() <= {"fp32", "bf16"}  # nothing lossier passes a cosine of 1
+    assert json.loads(out.read_text())["provenance"]["tol_cosine"] == 1.0
+
+
+def test_fit_keeps_what_it_would_overwrite_and_refuses_tolerances_out_of_range(calibrated: Path,
+                                                                               tmp_path: Path) -> None:
+    """`nfab fit T -o T` wrote JSON over the Parquet table; `nfab fit T` replaced calibrate's validated,
+    tightened profile.json with an unvalidated refit, with nothing said."""
+    folder = tmp_path / "cal"
+    folder.mkdir()
+    for name in ("calibration.parquet", "profile.json"):
+        (folder / name).write_bytes((calibrated / name).read_bytes())
+    table, profile = folder / "calibration.parquet", folder / "profile.json"
+    before = table.read_bytes(), profile.read_bytes()
+    assert "is the calibration table itself" in _one_line_error(["fit", str(table), "-o", str(table)])
+    assert "exists (a refit is not validated" in _one_line_error(["fit", str(table)])
+    assert (table.read_bytes(), profile.read_bytes()) == before
+    res = runner.invoke(app, ["fit", str(table), "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(profile.read_text())["evidence"]["validation"]["passed"] is None  # a refit says so
+    for args, match in ((["--tol-cosine", "1.5"], "in [-1, 1]"), (["--tol-cosine", "nan"], "in [-1, 1]"),
+                        (["--tol-loss", "-0.5"], ">= 0")):
+        assert match in _one_line_error(["fit", str(table), *args, "-o", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
 
 
 def _one_line_error(args: list[str]) -> str:
@@ -160,3 +182,13 @@ def test_a_user_models_failure_is_one_line_naming_its_traceback(tmp_path: Path, 
     log = Path(line.rsplit("(traceback: ", 1)[1].rstrip(")"))
     assert "Traceback" not in res.output and "in forward" in log.read_text()
     log.unlink()
+
+
+def test_a_cosine_bar_below_the_adaptive_one_is_named(tmp_path: Path) -> None:
+    """Under AdamW every lossy route needs 0.75: `--tol-cosine 0.5` fitted the default's profile in silence."""
+    table = Path(__file__).resolve().parents[2] / "calibrations/gpt/calibration.parquet"
+    res = runner.invoke(app, ["fit", str(table), "--tol-cosine", "0.5", "-o", str(tmp_path / "p.json")])
+    assert res.exit_code == 0, res.output
+    assert "note: --tol-cosine 0.5 is below the 0.75" in " ".join(res.output.split())
+    res = runner.invoke(app, ["fit", str(table), "--tol-cosine", "0.9", "-o", str(tmp_path / "q.json")])
+    assert res.exit_code == 0 and "note:" not in res.output
