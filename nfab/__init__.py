@@ -1,15 +1,18 @@
 """nfab (NEURON-Fabric): controlled low-bit gradient communication for PyTorch DDP.
 
 Public API: `nfab.attach(ddp_model, profile)`, `nfab.Profile` and `nfab.Hierarchy` (two-level
-reduction, `attach(..., hierarchy=)`); the `nfab` CLI.
+reduction, `attach(..., hierarchy=)`); `nfab.NfabError`, what `attach` raises for a mistake at
+the call (`nfab.ProfileError`, a profile that cannot be used, is one); the `nfab` CLI.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nfab.errors import NfabError, ProfileError
+
 __version__ = "0.1.0"
-__all__ = ["Hierarchy", "Profile", "attach", "__version__"]
+__all__ = ["Hierarchy", "NfabError", "Profile", "ProfileError", "attach", "__version__"]
 
 if TYPE_CHECKING:
     from nfab.api import attach

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -42,6 +42,7 @@ def register(app: typer.Typer) -> None:
 
         Extra `key=value` arguments are model options (e.g. width=16 small_input=true).
         """
+        from nfab.attach_checks import check_globs
         from nfab.config.calibrated import calibrated_setting
         from nfab.config.shipped import resolve_profile
         from nfab.errors import ConfigError
@@ -58,11 +59,13 @@ def register(app: typer.Typer) -> None:
         spec = build_model(model, device="meta", **options)
         if profile is not None:
             prof, explicit = Profile.load(resolve_profile(profile)), False
+            _check_layout(prof, profile, model, spec)
             setting = calibrated_setting(prof)
             if total_steps is None and setting is not None:
                 total_steps = setting.steps
         else:
             prof, explicit = Profile.static(route or "sign"), True
+        check_globs(prof, spec.module)
         if parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"--parallel must be ddp or fsdp, got {parallel!r}")
         cm = CostModel.load(cost) if cost else default_cost_model(world_size)
@@ -183,3 +186,22 @@ def _print_levels(res) -> None:  # noqa: ANN001 - an Inspection
     console.print(t)
     console.print(f"across the inter-node link, per node: [bold]{res.slow_link_bytes / 1e6:.2f} MB[/] vs FP32 DDP "
                   f"{res.baseline_wire_bytes / 1e6:.2f} MB — {res.slow_link_ratio:.1f}x fewer bytes")
+
+
+def _check_layout(prof: Any, where: str, model: str, spec: Any) -> None:
+    """A profile calibrated for another model is refused, as `nfab train` and `attach` refuse it; one for
+    the same model at another size or width plans its region routes on this layout (what a calibrated
+    profile would send at 1.3b), with a note that says so."""
+    from nfab.config.calibrated import explain_mismatch
+    from nfab.errors import ProfileError
+    from nfab.models import model_signature
+
+    if not prof.model.signature:
+        return
+    signature = model_signature(spec.module)
+    if signature == prof.model.signature:
+        return
+    if prof.model.name not in (model, spec.name):
+        raise ProfileError(f"profile {where}: " + explain_mismatch(prof, spec.name, dict(spec.options), signature))
+    console.print(f"note: profile {where} was calibrated for {prof.model.name} at another parameter layout: "
+                  "planning its region routes on this one", highlight=False)

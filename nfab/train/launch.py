@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nfab.attach_checks import check_globs
 from nfab.config.calibrated import explain_mismatch, profile_base
 from nfab.config.pairing import default_data, resolve_pairing
 from nfab.config.shipped import resolve_profile
@@ -168,8 +169,10 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
             raise ProfileError(f"profile {cfg.comm.profile}: "
                                + explain_mismatch(profile, spec.name, dict(spec.options), signature))
         check_world(profile, world, f"profile {cfg.comm.profile}", warn)
+        check_globs(profile, spec.module)  # a glob that matches nothing: refused here, not in every rank
     if cfg.comm.route is not None:
         check_world(Profile.static(cfg.comm.route), world, "route", warn)
+        check_globs(Profile.static(cfg.comm.route), spec.module)
     layout = parse_hierarchy(cfg.comm.hierarchy)
     if layout is not None and layout.local_world is not None:  # "auto" is torchrun's --nproc per node
         layout.topology(world, 0)

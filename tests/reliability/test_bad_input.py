@@ -106,6 +106,13 @@ def build_cases(root: Path) -> dict[str, Case]:
         "unknown-dataset": Case([*train_gpt, "--route", "sign", "--dataset", "imagenet"],
                                 "unknown data set 'imagenet'"),
         "unknown-route": Case([*train_gpt, "--route", "q3"], "route: unknown route 'q3'"),
+        # a glob that matches no parameter was refused inside rank 0, ~17 s later, after the run dir was made
+        "route-glob-matching-nothing": Case([*train_resnet, "--route", "conv:sign,lyr1.*:bq2"],
+                                            "route glob 'lyr1.*' matches no trainable parameter"),
+        "inspect-profile-of-another-model": Case(["inspect", "resnet18", "--profile", "vit"],
+                                                 "it was calibrated for model vit, this run builds resnet18"),
+        "inspect-glob-matching-nothing": Case(["inspect", "resnet18", "--route", "conv:sign,lyr1.*:bq2"],
+                                              "route glob 'lyr1.*' matches no trainable parameter"),
         "unknown-config-key": Case([*train_gpt, "--route", "sign", "optim.learning_rate=0.1"],
                                    "unknown key 'optim.learning_rate' (keys: betas, grad_clip, lr, momentum, name, "
                                    "weight_decay)"),
@@ -167,7 +174,8 @@ CASES = ["malformed-json-profile", "other-schema-version", "pickled-profile", "p
          "world-outside-range-strict", "over-capacity-strict", "unknown-model", "unknown-dataset", "unknown-route",
          "unknown-config-key", "bad-fault", "finished-run-dir", "checkpoint-of-another-model",
          "pickle-code-in-checkpoint", "fit-truncated-parquet", "fit-not-parquet", "fit-missing",
-         "report-truncated-metrics"]
+         "report-truncated-metrics", "route-glob-matching-nothing", "inspect-profile-of-another-model",
+         "inspect-glob-matching-nothing"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -262,3 +262,9 @@ def test_a_sign_route_that_will_meet_exact_zeros_is_named_at_attach(group, caplo
         assert not lines
     else:
         assert len(lines) == 1 and warned in lines[0]
+
+
+def test_the_error_attach_raises_is_importable_from_nfab() -> None:
+    """README and api.md promise 'one NfabError at the call': `except nfab.NfabError` raised AttributeError."""
+    assert nfab.NfabError is NfabError and nfab.ProfileError is ProfileError
+    assert issubclass(nfab.ProfileError, nfab.NfabError)
