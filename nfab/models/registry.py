@@ -111,7 +111,8 @@ def _build_user_model(
 
     The spec's task is the `task` option, else a `task` attribute on the factory or the
     module, else "classification". `head_modules`, `optimizer` and the input facts
-    (`num_classes`, `vocab_size`, `block_size`, ...) are read from attributes when present.
+    (`num_classes`, `vocab_size`, `block_size`, ...) are read from attributes when present; an
+    input fact is otherwise the factory option of that name.
     """
     factory = load_factory(target)
     options = dict(options)
@@ -137,9 +138,13 @@ def _build_user_model(
     heads = attribute("head_modules")
     if heads is None:
         heads = default_heads(module)
-    facts = {k: v for k in _SPEC_INTS if isinstance(v := attribute(k), int)}
+    # an input fact is an attribute of the factory or module, else the option the factory was built with
+    # (`vocab_size=` and `block_size=` that the data set decided, or the user passed)
+    facts = {k: v for k in _SPEC_INTS
+             if isinstance(v := attribute(k), int) or isinstance(v := options.get(k), int)}
     if task == "lm" and not {"vocab_size", "block_size"} <= facts.keys():
-        raise ConfigError(f"user lm model {target!r} must expose int attributes vocab_size and block_size")
+        raise ConfigError(f"user lm model {target!r} must take vocab_size and block_size (as factory options, "
+                          "which the data set fills in, or as int attributes of the factory or model)")
     return ModelSpec(
         name=target,
         module=module,

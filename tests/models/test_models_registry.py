@@ -47,6 +47,10 @@ def lm_without_vocab():
     return nn.Linear(2, 2)
 
 
+def lm_by_options(*, vocab_size: int = 16, block_size: int = 4, width: int = 8):
+    return nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))
+
+
 def not_a_module():
     return 42
 
@@ -104,8 +108,15 @@ def test_user_lm_reads_attributes(user_module: str) -> None:
 def test_user_task_option_overrides(user_module: str) -> None:
     spec = build_model(f"{user_module}:mlp", task="classification")
     assert spec.task == "classification"
-    with pytest.raises(ConfigError, match="must expose int attributes vocab_size and block_size"):
+    with pytest.raises(ConfigError, match="must take vocab_size and block_size"):
         build_model(f"{user_module}:lm_without_vocab", task="lm")
+
+
+def test_user_lm_takes_its_facts_from_the_options_it_was_built_with(user_module: str) -> None:
+    """A factory taking `vocab_size=` / `block_size=` as options (train.md: the data set fills them in)
+    was refused unless it also set them as attributes."""
+    spec = build_model(f"{user_module}:lm_by_options", task="lm", vocab_size=32, block_size=8)
+    assert (spec.vocab_size, spec.block_size) == (32, 8)
     with pytest.raises(ConfigError, match="task must be one of"):
         build_model(f"{user_module}:mlp", task="regression")
 
