@@ -191,7 +191,8 @@ class Profile(FrozenModel):
 
     model: ModelRef
     phases: tuple[Phase, ...]
-    """Phases in any order; the one in force at a step is the last whose start is <= step."""
+    """Phases in any order, one from step 0 (or fraction 0), no two at one start or of one name; the one
+    in force at a step is the last whose start is <= step."""
     world_size: WorldRange = Field(default_factory=WorldRange)
     overrides: dict[str, str] = Field(default_factory=dict)
     """Parameter-name glob -> route; a glob beats a region class."""
@@ -210,8 +211,22 @@ class Profile(FrozenModel):
     @field_validator("phases")
     @classmethod
     def _some_phases(cls, phases: tuple[Phase, ...]) -> tuple[Phase, ...]:
+        """At least one phase, one of them from the start of the run, no two at one start or of one name:
+        otherwise which phase is in force is a guess (the earliest ran before its own start)."""
         if not phases:
             raise ValueError("a profile needs at least one phase")
+        if not any(p.start.step == 0 or p.start.fraction == 0 for p in phases):
+            raise ValueError("no phase starts at step 0 or fraction 0: say which routes run from the start")
+        names: dict[str, str] = {}
+        starts: dict[tuple[int | None, float | None], str] = {}
+        for p in phases:
+            if p.name in names:
+                raise ValueError(f"two phases are named {p.name!r}")
+            names[p.name] = p.name
+            key = (p.start.step, p.start.fraction)
+            if key in starts:
+                raise ValueError(f"phases {starts[key]!r} and {p.name!r} start at the same point")
+            starts[key] = p.name
         return phases
 
     @field_validator("overrides")
