@@ -10,7 +10,7 @@ models here is close to the same thing).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -156,7 +156,7 @@ def inspect_model(
     explicit: bool,
     step: int = 0,
     total_steps: int | None = None,
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | None | Literal["default"] = "default",
     bucket_cap_mb: float = 25.0,
     head_modules: tuple[str, ...] | None = None,
     hierarchy: tuple[int, int] | None = None,
@@ -170,7 +170,7 @@ def inspect_model(
         raise NfabError(f"--hierarchy {hierarchy[0]}x{hierarchy[1]} is {hierarchy[0] * hierarchy[1]} ranks, "
                         f"not the world size {world_size}")
     route_world = hierarchy[0] if hierarchy is not None else world_size
-    cm = cost_model or default_cost_model(world_size)
+    cm = default_cost_model(world_size) if isinstance(cost_model, str) else cost_model  # None: no gate, as attach
     bindings = classify(model, head_modules)
     ctl = Controller(profile, route_world, cm, explicit=explicit, total_steps=total_steps)
     phase = ctl.phase(step)

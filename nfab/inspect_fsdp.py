@@ -20,7 +20,7 @@ bf16 (`MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)`, 2 bytes).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -94,12 +94,13 @@ def unit_layouts(model: nn.Module, units: tuple[str, ...], world_size: int,
 
 def inspect_fsdp(name: str, model: nn.Module, profile: Profile, world_size: int, *, explicit: bool,
                  shard_units: tuple[str, ...], step: int = 0, total_steps: int | None = None,
-                 cost_model: CostModel | None = None, head_modules: tuple[str, ...] | None = None,
-                 ) -> FSDPInspection:
+                 cost_model: CostModel | None | Literal["default"] = "default",
+                 head_modules: tuple[str, ...] | None = None) -> FSDPInspection:
     """Plan `model`'s FSDP2 reduce-scatters under `profile` at W without running anything."""
-    cm = cost_model or default_cost_model(world_size)
+    cm = default_cost_model(world_size) if isinstance(cost_model, str) else cost_model  # None: no gate, as attach
     # priced as the front end prices a row group (its reduce-scatter, not DDP's all-reduce)
-    ctl = Controller(profile, world_size, ShardCost(cm), explicit=explicit, total_steps=total_steps)
+    ctl = Controller(profile, world_size, ShardCost(cm) if cm is not None else None,  # type: ignore[arg-type]
+                     explicit=explicit, total_steps=total_steps)
     phase = ctl.phase(step)
     out = FSDPInspection(name, world_size, phase.name, sum(p.numel() for p in model.parameters()))
     w = world_size

@@ -99,3 +99,16 @@ def test_region_routes_follow_the_route_globs():
                           cost_model=default_cost_model(4), head_modules=spec.head_modules)
     assert {r.region: r.route for r in mixed.regions}["conv"] == "sign"
     assert {r.region: r.route for r in mixed.regions}["norm"] == "fp32,q8"  # BatchNorm weights fp32, biases q8
+
+
+def test_cost_none_plans_what_a_run_without_a_cost_model_sends():
+    """`attach(cost_model=None)` / `comm.cost_model=none` run no cost gate; inspect planned only with
+    one (`--cost none` was 'cannot read cost model none'), so its bytes disagreed with such a run."""
+    args = ["inspect", "resnet18", "-w", "2", "--parallel", "fsdp", "--profile", "resnet18", "width=16",
+            "small_input=true", "num_classes=10", "in_channels=1"]
+    gated = CliRunner().invoke(app, args)
+    free = CliRunner().invoke(app, [*args, "--cost", "none"])
+    assert gated.exit_code == 0 and free.exit_code == 0, free.output
+    assert "cost(" in gated.output and "cost(" not in free.output  # the gate kept norms FP32 only with a model
+    ddp = CliRunner().invoke(app, ["inspect", "resnet18", "-w", "2", "--route", "sign", "--cost", "none"])
+    assert ddp.exit_code == 0 and "none, no cost gate" in " ".join(ddp.output.split())

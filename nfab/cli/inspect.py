@@ -29,7 +29,9 @@ def register(app: typer.Typer) -> None:
             help="Run length (for phases given as fractions; default: the profile's calibrated length).")] = None,
         bucket_cap_mb: Annotated[float, typer.Option(
             help="DDP bucket cap, MB (default: 4, what nfab train gives its hook).")] = NFAB_BUCKET_MB,
-        cost: Annotated[Path | None, typer.Option(help="Cost model JSON from `nfab bench wire --cost`.")] = None,
+        cost: Annotated[str | None, typer.Option(
+            help="Cost model JSON from `nfab bench wire --cost`, or none: no cost gate, as attach(cost_model=None) "
+                 "and comm.cost_model=none (default: a built-in 10 Gbit/s model).")] = None,
         buckets: Annotated[int, typer.Option(help="Show at most this many buckets.")] = 12,
         json_path: Annotated[Path | None, typer.Option(
             "--json", help="Also write the plan (all buckets) as JSON.")] = None,
@@ -68,7 +70,7 @@ def register(app: typer.Typer) -> None:
         check_globs(prof, spec.module)
         if parallel not in ("ddp", "fsdp"):
             raise ConfigError(f"--parallel must be ddp or fsdp, got {parallel!r}")
-        cm = CostModel.load(cost) if cost else default_cost_model(world_size)
+        cm = None if cost == "none" else CostModel.load(cost) if cost else default_cost_model(world_size)
         if parallel == "fsdp":
             if hierarchy is not None:
                 raise ConfigError("--hierarchy plans DDP's two-level all-reduce; FSDP2's reduce-scatter is one level")
@@ -106,11 +108,11 @@ def register(app: typer.Typer) -> None:
         mix = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(res.route_bytes.items()))
         console.print(f"per step, per rank: [bold]{res.wire_bytes / 1e6:.2f} MB[/] sent ({mix}) vs "
                       f"FP32 DDP {res.baseline_wire_bytes / 1e6:.2f} MB — {ratio:.1f}x fewer bytes "
-                      f"(cost model: {cm.source})")
+                      f"(cost model: {cm.source if cm is not None else 'none, no cost gate'})")
         if layout:
             _print_levels(res)
         largest = max((row.elements for row in res.buckets), default=0)
-        xs = crossovers(cm, largest) if largest else []
+        xs = crossovers(cm or default_cost_model(world_size), largest) if largest else []
         if xs:
             text = ", ".join(f"W>={w}: {best}" for w, best in xs)
             console.print(f"cheapest path for a {largest:,}-element bucket as W grows: {text}")
