@@ -89,7 +89,7 @@ class Health(FrozenModel):
     """Unhealthy when the step's mean loss exceeds this times the running baseline."""
     grad_norm_jump: float = Field(10.0, gt=1)
     """Unhealthy when the reduced gradient norm exceeds this times its running baseline."""
-    min_fidelity_cosine: float = 0.1
+    min_fidelity_cosine: float = Field(0.1, ge=-1, le=1)
     """Unhealthy when a fidelity probe's cosine (low-bit vs FP32 result) falls below this."""
     probe_every: int = Field(10, ge=0)
     """Every this many steps each lossy bucket also reduces a strided sample (at most 512

@@ -61,16 +61,12 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
     the profile's calibrated setting (`--profile` alone reproduces it; `setting`, a profile
     given beside `--fp32` or `--route`, gives its setting without its routes: the baseline
     of the same run), or for `--resume` without a config the run dir's saved config; then
-    the config file; then `names`
-    (`--model` / `--dataset`: a section naming another builder drops the options of the
-    one below); then `key=value` overrides and flags.
+    the config file; then `names` (`--model` / `--dataset`: a section naming another builder
+    drops the options of the one below; a model with no data set from any layer gets its
+    task's); then `key=value` overrides and flags.
     """
     sections = {k: {"name": v} for k, v in (names or {}).items() if v is not None}
     probe = load_config(config_path, overrides + flags, sections=sections)
-    if "model" in sections and "data" not in sections and config_path is None and probe.comm.profile is None:
-        # `--model M` alone: M's task picks the data set, as `nfab calibrate M` does (a classifier
-        # was paired with the config default's stdlib-text and refused)
-        sections["data"] = {"name": default_data(probe.model.name, probe.model.options)}
     base: dict[str, Any] = {}
     where = ""
     if config_path is None and probe.resume and probe.run_dir:
@@ -83,6 +79,10 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
         base = profile_base(Profile.load(path), path)
         if setting is not None:
             del base["comm"]  # the setting only: the flags say how it communicates
+    if "model" in sections and "data" not in sections and config_path is None and "data" not in base:
+        # `--model M` with no data set from a file or a calibrated setting: M's task picks it, as
+        # `nfab calibrate M` does (a classifier was paired with the config default's stdlib-text)
+        sections["data"] = {"name": default_data(probe.model.name, probe.model.options)}
     if not base and not sections:
         return probe
     try:

@@ -57,6 +57,13 @@ def test_a_profile_beside_fp32_or_a_route_gives_its_setting_as_the_baseline(comm
     assert cfg.steps == calibrated.steps and cfg.seed == calibrated.seed
 
 
+def test_a_profile_without_a_setting_pairs_the_named_model_with_its_task_data(tmp_path: Path) -> None:
+    """A hand-written profile (no `provenance.calibrated`) with `--model resnet18` was paired with the config
+    default's stdlib-text and refused; `--model` alone picks digits."""
+    path = Profile.static("bq2", model_name="resnet18").save(tmp_path / "p.json")
+    assert resolved(tmp_path, flags=[f"comm.profile={path}"], names={"model": "resnet18"}).data.name == "digits"
+
+
 def test_a_changed_option_is_named_in_the_signature_error(tmp_path: Path) -> None:
     with pytest.raises(ProfileError, match=r"options differ from the calibrated setting: "
                                            r"model\.width=8 \(calibrated: 16\)"):

@@ -36,6 +36,7 @@ def test_round_trip_and_phase_lookup(tmp_path):
     (lambda d: d["phases"][0].update(start={"step": 1, "fraction": 0.1}), "exactly one"),
     (lambda d: d.update(phases=[]), "at least one phase"),
     (lambda d: d.update(health={"loss_spike_ratio": 0.5}), "loss_spike_ratio"),
+    (lambda d: d.update(health={"min_fidelity_cosine": 2.0}), "min_fidelity_cosine"),  # a cosine is in [-1, 1]
     # which phase runs before the first start was a guess (the earliest ran from step 0, before its own start)
     (lambda d: d["phases"][0].update(start={"fraction": 0.3}), "no phase starts at step 0 or fraction 0"),
     (lambda d: d["phases"][1].update(name="warm"), "two phases are named 'warm'"),
