@@ -10,6 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.attach_checks import check_attach, sign_zero_warning
+from nfab.config.calibrated import calibrated_setting
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
@@ -146,6 +147,7 @@ def attach(
         explicit = True
     else:
         prof = profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
+        calibrated_setting(prof)  # refused here as `nfab train` and `nfab profile check` refuse it
         explicit = False
     if not sharded and getattr(ddp_model, "_comm_hooks", None):
         raise NfabError("this DDP model already has a communication hook (nfab.attach called twice, or "

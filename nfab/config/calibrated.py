@@ -71,7 +71,10 @@ def calibrated_setting(profile: Profile, where: str = "profile") -> CalibratedSe
     raw = profile.provenance.get("calibrated")
     if raw is None:
         return None
-    return validate(CalibratedSetting, raw, where=f"{where}: provenance.calibrated", error=ProfileError)
+    try:
+        return validate(CalibratedSetting, raw, where="provenance.calibrated", error=ProfileError)
+    except ProfileError as exc:  # the file before the key path, not inside it ('unknown key 'profile p.json: ...'')
+        raise ProfileError(f"{where}: {exc}") from None
 
 
 def profile_base(profile: Profile, path: str) -> dict[str, Any]:

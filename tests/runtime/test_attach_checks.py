@@ -268,3 +268,14 @@ def test_the_error_attach_raises_is_importable_from_nfab() -> None:
     """README and api.md promise 'one NfabError at the call': `except nfab.NfabError` raised AttributeError."""
     assert nfab.NfabError is NfabError and nfab.ProfileError is ProfileError
     assert issubclass(nfab.ProfileError, nfab.NfabError)
+
+
+def test_a_broken_calibrated_setting_is_refused_by_attach_as_by_the_cli(group, tmp_path: Path) -> None:
+    """`nfab train` and `nfab profile check` refused `provenance.calibrated.steps: -5`; attach accepted it."""
+    data = json.loads((REPO / "calibrations/resnet18/profile.json").read_text())
+    data["provenance"]["calibrated"]["colour"] = "red"
+    (path := tmp_path / "p.json").write_text(json.dumps(data))
+    ddp = shipped_resnet()
+    with pytest.raises(ProfileError, match=r"^profile: unknown key 'provenance\.calibrated\.colour'"):
+        nfab.attach(ddp, str(path), cost_model=None, total_steps=100)
+    assert not hooked(ddp)
