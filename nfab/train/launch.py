@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from nfab.models import model_signature
 from nfab.profile.schema import Profile
 from nfab.runtime.control.controller import candidates
 from nfab.runtime.core.hierarchy import parse as parse_hierarchy
-from nfab.train import checkpoint, fault
+from nfab.train import checkpoint, fault, rundir
 from nfab.train.config import TrainConfig, load_config
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
 from nfab.train.worker import ERROR_MARK
@@ -186,6 +185,12 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
             raise NfabError(f"run dir {run_dir} is a file")
         if cfg.resume:
             check_resume(run_dir, spec.module)
+            saved = run_dir / CONFIG_FILE
+            if saved.is_file():
+                summary = run_dir / SUMMARY_FILE
+                done = json.loads(summary.read_text() or "{}") if summary.is_file() else {}
+                rundir.check_resume(json.loads(saved.read_text()), _persisted(cfg),
+                                    finished_steps=done.get("steps") if done.get("complete") is True else None)
         if has_run(run_dir) and not (cfg.resume or cfg.overwrite):
             summary = run_dir / SUMMARY_FILE
             done = summary.is_file() and json.loads(summary.read_text() or "{}").get("complete") is True
@@ -225,13 +230,22 @@ def launch(cfg: TrainConfig, warn: Warn = log.warning) -> LaunchResult:
     """
     cfg = validate(cfg, warn)
     run_dir = Path(cfg.run_dir)  # type: ignore[arg-type]
+    if cfg.launch.node_rank != 0:  # node 0 writes the run dir; the others write their own log there
+        return _run(cfg, run_dir)
+    with rundir.held(run_dir):  # one nfab train at a time per run dir
+        if cfg.overwrite:
+            rundir.clear(run_dir)
+        atomic_write_text(run_dir / CONFIG_FILE, json.dumps(_persisted(cfg), indent=2) + "\n")
+        return _run(cfg, run_dir)
+
+
+def _persisted(cfg: TrainConfig) -> dict[str, Any]:
+    """What config.json records: the resolved config, less the flags of this invocation."""
+    return {k: v for k, v in cfg.to_dict().items() if k not in _NOT_PERSISTED}
+
+
+def _run(cfg: TrainConfig, run_dir: Path) -> LaunchResult:
     node = cfg.launch.node_rank
-    if node == 0:
-        if cfg.overwrite and run_dir.is_dir():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        persisted = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_PERSISTED}
-        atomic_write_text(run_dir / CONFIG_FILE, json.dumps(persisted, indent=2) + "\n")
     log_path = run_dir / LOG_DIR / f"node{node}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="nfab-train-") as tmp:

@@ -71,9 +71,24 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+def _end_with_launcher() -> None:
+    """Ask the kernel to end this rank when the process that started it ends (Linux PR_SET_PDEATHSIG):
+    after `kill -9` of `nfab train`, its ranks trained on as orphans and wrote the run dir, beside a
+    `--resume` started meanwhile. Elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
+    _end_with_launcher()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
     timeout_s = LaunchConfig().timeout_s
     nnodes = 1

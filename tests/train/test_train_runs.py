@@ -16,6 +16,7 @@ from inprocess import nfab_main
 from trainrun import GPT, RESNET, Result, metrics, nfab_train, start_train
 
 from nfab.distributed import free_port
+from nfab.train import rundir
 
 pytestmark = [pytest.mark.slow, pytest.mark.world_size(2)]
 
@@ -166,6 +167,26 @@ def test_finished_run_dir_is_refused(runs) -> None:
     assert r.code == 2 and "already holds a finished run" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr + r.stdout
     assert sorted(str(p) for p in done.rglob("*")) == before
+
+
+def test_resume_refuses_what_it_would_not_honour_and_a_busy_run_dir(runs) -> None:
+    """A finished run resumed as it was added fake restarts; a resume with another lr trained the saved
+    schedule while config.json recorded the new one; two `nfab train` into one run dir both exited 0
+    and the first run was lost. All three are one line, exit 2, before any rank starts."""
+    done = ok(runs, "gpt-sign")
+    before = {str(p): p.stat().st_mtime_ns for p in done.rglob("*")}
+    cases = [
+        (["--resume"], "the run finished its 8 steps: nothing to resume"),
+        (["--resume", "--steps", "12", "optim.lr=0.5"], "trained with other settings: optim.lr (0.003 -> 0.5)"),
+    ]
+    for flags, expect in cases:
+        r = nfab_main("train", "--run-dir", str(done), "--quiet", *flags)
+        assert r.code == 2 and expect in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    with rundir.held(done):  # another nfab train is writing it
+        r = nfab_main("train", *GPT, "--route", "sign", "--nproc", "2", "--run-dir", str(done), "--overwrite")
+    assert r.code == 2 and "is in use by another nfab train" in r.stderr, r.stderr
+    assert {str(p): p.stat().st_mtime_ns for p in done.rglob("*")} == before
 
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
