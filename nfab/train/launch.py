@@ -206,7 +206,11 @@ def torchrun_argv(cfg: TrainConfig, config_file: Path) -> list[str]:
     argv = ["--nnodes", str(lc.nnodes),
             "--nproc-per-node", str(lc.nproc), "--max-restarts", str(lc.max_restarts), "--monitor-interval", "0.5"]
     if lc.rdzv_endpoint:
-        argv += ["--rdzv-endpoint", lc.rdzv_endpoint, "--node-rank", str(lc.node_rank)]
+        # a node that never joins ends the wait after launch.timeout_s (static: the store's timeout;
+        # c10d: the join timeout), not torch's 600-900 s
+        wait = str(max(1, round(lc.timeout_s)))
+        argv += ["--rdzv-endpoint", lc.rdzv_endpoint, "--node-rank", str(lc.node_rank),
+                 "--rdzv-conf", f"timeout={wait},join_timeout={wait}"]
     elif not lc.rdzv_backend:
         # One node: a c10d store on a free port. Each restart is a new rendezvous round with its
         # own keys; the static backend reuses the first round's store, and a restarted rank
@@ -261,6 +265,20 @@ def _run(cfg: TrainConfig, run_dir: Path) -> LaunchResult:
     return LaunchResult(run_dir, summary)
 
 
+def _rendezvous_line(exc: Exception, args: Any) -> str:
+    """One line for a rendezvous failure (torch raises it with a traceback and a multi-line message)."""
+    text = str(exc)
+    where = args.rdzv_endpoint or "this node"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return f"rendezvous endpoint {where}: its port is in use by another process; pass another --rdzv-endpoint"
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined is not None or "Timed out" in text:
+        count = f" ({joined[1]} of {joined[2]} nodes joined)" if joined else ""
+        return (f"rendezvous at {where} timed out after launch.timeout_s{count}: start every node with the same "
+                "--rdzv-endpoint and --nnodes")
+    return f"rendezvous at {where} failed: {text.splitlines()[0] if text else type(exc).__name__}"
+
+
 def run_torchrun(argv: list[str], log_path: Path, ranks: range = range(0),
                  ) -> tuple[int, int, tuple[int, ...]] | None:
     """Run torchrun in this process with stderr (its logs and the workers') sent to `log_path`.
@@ -269,6 +287,7 @@ def run_torchrun(argv: list[str], log_path: Path, ranks: range = range(0),
     ranks among `ranks` (this node's) that were still running when it failed: torchrun stops
     them, and after a collective timeout they are the ones that never arrived.
     """
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -294,6 +313,8 @@ def run_torchrun(argv: list[str], log_path: Path, ranks: range = range(0),
         causes = {r: f for r, f in exc.failures.items() if r not in stopped} or exc.failures
         rank = min(causes, key=lambda r: (causes[r].timestamp, r))
         return rank, causes[rank].exitcode, tuple(r for r in alive if r != rank)
+    except DistError as exc:  # the launcher's own rendezvous: a node that never came, a port in use
+        raise WorkerError(_rendezvous_line(exc, args), 2 if "EADDRINUSE" in str(exc) else 1) from None
     finally:
         sys.stderr.flush()
         os.dup2(saved, 2)

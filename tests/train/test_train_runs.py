@@ -203,3 +203,24 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path: Path) -> None:
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["error: interrupted"], stderr
+
+
+def test_a_rendezvous_that_fails_is_one_line(tmp_path: Path) -> None:
+    """A node that never joined: node 0 waited torch's 900 s (launch.timeout_s ignored), then printed a
+    traceback. A rendezvous port in use: a traceback. Both are now one line."""
+    import socket
+
+    alone = nfab_train(*RESNET, "--route", "sign", "--nproc", "1", "--nnodes", "2", "--node-rank", "0",
+                       "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-dir", str(tmp_path / "alone"),
+                       "launch.timeout_s=3", timeout=120)
+    assert alone.code == 1, alone.stderr
+    assert alone.stderr.strip().splitlines() == [alone.stderr.strip()] and "Traceback" not in alone.stderr
+    assert "timed out after launch.timeout_s (1 of 2 nodes joined)" in alone.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = nfab_train(*RESNET, "--fp32", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                           "--run-dir", str(tmp_path / "taken"), timeout=120)
+    assert taken.code == 2 and "its port is in use by another process" in taken.stderr, taken.stderr
+    assert len(taken.stderr.strip().splitlines()) == 1
