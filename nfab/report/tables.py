@@ -121,15 +121,17 @@ def run_table(runs: tuple[RunArtifacts, ...]) -> pd.DataFrame:
 
 def _baseline_for(row: pd.Series, references: pd.DataFrame) -> pd.Series | None:
     """The FP32 run to compare against: same model, dataset and parallelism (an FSDP2 run sends
-    reduce-scatter shards, DDP all-reduced buckets: their bytes do not compare), same W preferred."""
+    reduce-scatter shards, DDP all-reduced buckets: their bytes do not compare), then the one that
+    also has the same W and the same length (a 30-step run was compared with a 6-step FP32 run
+    beside a 30-step one), W first; among equals, the first given."""
     same = references[(references["model"] == row["model"])
                       & (references["dataset"] == row["dataset"])
                       & (references["parallel"] == row["parallel"])
                       & (references["run"] != row["run"])]
     if same.empty:
         return None
-    same_w = same[same["world_size"] == row["world_size"]]
-    return (same_w if not same_w.empty else same).iloc[0]
+    score = (2 * (same["world_size"] == row["world_size"]).astype(int) + (same["steps"] == row["steps"]).astype(int))
+    return same.loc[score.idxmax()]
 
 
 def comparison_table(table: pd.DataFrame) -> pd.DataFrame:
