@@ -23,6 +23,11 @@ def test_reached_is_the_first_evaluation_at_or_below_the_target():
     assert tta.ratios(variants, "fp32") == {"fp32": 1.0, "bf16": 2.0, "nfab-profile": None}
     never = {"bf16": {"time_to_target_s": None, "train_time_s": 20.0}, "nfab-profile": {"time_to_target_s": 4.0}}
     assert tta.lower_bounds(never, "bf16") == {"bf16": None, "nfab-profile": 5.0}  # bf16 would need > 20 s
+    # `--steps 1`: every variant is at the target at its first evaluation, after 0 s of training
+    # (a ZeroDivisionError after all the runs, and no JSON written)
+    instant = {"fp32": {"time_to_target_s": 0.0}, "bf16": {"time_to_target_s": 0.0}}
+    assert tta.ratios(instant, "fp32") == {"fp32": None, "bf16": None}
+    assert tta.lower_bounds({**never, "nfab-profile": {"time_to_target_s": 0.0}}, "bf16")["nfab-profile"] is None
 
 
 def test_over_seeds_counts_a_seed_that_never_reached_as_slower_than_any_that_did():
