@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -258,11 +259,23 @@ def _run(cfg: TrainConfig, run_dir: Path) -> LaunchResult:
         ranks = range(node * cfg.launch.nproc, (node + 1) * cfg.launch.nproc) if cfg.launch.nnodes == 1 else range(0)
         failure = run_torchrun(torchrun_argv(cfg, config_file), log_path, ranks)
     if failure is not None:
-        message, worker_code = explain_failure(log_path.read_text(errors="replace"), *failure)
-        raise WorkerError(f"training failed: {message} (log: {log_path})", worker_code)
+        text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+        message, worker_code = explain_failure(text, *failure)
+        where = f"log: {log_path}" if text else f"its log {log_path} is empty"
+        raise WorkerError(f"training failed: {message} ({where}){_disk_note(run_dir)}", worker_code)
     summary_path = run_dir / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if node == 0 and summary_path.is_file() else None
     return LaunchResult(run_dir, summary)
+
+
+def _disk_note(run_dir: Path, floor_bytes: int = 64 << 20) -> str:
+    """`; the run dir's file system has N MB free` when it is nearly full: a full disk failed a rank
+    in a checkpoint write, and the rank's own log, on the same disk, could not say so."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return ""
+    return f"; {run_dir}'s file system has {free / 2**20:.1f} MB free (out of space?)" if free < floor_bytes else ""
 
 
 def _rendezvous_line(exc: Exception, args: Any) -> str:

@@ -53,3 +53,12 @@ def test_resume_may_lengthen_and_relaunch_but_not_retrain() -> None:
         rundir.check_resume(SAVED, SAVED, finished_steps=100)
     # a key an older config.json lacks has nothing to differ from
     rundir.check_resume({"steps": 100}, SAVED, finished_steps=None)
+
+
+def test_a_nearly_full_disk_is_named_in_the_failure_line(tmp_path: Path) -> None:
+    """On a full disk a rank failed in its checkpoint write and its log (same disk) stayed empty: the line
+    said only 'exited with code 1 without an error message'."""
+    from nfab.train.launch import _disk_note
+
+    assert "MB free (out of space?)" in _disk_note(tmp_path, floor_bytes=1 << 62)
+    assert _disk_note(tmp_path, floor_bytes=0) == ""
