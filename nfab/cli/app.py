@@ -6,6 +6,7 @@ never a traceback.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -76,8 +77,9 @@ def main() -> None:
     except OSError as exc:
         fail(_os_line(exc))
     except Exception as exc:
-        if _interrupted(exc):
-            fail("interrupted", 130)
+        if (signum := _interrupted(exc)) is not None:
+            fail("interrupted" if signum == signal.SIGINT else f"terminated ({signal.Signals(signum).name})",
+                 128 + signum)  # the shell's code for the signal: 130 for Ctrl-C, 143 for SIGTERM
         raise
     if code == 130:  # typer turns a KeyboardInterrupt inside a command into Exit(130)
         fail("interrupted", 130)
@@ -90,8 +92,8 @@ def _os_line(exc: OSError) -> str:
     return f"cannot use {exc.filename}: {reason}" if exc.filename else reason
 
 
-def _interrupted(exc: Exception) -> bool:
-    """Whether `exc` is torchrun's launcher reporting SIGINT or SIGTERM (`nfab train`'s Ctrl-C)."""
+def _interrupted(exc: Exception) -> int | None:
+    """The signal when `exc` is torchrun's launcher reporting SIGINT or SIGTERM (`nfab train`'s Ctrl-C), else None."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    return isinstance(exc, SignalException)
+    return int(exc.sigval) if isinstance(exc, SignalException) else None

@@ -136,7 +136,8 @@ def check_resume(run_dir: Path, module: Any) -> None:
     """`--resume`: a checkpoint exists, is readable (weights only) and fits the model to build."""
     path = checkpoint.latest(run_dir)
     if path is None:
-        raise NfabError(f"--resume: no checkpoint in {run_dir}")
+        raise NfabError(f"--resume: no checkpoint in {run_dir} (the run stopped before its first one): pass "
+                        "--overwrite to start it again")
     state = checkpoint.read(path / "state.pt", mmap=True)
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise NfabError(f"checkpoint {path} is not an nfab checkpoint (no model state)")

@@ -76,3 +76,23 @@ def test_usage_and_file_system_errors_are_one_line_and_exit_2(tmp_path: Path):
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert blocker.read_text() == "not a folder\n"
     assert not (tmp_path / "demo").exists()  # refused before its calibration ran
+
+
+def test_a_signal_to_the_launcher_exits_with_the_shells_code_for_it(monkeypatch, capsys):
+    """torchrun's launcher turns SIGINT and SIGTERM into one SignalException: SIGTERM exited 130, 'interrupted'."""
+    import signal
+
+    import pytest
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import nfab.cli.app as cli
+
+    for signum, line in ((signal.SIGINT, "error: interrupted"), (signal.SIGTERM, "error: terminated (SIGTERM)")):
+        def raiser(*_a, sig=signum, **_k):
+            raise SignalException("stop", sig)
+
+        monkeypatch.setattr(cli, "app", raiser)
+        with pytest.raises(SystemExit) as info:
+            cli.main()
+        assert info.value.code == 128 + signum
+        assert capsys.readouterr().err.strip() == line
