@@ -75,9 +75,35 @@ def _known_keys(cls: type[BaseModel] | None, loc: tuple[int | str, ...]) -> list
     return sorted(cls.model_fields) if cls is not None else []
 
 
+_UNION_TYPES = ("bool", "int", "float", "str", "none")
+_UNION_PREFIXES = ("literal[", "list[", "dict[", "tuple[", "function-")
+
+
+def _union_tag(part: int | str) -> bool:
+    """Whether a location part is pydantic's name of a union member (`bool`, `literal['auto']`), not a key."""
+    return isinstance(part, str) and (part in _UNION_TYPES or part.startswith(_UNION_PREFIXES))
+
+
+def _alternatives(errors: list[Any], where: str) -> str | None:
+    """One line for a value that matched none of a union's members (`true`, `false` or `'auto'`): pydantic
+    reports one error per member, at `field.bool`, `field.literal['auto']`, ..."""
+    locs = [tuple(e["loc"]) for e in errors]
+    if len(errors) < 2 or len({loc[:-1] for loc in locs}) != 1 or not all(loc and _union_tag(loc[-1]) for loc in locs):
+        return None
+    path = _path(locs[0][:-1])
+    path = f"{where}.{path}" if where and path else where or path
+    wanted = []
+    for e in errors:
+        text = _EXPECTED.get(e["type"]) or (e.get("ctx") or {}).get("expected") or str(e["msg"]).lower()
+        wanted.append(text)
+    return f"{path} must be {' or '.join(wanted)}, got {_shown(errors[0].get('input'))}"
+
+
 def describe(exc: ValidationError, where: str = "", cls: type[BaseModel] | None = None) -> str:
     """One line for a validation error: field path, what was expected, what was given."""
     errors = exc.errors(include_url=False)
+    if (merged := _alternatives(errors, where)) is not None:
+        return merged
     first = errors[0]
     path = _path(tuple(first["loc"]))
     if where:

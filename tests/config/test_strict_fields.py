@@ -191,3 +191,14 @@ def test_every_model_option_refuses_a_wrong_type(model, option, annotation, tmp_
                          "--run-dir", str(tmp_path / "run")], capsys, monkeypatch)
     line = one_line(code, err)
     assert f"option {option}" in line, line
+
+
+def test_a_value_that_fits_no_member_of_a_union_is_one_plain_line() -> None:
+    """`comm.error_feedback=maybe` read 'comm.error_feedback.bool must be true or false, got "maybe" (and 1 more
+    problem)': pydantic's name of a union member in the key path, and the other member hidden."""
+    from nfab.errors import ConfigError
+    from nfab.train.config import load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["comm.error_feedback=maybe"])
+    assert str(info.value) == "comm.error_feedback must be true or false or 'auto', got \"maybe\""
