@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nfab.attach_checks import check_attach, sign_zero_warning
+from nfab.attach_checks import absent_regions_warning, check_attach, sign_zero_warning
 from nfab.config.calibrated import calibrated_setting
 from nfab.config.shipped import resolve_profile
 from nfab.errors import NfabError
@@ -186,6 +186,9 @@ def attach(
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
                       qsum_scale=qsum_scale, coalesce=coalesce, hierarchy=hierarchy)
+    absent = absent_regions_warning(route, runtime.regions) if route is not None else None
+    if absent is not None and runtime.rank == 0:
+        log.warning(absent)
     zeros = sign_zero_warning(prof, runtime.regions, error_feedback=use_ef,
                               find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
     if zeros is not None and runtime.rank == 0:

@@ -14,6 +14,7 @@ from torch import nn
 
 from nfab.errors import NfabError, ProfileError
 from nfab.models.registry import model_signature as signature_of
+from nfab.profile.routes import parse_route, split_route
 from nfab.profile.schema import Profile
 
 
@@ -123,3 +124,20 @@ def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused:
     return (f"nfab: sign votes cannot abstain: an exactly-zero gradient votes positive, so {where} get "
             "+scale each step without error feedback. Route them bq2 (a zero stays zero) or fp32, or use "
             "error feedback (SGD)")
+
+
+def absent_regions_warning(route: object, regions: dict[str, str]) -> str | None:
+    """The line `attach` logs when an explicit per-region route names a region class the model has no
+    parameter of, else None. `{"linear": "bq2", "head": "sign"}` on a GPT whose head is tied to its
+    embedding (region `embedding`) sent that head FP32 with nothing said. A warning, not a refusal: one
+    route string serves several models (`conv:sign,norm:fp32` on a model without convolutions)."""
+    parsed = parse_route(route)  # type: ignore[arg-type]
+    if not isinstance(parsed, dict):
+        return None  # one route everywhere names no region
+    named, _ = split_route(parsed)
+    absent = sorted(set(named) - set(regions.values()))
+    if not absent:
+        return None
+    return (f"nfab: the route names region(s) {', '.join(absent)} that this model has no parameter of (its "
+            f"regions: {', '.join(sorted(set(regions.values())))}); a head tied to the embedding is region "
+            "embedding. nfab.runtime.bindings.classify(model) lists every parameter's")

@@ -279,3 +279,21 @@ def test_a_broken_calibrated_setting_is_refused_by_attach_as_by_the_cli(group, t
     with pytest.raises(ProfileError, match=r"^profile: unknown key 'provenance\.calibrated\.colour'"):
         nfab.attach(ddp, str(path), cost_model=None, total_steps=100)
     assert not hooked(ddp)
+
+
+@pytest.mark.parametrize(("route", "warned"), [
+    ({"linear": "bq2", "head": "sign"}, "names region(s) head that this model has no parameter of"),
+    ("linear:bq2,conv:sign", "names region(s) conv"),
+    ("bq2", None),  # one route everywhere names no region
+    ({"linear": "bq2", "embedding": "bq2"}, None),
+])
+def test_a_route_naming_a_region_the_model_lacks_is_named_at_attach(group, caplog, route, warned) -> None:
+    """On a GPT whose head is tied to its embedding, `head: sign` matched nothing and that weight went FP32."""
+    ddp = DDP(_lm())
+    with caplog.at_level("WARNING", logger="nfab"):
+        nfab.attach(ddp, route=route, cost_model=None)
+    lines = [r.getMessage() for r in caplog.records if "that this model has no parameter of" in r.getMessage()]
+    if warned is None:
+        assert not lines
+    else:
+        assert len(lines) == 1 and warned in lines[0]
