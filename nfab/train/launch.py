@@ -36,7 +36,7 @@ from nfab.runtime.core.hierarchy import parse as parse_hierarchy
 from nfab.train import checkpoint, fault, rundir
 from nfab.train.config import TrainConfig, load_config
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
-from nfab.train.worker import ERROR_MARK
+from nfab.train.worker import ERROR_MARK, LAUNCHER_ENV
 from nfab.wire.cost import CostModel
 
 CONFIG_FILE = "config.json"
@@ -258,6 +258,7 @@ def _run(cfg: TrainConfig, run_dir: Path) -> LaunchResult:
         config_file = Path(tmp) / "config.json"
         config_file.write_text(cfg.to_json())
         ranks = range(node * cfg.launch.nproc, (node + 1) * cfg.launch.nproc) if cfg.launch.nnodes == 1 else range(0)
+        os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks' parent: they end with it (worker.py)
         failure = run_torchrun(torchrun_argv(cfg, config_file), log_path, ranks)
     if failure is not None:
         text = log_path.read_text(errors="replace") if log_path.is_file() else ""

@@ -71,10 +71,16 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+LAUNCHER_ENV = "NFAB_LAUNCHER_PID"
+"""Set by `nfab train` for its ranks: the pid of the process that starts them (torchrun runs in it)."""
+
+
 def _end_with_launcher() -> None:
     """Ask the kernel to end this rank when the process that started it ends (Linux PR_SET_PDEATHSIG):
     after `kill -9` of `nfab train`, its ranks trained on as orphans and wrote the run dir, beside a
-    `--resume` started meanwhile. Elsewhere nothing changes."""
+    `--resume` started meanwhile. A launcher already gone when the request is made (it was killed
+    while this rank imported torch) cannot signal it: then this rank's parent is no longer the
+    launcher `nfab train` named, and it ends here. Elsewhere nothing changes."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -83,6 +89,9 @@ def _end_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if launcher.isdigit() and os.getppid() != int(launcher):
+        os._exit(128 + signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -224,3 +225,36 @@ def test_a_rendezvous_that_fails_is_one_line(tmp_path: Path) -> None:
                            "--run-dir", str(tmp_path / "taken"), timeout=120)
     assert taken.code == 2 and "its port is in use by another process" in taken.stderr, taken.stderr
     assert len(taken.stderr.strip().splitlines()) == 1
+
+
+def _children(pid: int) -> set[int]:
+    """Child processes of `pid` (Linux /proc), for the rank processes torchrun started in it."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        text = (task / "children").read_text() if (task / "children").exists() else ""
+        out |= {int(c) for c in text.split()}
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_ranks_end_with_a_killed_launcher(tmp_path: Path) -> None:
+    """`kill -9` of `nfab train` left its ranks training as orphans to the end, writing the run dir
+    (beside a --resume started meanwhile); they now end with it (PR_SET_PDEATHSIG)."""
+    p = start_train("--config", str(RESNET[1]), "--steps", "5000", "--quiet", "model.width=8", "data.batch_size=16",
+                    "comm.cost_model=none", "--route", "sign", "--nproc", "2", "--run-dir", str(tmp_path / "run"))
+    deadline = time.monotonic() + 120
+    while len(ranks := _children(p.pid)) < 2 and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert len(ranks) == 2, p.communicate(timeout=30)
+    time.sleep(2)  # past the ranks' start-up
+    p.kill()
+    p.communicate(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{r}").exists() and "zombie" not in Path(f"/proc/{r}/status").read_text()
+              for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [r for r in ranks if Path(f"/proc/{r}").exists()
+             and "zombie" not in Path(f"/proc/{r}/status").read_text()]
+    for r in alive:  # do not leave them behind if the check fails
+        os.kill(r, signal.SIGKILL)
+    assert not alive
