@@ -258,8 +258,15 @@ def _run(cfg: TrainConfig, run_dir: Path) -> LaunchResult:
         config_file = Path(tmp) / "config.json"
         config_file.write_text(cfg.to_json())
         ranks = range(node * cfg.launch.nproc, (node + 1) * cfg.launch.nproc) if cfg.launch.nnodes == 1 else range(0)
+        before = os.environ.get(LAUNCHER_ENV)
         os.environ[LAUNCHER_ENV] = str(os.getpid())  # the ranks' parent: they end with it (worker.py)
-        failure = run_torchrun(torchrun_argv(cfg, config_file), log_path, ranks)
+        try:
+            failure = run_torchrun(torchrun_argv(cfg, config_file), log_path, ranks)
+        finally:  # a caller's own later subprocesses must not inherit it
+            if before is None:
+                os.environ.pop(LAUNCHER_ENV, None)
+            else:
+                os.environ[LAUNCHER_ENV] = before
     if failure is not None:
         text = log_path.read_text(errors="replace") if log_path.is_file() else ""
         message, worker_code = explain_failure(text, *failure)
