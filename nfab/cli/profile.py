@@ -54,6 +54,11 @@ def register(app: typer.Typer) -> None:
             console.print(f"calibrated on {setting.model or prof.model.name} / {setting.dataset}, "
                           f"W={setting.world_size}, {setting.optimizer.name} lr {setting.optimizer.lr:g}, "
                           f"batch {setting.batch_size}, {setting.steps} steps", highlight=False)
+        validation = prof.evidence.get("validation")
+        if isinstance(validation, dict):  # the file is valid; whether the profile held its tolerance is this
+            from nfab.profile.evidence import describe_validation
+
+            console.print(describe_validation(validation), highlight=False)
         console.print(f"{path}: valid", highlight=False)
 
     app.add_typer(group, name="profile")
