@@ -46,6 +46,12 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+def _located(loc: tuple[int | str, ...], where: str) -> str:
+    """`_path(loc)` under `where` (the file or section the data came from), as the error line shows it."""
+    path = _path(loc)
+    return f"{where}.{path}" if where and path else where or path
+
+
 _EXPECTED = {
     "bool_type": "true or false",
     "int_type": "an integer",
@@ -90,13 +96,9 @@ def _alternatives(errors: list[Any], where: str) -> str | None:
     locs = [tuple(e["loc"]) for e in errors]
     if len(errors) < 2 or len({loc[:-1] for loc in locs}) != 1 or not all(loc and _union_tag(loc[-1]) for loc in locs):
         return None
-    path = _path(locs[0][:-1])
-    path = f"{where}.{path}" if where and path else where or path
-    wanted = []
-    for e in errors:
-        text = _EXPECTED.get(e["type"]) or (e.get("ctx") or {}).get("expected") or str(e["msg"]).lower()
-        wanted.append(text)
-    return f"{path} must be {' or '.join(wanted)}, got {_shown(errors[0].get('input'))}"
+    wanted = [_EXPECTED.get(e["type"]) or (e.get("ctx") or {}).get("expected") or str(e["msg"]).lower()
+              for e in errors]
+    return f"{_located(locs[0][:-1], where)} must be {' or '.join(wanted)}, got {_shown(errors[0].get('input'))}"
 
 
 def describe(exc: ValidationError, where: str = "", cls: type[BaseModel] | None = None) -> str:
@@ -105,9 +107,7 @@ def describe(exc: ValidationError, where: str = "", cls: type[BaseModel] | None 
     if (merged := _alternatives(errors, where)) is not None:
         return merged
     first = errors[0]
-    path = _path(tuple(first["loc"]))
-    if where:
-        path = f"{where}.{path}" if path else where
+    path = _located(tuple(first["loc"]), where)
     kind = first["type"]
     given = first.get("input")
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -11,6 +11,10 @@ from rich.table import Table
 from nfab.cli.output import console
 from nfab.config.run import NFAB_BUCKET_MB
 from nfab.overrides import parse_kv
+
+if TYPE_CHECKING:
+    from nfab.models import ModelSpec
+    from nfab.profile.schema import Profile
 
 _META_MIN_PARAMS = 50_000_000
 
@@ -190,20 +194,17 @@ def _print_levels(res) -> None:  # noqa: ANN001 - an Inspection
                   f"{res.baseline_wire_bytes / 1e6:.2f} MB — {res.slow_link_ratio:.1f}x fewer bytes")
 
 
-def _check_layout(prof: Any, where: str, model: str, spec: Any) -> None:
+def _check_layout(prof: Profile, where: str, model: str, spec: ModelSpec) -> None:
     """A profile calibrated for another model is refused, as `nfab train` and `attach` refuse it; one for
     the same model at another size or width plans its region routes on this layout (what a calibrated
     profile would send at 1.3b), with a note that says so."""
-    from nfab.config.calibrated import explain_mismatch
+    from nfab.config.calibrated import layout_mismatch
     from nfab.errors import ProfileError
-    from nfab.models import model_signature
 
-    if not prof.model.signature:
-        return
-    signature = model_signature(spec.module)
-    if signature == prof.model.signature:
+    mismatch = layout_mismatch(prof, spec)
+    if mismatch is None:
         return
     if prof.model.name not in (model, spec.name):
-        raise ProfileError(f"profile {where}: " + explain_mismatch(prof, spec.name, dict(spec.options), signature))
+        raise ProfileError(f"profile {where}: {mismatch}")
     console.print(f"note: profile {where} was calibrated for {prof.model.name} at another parameter layout: "
                   "planning its region routes on this one", highlight=False)

@@ -15,6 +15,7 @@ from pydantic import Field
 
 from nfab.config.run import ScheduleConfig
 from nfab.errors import ProfileError
+from nfab.models import ModelSpec, model_signature
 from nfab.profile.schema import Profile
 from nfab.validation import FrozenModel, validate
 
@@ -101,6 +102,17 @@ def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return "null" if value is None else str(value)
+
+
+def layout_mismatch(profile: Profile, spec: ModelSpec) -> str | None:
+    """`explain_mismatch`'s line when `spec`'s parameter layout is not the one `profile` was fitted for,
+    else None (also for a profile without a signature: hand-written or static)."""
+    if not profile.model.signature:
+        return None
+    signature = model_signature(spec.module)
+    if signature == profile.model.signature:
+        return None
+    return explain_mismatch(profile, spec.name, dict(spec.options), signature)
 
 
 def explain_mismatch(profile: Profile, model: str, options: dict[str, Any], signature: str) -> str:

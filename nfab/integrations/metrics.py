@@ -35,7 +35,6 @@ def step_metrics(stats: StepStats, prefix: str = PREFIX, routes: Iterable[str] =
     return metrics
 
 
-
 class StepLog:
     """What one framework logger is handed: each optimizer step once, every route seen so far in each.
 

@@ -217,12 +217,12 @@ class Profile(FrozenModel):
             raise ValueError("a profile needs at least one phase")
         if not any(p.start.step == 0 or p.start.fraction == 0 for p in phases):
             raise ValueError("no phase starts at step 0 or fraction 0: say which routes run from the start")
-        names: dict[str, str] = {}
+        names: set[str] = set()
         starts: dict[tuple[int | None, float | None], str] = {}
         for p in phases:
             if p.name in names:
                 raise ValueError(f"two phases are named {p.name!r}")
-            names[p.name] = p.name
+            names.add(p.name)
             key = (p.start.step, p.start.fraction)
             if key in starts:
                 raise ValueError(f"phases {starts[key]!r} and {p.name!r} start at the same point")

@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from nfab.attach_checks import check_globs
-from nfab.config.calibrated import explain_mismatch, profile_base
+from nfab.config.calibrated import layout_mismatch, profile_base
 from nfab.config.pairing import default_data, resolve_pairing
 from nfab.config.shipped import resolve_profile
 from nfab.data import build_dataset, make_loader
 from nfab.errors import ConfigError, NfabError, ProfileError
 from nfab.fsutil import atomic_write_text
-from nfab.models import model_signature
 from nfab.profile.evidence import describe_validation
 from nfab.profile.schema import Profile
 from nfab.runtime.control.controller import candidates
@@ -166,10 +165,8 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     if cfg.comm.profile is not None:
         cfg.comm.profile = str(resolve_profile(cfg.comm.profile))
         profile = Profile.load(cfg.comm.profile)
-        signature = model_signature(spec.module)
-        if profile.model.signature and profile.model.signature != signature:
-            raise ProfileError(f"profile {cfg.comm.profile}: "
-                               + explain_mismatch(profile, spec.name, dict(spec.options), signature))
+        if (mismatch := layout_mismatch(profile, spec)) is not None:
+            raise ProfileError(f"profile {cfg.comm.profile}: {mismatch}")
         check_world(profile, world, f"profile {cfg.comm.profile}", warn)
         validation = profile.evidence.get("validation")
         if isinstance(validation, dict) and validation.get("passed") is False:  # calibrate said FAILED, once
@@ -194,17 +191,20 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
             check_resume(run_dir, spec.module)
             saved = run_dir / CONFIG_FILE
             if saved.is_file():
-                summary = run_dir / SUMMARY_FILE
-                done = json.loads(summary.read_text() or "{}") if summary.is_file() else {}
+                done = _summary(run_dir)
                 rundir.check_resume(json.loads(saved.read_text()), _persisted(cfg),
                                     finished_steps=done.get("steps") if done.get("complete") is True else None)
         if has_run(run_dir) and not (cfg.resume or cfg.overwrite):
-            summary = run_dir / SUMMARY_FILE
-            done = summary.is_file() and json.loads(summary.read_text() or "{}").get("complete") is True
-            state = "a finished run" if done else "an unfinished run"
+            state = "a finished run" if _summary(run_dir).get("complete") is True else "an unfinished run"
             raise NfabError(f"run dir {run_dir} already holds {state}; pass --resume to continue it "
                             "or --overwrite to replace it")
     return cfg
+
+
+def _summary(run_dir: Path) -> dict[str, Any]:
+    """The run dir's summary.json as written so far ({} before the first one)."""
+    summary = run_dir / SUMMARY_FILE
+    return json.loads(summary.read_text() or "{}") if summary.is_file() else {}
 
 
 def torchrun_argv(cfg: TrainConfig, config_file: Path) -> list[str]:
