@@ -112,11 +112,8 @@ def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused:
     for phase in profile.phases:
         if error_feedback and phase.error_feedback:
             continue
-        for name, region in regions.items():
-            glob = next((g for g in profile.overrides if fnmatchcase(name, g)), None)
-            route = profile.overrides[glob] if glob is not None else phase.routes.get(region, "fp32")
-            if route.startswith("sign"):
-                signed.add(region)
+        signed.update(region for name, region in regions.items()
+                      if profile.route_for(phase, name, region).startswith("sign"))
     if not signed or not ("embedding" in signed or find_unused):
         return None
     where = ("embedding rows a batch does not touch" if "embedding" in signed

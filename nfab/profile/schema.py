@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
@@ -245,6 +246,13 @@ class Profile(FrozenModel):
             if start <= step:
                 current = self.phases[i]
         return current
+
+    def route_for(self, phase: Phase, name: str, region: str) -> str:
+        """The route `phase` asks for the parameter `name` of class `region`: a name glob beats the class."""
+        for glob, route in self.overrides.items():
+            if fnmatchcase(name, glob):
+                return route
+        return phase.route_for(region)
 
     def routes_used(self) -> set[str]:
         return {r for p in self.phases for r in p.routes.values()} | set(self.overrides.values())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 
 import numpy as np
 
@@ -129,10 +128,7 @@ class Controller:
         return self._wanted(phase, s.name, s.region)
 
     def _wanted(self, phase: Phase, name: str, region: str) -> str:
-        for glob, route in self.profile.overrides.items():
-            if fnmatchcase(name, glob):
-                return route
-        return phase.route_for(region)
+        return self.profile.route_for(phase, name, region)
 
     def lossy_regions(self, plan: BucketPlan, phase: Phase) -> frozenset[str]:
         """Regions of a bucket whose profile route (before any fallback) is not fp32 (cached)."""
