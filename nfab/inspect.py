@@ -181,7 +181,7 @@ def inspect_model(
         row = per_region.setdefault(b.region, RegionRow(b.region, 0, 0, "", ""))
         row.params += 1
         row.elements += b.numel
-        wanted = ctl.wanted_route(phase, Slice(0, b.numel, b.name, b.region))  # a name glob beats the class
+        wanted = profile.route_for(phase, b.name, b.region)  # a name glob beats the class
         if wanted not in row.route.split(","):
             row.route = ",".join(filter(None, [row.route, wanted]))
     for i, bucket in enumerate(ddp_buckets(model, bucket_cap_mb)):
