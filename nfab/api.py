@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nfab.attach_checks import absent_regions_warning, check_attach, sign_zero_warning
 from nfab.config.calibrated import calibrated_setting
-from nfab.config.shipped import resolve_profile
+from nfab.config.shipped import load_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.bindings import trained_module
@@ -146,7 +146,7 @@ def attach(
         prof = Profile.static(route)
         explicit = True
     else:
-        prof = profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
+        prof = load_profile(profile)
         calibrated_setting(prof)  # refused here as `nfab train` and `nfab profile check` refuse it
         explicit = False
     if not sharded and getattr(ddp_model, "_comm_hooks", None):

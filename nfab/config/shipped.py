@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from nfab.errors import ConfigError, ProfileError
+from nfab.profile.schema import Profile
 
 Kind = Literal["configs", "calibrations"]
 
@@ -71,3 +72,8 @@ def resolve_profile(text: str) -> Path:
         return root / text / "profile.json"
     raise ProfileError(f"no profile file {text!r} and no shipped profile of that name "
                        f"(shipped: {', '.join(shipped_names('calibrations')) or 'none'})")
+
+
+def load_profile(profile: str | Path | Profile) -> Profile:
+    """A `Profile` as given, or loaded from a path or a shipped name (what `attach` and the adapters take)."""
+    return profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))

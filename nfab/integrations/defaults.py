@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nfab.config.shipped import resolve_profile
+from nfab.config.shipped import load_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
 from nfab.runtime.control.optim import torch_optimizer
@@ -26,7 +26,7 @@ def checked(profile: str | Path | Profile | None, route: str | dict[str, str] | 
     if route is not None:
         Profile.static(route)
         return None
-    return profile if isinstance(profile, Profile) else Profile.load(resolve_profile(str(profile)))
+    return load_profile(profile)
 
 
 def attach_with_defaults(
