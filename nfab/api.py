@@ -189,7 +189,7 @@ def attach(
     absent = absent_regions_warning(route, runtime.regions) if route is not None else None
     if absent is not None and runtime.rank == 0:
         log.warning(absent)
-    zeros = sign_zero_warning(prof, runtime.regions, error_feedback=use_ef,
+    zeros = sign_zero_warning(prof, runtime.regions, error_feedback=use_ef, world_size=runtime.controller.world_size,
                               find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
     if zeros is not None and runtime.rank == 0:
         log.warning(zeros)

@@ -100,13 +100,15 @@ def check_attach(profile: Profile, module: nn.Module, *, explicit: bool, total_s
 
 
 def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused: bool,
-                      error_feedback: bool) -> str | None:
+                      error_feedback: bool, world_size: int) -> str | None:
     """The line `attach` logs where a sign route will meet exact zeros it cannot carry, else None.
 
-    A sign vote is one bit: an exactly-zero element votes positive (as in signSGD), so without
-    error feedback to carry the difference, a zero becomes +scale. Two cases are visible here:
-    an embedding region on sign (rows a batch does not touch are zero every step) and DDP's
-    `find_unused_parameters=True` (a parameter unused on some ranks is zero there).
+    A sign vote is one bit and cannot abstain: an exactly-zero element votes by its position, half
+    of the ranks' zeros each way (`codec.sign_bits`). Where every rank's element is zero at even W
+    the votes tie and it decodes to exactly 0. The vote left over does not cancel, and without error
+    feedback it reaches the weights as +-scale, alternating in sign from step to step: where every
+    rank's element is zero at odd W (an `embedding` region on sign: rows a batch does not touch), and
+    where only some ranks hold the zero (DDP's `find_unused_parameters=True`).
     """
     signed: set[str] = set()
     for phase in profile.phases:
@@ -114,13 +116,14 @@ def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused:
             continue
         signed.update(region for name, region in regions.items()
                       if profile.route_for(phase, name, region).startswith("sign"))
-    if not signed or not ("embedding" in signed or find_unused):
+    odd_embedding = "embedding" in signed and world_size % 2 == 1
+    if not signed or not (odd_embedding or find_unused):
         return None
-    where = ("embedding rows a batch does not touch" if "embedding" in signed
+    where = (f"at W={world_size} embedding rows a batch does not touch" if odd_embedding
              else "parameters unused on some ranks (find_unused_parameters=True)")
-    return (f"nfab: sign votes cannot abstain: an exactly-zero gradient votes positive, so {where} get "
-            "+scale each step without error feedback. Route them bq2 (a zero stays zero) or fp32, or use "
-            "error feedback (SGD)")
+    return (f"nfab: sign votes cannot abstain: an exactly-zero gradient votes by its position, half of the ranks' "
+            f"zeros each way, so {where} get a +-scale vote that alternates in sign from step to step without "
+            "error feedback. Route them bq2 (a zero stays zero) or fp32, or use error feedback (SGD)")
 
 
 def absent_regions_warning(route: object, regions: dict[str, str]) -> str | None:

@@ -50,15 +50,17 @@ def reduce_virtual(
     generators: Sequence[torch.Generator | None] | None = None,
     *,
     with_locals: bool = True,
+    step: int = 0,
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """(mean estimate, each rank's local decode) for flat fp32 `xs` of W virtual ranks.
+    """(mean estimate, each rank's local decode) for flat fp32 `xs` of W virtual ranks (`step`: the
+    hook's, for the sign routes' zero votes, `Reducer.encode`'s tie).
     Without `with_locals` the locals are None and never decoded (`Reducer.replay_mean`): a replay
     without error feedback (validation, trials, half of every fidelity window) never reads them,
     and decoding them costs about as much as the decode itself (q8 on resnet18's 697k conv
     elements: 31 of the 54 ms a simulated step spent reducing)."""
     if with_locals:
-        return reducer.replay_with_locals(xs, lengths, generators)
-    return reducer.replay_mean(xs, lengths, generators), [None] * len(xs)
+        return reducer.replay_with_locals(xs, lengths, generators, step)
+    return reducer.replay_mean(xs, lengths, generators, step), [None] * len(xs)
 
 
 def fp32_mean(xs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -156,21 +158,21 @@ class _Window:
 
 
 def _step(reducer: Reducer, xs: list[torch.Tensor], lengths: Sequence[int], gens: list[torch.Generator],
-          scale: torch.Tensor | None = None, *, with_locals: bool = True
+          scale: torch.Tensor | None = None, *, with_locals: bool = True, step: int = 0
           ) -> tuple[torch.Tensor, list[torch.Tensor | None], float]:
     t0 = time.perf_counter()
-    est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=with_locals)
+    est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=with_locals, step=step)
     return est, locals_, time.perf_counter() - t0
 
 
 def reduce_scaled(reducer: Reducer, xs: Sequence[torch.Tensor], lengths: Sequence[int],
                   gens: Sequence[torch.Generator | None] | None, scale: torch.Tensor | None, *,
-                  with_locals: bool = True) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+                  with_locals: bool = True, step: int = 0) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """`reduce_virtual`, with block-scaled qsum rounding in the optimizer's preconditioned space
     as the hook does (`scale`: per element sqrt(v) + eps, `Preconditioner.quantization_scale`)."""
     if scale is None or not isinstance(reducer, BlockQSum):
-        return reduce_virtual(reducer, xs, lengths, gens, with_locals=with_locals)
-    est, locals_ = reduce_virtual(reducer, [x / scale for x in xs], lengths, gens, with_locals=with_locals)
+        return reduce_virtual(reducer, xs, lengths, gens, with_locals=with_locals, step=step)
+    est, locals_ = reduce_virtual(reducer, [x / scale for x in xs], lengths, gens, with_locals=with_locals, step=step)
     return est * scale, [None if loc is None else loc * scale for loc in locals_]
 
 
@@ -204,7 +206,7 @@ def measure(
     for i, grads in enumerate(steps, 1):
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
         carry = error_feedback and reducer.lossy and i < len(steps)  # the last residual is never used
-        est, locals_, secs = _step(reducer, xs, lengths, gens, scale, with_locals=carry)
+        est, locals_, secs = _step(reducer, xs, lengths, gens, scale, with_locals=carry, step=i)
         if carry:
             residuals = _carry(xs, locals_)
         window.add(est, secs, scale)
@@ -234,7 +236,7 @@ def measure_both(
     gens = [torch.Generator().manual_seed(seed * 7919 + r) for r in range(w)]
     off, on = _Window(truths), _Window(truths)
     xs = list(steps[0])
-    est, locals_, secs = _step(reducer, xs, lengths, gens, scale, with_locals=reducer.lossy)
+    est, locals_, secs = _step(reducer, xs, lengths, gens, scale, with_locals=reducer.lossy, step=1)
     off.add(est, secs, scale)
     on.add(est, secs, scale)  # each window keeps its own sum (a copy of the first estimate)
     residuals = _carry(xs, locals_) if reducer.lossy else [None] * w
@@ -244,11 +246,11 @@ def measure_both(
         twin.set_state(g.get_state())
         gens_on.append(twin)
     for i, grads in enumerate(steps[1:], 2):
-        est, _, secs = _step(reducer, list(grads), lengths, gens, scale, with_locals=False)
+        est, _, secs = _step(reducer, list(grads), lengths, gens, scale, with_locals=False, step=i)
         off.add(est, secs, scale)
         xs = [g if e is None else g + e for g, e in zip(grads, residuals, strict=True)]
         carry = reducer.lossy and i < len(steps)  # the window's last residual is never used
-        est, locals_, secs = _step(reducer, xs, lengths, gens_on, scale, with_locals=carry)
+        est, locals_, secs = _step(reducer, xs, lengths, gens_on, scale, with_locals=carry, step=i)
         if carry:
             residuals = _carry(xs, locals_)
         on.add(est, secs, scale)

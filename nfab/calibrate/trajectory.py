@@ -166,8 +166,8 @@ class Residuals:
 
 
 def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[torch.Generator],
-                residuals: Residuals, probe: dict[str, float] | None = None) -> torch.Tensor:
-    """The mean gradient the hook would produce: FP32 mean, each routed region replaced by its reducer's.
+                residuals: Residuals, probe: dict[str, float] | None = None, step: int = 0) -> torch.Tensor:
+    """The mean gradient the hook would produce at `step`: FP32 mean, each routed region replaced by its reducer's.
     `probe`, when given, receives each routed region's `probe_cosine`: what the hook's probe would read."""
     w = task.cfg.world_size
     routed = {region: (route, reducer) for region, route in seg.routes.items()
@@ -189,7 +189,7 @@ def reduce_step(task: Task, grads: list[torch.Tensor], seg: Segment, gens: list[
         scale = quantization_scale(task, region) if isinstance(reducer, BlockQSum) else None
         carry = seg.error_feedback and reducer.lossy  # else no rank's own decode is needed
         lengths = task.regions[region].lengths
-        est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=carry)
+        est, locals_ = reduce_scaled(reducer, xs, lengths, gens, scale, with_locals=carry, step=step)
         if truth is not None and probe is not None:
             probe[region] = probe_cosine(est, truth, lengths, quantization_scale(task, region))
         if task.moment is not None and isinstance(reducer, BlockQSum):  # the hook's decode records the same
@@ -292,7 +292,7 @@ def run_trial(
             return TrialResult(math.inf, losses, stopped_early=True)
         if len(captured) < capture:
             captured.append([g.clone() for g in grads])
-        mean = reduce_step(task, grads, seg, step_generators(seed, step, w), residuals)
+        mean = reduce_step(task, grads, seg, step_generators(seed, step, w), residuals, step=step)
         task.apply(mean, step)
         done = step - start + 1
         if tick:
@@ -387,7 +387,7 @@ def run_schedule(
         grads, _ = task.rank_grads(step)
         probe: dict[str, float] = {}
         mean = reduce_step(task, grads, segment_at(segments, step), step_generators(seed, step, w), residuals,
-                           probe)
+                           probe, step)
         if probe:
             run.probe[step] = min(probe.values())
         task.apply(mean, step)

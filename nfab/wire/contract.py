@@ -166,7 +166,12 @@ class Reducer(ABC):
         world_size: int,
         shared_scale: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
-    ) -> Encoded: ...
+        tie: int = 0,
+    ) -> Encoded:
+        """This rank's payload of `x` (segments `lengths`), for W = `world_size`. `tie`: which way
+        an exact zero votes on the sign routes (positive at positions i with i + tie even; one
+        bit cannot abstain): the hook passes group rank + step, so that the ranks' zeros cancel.
+        The other routes keep a zero exactly and ignore it."""
 
     def reads_sq(self, buffer: torch.Tensor) -> bool:
         """Whether `encode_views(..., with_sq=True)` takes the x^2 sum of views of `buffer` on its
@@ -174,12 +179,12 @@ class Reducer(ABC):
         return False
 
     def encode_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int,
-                     with_sq: bool = False) -> Encoded:
+                     with_sq: bool = False, tie: int = 0) -> Encoded:
         """`encode` of the concatenated `views` (segments read in place, e.g. a mixed
         bucket's slices), for reducers that need no shared scale or noise. Reducers that
         can read the views directly override this to skip the gathered copy; with `with_sq`
         those that `reads_sq` set `Encoded.sq`."""
-        return self.encode(torch.cat(list(views)), lengths, world_size)
+        return self.encode(torch.cat(list(views)), lengths, world_size, tie=tie)
 
     @abstractmethod
     def launch(self, payload: torch.Tensor, world_size: int, group: dist.ProcessGroup | None) -> torch.futures.Future:
@@ -248,8 +253,10 @@ class Reducer(ABC):
         lengths: Sequence[int] | None = None,
         group: dist.ProcessGroup | None = None,
         generator: torch.Generator | None = None,
+        step: int = 0,
     ) -> torch.Tensor:
-        """Mean of every rank's `x` through this path, on a real process group."""
+        """Mean of every rank's `x` through this path, on a real process group (`step`: the zeros'
+        tie on the sign routes is group rank + step, as in the hook)."""
         world_size = dist.get_world_size(group)
         self.check(world_size)
         x = x.reshape(-1).to(torch.float32)
@@ -259,7 +266,7 @@ class Reducer(ABC):
         shared = None
         if self.needs_shared_scale:
             shared = self.agree(self.local_scale(x, lengths), group)
-        enc = self.encode(x, lengths, world_size, shared, generator)
+        enc = self.encode(x, lengths, world_size, shared, generator, tie=dist.get_rank(group) + step)
         fut = self.launch(enc.payload, world_size, group)
         scale_mean = None
         if enc.scales is not None:
@@ -274,28 +281,32 @@ class Reducer(ABC):
         xs: Sequence[torch.Tensor],
         lengths: Sequence[int] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        step: int = 0,
     ) -> torch.Tensor:
-        """The same arithmetic as `reduce` for W virtual ranks in one process."""
-        return self.replay_mean(xs, lengths, generators)
+        """The same arithmetic as `reduce` for W virtual ranks in one process (virtual rank r
+        is group rank r)."""
+        return self.replay_mean(xs, lengths, generators, step)
 
     def replay_mean(
         self,
         xs: Sequence[torch.Tensor],
         lengths: Sequence[int] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        step: int = 0,
     ) -> torch.Tensor:
         """`replay_with_locals(...)[0]`, bit for bit, without decoding any rank's own contribution
         (a replay without error feedback never reads it; `Encoded.make_local` stays unmade)."""
-        return self._replay(xs, lengths, generators)[0]
+        return self._replay(xs, lengths, generators, step)[0]
 
     def replay_with_locals(
         self,
         xs: Sequence[torch.Tensor],
         lengths: Sequence[int] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        step: int = 0,
     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """`replay`, plus each virtual rank's own decoded contribution (error feedback keeps x - local)."""
-        mean, encs = self._replay(xs, lengths, generators)
+        mean, encs = self._replay(xs, lengths, generators, step)
         return mean, [e.local for e in encs] if encs else [None] * len(xs)
 
     def _replay(
@@ -303,6 +314,7 @@ class Reducer(ABC):
         xs: Sequence[torch.Tensor],
         lengths: Sequence[int] | None,
         generators: Sequence[torch.Generator | None] | None,
+        step: int = 0,
     ) -> tuple[torch.Tensor, list[Encoded]]:
         """The W virtual ranks' mean and their encodings (none for an empty input)."""
         world_size = len(xs)
@@ -316,7 +328,8 @@ class Reducer(ABC):
         shared = None
         if self.needs_shared_scale:
             shared = torch.stack([self.local_scale(x, lengths) for x in flat]).amax(0)
-        encs = [self.encode(x, lengths, world_size, shared, g) for x, g in zip(flat, gens, strict=True)]
+        encs = [self.encode(x, lengths, world_size, shared, g, tie=r + step)
+                for r, (x, g) in enumerate(zip(flat, gens, strict=True))]
         reduced = self.combine([e.payload for e in encs])
         scale_mean = None
         if encs[0].scales is not None:

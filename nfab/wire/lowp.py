@@ -30,7 +30,7 @@ class AllReduce(Reducer):
     def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
         return allreduce_factor(world_size) * self.payload_bytes(numel, world_size)
 
-    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None, tie=0) -> Encoded:
         payload = self._payload(x, world_size)
         local = payload.to(torch.float32) * world_size if self.lossy else None
         return Encoded(payload, None, local)
@@ -38,7 +38,7 @@ class AllReduce(Reducer):
     def _payload(self, x: torch.Tensor, world_size: int) -> torch.Tensor:
         return (x * (1.0 / world_size)).to(self.dtype)  # DDP's own pre-scale
 
-    def replay_mean(self, xs, lengths=None, generators=None) -> torch.Tensor:
+    def replay_mean(self, xs, lengths=None, generators=None, step=0) -> torch.Tensor:
         """`Reducer.replay_mean` from the payloads alone: `encode` decodes each rank's local eagerly
         (bf16 -> fp32 is 60% of a bf16 replay), which a replay without error feedback never reads."""
         w = len(xs)

@@ -111,9 +111,7 @@ def _mixed(rank: int, world_size: int, dtype: torch.dtype, nan_step: int) -> dic
         else:
             for name, p in model.named_parameters():
                 if name in local and MIXED.get(regions[name]) == "sign":
-                    votes = (local[name] >= 0).to(torch.int64)
-                    dist.all_reduce(votes)
-                    if not torch.equal(torch.sign(p.grad.float()), torch.sign(2.0 * votes - world_size)):
+                    if not twins.sign_agrees(p.grad.float(), local[name], world_size):
                         out["bad"].append(f"{step}:{name}")
         opt.step()
         out["replicas"].append(_replicas_equal(model, world_size))

@@ -178,7 +178,7 @@ def _bf16(rank: int, world_size: int) -> dict:
         for n, p in mixed.named_parameters():
             if p.grad is None or ROUTES.get(regions[n]) != "sign":
                 continue
-            if not torch.equal(torch.sign(p.grad.float()), twins.majority_sign(local[n], world_size)):
+            if not twins.sign_agrees(p.grad.float(), local[n], world_size):
                 out["sign_mismatch"].append(f"{step}:{n}")
     numel = sum(p.numel() for p in ours.parameters() if p.requires_grad)
     out["baseline"] = (rt.step_stats().baseline_wire_bytes, 2 * (world_size - 1) / world_size * 2 * numel)

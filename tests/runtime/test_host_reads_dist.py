@@ -96,12 +96,11 @@ def _check_step(rank: int, w: int, routes: dict, ef: bool, rt: Runtime, model: t
         dist.all_reduce(mean)
         mean /= w
         if route == "sign":
-            votes = (x >= 0).to(torch.int64)
-            dist.all_reduce(votes)
-            ok = torch.equal(torch.sign(got), torch.sign(2.0 * votes - w))
-            if ef and ok:  # residual = x - (+-mean|x|), this rank's own decoded contribution
+            ok = twins.sign_agrees(got, x, w)
+            if ef and ok:  # residual = x - (+-mean|x|), this rank's own decoded contribution (a zero: either)
                 s = x.abs().mean()
-                ok = bool(((resid - (x - torch.where(x >= 0, s, -s))).abs() <= 1e-5 * s).all())
+                own = torch.where(x == 0, torch.where(resid < 0, s, -s), torch.where(x > 0, s, -s))
+                ok = bool(((resid - (x - own)).abs() <= 1e-5 * s).all())
         elif route in ("q8", "q4"):  # within one level step of the mean of x clipped at the shared scale
             scale = x.abs().max()
             dist.all_reduce(scale, op=dist.ReduceOp.MAX)

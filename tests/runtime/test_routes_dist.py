@@ -60,7 +60,7 @@ def _mixed(rank: int, world_size: int, steps: int, error_feedback: bool, coalesc
                 elif not torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7):
                     report["fp32_mismatch"].append(f"{step}:{name}")
             elif not error_feedback or step == 0:
-                if not torch.equal(torch.sign(p.grad), twins.majority_sign(g, world_size)):
+                if not twins.sign_agrees(p.grad, g, world_size):
                     report["sign_mismatch"].append(f"{step}:{name}")
         opt.step()
         if not twins.replicas_equal(model, world_size):

@@ -44,7 +44,7 @@ def _run(rank: int, world_size: int, steps: int) -> dict:
             report["routes"][k] = report["routes"].get(k, 0) + v
         for name, p in model.named_parameters():
             if name in local and ROUTE[regions[name]] == "sign":
-                if not torch.equal(torch.sign(p.grad), twins.majority_sign(local[name], world_size)):
+                if not twins.sign_agrees(p.grad, local[name], world_size):
                     report["sign_mismatch"].append(f"{step}:{name}")
         opt.step()
         if not twins.replicas_equal(model, world_size):

@@ -51,14 +51,15 @@ def _round_trip(name: str, lengths: list[int], world_size: int, impl: str) -> di
     n = sum(lengths)
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(r), device="cpu") * (r + 1)
           for r in range(world_size)]
-    xs[0][::9] = 0.0
+    for r, x in enumerate(xs):  # exact zeros on every rank: a sign vote by its position and tie
+        x[::9] = -0.0 if r == 1 else 0.0
     xs = [(x.to(torch.bfloat16) if r == 1 else x).to(DEVICE) for r, x in enumerate(xs)]
     keys = noise.draw_keys(torch.Generator().manual_seed(7), len(lengths), torch.device("cpu")).to(DEVICE)
     with dispatch.host_paths(impl == "host"), dispatch.compile_paths(impl == "compiled"):
         shared = (torch.stack([red.local_scale(x, lengths) for x in xs]).amax(0)
                   if red.needs_shared_scale else None)
         agreed = [] if shared is None else [red.agree_input(shared).cpu()]  # blockq: the scale codes
-        encs = [red.encode(x, lengths, world_size, shared, _generator(name, keys, r, world_size))
+        encs = [red.encode(x, lengths, world_size, shared, _generator(name, keys, r, world_size), tie=r + 1)
                 for r, x in enumerate(xs)]
         locals_ = [e.local for e in encs]  # read before the payloads are combined, as the hook does
         reduced = red.combine([e.payload for e in encs])
@@ -128,9 +129,9 @@ def _summed_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     summed = sign_fused.votes_summed_into
 
-    def counted(out, x):
+    def counted(out, x, tie):
         calls.append(x.numel())
-        return summed(out, x)
+        return summed(out, x, tie)
 
     monkeypatch.setattr(sign_fused, "votes_summed_into", counted)
     return calls

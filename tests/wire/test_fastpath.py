@@ -42,8 +42,9 @@ def _x(numel: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("numel,lengths", SHAPES)
 def test_sign_votes_match_reference(dtype, numel, lengths):
     x = _x(numel, numel, dtype)
-    bits, sums = sign_host.sign_votes(x, lengths)
-    assert np.array_equal(bits, np.packbits((x >= 0).numpy(), bitorder="little"))  # -0.0 +, NaN -
+    for tie in (0, 1):  # a zero votes by its position (+-0.0 alike), NaN negative
+        bits, sums = sign_host.sign_votes(x, lengths, tie)
+        assert np.array_equal(bits, np.packbits(sign_codec.sign_bits(x.float(), tie).numpy(), bitorder="little"))
     wide = x.to(torch.float64)
     expected = np.array([p.abs().sum().item() for p in torch.split(wide, lengths)])
     assert np.allclose(sums, expected, rtol=1e-5, equal_nan=True)
@@ -62,8 +63,9 @@ def test_sign_votes_of_special_values_in_every_vector_lane(dtype):
     base[-77::2] = -0.0
     x = base.to(dtype)
     for lengths in ([x.numel()], [13, x.numel() - 13]):  # the second segment's words are shifted
-        bits, _ = sign_host.sign_votes(x, lengths)
-        assert np.array_equal(bits, np.packbits((x >= 0).numpy(), bitorder="little"))
+        for tie in (0, 1, 6, 7):
+            bits, _ = sign_host.sign_votes(x, lengths, tie)
+            assert np.array_equal(bits, np.packbits(sign_codec.sign_bits(x.float(), tie).numpy(), bitorder="little"))
 
 
 @pytest.mark.parametrize("numel,lengths", SHAPES)
@@ -85,7 +87,7 @@ def test_votes_to_lanes_match_pack(world_size, numel):
     layout = layout_for(count_lane_bits(world_size))
     x = _x(numel, world_size)
     bits, _ = sign_host.sign_votes(x, [numel])
-    assert torch.equal(sign_host.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout))
+    assert torch.equal(sign_host.votes_to_lanes(bits, numel, layout), lanes.pack(sign_codec.sign_bits(x), layout))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8, 16, 31, 100])
@@ -99,7 +101,7 @@ def test_vote_spread_writes_every_container(world_size, numel):
     x = _x(numel, world_size)
     bits, _ = sign_host.sign_votes(x, [numel])
     padded = np.concatenate([bits, np.zeros(2, dtype=np.uint8)])
-    want = lanes.pack(x >= 0, layout).numpy()
+    want = lanes.pack(sign_codec.sign_bits(x), layout).numpy()
     out = np.full(want.size + 0, -1).astype(want.dtype)  # all bits set
     spread = lanekernels.spread_table(layout.lane_bits)
     if out.itemsize == 1:

@@ -115,12 +115,17 @@ def test_votes_by_arithmetic_are_the_vote_table(vote, world_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_vote_bytes_from_the_bits_are_ieee_greater_or_equal_zero(dtype):
+def test_vote_bytes_from_the_bits_are_the_reference_votes(dtype):
     special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.0, -1.0, float("inf"), float("-inf"), float("nan"),
                             -float("nan"), 3e38, -3e38])
     x = torch.cat([special, torch.randn(4099, generator=torch.Generator().manual_seed(3))]).to(dtype)
     x[-5:] = 0.0
-    assert torch.equal(sign_fused.vote_bytes(x), (x >= 0).to(torch.uint8))
+    for tie in (0, 1, 2, 5):  # x > 0, NaN negative, a zero by its position
+        got = sign_fused.vote_bytes(x, torch.tensor([tie], dtype=torch.int32))
+        assert torch.equal(got, sign_codec.sign_bits(x.float(), tie).to(torch.uint8))
+    rows = x[:4080].view(102, 40)  # a 2-D view (signscatter's shards): positions are flat indices
+    assert torch.equal(sign_fused.vote_bytes(rows, torch.tensor([1], dtype=torch.int32)).reshape(-1),
+                       sign_codec.sign_bits(x[:4080].float(), 1).to(torch.uint8))
 
 
 @pytest.mark.parametrize("lane_bits", range(1, 8))

@@ -12,6 +12,7 @@ import torch
 from nfab.wire import dispatch
 from nfab.wire.qsum import lanes
 from nfab.wire.qsum.lanes import count_lane_bits, layout_for
+from nfab.wire.sign import codec as sign_codec
 from nfab.wire.sign import host as sign_host
 
 pytestmark = pytest.mark.skipif(not dispatch.AVAILABLE, reason="numba not installed")
@@ -35,7 +36,8 @@ def test_wide_spread_every_remainder(world_size):
     for numel in sizes:
         x = _x(numel, numel)
         bits, _ = sign_host.sign_votes(x, [numel])
-        assert torch.equal(sign_host.votes_to_lanes(bits, numel, layout), lanes.pack(x >= 0, layout)), numel
+        want = lanes.pack(sign_codec.sign_bits(x), layout)
+        assert torch.equal(sign_host.votes_to_lanes(bits, numel, layout), want), numel
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8, 9, 15, 16, 17])
@@ -47,6 +49,6 @@ def test_shard_spread_is_per_shard_pack(world_size, numel):
     x = _x(numel, world_size)
     bits, _ = sign_host.sign_votes(x, [numel])
     votes = torch.zeros(world_size * shard, dtype=torch.bool)
-    votes[:numel] = x >= 0
+    votes[:numel] = sign_codec.sign_bits(x)
     want = torch.cat([lanes.pack(v, layout) for v in votes.view(world_size, shard)])
     assert torch.equal(sign_host.votes_to_shard_lanes(bits, numel, shard, world_size, layout), want)

@@ -15,7 +15,16 @@ def rank_input(rank: int, numel: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     x = torch.randn(numel, generator=g)
     x[::7] = x[::7].abs()  # many elements where ranks agree, and some ties at even W
+    x[3::11] = 0.0  # exact zeros on every rank (an unused embedding row): one bit cannot abstain
+    x[4 + rank] = -0.0  # and a zero on one rank only
     return x
+
+
+def votes(x: torch.Tensor, tie: int) -> torch.Tensor:
+    """A sign vote, computed apart from nfab: x > 0; an exact zero at position i votes positive when
+    i + tie is even (`Reducer.reduce` passes tie = group rank)."""
+    i = torch.arange(x.numel())
+    return (x > 0) | ((x == 0) & ((i + tie) % 2 == 0))
 
 
 def _reduce_all(rank: int, world_size: int, names: list[str]) -> dict[str, torch.Tensor]:
@@ -52,7 +61,7 @@ def test_reducers_match_independent_reference(world_size):
     # fp32 all-reduce equals dist.all_reduce
     assert torch.equal(res["allreduce-fp32"], res["plain"])
     # sign paths: independent majority vote x mean of per-segment mean |x|
-    positives = (stacked >= 0).sum(0)
+    positives = torch.stack([votes(x, r) for r, x in enumerate(inputs)]).sum(0)
     vote = torch.sign(2 * positives - world_size).float()
     scales = torch.stack(
         [torch.stack([p.abs().mean() for p in torch.split(x, LENGTHS)]) for x in inputs]
@@ -63,6 +72,10 @@ def test_reducers_match_independent_reference(world_size):
         if world_size % 2 == 0:
             ties = positives == world_size // 2
             assert ties.any() and (res[name][ties] == 0).all()
+            assert (res[name][(stacked == 0).all(0)] == 0).all(), "every rank's zero must cancel"
+        else:  # the vote left over alternates from element to element
+            zeros = res[name][(stacked == 0).all(0)]
+            assert zeros.numel() > 10 and abs(int((zeros > 0).sum()) - int((zeros < 0).sum())) <= 1
     # replay (one process) is bit-identical to the real reduction for the integer paths
     for name in ("signcount", "signgather", "qsum-q8", "qsum-q4", "qsum-q2"):
         if name not in res:

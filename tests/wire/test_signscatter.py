@@ -29,10 +29,17 @@ def rank_input(rank: int, numel: int) -> torch.Tensor:
     return x
 
 
+def votes(x: torch.Tensor, tie: int) -> torch.Tensor:
+    """A sign vote, computed apart from nfab: x > 0; an exact zero at position i votes positive when
+    i + tie is even (virtual rank r replays with tie r)."""
+    i = torch.arange(x.numel())
+    return (x > 0) | ((x == 0) & ((i + tie) % 2 == 0))
+
+
 def independent(xs: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
     """Majority of the ranks' votes (ties 0) times the mean over ranks of each segment's mean |x|."""
     w = len(xs)
-    positives = (torch.stack(xs) >= 0).sum(0)
+    positives = torch.stack([votes(x, r) for r, x in enumerate(xs)]).sum(0)
     vote = torch.sign(2 * positives - w).float()
     scales = torch.stack([torch.stack([p.abs().mean() if p.numel() else p.new_zeros(())
                                        for p in torch.split(x, lengths)]) for x in xs]).mean(0)
@@ -47,7 +54,7 @@ def test_replay_is_the_majority_vote(world_size):
     assert torch.allclose(got, independent(xs, LENGTHS), rtol=1e-6, atol=0)
     assert torch.equal(got, REDUCERS["signcount"].replay(xs, LENGTHS))  # the same decode as signcount
     if world_size % 2 == 0:
-        ties = (torch.stack(xs) >= 0).sum(0) == world_size // 2
+        ties = torch.stack([votes(x, r) for r, x in enumerate(xs)]).sum(0) == world_size // 2
         assert ties.any() and (got[ties] == 0).all()
 
 
@@ -200,13 +207,14 @@ def test_encode_rows_reads_each_segment_where_it_lies(world_size, host):
         sources += [(base, 30), (base + 50, 20), (base + 70, 21), (-1, padded - numel)]
         copy[r, :numel] = torch.cat([x[base + off : base + off + n] for off, n in cols])
     with dispatch.host_paths(host):
-        got = red.encode_rows(x, sources, padded, w)
-        want = red.encode(copy.reshape(-1), row * w, w)
+        got = red.encode_rows(x, sources, padded, w, tie=3)
+        want = red.encode(copy.reshape(-1), row * w, w, tie=3)
     lay = red.layout(w)
     for r in range(w):
         mine, ref = got.payload.view(w, -1)[r], want.payload.view(w, -1)[r]
         assert torch.equal(unpack(mine, lay, numel), unpack(ref, lay, numel)), r
-        assert torch.equal(unpack(mine, lay, numel), (copy[r, :numel] >= 0).to(unpack(mine, lay, numel).dtype))
+        expected = votes(copy[r, :numel], 3 + r * padded)  # a zero votes by its place in the W rows
+        assert torch.equal(unpack(mine, lay, numel), expected.to(torch.uint8)), r
     real = [i for i in range(4 * w) if i % 4 != 3]
     assert torch.equal(got.scales[real], want.scales[real])
     assert not got.scales[3::4].any()

@@ -28,6 +28,8 @@ def _inputs(world_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
     for r in range(world_size):
         x = torch.randn(sum(LENGTHS), generator=torch.Generator().manual_seed(r), device="cpu")
         x[::7] = x[::7].abs()  # elements where ranks agree, and ties at even W
+        x[3::13] = 0.0  # exact zeros on every rank: a sign vote by its position and tie
+        x[5::26] = -0.0
         out.append(x.to(dtype))
     return out
 
@@ -36,11 +38,11 @@ def _run(name: str, world_size: int, host: bool) -> tuple:
     red = REDUCERS[name]
     with dispatch.host_paths(host):
         gens = [torch.Generator().manual_seed(100 + r) for r in range(world_size)]
-        mean, locals_ = red.replay_with_locals(_inputs(world_size, torch.float32), LENGTHS, generators=gens)
+        mean, locals_ = red.replay_with_locals(_inputs(world_size, torch.float32), LENGTHS, generators=gens, step=3)
         encs = []
         for r, x in enumerate(_inputs(world_size, torch.bfloat16)):
             shared = red.local_scale(x.float(), LENGTHS) if red.needs_shared_scale else None
-            encs.append(red.encode(x, LENGTHS, world_size, shared, torch.Generator().manual_seed(5 + r)))
+            encs.append(red.encode(x, LENGTHS, world_size, shared, torch.Generator().manual_seed(5 + r), tie=r + 1))
     return mean, locals_, [e.payload for e in encs], [e.scales for e in encs]
 
 

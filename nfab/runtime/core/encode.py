@@ -228,7 +228,7 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
                                             _noise(ctx, group, buffer.device, False), with_sq=fused)
             assert enc.sq is not None or not fused, "a group left out of the norm pass must bring its |x|^2"
             return Encoded(group, enc.payload, None, word.add(own), own, sq=enc.sq)
-        enc = red.encode_views(slices(buffer, group), group.lengths, w, with_sq=fused)
+        enc = red.encode_views(slices(buffer, group), group.lengths, w, with_sq=fused, tie=tie(ctx))
         assert enc.sq is not None or not fused, "a group left out of the norm pass must bring its |x|^2"
         return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales), sq=enc.sq)
     x, weights = prep.x, prep.weights
@@ -236,13 +236,20 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
     assert shared is not None or prep.local is None, "a group that agrees its scale needs the agreed value"
     amax_cols = word.add(prep.local) if prep.local is not None and not isinstance(red, BlockQSum) else None
     dither = _noise(ctx, group, x.device, isinstance(red, BlockQSum)) if red.needs_shared_scale else None
-    enc = red.encode(x, group.lengths, w, shared, dither)
+    enc = red.encode(x, group.lengths, w, shared, dither, tie=tie(ctx))
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
         resid = prep.raw - (enc.local if weights is None else enc.local * weights)
         residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True)
                           if s.region not in ctx.ef_off)  # the drift monitor switched it off
     return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals, weights)
+
+
+def tie(ctx: EncodeContext) -> int:
+    """Which way this rank's exact zeros vote on the sign routes this step (`Reducer.encode`): group
+    rank + step, so that at even W the ranks' zeros cancel, and at odd W the vote left over changes
+    sign from step to step."""
+    return ctx.rank + ctx.step
 
 
 def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: control.Builder,

@@ -97,7 +97,7 @@ def block_reduce_scatter(red: BlockQScatter, rows: torch.Tensor, segments: Seque
 
 def sign_reduce_scatter(red: SignScatter, flat: torch.Tensor, sources: Sequence[tuple[int, int]],
                         segments: Sequence[Sequence[int]], numel: int, rank: int, group: dist.ProcessGroup | None,
-                        out: torch.Tensor | None = None) -> RowResult:
+                        out: torch.Tensor | None = None, step: int = 0) -> RowResult:
     """Majority sign of row `rank` (its first `numel` elements) over the W ranks' rows, times the
     rank-mean of each segment's mean |x| (all-gathered: every rank's scales, averaged in rank order
     as on DDP). The rows' segments (`segments[r]`: row r's table, padded to whole vote bytes) are
@@ -105,7 +105,7 @@ def sign_reduce_scatter(red: SignScatter, flat: torch.Tensor, sources: Sequence[
     into directly."""
     w = len(segments)
     padded = sum(segments[0])
-    enc = red.encode_rows(flat, sources, padded, w)
+    enc = red.encode_rows(flat, sources, padded, w, tie=rank + step)  # zeros cancel as on DDP
     counts = red.scatter(enc.payload, w, group)  # SUM reduce-scatter of count lanes: my row's counts
     majority = red.owner_step(counts, w)
     scales = gather_scales(enc.scales.to(flat.device), w, group)

@@ -73,7 +73,8 @@ class TwoLevel:
         node_mean, start, shard = hier.scatter(x, self.groups)
         lengths = hier.shard_lengths(group.lengths, start, start + shard)
         gen = _noise(ctx, group, x.device, start, topo) if red.needs_shared_scale else None
-        mean, local, calls = cross(node_mean, red, lengths, self.groups.cross, topo.nodes, gen, ctx.error_feedback)
+        mean, local, calls = cross(node_mean, red, lengths, self.groups.cross, topo.nodes, gen, ctx.error_feedback,
+                                   ctx.step)
         residuals: tuple[tuple[str, torch.Tensor], ...] = ()
         if ctx.error_feedback and local is not None:
             residuals = _owed(group, node_mean.sub_(local).mul_(topo.local_world), start, ctx.ef_off)
@@ -126,14 +127,15 @@ def with_levels(launch: Launch, levels: LevelSent | None) -> Launch:
 
 def cross(x: torch.Tensor, red: Reducer, lengths: Sequence[int], group: dist.ProcessGroup, nodes: int,
           generator: torch.Generator | noise.Stratum | None,
-          want_local: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+          want_local: bool, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """Level 2, `Reducer.reduce`'s arithmetic at W = nodes, plus this rank's own decoded
-    contribution (error feedback) and the collectives it took."""
+    contribution (error feedback) and the collectives it took (a sign route's zeros tie by node
+    index + step: `Reducer.encode`)."""
     calls, shared = red.payload_collectives, None
     if red.needs_shared_scale:  # blockq agrees uint8 codes, as its cross-level bytes count them
         shared = red.agree(red.local_scale(x, lengths), group)
         calls += 1
-    enc = red.encode(x, lengths, nodes, shared, generator)
+    enc = red.encode(x, lengths, nodes, shared, generator, tie=dist.get_rank(group) + step)
     local = enc.local if want_local else None  # from encode's state: the payload may be reduced in place
     fut = red.launch(enc.payload, nodes, group)
     scale_mean = shared

@@ -253,7 +253,7 @@ class ShardedRuntime(RuntimeState):
         segments = comm.segments(names, padded)
         if isinstance(codec, SignScatter):
             return rowscatter.sign_reduce_scatter(codec, rows.reshape(-1), comm.sources(names, padded), segments,
-                                                  numel, self.rank, group, direct)
+                                                  numel, self.rank, group, direct, self.step)
         x = _group_rows(rows, g)
         if isinstance(codec, BlockQScatter):
             return rowscatter.block_reduce_scatter(codec, x, segments, self._seeds(comm, names, padded),

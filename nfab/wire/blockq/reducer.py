@@ -258,7 +258,7 @@ class BlockQSum(Reducer):
         return _scales_on(codes.device)[codes.long()].contiguous()
 
     # ---- encode / launch / decode ---------------------------------------------------
-    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None, tie=0) -> Encoded:
         """Levels of `x` against the agreed block scales (`shared_scale`: uint8 codes, or the
         MAX-agreed fp32 block max, which maps to the same codes). `generator` is this rank's
         `noise.Stratum` (stratified rounding); plain generators round independently."""
@@ -408,20 +408,20 @@ class BlockQSum(Reducer):
         return res
 
     # ---- stratified rounding on the whole paths -------------------------------------
-    def reduce(self, x, lengths=None, group=None, generator=None) -> torch.Tensor:
+    def reduce(self, x, lengths=None, group=None, generator=None, step=0) -> torch.Tensor:
         """`Reducer.reduce`, rounding stratified: `generator` is the key source, the same on every rank."""
         if not isinstance(generator, noise.Stratum):
             generator = noise.Stratum(generator, dist.get_rank(group), dist.get_world_size(group))
-        return super().reduce(x, lengths, group, generator)
+        return super().reduce(x, lengths, group, generator, step)
 
-    def replay_with_locals(self, xs, lengths=None, generators=None):
+    def replay_with_locals(self, xs, lengths=None, generators=None, step=0):
         """`Reducer.replay_with_locals`, rounding stratified like `reduce`: the W virtual ranks
         share the keys of `generators[0]` (the key source `reduce` gets on every rank)."""
         gens = self._strata(xs, lengths, generators)
         summed = self._replay_summed(xs, lengths, gens)
         return summed if summed is not None else super().replay_with_locals(xs, lengths, gens)
 
-    def replay_mean(self, xs, lengths=None, generators=None) -> torch.Tensor:
+    def replay_mean(self, xs, lengths=None, generators=None, step=0) -> torch.Tensor:
         """`replay_with_locals(...)[0]`, bit for bit, without decoding each rank's own levels
         (a replay without error feedback never reads them)."""
         gens = self._strata(xs, lengths, generators)

@@ -74,7 +74,7 @@ class QSum(Reducer):
         Made once per (lanes, W, count, device) and shared: callers read it, never write it."""
         return _level_values(self._layout.max_value, self.max_level(world_size), count, device)
 
-    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None, tie=0) -> Encoded:
         assert shared_scale is not None, "qsum needs the shared (MAX) scale"
         m = self.max_level(world_size)
         lengths = list(lengths)

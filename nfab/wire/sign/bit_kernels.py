@@ -32,14 +32,15 @@ def _put_word(words, g, w):
 
 
 @intrinsic
-def _votes8(typingctx, xc, i):
-    """Bits j < 8 = xc[i + j] >= 0, for a C-contiguous float32 `xc`: one 8-lane vector load,
-    an ordered compare (NaN false, -0.0 true) and its mask as an integer, which LLVM emits as a
-    compare and a movemask. Numba's own loops cannot say "these 8 compares are one integer":
-    written as shifts and ORs they compile to 64-bit lane shifts, 2.4x slower on AVX2."""
+def _votes8(typingctx, xc, i, ties):
+    """Bits j < 8 = the votes of xc[i + j], for a C-contiguous float32 `xc`: x > 0, or x == 0 where
+    bit j of `ties` is set. One 8-lane vector load, two ordered compares (NaN false for both) and
+    their masks as integers, which LLVM emits as compares and movemasks. Numba's own loops cannot
+    say "these 8 compares are one integer": written as shifts and ORs they compile to 64-bit lane
+    shifts, 2.4x slower on AVX2."""
     if not (isinstance(xc, types.Array) and xc.dtype == types.float32 and xc.ndim == 1 and xc.layout == "C"):
         return None  # strided or other dtypes: no such load (the callers pass contiguous chunks)
-    sig = types.uint64(xc, types.intp)
+    sig = types.uint64(xc, types.intp, types.uint64)
 
     def codegen(context, builder, signature, args):
         ty = signature.args[0]
@@ -47,15 +48,18 @@ def _votes8(typingctx, xc, i):
         ptr = cgutils.get_item_pointer(context, builder, ty, arr, [args[1]])
         lanes = ir.VectorType(ir.FloatType(), 8)
         v = builder.load(builder.bitcast(ptr, lanes.as_pointer()), align=4)
-        ge = builder.fcmp_ordered(">=", v, ir.Constant(lanes, [0.0] * 8))
-        return builder.zext(builder.bitcast(ge, ir.IntType(8)), ir.IntType(64))
+        zero = ir.Constant(lanes, [0.0] * 8)
+        gt = builder.zext(builder.bitcast(builder.fcmp_ordered(">", v, zero), ir.IntType(8)), ir.IntType(64))
+        eq = builder.zext(builder.bitcast(builder.fcmp_ordered("==", v, zero), ir.IntType(8)), ir.IntType(64))
+        return builder.or_(gt, builder.and_(eq, args[2]))
 
     return sig, codegen
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
-def _sign_chunk(xc, words, g, with_sq, ahead):
-    """Votes of fp32 chunk `xc` ORed into the bit words at element g; returns the chunk's |x|
+def _sign_chunk(xc, words, g, with_sq, ahead, tie):
+    """Votes of fp32 chunk `xc` ORed into the bit words at element g (a zero at position p votes
+    positive when p + tie is even); returns the chunk's |x|
     sum and (with `with_sq`, else 0) its x^2 sum, in float32 lanes (the compiler picks the lane
     order; reassociation is the only licence: NaN and inf propagate as usual).
 
@@ -66,6 +70,8 @@ def _sign_chunk(xc, words, g, with_sq, ahead):
     prefetch of the lines `AHEAD` elements on."""
     ln = xc.size
     full = ln >> 6
+    odd = (g + tie) & 1  # every 8-vote group starts at g + 8j: the same parity
+    ties = np.uint64(0xAA) if odd else np.uint64(0x55)  # zeros' votes: lanes j with (odd + j) even
     s = np.float32(0)
     q = np.float32(0)
     for k in range(full):
@@ -80,7 +86,7 @@ def _sign_chunk(xc, words, g, with_sq, ahead):
                 q += v * v
         w = np.uint64(0)
         for j in range(8):
-            w |= _votes8(xc, b + 8 * j) << np.uint64(8 * j)
+            w |= _votes8(xc, b + 8 * j, ties) << np.uint64(8 * j)
         _put_word(words, g + b, w)
     if ln & 63:
         xs = xc[64 * full : ln]
@@ -90,14 +96,15 @@ def _sign_chunk(xc, words, g, with_sq, ahead):
             s += abs(v)
             if with_sq:
                 q += v * v
-            w |= np.uint64(v >= 0) << np.uint64(j)
+            w |= np.uint64(v > 0 or (v == 0 and (odd + j) & 1 == 0)) << np.uint64(j)
         _put_word(words, g + 64 * full, w)
     return s, q
 
 
 @njit(cache=True, nogil=True)
-def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs):
+def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs, tie):
     """Votes of fp32 `x` packed 1 bit per element (little-endian) into ZEROED uint64 `words`
+    (a zero at bit p votes positive when p + tie is even)
     (one word of room past the last vote's), and the |x| sum of each segment
     [seg_starts[s], seg_ends[s]) of `x` into sums[s]. Element j of `x`, in segment s, goes to
     bit bases[s] + j: segments read where they lie in a bucket land packed back to back.
@@ -113,7 +120,7 @@ def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs):
         tot = 0.0
         sq = 0.0
         for c0 in range(a, e, CHUNK):
-            ca, cq = _sign_chunk(x[c0 : min(c0 + CHUNK, e)], words, bases[s] + c0, sqs.size > 0, True)
+            ca, cq = _sign_chunk(x[c0 : min(c0 + CHUNK, e)], words, bases[s] + c0, sqs.size > 0, True, tie)
             tot += ca
             sq += cq
         sums[s] = tot
@@ -122,7 +129,7 @@ def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs):
 
 
 @njit(cache=True, nogil=True)
-def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums, sqs):
+def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums, sqs, tie):
     """`sign_bits_f32` for bf16 (bf16=True) or fp16 inputs given as raw uint16 bits.
 
     Each chunk is widened exactly to fp32 in an L1 scratch buffer (widening keeps every
@@ -139,7 +146,7 @@ def sign_bits_half(u, bf16, seg_starts, seg_ends, bases, words, sums, sqs):
             uc = u[c0 : min(c0 + CHUNK, e)]
             ln = uc.size
             widen_chunk(uc, bf16, wide, f32)
-            ca, cq = _sign_chunk(f32[:ln], words, bases[s] + c0, sqs.size > 0, False)
+            ca, cq = _sign_chunk(f32[:ln], words, bases[s] + c0, sqs.size > 0, False, tie)
             tot += ca
             sq += cq
         sums[s] = tot

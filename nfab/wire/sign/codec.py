@@ -1,5 +1,5 @@
-"""The sign codec's torch reference: one vote per element (x >= 0), this rank's own decoded
-votes, and the table from a count of positive votes to the decoded value.
+"""The sign codec's torch reference: one vote per element (x > 0; an exact zero by its position),
+this rank's own decoded votes, and the table from a count of positive votes to the decoded value.
 
 Runs on any device; on the host (`nfab.wire.dispatch.on_host`) the votes and values go
 through numpy. The compiled CPU path (`nfab.wire.sign.host`) gives the same bits.
@@ -17,16 +17,28 @@ from nfab.wire import dispatch
 from nfab.wire.segments import scale_segments_
 
 
-def sign_bits(x: torch.Tensor) -> torch.Tensor:
-    """One vote per element: True where x >= 0 (a zero votes positive, as in signSGD).
+def sign_bits(x: torch.Tensor, tie: int = 0) -> torch.Tensor:
+    """One vote per element: True where x > 0, False where x < 0 or NaN; an exact zero (+0.0 or
+    -0.0) votes True at flat positions i with i + tie even, False at the others.
 
-    -0.0 votes positive and NaN negative on every path (numpy's >= is IEEE like torch's).
+    Why: one bit cannot abstain. signSGD's x >= 0 sends every zero as a positive vote, so a
+    gradient that is exactly zero on every rank (an embedding row no token used, a padding row,
+    a parameter DDP's `find_unused_parameters` left at zero) decoded to +scale each step and
+    moved the weight with no gradient. The hook passes tie = group rank + step: at even W the
+    ranks' zeros cancel in the count (W/2 each way: a tie, decoded 0), at odd W the one vote
+    left over changes sign from element to element and from step to step.
     """
+    odd = tie & 1  # positions i with i + tie even: i = odd, odd + 2, ...
     if dispatch.on_host(x) and x.dtype == torch.float32:
-        out = np.empty(x.numel(), dtype=np.bool_)
-        np.greater_equal(x.reshape(-1).contiguous().numpy(), np.float32(0), out=out)
+        flat = x.reshape(-1).contiguous().numpy()
+        out = np.empty(flat.size, dtype=np.bool_)
+        np.greater(flat, np.float32(0), out=out)
+        out[odd::2] |= flat[odd::2] == 0
         return torch.from_numpy(out).view(x.shape)
-    return x >= 0
+    flat = x.reshape(-1)
+    votes = flat > 0
+    votes[odd::2] |= flat[odd::2] == 0
+    return votes.view(x.shape)
 
 
 @cache

@@ -5,8 +5,8 @@ Why: the votes are one bit per element, and inductor's CPU code for a bool, for 
 pack 4M votes, 2 ms to count them: 0.1x a copy). So the stages work on whole machine words,
 each a kernel of contiguous vector loads and stores (SWAR: SIMD within a register):
 
-- encode: each vote as a byte, 1 where x >= 0, computed from x's bits by integer arithmetic
-  (`vote_bytes`: -0.0 votes positive, NaN negative, as IEEE `>=` does); then every 8 vote
+- encode: each vote as a byte, 1 where x > 0, computed from x's bits by integer arithmetic
+  (`vote_bytes`: NaN negative, an exact zero by its position, as `codec.sign_bits`); then every 8 vote
   bytes, read as one int64, become their lanes: a multiply by `GATHER8` moves byte k's low bit
   to bit 56 + k (the product's top byte is the 8 votes, no carries reach it), and for 2- or
   4-bit lanes the 8 bits are spread apart by shifts and masks (`_spread_bits`);
@@ -41,29 +41,37 @@ from nfab.wire.qsum.lanes import LaneLayout
 
 
 # ---- encode ----------------------------------------------------------------------------------
-def vote_bytes(x: torch.Tensor) -> torch.Tensor:
-    """uint8 1 where x >= 0, else 0, from x's fp32 bits: against = (negative and not +-0) or NaN,
+def vote_bytes(x: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    """`codec.sign_bits(x, tie)` as uint8 (position i: x's flat index; `tie`: a 1-element int32
+    tensor), from x's fp32 bits: against = (negative and not +-0) or NaN or (+-0 at an odd i + tie),
     each term a sign bit by an arithmetic shift (no bool tensor: inductor stores those scalar)."""
     b = x.to(torch.float32).view(torch.int32)
     mag = b & 0x7FFFFFFF
-    against = ((b >> 31) & ((-mag) >> 31)) | ((0x7F800000 - mag) >> 31)
+    odd = (torch.arange(b.numel(), dtype=torch.int32, device=b.device).view(b.shape) + tie) & 1
+    zero = (mag - 1) >> 31  # -1 only where mag is 0 (+-0)
+    against = ((b >> 31) & ((-mag) >> 31)) | ((0x7F800000 - mag) >> 31) | (zero & odd)
     return (1 - (against & 1)).to(torch.uint8)
 
 
-def votes_into(out: torch.Tensor, x: torch.Tensor) -> None:
-    """out (uint8) = `vote_bytes(x)`."""
-    out.copy_(vote_bytes(x))
+def votes_into(out: torch.Tensor, x: torch.Tensor, tie: torch.Tensor) -> None:
+    """out (uint8) = `vote_bytes(x, tie)`."""
+    out.copy_(vote_bytes(x, tie))
 
 
-def votes_summed_into(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def tie_of(tie: int, device: torch.device) -> torch.Tensor:
+    """The zeros' parity a vote stage takes (a tensor: one graph for either)."""
+    return fusion.int_constant(tie & 1, device)
+
+
+def votes_summed_into(out: torch.Tensor, x: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
     """`votes_into`, and sum |x| in float64 (`segments.abs_sum64`, the sign scale's sum) from the same
     read of x. Why: the votes and the scale each read the whole bucket; on a GPU one graph is a pass
     over it fewer (one CPU core, 4M elements: 1.33 ms against 1.41 and a stage call more)."""
-    out.copy_(vote_bytes(x))
+    out.copy_(vote_bytes(x, tie))
     return segments.abs_sum64(x)
 
 
-def vote_buffer(x: torch.Tensor, total: int, summed: bool = False
+def vote_buffer(x: torch.Tensor, total: int, summed: bool = False, tie: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(`total` vote bytes (uint8, total >= x.numel()): x's `vote_bytes`, then zeros -- padding that
     votes nothing, zero lanes as `lanes.pack` pads; with `summed`, sum |x| in float64 from the same
@@ -71,7 +79,7 @@ def vote_buffer(x: torch.Tensor, total: int, summed: bool = False
     flat = x.reshape(-1)
     n = flat.numel()
     votes = qsum_fused.lane_buffer(total, n, x.device)
-    got = fusion.run(votes_summed_into if summed else votes_into, votes[:n], flat)
+    got = fusion.run(votes_summed_into if summed else votes_into, votes[:n], flat, tie_of(tie, x.device))
     if got is None and fusion.failed():
         return None
     return votes, got if summed else None
@@ -104,13 +112,13 @@ def voted_fn(vote: str):
 
 
 # ---- the stages (called by the reducers; None: run eager) -------------------------------------
-def encode(x: torch.Tensor, layout: LaneLayout, summed: bool = False
+def encode(x: torch.Tensor, layout: LaneLayout, summed: bool = False, tie: int = 0
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """(the vote containers of `x`, its vote bytes: this rank's own votes, kept for error feedback
     instead of unpacking them back from the payload, and with `summed` sum |x| in float64, else None)
     compiled, or None when compiling failed."""
     n = x.numel()
-    got = vote_buffer(x, qsum_fused.padded_length(n, layout), summed)  # packed in place: zero votes past n
+    got = vote_buffer(x, qsum_fused.padded_length(n, layout), summed, tie)  # packed in place: zero votes past n
     if got is None:
         return None
     votes, total = got

@@ -33,19 +33,20 @@ def sign_supports(x: torch.Tensor) -> bool:
     return supports(x) and x.dim() == 1 and x.dtype in FLOAT_DTYPES
 
 
-def sign_votes(x: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(votes x >= 0 packed 1 bit per element little-endian, float64 |x| sum per segment).
+def sign_votes(x: torch.Tensor, lengths: Sequence[int], tie: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(votes packed 1 bit per element little-endian, float64 |x| sum per segment): `codec.sign_bits`'
+    votes, a zero at position p positive when p + tie is even.
 
     One pass over `x`; bf16 and fp16 are read as they are (no fp32 copy).
     """
-    return sign_votes_views([x], lengths, split=True)
+    return sign_votes_views([x], lengths, split=True, tie=tie)
 
 
 _NO_SQ = np.empty(0, dtype=np.float64)
 
 
 def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], split: bool = False,
-                     sqs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     sqs: np.ndarray | None = None, tie: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """`sign_votes` of the concatenation of `views` (one segment each, or `lengths` over one
     view when `split`), read in place: a mixed bucket's slices need no gathered copy. With
     `sqs` (float64, one per segment), each segment's x^2 sum is taken on the same read."""
@@ -56,40 +57,40 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], spli
     sq = _NO_SQ if sqs is None else sqs
     starts, ends = segment_bounds(lengths)
     if split:
-        _sign_kernel(views[0], starts, ends, np.zeros(len(lengths), dtype=np.int64), words, sums, sq)
+        _sign_kernel(views[0], starts, ends, np.zeros(len(lengths), dtype=np.int64), words, sums, sq, tie)
         return words.view(np.uint8)[: -(-n // 8)], sums
     span = slices_span(views)
     if span is not None:  # the slices where they lie in the bucket: one call for all of them
         x, at = span
-        _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums, sq)
+        _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums, sq, tie)
     else:
         zero = np.zeros(1, dtype=np.int64)
         for si, v in enumerate(views):  # each view alone, its votes at its place in the concatenation
             _sign_kernel(v, zero, ends[si : si + 1] - starts[si], starts[si : si + 1], words, sums[si : si + 1],
-                         sq[si : si + 1])
+                         sq[si : si + 1], tie)
     return words.view(np.uint8)[: -(-n // 8)], sums
 
 
 def sign_votes_at(x: torch.Tensor, starts: np.ndarray, ends: np.ndarray, bases: np.ndarray,
-                  nbits: int) -> tuple[np.ndarray, np.ndarray]:
+                  nbits: int, tie: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(votes packed in `nbits` bits, float64 |x| sum per segment) of segments x[starts[s] : ends[s]]
     of a 1-D `x`, element i of segment s voting at bit bases[s] + i: rows read where they lie land
     at their place in padded shards (bits no segment writes stay 0). One pass, no copy of `x`."""
     words = np.zeros(nbits // 64 + 2, dtype=np.uint64)  # whole words, one of room for a shifted store
     sums = np.zeros(starts.size, dtype=np.float64)
-    _sign_kernel(x, starts, ends, bases, words, sums, _NO_SQ)
+    _sign_kernel(x, starts, ends, bases, words, sums, _NO_SQ, tie)
     return words.view(np.uint8)[: -(-nbits // 8)], sums
 
 
-def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums, sqs) -> None:
-    """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j; x^2 sums
-    into `sqs` unless it is empty."""
+def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums, sqs, tie: int) -> None:
+    """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j (a zero there
+    votes positive when bases[s] + j + tie is even); x^2 sums into `sqs` unless it is empty."""
     assert bit_kernels is not None
     if x.dtype == torch.float32:
-        bit_kernels.sign_bits_f32(x.numpy(), starts, ends, bases, words, sums, sqs)
+        bit_kernels.sign_bits_f32(x.numpy(), starts, ends, bases, words, sums, sqs, tie & 1)
     else:
         bit_kernels.sign_bits_half(x.view(torch.int16).numpy().view(np.uint16), HALF[x.dtype], starts, ends, bases,
-                                   words, sums, sqs)
+                                   words, sums, sqs, tie & 1)
 
 
 @lru_cache(maxsize=1)

@@ -52,8 +52,9 @@ class _SignReducer(Reducer):
         sign_codec.vote_table(2, vote)  # validate early
         self.vote = vote
 
-    def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int], layout: LaneLayout) -> Encoded:
-        """Votes packed into `layout`, per-segment mean |x|, and (lazily) this rank's ±scale values.
+    def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int], layout: LaneLayout, tie: int) -> Encoded:
+        """Votes packed into `layout`, per-segment mean |x|, and (lazily) this rank's ±scale values
+        (an exact zero votes by its position and `tie`: `codec.sign_bits`).
 
         On CPU one compiled pass reads `x` (fp32, bf16 or fp16, no fp32 copy) for votes and
         scales; elsewhere the torch reference does (same payload bits).
@@ -61,16 +62,16 @@ class _SignReducer(Reducer):
         lengths = list(lengths)
         n = x.numel()
         if n and sign_host.sign_supports(x):
-            bits, sums = sign_host.sign_votes(x, lengths)
+            bits, sums = sign_host.sign_votes(x, lengths, tie)
             return self._encoded(bits, sums, n, lengths, layout)
         summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph
-        if n and fusion.active(x) and (got := sign_fused.encode(x, layout, summed)) is not None:
+        if n and fusion.active(x) and (got := sign_fused.encode(x, layout, summed, tie)) is not None:
             payload, vote_bytes, total = got  # compiled (`sign/fused.py`): the same containers
             scales = segments.segment_mean_abs(x, lengths, total)
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
                 vote_bytes.to(torch.bool), scales, lengths))
         scales = segments.segment_mean_abs(x, lengths)
-        bits = sign_codec.sign_bits(x)
+        bits = sign_codec.sign_bits(x, tie)
         return Encoded(pack(bits, layout), scales, make_local=lambda: sign_codec.sign_values(bits, scales, lengths))
 
     @staticmethod
@@ -139,8 +140,8 @@ class SignCount(_SignReducer):
         return (allreduce_factor(world_size) * self.payload_bytes(numel, world_size)
                 + allgather_factor(world_size) * 4 * segments)
 
-    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
-        return self._sign_encode(x, lengths, self.layout(world_size))
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None, tie=0) -> Encoded:
+        return self._sign_encode(x, lengths, self.layout(world_size), tie)
 
     def launch(self, payload, world_size, group):
         return allreduce_future(payload, group)
@@ -170,13 +171,13 @@ class SignGather(_SignReducer):
     def wire_bytes(self, numel: int, world_size: int, segments: int = 1) -> float:
         return allgather_factor(world_size) * (self.payload_bytes(numel, world_size) + 4 * segments)
 
-    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
-        return self._sign_encode(x, lengths, self._layout)
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None, tie=0) -> Encoded:
+        return self._sign_encode(x, lengths, self._layout, tie)
 
     def reads_sq(self, buffer: torch.Tensor) -> bool:
         return sign_host.sign_supports(buffer)  # the compiled votes read each value once for both
 
-    def encode_views(self, views, lengths, world_size, with_sq: bool = False) -> Encoded:
+    def encode_views(self, views, lengths, world_size, with_sq: bool = False, tie: int = 0) -> Encoded:
         lengths = list(lengths)
         if isinstance(views, Slices):  # one check of the bucket instead of one per slice
             fast = sign_host.sign_supports(views.buffer)
@@ -184,9 +185,9 @@ class SignGather(_SignReducer):
             views = list(views)
             fast = bool(views) and all(sign_host.sign_supports(v) for v in views)
         if not fast or not lengths:
-            return super().encode_views(list(views), lengths, world_size)
+            return super().encode_views(list(views), lengths, world_size, tie=tie)
         sqs = np.empty(len(lengths), dtype=np.float64) if with_sq else None
-        bits, sums = sign_host.sign_votes_views(views, lengths, sqs=sqs)
+        bits, sums = sign_host.sign_votes_views(views, lengths, sqs=sqs, tie=tie)
         enc = self._encoded(bits, sums, sum(lengths), lengths, self._layout)
         if sqs is not None:
             enc.sq = host_slices.sq_total(sqs)

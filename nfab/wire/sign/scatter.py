@@ -111,36 +111,37 @@ class SignScatter(TwoPhaseReducer):
         return (self.wire_bytes(n, world_size, 0)) / self.payload_bytes(n, world_size)
 
     # ---- encode ------------------------------------------------------------------------------
-    def encode(self, x, lengths, world_size, shared_scale=None, generator=None) -> Encoded:
+    def encode(self, x, lengths, world_size, shared_scale=None, generator=None, tie=0) -> Encoded:
         lengths = list(lengths)
         n = x.numel()
         lay = self.layout(world_size)
         shard = self.shard_numel(n, world_size)
         if n and sign_host.sign_supports(x):
-            bits, sums = sign_host.sign_votes(x, lengths)
+            bits, sums = sign_host.sign_votes(x, lengths, tie)
             payload = sign_host.votes_to_shard_lanes(bits, n, shard, world_size, lay)
             scales = mean_abs_of_sums(sums, lengths)
             kept = bits.copy()
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(kept, n, scales, lengths))
         summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph, where it can be
-        if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay, summed)) is not None:
+        if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay, summed, tie)) is not None:
             payload, vote_bytes, total = got  # compiled (`scatter_fused`): the same containers
             scales = segments.segment_mean_abs(x, lengths, total)
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
                 vote_bytes.reshape(-1)[:n].to(torch.bool), scales, lengths))
         scales = segments.segment_mean_abs(x, lengths)
         votes = torch.zeros(world_size * shard, dtype=torch.bool, device=x.device)
-        votes[:n] = sign_codec.sign_bits(x.reshape(-1))
+        votes[:n] = sign_codec.sign_bits(x.reshape(-1), tie)
         payload = torch.cat([pack(v, lay) for v in votes.view(world_size, shard)])
         own = votes[:n]
         return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(own, scales, lengths))
 
     def encode_rows(self, flat: torch.Tensor, sources: Sequence[tuple[int, int]], padded: int,
-                    world_size: int) -> Encoded:
+                    world_size: int, tie: int = 0) -> Encoded:
         """`encode` of W rows of `padded` elements each (one shard per row), their segments read where
         they lie in `flat`: sources[k] = (start, length) of segment k (rows in rank order), start -1
         for a segment with nothing to read (a row's tail: scale 0, votes never decoded). FSDP2's
-        reduce-scatter input is read in place, with no copy of its rows padded to whole vote bytes."""
+        reduce-scatter input is read in place, with no copy of its rows padded to whole vote bytes.
+        A zero votes by its place in the W rows and `tie` (`codec.sign_bits`)."""
         w, lay = world_size, self.layout(world_size)
         assert padded == self.shard_numel(w * padded, w), "a row must be one whole shard"
         lengths = [n for _, n in sources]
@@ -149,7 +150,7 @@ class SignScatter(TwoPhaseReducer):
             dest = np.cumsum(lens) - lens  # each segment's place in the W padded rows
             at = np.array([max(start, 0) for start, _ in sources], dtype=np.int64)
             read = np.where(np.array([start >= 0 for start, _ in sources]), lens, 0)
-            bits, sums = sign_host.sign_votes_at(flat, at, at + read, dest - at, w * padded)
+            bits, sums = sign_host.sign_votes_at(flat, at, at + read, dest - at, w * padded, tie)
             payload = sign_host.votes_to_shard_lanes(bits, w * padded, padded, w, lay)
             scales = mean_abs_of_sums(sums, lengths)
             return Encoded(payload, scales)
@@ -158,7 +159,7 @@ class SignScatter(TwoPhaseReducer):
         for start, n in sources:  # the torch reference: one segment at a time, where it lies
             if start >= 0:
                 part = flat[start : start + n]
-                votes[pos : pos + n] = sign_codec.sign_bits(part)
+                votes[pos : pos + n] = sign_codec.sign_bits(part, tie + pos)
                 sums.append(segments.abs_sum(part))
             else:
                 sums.append(flat.new_zeros((), dtype=torch.float64))

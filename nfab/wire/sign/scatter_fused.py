@@ -40,20 +40,22 @@ TRITS_PER_BYTE = 5
 
 # ---- encode ----------------------------------------------------------------------------------
 def encode(x: torch.Tensor, shard: int, world_size: int, layout: LaneLayout,
-           summed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+           summed: bool = False, tie: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """(the W shards' count-lane payload of `x`'s votes, the vote bytes of `x`: flat, or one row per
     shard, read as `.reshape(-1)[:numel]`, and with `summed` sum |x| in float64 from the votes' graph
     where the shards are whole words, else None) compiled, or None when compiling failed."""
     if words.fits(layout) and shard % layout.lanes == 0:
-        got = sign_fused.vote_buffer(x, world_size * shard, summed)  # the shards' padding votes nothing
+        got = sign_fused.vote_buffer(x, world_size * shard, summed, tie)  # the shards' padding votes nothing
         payload = None if got is None else words.pack(got[0], layout)
         return None if got is None or payload is None else (payload, got[0][: x.numel()], got[1])
     # int32/int64 containers: shard by shard, each row the shard's votes then zeros to whole containers,
     # starting on a whole word (`qsum.fused.pack` reads 8 votes as one int64, without a padding copy)
     per = layout.containers_for(shard) * layout.lanes
     rows = qsum_fused.shard_rows(world_size, per, x.device, x.numel(), shard)
-    for dst, src in qsum_fused.shard_parts(rows, x.reshape(-1), shard):
-        if src.numel() and fusion.run(sign_fused.votes_into, dst, src) is None and fusion.failed():
+    parts = qsum_fused.shard_parts(rows, x.reshape(-1), shard)  # whole shards, then the tail
+    for at, (dst, src) in zip((0, x.numel() // shard * shard), parts, strict=True):
+        if (src.numel() and fusion.run(sign_fused.votes_into, dst, src, sign_fused.tie_of(tie + at, x.device)) is None
+                and fusion.failed()):
             return None
     payload = qsum_fused.pack_rows(rows, shard, layout)
     return None if payload is None else (payload, rows[:, :shard], None)
