@@ -13,6 +13,7 @@ from rich.table import Table
 
 from nfab.cli.output import console, fail
 from nfab.errors import NfabError
+from nfab.overrides import clash
 
 if TYPE_CHECKING:
     from nfab.calibrate.config import CalibrationConfig
@@ -143,6 +144,10 @@ def register(app: typer.Typer) -> None:
         from nfab.calibrate import calibrate as run
         from nfab.calibrate import make_config, parse_overrides
 
+        flags = {"steps": ("--steps", steps), "phases": ("--phases", phases), "routes": ("--routes", routes),
+                 "trial_steps": ("--trial-steps", trial_steps), "quick": ("--quick", quick or None)}
+        if (message := clash(overrides or [], {k: o for k, (o, v) in flags.items() if v is not None})) is not None:
+            fail(message)  # the override won in silence: `--steps 2 steps=5` calibrated 5 steps
         try:
             cfg = make_config(
                 model, dataset=dataset, config=config, overrides=parse_overrides(overrides or []),

@@ -142,6 +142,11 @@ def test_calibrate_bad_input_is_one_line() -> None:
     assert "unknown model" in _one_line_error(["calibrate", "nosuchmodel", "--dataset", "digits"])
     assert "unknown route" in _one_line_error(["calibrate", "resnet18", "--routes", "fp32,q3"])
     assert "unknown option" in _one_line_error(["calibrate", "resnet18", "nosuchkey=1"])
+    # an int() on the override crashed: exit 1, "calibration failed: ValueError" and a traceback log
+    assert 'steps must be an integer, got "abc"' in _one_line_error(["calibrate", "resnet18", "steps=abc"])
+    # the override won in silence: `--steps 2 steps=5` calibrated 5 steps
+    assert "'steps=5' and --steps both set steps: give it once" in _one_line_error(
+        ["calibrate", "resnet18", "--steps", "2", "steps=5"])
 
 
 def test_routes_help_lists_the_default_routes() -> None:
