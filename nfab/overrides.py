@@ -39,3 +39,19 @@ def split_item(item: str) -> tuple[str, Any]:
 def parse_kv(items: list[str]) -> dict[str, Any]:
     """`["width=16", "lr=1e-3"]` -> {"width": 16, "lr": 0.001}."""
     return dict(split_item(item) for item in items)
+
+
+def clash(items: list[str], taken: dict[str, str]) -> str | None:
+    """One line naming the first `key=value` item that sets a key an option sets too, else None.
+
+    `taken` maps each dotted key an option set to that option (`{"steps": "--steps"}`); a whole
+    section counts as each key in it (`comm={route: q8}` clashes with `--route`). One of the two
+    would be dropped without a word: `steps=abc --steps 2` trained 2 steps and never said abc was
+    no number, so the key must be given one way.
+    """
+    for item in items:
+        key = item.partition("=")[0].strip()
+        for other, option in taken.items():
+            if key == other or other.startswith(key + ".") or key.startswith(other + "."):
+                return f"{item!r} and {option} both set {other}: give it once"
+    return None

@@ -216,7 +216,8 @@ def make_config(model: str, *, dataset: str | None = None, config: str | None = 
                 setting["model"][key] = value
             if to_data:
                 setting["data"][key] = value
-    if isinstance(configured_steps, int) and configured_steps > int(setting.get("steps", configured_steps)):
+    steps = setting.get("steps", configured_steps)  # `steps=abc` is validation's to name (int() crashed on it)
+    if isinstance(configured_steps, int) and isinstance(steps, int) and configured_steps > steps:
         sweep.setdefault("run_steps", configured_steps)
     if sweep.get("quick"):
         explicit = set(given) | set(overrides or {})

@@ -111,6 +111,14 @@ def fidelity_bars(optimizer: str | None, tol_cosine: float, high_cosine: float) 
     return tol_cosine, high_cosine
 
 
+def trials_can_run(optimizer: str | None, tol_cosine: float, high_cosine: float = HIGH_COSINE) -> bool:
+    """Can any short trial change the fit? Not when the bar a trialled route needs is at or above the
+    cosine that passes without a trial (an adaptive optimizer: AdamW): then replay fidelity decides
+    alone, the search runs no trial, and the CLI must not show a trials stage as if it had run one."""
+    bar, high = fidelity_bars(optimizer, tol_cosine, high_cosine)
+    return high > bar
+
+
 def adaptive_cosine_note(profile: Profile, asked: float | None) -> str | None:
     """One line when the cosine bar asked for sits below the adaptive optimizer's, which then holds:
     `--tol-cosine 0.5` under AdamW fits exactly what the default does, and should say so."""

@@ -22,7 +22,16 @@ import torch
 from nfab import __version__
 from nfab.calibrate.budget import BUDGET_RATIO, trial_allowed, validation_allowance
 from nfab.calibrate.config import CalibrationConfig
-from nfab.calibrate.fit import HIGH_COSINE, TOL_COSINE, TOL_LOSS, fidelity_bars, fit_profile, passes, probe_floor
+from nfab.calibrate.fit import (
+    HIGH_COSINE,
+    TOL_COSINE,
+    TOL_LOSS,
+    fidelity_bars,
+    fit_profile,
+    passes,
+    probe_floor,
+    trials_can_run,
+)
 from nfab.calibrate.replay import (
     NAN_FIDELITY,
     cheapest_wire,
@@ -129,6 +138,8 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
     # the bars the fit will apply: under AdamW replay fidelity decides alone, so no trial can change the fit
     bar, high = fidelity_bars(cfg.optimizer.name, tol.cosine, HIGH_COSINE)
     search_tol = Tolerances(bar, tol.loss)
+    # no "trials" progress where none can run: a full bar read as trials run under AdamW
+    trial_progress = progress if trials_can_run(cfg.optimizer.name, tol.cosine, HIGH_COSINE) else _noop
     trials_run = trial_steps_run = 0
     # a trial's held-out delta is judged down to what the held-out batch resolves (validate.resolution)
     floor, nats = loss_floor(ref.eval_loss), resolution(*task.eval_predictions)
@@ -163,7 +174,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
             cell["trial_steps"] = len(res.train_loss)
             trial_steps_run += len(res.train_loss)
             cell["screen"] = "trial_stopped" if res.stopped_early else "trial"
-            progress("trials", _done, len(points))
+            trial_progress("trials", _done, len(points))
             _tally[ef] += 1
             return passes(cell, search_tol.cosine, search_tol.loss, high)
 
@@ -174,7 +185,7 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
         with clock.stage("trials"):
             trials_run += search_phase(cells, trial_regions, candidates=lambda r, _c=cells: _trial_routes(cfg, _c, r),
                                        order=order, tol=search_tol, high_cosine=high, run=trial, allow=allow)
-        progress("trials", p_i + 1, len(points))
+        trial_progress("trials", p_i + 1, len(points))
         rows.extend(cells.values())
 
     meta = {

@@ -13,8 +13,10 @@ from rich.table import Table
 
 from nfab.cli.output import console, fail
 from nfab.errors import NfabError
+from nfab.overrides import clash
 
 if TYPE_CHECKING:
+    from nfab.calibrate.config import CalibrationConfig
     from nfab.profile.schema import Profile
 
 _STAGES = {"reference": "FP32 reference", "replay": "replay (phases)", "trials": "short trials (phases)",
@@ -41,6 +43,16 @@ class SweepProgress:
         if task is None:
             task = self._tasks[stage] = self._bar.add_task(_STAGES.get(stage, stage), total=total)
         self._bar.update(task, completed=done, total=total)
+
+
+def _trials_phrase(cfg: CalibrationConfig, tol_cosine: float | None) -> str:
+    """`trials of K steps`, or what happens instead where no trial can change the fit (AdamW):
+    the header said "trials of 20 steps" and a trials bar filled, though no trial ran."""
+    from nfab.calibrate.fit import TOL_COSINE, trials_can_run
+
+    if trials_can_run(cfg.optimizer.name, TOL_COSINE if tol_cosine is None else tol_cosine):
+        return f"trials of {cfg.trial_steps} steps"
+    return f"no short trials ({cfg.optimizer.name}: replay fidelity decides)"
 
 
 def _command_line(params: dict) -> str:
@@ -132,6 +144,10 @@ def register(app: typer.Typer) -> None:
         from nfab.calibrate import calibrate as run
         from nfab.calibrate import make_config, parse_overrides
 
+        flags = {"steps": ("--steps", steps), "phases": ("--phases", phases), "routes": ("--routes", routes),
+                 "trial_steps": ("--trial-steps", trial_steps), "quick": ("--quick", quick or None)}
+        if (message := clash(overrides or [], {k: o for k, (o, v) in flags.items() if v is not None})) is not None:
+            fail(message)  # the override won in silence: `--steps 2 steps=5` calibrated 5 steps
         try:
             cfg = make_config(
                 model, dataset=dataset, config=config, overrides=parse_overrides(overrides or []),
@@ -145,7 +161,7 @@ def register(app: typer.Typer) -> None:
                                 "replace it, or --out DIR")
             command = _command_line(ctx.params)
             console.print(f"calibrating [bold]{cfg.model}[/] on {cfg.dataset}, W={cfg.world_size}, "
-                          f"{cfg.steps} steps, {cfg.phases} phases, trials of {cfg.trial_steps} steps"
+                          f"{cfg.steps} steps, {cfg.phases} phases, {_trials_phrase(cfg, tol_cosine)}"
                           f"{' (quick)' if cfg.quick else ''}", highlight=False)
             if cfg.run_steps:
                 console.print(f"[yellow]warning:[/] calibrating {cfg.steps} steps of a {cfg.run_steps}-step run: "

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from nfab.cli.output import console, err_console, fail
+from nfab.overrides import clash
 from nfab.profile.routes import format_route, parse_route
 
 
@@ -21,6 +22,19 @@ def _flags(**values: object) -> list[str]:
             continue
         out.append(f"{key}={'true' if value is True else value}")
     return out
+
+
+_OPTIONS = {
+    "parallel": "--parallel", "launch.nproc": "--nproc", "steps": "--steps", "run_dir": "--run-dir",
+    "resume": "--resume", "overwrite": "--overwrite", "quiet": "--quiet", "launch.nnodes": "--nnodes",
+    "launch.node_rank": "--node-rank", "launch.rdzv_endpoint": "--rdzv-endpoint",
+    "launch.rdzv_backend": "--rdzv-backend", "launch.max_restarts": "--max-restarts",
+}
+"""The config key each option sets, named as the user typed it (for `overrides.clash`)."""
+
+
+def _key(item: str) -> str:
+    return item.partition("=")[0]
 
 
 def warn(message: str) -> None:
@@ -79,6 +93,14 @@ def register(app: typer.Typer) -> None:
             "launch.node_rank": node_rank, "launch.rdzv_endpoint": rdzv_endpoint,
             "launch.rdzv_backend": rdzv_backend, "launch.max_restarts": max_restarts,
         })
+        # a key set both ways is refused: whichever layer won, the other value went unread
+        named = {"model.name": ("--model", model), "data.name": ("--dataset", dataset)}
+        taken = {key: option for key, (option, value) in named.items() if value is not None}
+        sent_as = "--route" if route is not None else "--fp32" if fp32 else "--profile"
+        taken |= {_key(item): sent_as for item in comm}
+        taken |= {_key(item): _OPTIONS[_key(item)] for item in flags[len(comm):]}
+        if (message := clash(extra, taken)) is not None:
+            fail(message)
         cfg = resolve_config(config, extra, flags, names={"model": model, "data": dataset}, setting=setting)
         cfg.command = shlex.join(["nfab", *sys.argv[1:]])
         try:

@@ -1,11 +1,14 @@
 """Build a report: load the artifacts, compute the tables, write PNGs, CSV and HTML.
 
 All files go to the output dir atomically. Everything a user can get wrong is raised as
-`NfabError` before any file is written (loading and validating happen first).
+`NfabError` before any file is written (loading and validating happen first). A report over
+other inputs in the same dir removes the plots and CSV the last one wrote and this one does not
+(their names are kept in `MANIFEST`): a stale loss.png beside a new report.html reads as current.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import replace
@@ -19,6 +22,31 @@ from nfab.report.html import render_html
 from nfab.report.model import CalibrationView, Report, TtaView
 from nfab.report.tables import calibration_notes, calibration_table, comparison_table, run_table
 from nfab.report.tta import seeds_table, tta_plot, tta_table
+
+MANIFEST = ".nfab-report.json"
+"""The names of the files the last report in a dir wrote: what the next one may remove."""
+_OWNED = re.compile(r"(loss|wire_bytes|route_mix)\.png|(calibration|tta)_[A-Za-z0-9_.-]+\.png|summary\.csv")
+"""Names report writes: a manifest entry outside these (edited, or another tool's) is never removed."""
+
+
+def _remove_stale(out: Path, written: list[Path]) -> tuple[Path, ...]:
+    """Remove the files the last report in `out` wrote (its `MANIFEST`) that this one did not write,
+    then record this one's. Only names report gives its files, only regular files (a symlink stays)."""
+    try:
+        before = json.loads((out / MANIFEST).read_text(encoding="utf-8")).get("files", [])
+    except (OSError, ValueError, AttributeError):  # none yet (a first report), or unreadable: remove nothing
+        before = []
+    now = {p.name for p in written}
+    removed = []
+    for name in before:
+        if not isinstance(name, str) or name in now or not _OWNED.fullmatch(name):
+            continue
+        path = out / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
+            removed.append(path)
+    atomic_write_text(out / MANIFEST, json.dumps({"files": sorted(now)}, indent=2) + "\n")
+    return tuple(removed)
 
 
 def _slug(name: str) -> str:
@@ -72,4 +100,5 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
     report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views), ttas=tuple(ttas),
                     images=tuple(images))
     written.append(atomic_write_text(out / "report.html", render_html(report)))
-    return replace(report, files=tuple(written))
+    removed = _remove_stale(out, written)
+    return replace(report, files=tuple(written), removed=removed)

@@ -49,6 +49,8 @@ class Report:
     images: tuple[tuple[str, str], ...] = ()
     """(title, file name relative to `out`) per run plot, in page order."""
     files: tuple[Path, ...] = field(default_factory=tuple)
+    removed: tuple[Path, ...] = field(default_factory=tuple)
+    """Plots and CSV an earlier report in `out` wrote that this one did not (stale), now removed."""
 
 
 def visible_columns(frame: pd.DataFrame) -> list[str]:

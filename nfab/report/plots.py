@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -72,7 +73,17 @@ def wants_log_scale(values: list[float]) -> bool:
     return float(finite.max()) >= LOG_SCALE_RATIO * float(np.median(finite))
 
 
+_OUTSIDE: dict[str, Any] = {"fontsize": 8, "loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}
+"""Legend beside the panel, right of it: inside, "upper right" hid the last points of a loss that
+climbs (a diverging run) and "lower right" an accuracy that falls; "best" only makes that rarer."""
+
+
 def loss_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
+    """`loss_figure` as PNG bytes."""
+    return _png(loss_figure(runs))
+
+
+def loss_figure(runs: tuple[RunArtifacts, ...]) -> Figure:
     """Loss (train line, eval dots) with fallback steps marked, plus the eval metric.
 
     The eval metric is accuracy (%) for classifiers and perplexity for language models
@@ -105,7 +116,7 @@ def loss_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
     if any_fallback:
         handles.append(Line2D([], [], color="red", marker="x", ls="", label="fallback to FP32"))
     if handles:
-        ax.legend(handles=handles, fontsize=8, loc="upper right")
+        ax.legend(handles=handles, **_OUTSIDE)
     else:
         _no_data(ax, "no per-step metrics in these runs")
     ax.grid(alpha=0.3)
@@ -120,7 +131,7 @@ def loss_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
                         ms=3, label=_label(run))
         ax.set_title("Eval accuracy vs step")
         ax.set_ylabel("accuracy (%)")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(**_OUTSIDE)
         ax.grid(alpha=0.3)
     if lm_runs:
         ax = axes[next_panel]
@@ -130,10 +141,10 @@ def loss_plot(runs: tuple[RunArtifacts, ...]) -> bytes:
                     ms=3, label=_label(run))
         ax.set_title("Eval perplexity vs step (exp of eval loss)")
         ax.set_ylabel("perplexity")
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(**_OUTSIDE)
         ax.grid(alpha=0.3)
     _integer_steps(axes[-1])
-    return _png(fig)
+    return fig
 
 
 def wire_plot(runs: tuple[RunArtifacts, ...]) -> bytes:

@@ -85,4 +85,7 @@ def renderables(report: Report) -> list[RenderableType]:
     csv = f", {report.out / 'summary.csv'}" if any(p.name == "summary.csv" for p in report.files) else ""
     out.append(Text(f"wrote {report.out / 'report.html'}{csv} "
                     f"and {sum(p.suffix == '.png' for p in report.files)} PNG plots"))
+    if report.removed:
+        out.append(Text(f"removed what an earlier report there wrote and this one does not: "
+                        f"{', '.join(p.name for p in report.removed)}"))
     return out

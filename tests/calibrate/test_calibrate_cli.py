@@ -142,6 +142,11 @@ def test_calibrate_bad_input_is_one_line() -> None:
     assert "unknown model" in _one_line_error(["calibrate", "nosuchmodel", "--dataset", "digits"])
     assert "unknown route" in _one_line_error(["calibrate", "resnet18", "--routes", "fp32,q3"])
     assert "unknown option" in _one_line_error(["calibrate", "resnet18", "nosuchkey=1"])
+    # an int() on the override crashed: exit 1, "calibration failed: ValueError" and a traceback log
+    assert 'steps must be an integer, got "abc"' in _one_line_error(["calibrate", "resnet18", "steps=abc"])
+    # the override won in silence: `--steps 2 steps=5` calibrated 5 steps
+    assert "'steps=5' and --steps both set steps: give it once" in _one_line_error(
+        ["calibrate", "resnet18", "--steps", "2", "steps=5"])
 
 
 def test_routes_help_lists_the_default_routes() -> None:
@@ -192,3 +197,21 @@ def test_a_cosine_bar_below_the_adaptive_one_is_named(tmp_path: Path) -> None:
     assert "note: --tol-cosine 0.5 is below the 0.75" in " ".join(res.output.split())
     res = runner.invoke(app, ["fit", str(table), "--tol-cosine", "0.9", "-o", str(tmp_path / "q.json")])
     assert res.exit_code == 0 and "note:" not in res.output
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_trial_labels_say_whether_trials_ran(optimizer: str, tmp_path: Path) -> None:
+    """Under AdamW no trial can change the fit and none runs: the header said "trials of 2 steps" and a
+    "short trials (phases) 2/2" bar filled anyway. The labels now follow what the table records."""
+    out = tmp_path / "cal"
+    res = runner.invoke(app, ["calibrate", "resnet18", "--steps", "8", "--phases", "2", "--trial-steps", "2",
+                              "--routes", "fp32,q8,q2,sign", "--quick", "--no-validate", "--out", str(out),
+                              "model.width=4", "ef_steps=2", "eval_samples=32", "batch_size=8",
+                              f"optim.name={optimizer}"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    trialled = (read_table(out / "calibration.parquet")[0]["screen"].isin(["trial", "trial_stopped"])).any()
+    assert trialled == (optimizer == "sgd")
+    assert ("short trials (phases)" in text) == trialled, text
+    assert ("trials of 2 steps" in text) == trialled, text
+    assert ("no short trials (adamw: replay fidelity decides)" in text) == (not trialled), text

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import pandas as pd
+from collections.abc import Callable
+from pathlib import Path
 
-from nfab.report.plots import calibration_title, wants_log_scale
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import PathCollection
+
+from nfab.report.artifacts import load_run
+from nfab.report.plots import calibration_title, loss_figure, wants_log_scale
 
 
 def test_log_scale_only_when_a_few_losses_dwarf_the_rest() -> None:
@@ -28,3 +36,40 @@ def test_calibration_headings_do_not_repeat_the_folder_name() -> None:
 
     assert calibration_heading("calibration") == "Calibration"
     assert calibration_heading("gpt") == "Calibration gpt"
+
+
+def _points(ax: Axes) -> np.ndarray:
+    """Display coordinates of every plotted point of a panel: line vertices and scatter markers."""
+    xy = [line.get_xydata() for line in ax.get_lines()]
+    xy += [c.get_offsets() for c in ax.collections if isinstance(c, PathCollection)]
+    data = np.concatenate([np.asarray(a, dtype=float).reshape(-1, 2) for a in xy])
+    data = data[np.isfinite(data).all(axis=1)]
+    return ax.transData.transform(data)
+
+
+def test_no_legend_covers_a_plotted_point(make_run: Callable[..., Path]) -> None:
+    """A run whose loss climbs at the end (a diverging low-bit run) drew its last points under the
+    loss panel's legend ("upper right"); eval dots of a late accuracy drop sat under "lower right"."""
+    runs = []
+    for i, name in enumerate(("fp32-run", "a-longer-run-name-that-widens-the-legend", "diverging")):
+        path = make_run(name, route="sign", wire_per_step=200_000, route_mix={"sign": 1.0},
+                         fallback_steps=(17, 18) if i == 2 else ())
+        metrics = pd.read_parquet(path / "metrics.parquet")
+        if i == 2:  # climbs to the top right corner, and its accuracy falls to the bottom right one
+            metrics["loss"] = metrics["loss"].where(metrics["step"] < 12, 0.4 + 0.35 * (metrics["step"] - 11))
+            metrics["eval_loss"] = metrics["eval_loss"].where(metrics["eval_loss"].isna(), metrics["loss"] + 0.05)
+            last = metrics["eval_accuracy"].notna() & (metrics["step"] >= 14)
+            metrics.loc[last, "eval_accuracy"] = 0.05
+        metrics.to_parquet(path / "metrics.parquet", index=False)
+        runs.append(load_run(path, name))
+    fig = loss_figure(tuple(runs))
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 2  # loss and accuracy panels
+    for ax, legend in legends:
+        box = legend.get_window_extent(renderer)
+        points = _points(ax)
+        inside = ((points[:, 0] >= box.x0) & (points[:, 0] <= box.x1)
+                  & (points[:, 1] >= box.y0) & (points[:, 1] <= box.y1))
+        assert not inside.any(), f"{ax.get_title()!r}: the legend covers {int(inside.sum())} points"

@@ -63,6 +63,31 @@ def test_every_png_is_valid_and_referenced_by_the_html(standard: dict[str, Path]
     assert not list(out.glob("*.tmp"))  # atomic writes leave no temp files
 
 
+def test_a_report_over_other_inputs_removes_the_stale_plots_and_keeps_user_files(
+        standard: dict[str, Path], make_calibration: Callable[..., Path], tmp_path: Path):
+    """The second report's dir held the first one's loss.png, route_mix.png, ... and summary.csv beside a
+    report.html that no longer showed them: a reader took them for current."""
+    out = tmp_path / "out"
+    build_report([str(p) for p in standard.values()], out)
+    assert {p.name for p in out.glob("*.png")} == {"loss.png", "wire_bytes.png", "route_mix.png",
+                                                   "calibration_cal.png"}
+    mine = {"calibration_mine.png": b"a user's figure", "notes.png": b"another"}  # never written by report
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    report = build_report([str(make_calibration("other"))], out)
+    assert {p.name for p in out.glob("*.png")} == {"calibration_other.png", *mine}
+    assert not (out / "summary.csv").exists()
+    assert {p.name for p in report.removed} == {"loss.png", "wire_bytes.png", "route_mix.png",
+                                                "calibration_cal.png", "summary.csv"}
+    assert all((out / name).read_bytes() == data for name, data in mine.items())
+    html = (out / "report.html").read_text()
+    assert set(re.findall(r'<img src="([^"]+)"', html)) == {"calibration_other.png"}
+    again = build_report([str(make_calibration("other2")), str(standard["fp32"])], out)  # and back
+    assert {p.name for p in again.removed} == {"calibration_other.png"}
+    assert {p.name for p in out.glob("*.png")} == {"loss.png", "wire_bytes.png", "route_mix.png",
+                                                   "calibration_other2.png", *mine}
+
+
 def test_summary_csv_has_one_row_per_run(standard: dict[str, Path], tmp_path: Path):
     out = tmp_path / "out"
     build_report([str(standard["fp32"]), str(standard["sign"])], out)

@@ -64,6 +64,24 @@ def test_user_errors_are_one_line_exit_2_nothing_written(
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("args,named", [
+    (["--fp32", "--steps", "2", "steps=abc"], "'steps=abc' and --steps both set steps"),
+    (["--route", "sign", "--steps", "1", "comm.route=q8"], "'comm.route=q8' and --route both set comm.route"),
+    (["--fp32", "--steps", "1", "--model", "resnet18", "model.name=vit"], "'model.name=vit' and --model"),
+    (["--fp32", "--steps", "1", "launch={nproc: 3}"], "and --nproc both set launch.nproc"),
+])
+def test_a_key_given_as_option_and_override_is_refused(
+    args: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`steps=abc --steps 2` trained 2 steps and never said abc was no number: --steps won in silence."""
+    run_dir = tmp_path / "run"
+    code, err = run_cli([*RESNET, *args, "--run-dir", str(run_dir)], capsys, monkeypatch)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error:") and named in err, err
+    assert "give it once" in err and not run_dir.exists()
+
+
 def test_overrides_are_typed_and_dotted() -> None:
     cfg = load_config(REPO / "configs/resnet18-digits.yaml", ["optim.lr=0.1", "model.width=8", "steps=7",
                                                               "comm.route={conv: sign, '*.bias': fp32}"])
