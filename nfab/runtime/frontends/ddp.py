@@ -318,11 +318,12 @@ class Runtime(RuntimeState):
 
     def probe_regions(self, phase: Phase) -> frozenset[str]:
         """The regions this step's probe samples (`RuntimeState.probing`); dense early probes feed the
-        drift monitor (it reads the optimizer's 2nd moment), and sample every region while error
-        feedback runs in one."""
+        drift monitor, so only under an optimizer with a second moment (the monitor reads it, and acts
+        on nothing else), and sample every region while error feedback runs in one."""
         ef = (self.error_feedback and phase.error_feedback
               and bool(set(self.controller.model_lossy(phase, self.regions)) - self.health.ef_off))
-        return self.probing(phase, dense=self.preconditioner is not None, watch_all=ef)
+        pre = self.preconditioner
+        return self.probing(phase, dense=pre is not None and pre.adaptive, watch_all=ef)
 
     def _finish_step(self) -> None:
         """Fold the finished step's agreed control words into stats, health and scale history."""
