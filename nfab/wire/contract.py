@@ -169,9 +169,9 @@ class Reducer(ABC):
         tie: int = 0,
     ) -> Encoded:
         """This rank's payload of `x` (segments `lengths`), for W = `world_size`. `tie`: which way
-        an exact zero votes on the sign routes (positive at positions i with i + tie even; one
-        bit cannot abstain): the hook passes group rank + step, so that the ranks' zeros cancel.
-        The other routes keep a zero exactly and ignore it."""
+        an exact zero votes on the sign routes (positive when tie is even; one bit cannot
+        abstain): the hook passes group rank + step, so that the ranks' zeros cancel. The other
+        routes keep a zero exactly and ignore it."""
 
     def reads_sq(self, buffer: torch.Tensor) -> bool:
         """Whether `encode_views(..., with_sq=True)` takes the x^2 sum of views of `buffer` on its

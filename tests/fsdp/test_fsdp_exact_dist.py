@@ -65,11 +65,8 @@ def _reference(rt, comm, group_slices, key: str, xs: list[torch.Tensor], rank: i
         mean = plain.replay_mean([r.reshape(-1) for r in rows], lengths, noise.stratified(keys, w))
         return mean.view(w, padded)[rank, :numel]
     stacked = torch.stack([r[rank] for r in rows])  # (W ranks, padded): every rank's copy of my row
-    # a vote: x > 0; an exact zero (FSDP2's padding too) at place i of rank r's W rows positive when
-    # i + r + step is even (my row starts at rank * padded)
-    place = rank * padded + torch.arange(padded)
-    positive = sum(((row > 0) | ((row == 0) & ((place + r + step) % 2 == 0))).to(torch.int64)
-                   for r, row in enumerate(stacked))
+    # a vote: x > 0; an exact zero (FSDP2's padding too) positive on rank r when r + step is even
+    positive = sum(((row > 0) | ((row == 0) & ((r + step) % 2 == 0))).to(torch.int64) for r, row in enumerate(stacked))
     unit = torch.where(positive * 2 > w, 1.0, torch.where(positive * 2 < w, -1.0, 0.0))
     seg = segments[rank]
     scale = torch.zeros(len(seg))

@@ -68,8 +68,8 @@ def local_grads(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Te
 def sign_agrees(got: torch.Tensor, local: torch.Tensor, world_size: int) -> bool:
     """Whether a sign route's decoded gradient `got` (no residual carried) has the sign of the ranks'
     majority vote on their `local` gradients (every rank calls it: one all-reduce); 0 is a tie (even
-    W). An exact zero votes by its place in the bucket (`codec.sign_bits`), which one parameter's
-    gradient does not know: where a rank's element is zero, either vote passes. The zeros'
+    W). An exact zero votes by group rank and the runtime's step (`codec.sign_bits`), which these
+    loops need not track: where a rank's element is zero, either vote passes. The zeros'
     cancellation is checked on its own (`test_sign_zeros_dist.py`)."""
     counts = torch.stack([local > 0, local == 0]).to(torch.int64)
     dist.all_reduce(counts)

@@ -51,7 +51,7 @@ def _round_trip(name: str, lengths: list[int], world_size: int, impl: str) -> di
     n = sum(lengths)
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(r), device="cpu") * (r + 1)
           for r in range(world_size)]
-    for r, x in enumerate(xs):  # exact zeros on every rank: a sign vote by its position and tie
+    for r, x in enumerate(xs):  # exact zeros on every rank: a sign vote by the tie
         x[::9] = -0.0 if r == 1 else 0.0
     xs = [(x.to(torch.bfloat16) if r == 1 else x).to(DEVICE) for r, x in enumerate(xs)]
     keys = noise.draw_keys(torch.Generator().manual_seed(7), len(lengths), torch.device("cpu")).to(DEVICE)

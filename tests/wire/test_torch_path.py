@@ -28,7 +28,7 @@ def _inputs(world_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
     for r in range(world_size):
         x = torch.randn(sum(LENGTHS), generator=torch.Generator().manual_seed(r), device="cpu")
         x[::7] = x[::7].abs()  # elements where ranks agree, and ties at even W
-        x[3::13] = 0.0  # exact zeros on every rank: a sign vote by its position and tie
+        x[3::13] = 0.0  # exact zeros on every rank: a sign vote by the tie
         x[5::26] = -0.0
         out.append(x.to(dtype))
     return out

@@ -248,7 +248,7 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
 def tie(ctx: EncodeContext) -> int:
     """Which way this rank's exact zeros vote on the sign routes this step (`Reducer.encode`): group
     rank + step, so that at even W the ranks' zeros cancel, and at odd W the vote left over changes
-    sign from step to step."""
+    sign from step to step (`codec.sign_bits`)."""
     return ctx.rank + ctx.step
 
 

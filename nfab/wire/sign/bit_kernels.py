@@ -3,7 +3,8 @@ segment's |x| sum on the same read, and W gathered bit rows counted and looked u
 
 Pure functions over numpy arrays. `nfab.wire.sign.host` adapts tensors to them;
 `nfab.wire.sign.codec` (`sign_bits`, `sign_values`) is the torch reference they match bit for
-bit. A vote is x >= 0: +0.0 and -0.0 vote positive, NaN negative (torch's and numpy's >=).
+bit. A vote is x > 0, NaN negative; an exact zero (+0.0 or -0.0), which one bit cannot abstain
+with, votes positive when `tie` is even, negative when odd (`codec.sign_bits`).
 Loops index slices from 0 (never x[c + i]): numba then knows the index is non-negative,
 drops its negative-index handling, and LLVM vectorizes the loop.
 """
@@ -34,8 +35,8 @@ def _put_word(words, g, w):
 @intrinsic
 def _votes8(typingctx, xc, i, ties):
     """Bits j < 8 = the votes of xc[i + j], for a C-contiguous float32 `xc`: x > 0, or x == 0 where
-    bit j of `ties` is set. One 8-lane vector load, two ordered compares (NaN false for both) and
-    their masks as integers, which LLVM emits as compares and movemasks. Numba's own loops cannot
+    bit j of `ties` is set (all 8 or none). One 8-lane vector load, two ordered compares (NaN false
+    for both) and their masks as integers, which LLVM emits as compares and movemasks. Numba's own loops cannot
     say "these 8 compares are one integer": written as shifts and ORs they compile to 64-bit lane
     shifts, 2.4x slower on AVX2."""
     if not (isinstance(xc, types.Array) and xc.dtype == types.float32 and xc.ndim == 1 and xc.layout == "C"):
@@ -58,8 +59,8 @@ def _votes8(typingctx, xc, i, ties):
 
 @njit(cache=True, nogil=True, fastmath={"reassoc"})
 def _sign_chunk(xc, words, g, with_sq, ahead, tie):
-    """Votes of fp32 chunk `xc` ORed into the bit words at element g (a zero at position p votes
-    positive when p + tie is even); returns the chunk's |x|
+    """Votes of fp32 chunk `xc` ORed into the bit words at element g (a zero votes positive when
+    `tie` is even); returns the chunk's |x|
     sum and (with `with_sq`, else 0) its x^2 sum, in float32 lanes (the compiler picks the lane
     order; reassociation is the only licence: NaN and inf propagate as usual).
 
@@ -70,8 +71,8 @@ def _sign_chunk(xc, words, g, with_sq, ahead, tie):
     prefetch of the lines `AHEAD` elements on."""
     ln = xc.size
     full = ln >> 6
-    odd = (g + tie) & 1  # every 8-vote group starts at g + 8j: the same parity
-    ties = np.uint64(0xAA) if odd else np.uint64(0x55)  # zeros' votes: lanes j with (odd + j) even
+    zero_votes = tie & 1 == 0
+    ties = np.uint64(0xFF) if zero_votes else np.uint64(0)  # a zero's vote, in every lane
     s = np.float32(0)
     q = np.float32(0)
     for k in range(full):
@@ -96,7 +97,7 @@ def _sign_chunk(xc, words, g, with_sq, ahead, tie):
             s += abs(v)
             if with_sq:
                 q += v * v
-            w |= np.uint64(v > 0 or (v == 0 and (odd + j) & 1 == 0)) << np.uint64(j)
+            w |= np.uint64(v > 0 or (v == 0 and zero_votes)) << np.uint64(j)
         _put_word(words, g + 64 * full, w)
     return s, q
 
@@ -104,7 +105,7 @@ def _sign_chunk(xc, words, g, with_sq, ahead, tie):
 @njit(cache=True, nogil=True)
 def sign_bits_f32(x, seg_starts, seg_ends, bases, words, sums, sqs, tie):
     """Votes of fp32 `x` packed 1 bit per element (little-endian) into ZEROED uint64 `words`
-    (a zero at bit p votes positive when p + tie is even)
+    (a zero votes positive when `tie` is even)
     (one word of room past the last vote's), and the |x| sum of each segment
     [seg_starts[s], seg_ends[s]) of `x` into sums[s]. Element j of `x`, in segment s, goes to
     bit bases[s] + j: segments read where they lie in a bucket land packed back to back.

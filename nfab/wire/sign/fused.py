@@ -6,7 +6,7 @@ pack 4M votes, 2 ms to count them: 0.1x a copy). So the stages work on whole mac
 each a kernel of contiguous vector loads and stores (SWAR: SIMD within a register):
 
 - encode: each vote as a byte, 1 where x > 0, computed from x's bits by integer arithmetic
-  (`vote_bytes`: NaN negative, an exact zero by its position, as `codec.sign_bits`); then every 8 vote
+  (`vote_bytes`: NaN negative, an exact zero by the tie, as `codec.sign_bits`); then every 8 vote
   bytes, read as one int64, become their lanes: a multiply by `GATHER8` moves byte k's low bit
   to bit 56 + k (the product's top byte is the 8 votes, no carries reach it), and for 2- or
   4-bit lanes the 8 bits are spread apart by shifts and masks (`_spread_bits`);
@@ -42,14 +42,13 @@ from nfab.wire.qsum.lanes import LaneLayout
 
 # ---- encode ----------------------------------------------------------------------------------
 def vote_bytes(x: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
-    """`codec.sign_bits(x, tie)` as uint8 (position i: x's flat index; `tie`: a 1-element int32
-    tensor), from x's fp32 bits: against = (negative and not +-0) or NaN or (+-0 at an odd i + tie),
-    each term a sign bit by an arithmetic shift (no bool tensor: inductor stores those scalar)."""
+    """`codec.sign_bits(x, tie)` as uint8 (`tie`: a 1-element int32 tensor holding tie & 1), from x's
+    fp32 bits: against = (negative and not +-0) or NaN or (+-0 and an odd tie), each term a sign bit
+    by an arithmetic shift (no bool tensor: inductor stores those scalar)."""
     b = x.to(torch.float32).view(torch.int32)
     mag = b & 0x7FFFFFFF
-    odd = (torch.arange(b.numel(), dtype=torch.int32, device=b.device).view(b.shape) + tie) & 1
     zero = (mag - 1) >> 31  # -1 only where mag is 0 (+-0)
-    against = ((b >> 31) & ((-mag) >> 31)) | ((0x7F800000 - mag) >> 31) | (zero & odd)
+    against = ((b >> 31) & ((-mag) >> 31)) | ((0x7F800000 - mag) >> 31) | (zero & tie)
     return (1 - (against & 1)).to(torch.uint8)
 
 

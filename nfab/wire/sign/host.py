@@ -35,7 +35,7 @@ def sign_supports(x: torch.Tensor) -> bool:
 
 def sign_votes(x: torch.Tensor, lengths: Sequence[int], tie: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(votes packed 1 bit per element little-endian, float64 |x| sum per segment): `codec.sign_bits`'
-    votes, a zero at position p positive when p + tie is even.
+    votes, a zero positive when `tie` is even.
 
     One pass over `x`; bf16 and fp16 are read as they are (no fp32 copy).
     """
@@ -83,8 +83,8 @@ def sign_votes_at(x: torch.Tensor, starts: np.ndarray, ends: np.ndarray, bases: 
 
 
 def _sign_kernel(x: torch.Tensor, starts, ends, bases, words, sums, sqs, tie: int) -> None:
-    """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j (a zero there
-    votes positive when bases[s] + j + tie is even); x^2 sums into `sqs` unless it is empty."""
+    """Segment s = x[starts[s] : ends[s]]; element j's vote goes to bit bases[s] + j (a zero votes
+    positive when `tie` is even); x^2 sums into `sqs` unless it is empty."""
     assert bit_kernels is not None
     if x.dtype == torch.float32:
         bit_kernels.sign_bits_f32(x.numpy(), starts, ends, bases, words, sums, sqs, tie & 1)

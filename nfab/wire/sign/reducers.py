@@ -54,7 +54,7 @@ class _SignReducer(Reducer):
 
     def _sign_encode(self, x: torch.Tensor, lengths: Sequence[int], layout: LaneLayout, tie: int) -> Encoded:
         """Votes packed into `layout`, per-segment mean |x|, and (lazily) this rank's ±scale values
-        (an exact zero votes by its position and `tie`: `codec.sign_bits`).
+        (an exact zero votes by `tie`: `codec.sign_bits`).
 
         On CPU one compiled pass reads `x` (fp32, bf16 or fp16, no fp32 copy) for votes and
         scales; elsewhere the torch reference does (same payload bits).

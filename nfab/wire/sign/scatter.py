@@ -141,7 +141,7 @@ class SignScatter(TwoPhaseReducer):
         they lie in `flat`: sources[k] = (start, length) of segment k (rows in rank order), start -1
         for a segment with nothing to read (a row's tail: scale 0, votes never decoded). FSDP2's
         reduce-scatter input is read in place, with no copy of its rows padded to whole vote bytes.
-        A zero votes by its place in the W rows and `tie` (`codec.sign_bits`)."""
+        A zero votes by `tie` (`codec.sign_bits`)."""
         w, lay = world_size, self.layout(world_size)
         assert padded == self.shard_numel(w * padded, w), "a row must be one whole shard"
         lengths = [n for _, n in sources]
@@ -159,7 +159,7 @@ class SignScatter(TwoPhaseReducer):
         for start, n in sources:  # the torch reference: one segment at a time, where it lies
             if start >= 0:
                 part = flat[start : start + n]
-                votes[pos : pos + n] = sign_codec.sign_bits(part, tie + pos)
+                votes[pos : pos + n] = sign_codec.sign_bits(part, tie)
                 sums.append(segments.abs_sum(part))
             else:
                 sums.append(flat.new_zeros((), dtype=torch.float64))

@@ -52,10 +52,9 @@ def encode(x: torch.Tensor, shard: int, world_size: int, layout: LaneLayout,
     # starting on a whole word (`qsum.fused.pack` reads 8 votes as one int64, without a padding copy)
     per = layout.containers_for(shard) * layout.lanes
     rows = qsum_fused.shard_rows(world_size, per, x.device, x.numel(), shard)
-    parts = qsum_fused.shard_parts(rows, x.reshape(-1), shard)  # whole shards, then the tail
-    for at, (dst, src) in zip((0, x.numel() // shard * shard), parts, strict=True):
-        if (src.numel() and fusion.run(sign_fused.votes_into, dst, src, sign_fused.tie_of(tie + at, x.device)) is None
-                and fusion.failed()):
+    ties = sign_fused.tie_of(tie, x.device)
+    for dst, src in qsum_fused.shard_parts(rows, x.reshape(-1), shard):
+        if src.numel() and fusion.run(sign_fused.votes_into, dst, src, ties) is None and fusion.failed():
             return None
     payload = qsum_fused.pack_rows(rows, shard, layout)
     return None if payload is None else (payload, rows[:, :shard], None)
