@@ -103,8 +103,8 @@ def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused:
                       error_feedback: bool, world_size: int) -> str | None:
     """The line `attach` logs where a sign route will meet exact zeros it cannot carry, else None.
 
-    A sign vote is one bit and cannot abstain: an exactly-zero element votes by its position, half
-    of the ranks' zeros each way (`codec.sign_bits`). Where every rank's element is zero at even W
+    A sign vote is one bit and cannot abstain: an exactly-zero element votes by group rank and step,
+    half of the ranks' zeros each way (`codec.sign_bits`). Where every rank's element is zero at even W
     the votes tie and it decodes to exactly 0. The vote left over does not cancel, and without error
     feedback it reaches the weights as +-scale, alternating in sign from step to step: where every
     rank's element is zero at odd W (an `embedding` region on sign: rows a batch does not touch), and
@@ -121,7 +121,7 @@ def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused:
         return None
     where = (f"at W={world_size} embedding rows a batch does not touch" if odd_embedding
              else "parameters unused on some ranks (find_unused_parameters=True)")
-    return (f"nfab: sign votes cannot abstain: an exactly-zero gradient votes by its position, half of the ranks' "
+    return (f"nfab: sign votes cannot abstain: an exactly-zero gradient votes by rank and step, half of the ranks' "
             f"zeros each way, so {where} get a +-scale vote that alternates in sign from step to step without "
             "error feedback. Route them bq2 (a zero stays zero) or fp32, or use error feedback (SGD)")
 

@@ -42,7 +42,7 @@ def _x(numel: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 @pytest.mark.parametrize("numel,lengths", SHAPES)
 def test_sign_votes_match_reference(dtype, numel, lengths):
     x = _x(numel, numel, dtype)
-    for tie in (0, 1):  # a zero votes by its position (+-0.0 alike), NaN negative
+    for tie in (0, 1):  # a zero votes by the tie (+-0.0 alike), NaN negative
         bits, sums = sign_host.sign_votes(x, lengths, tie)
         assert np.array_equal(bits, np.packbits(sign_codec.sign_bits(x.float(), tie).numpy(), bitorder="little"))
     wide = x.to(torch.float64)
