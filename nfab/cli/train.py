@@ -24,15 +24,6 @@ def _flags(**values: object) -> list[str]:
     return out
 
 
-_OPTIONS = {
-    "parallel": "--parallel", "launch.nproc": "--nproc", "steps": "--steps", "run_dir": "--run-dir",
-    "resume": "--resume", "overwrite": "--overwrite", "quiet": "--quiet", "launch.nnodes": "--nnodes",
-    "launch.node_rank": "--node-rank", "launch.rdzv_endpoint": "--rdzv-endpoint",
-    "launch.rdzv_backend": "--rdzv-backend", "launch.max_restarts": "--max-restarts",
-}
-"""The config key each option sets, named as the user typed it (for `overrides.clash`)."""
-
-
 def _key(item: str) -> str:
     return item.partition("=")[0]
 
@@ -87,18 +78,22 @@ def register(app: typer.Typer) -> None:
             comm += _flags(**{"comm.profile": profile, "comm.fp32": fp32})
             if route is not None:
                 comm.append(f"comm.route={format_route(parse_route(route))}")
-        flags = comm + _flags(**{
-            "parallel": parallel, "launch.nproc": nproc, "steps": steps, "run_dir": run_dir,
-            "resume": resume, "overwrite": overwrite, "quiet": quiet, "launch.nnodes": nnodes,
-            "launch.node_rank": node_rank, "launch.rdzv_endpoint": rdzv_endpoint,
-            "launch.rdzv_backend": rdzv_backend, "launch.max_restarts": max_restarts,
-        })
+        options = {  # the config key each option sets: (the option as the user typed it, its value)
+            "parallel": ("--parallel", parallel), "launch.nproc": ("--nproc", nproc), "steps": ("--steps", steps),
+            "run_dir": ("--run-dir", run_dir), "resume": ("--resume", resume),
+            "overwrite": ("--overwrite", overwrite), "quiet": ("--quiet", quiet),
+            "launch.nnodes": ("--nnodes", nnodes), "launch.node_rank": ("--node-rank", node_rank),
+            "launch.rdzv_endpoint": ("--rdzv-endpoint", rdzv_endpoint),
+            "launch.rdzv_backend": ("--rdzv-backend", rdzv_backend),
+            "launch.max_restarts": ("--max-restarts", max_restarts),
+        }
+        flags = comm + _flags(**{key: value for key, (_, value) in options.items()})
         # a key set both ways is refused: whichever layer won, the other value went unread
         named = {"model.name": ("--model", model), "data.name": ("--dataset", dataset)}
         taken = {key: option for key, (option, value) in named.items() if value is not None}
         sent_as = "--route" if route is not None else "--fp32" if fp32 else "--profile"
         taken |= {_key(item): sent_as for item in comm}
-        taken |= {_key(item): _OPTIONS[_key(item)] for item in flags[len(comm):]}
+        taken |= {key: option for key, (option, value) in options.items() if value is not None and value is not False}
         if (message := clash(extra, taken)) is not None:
             fail(message)
         cfg = resolve_config(config, extra, flags, names={"model": model, "data": dataset}, setting=setting)

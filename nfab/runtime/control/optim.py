@@ -101,19 +101,16 @@ class Preconditioner:
             raise ValueError(f"{type(optimizer).__name__} shards its state across ranks: its second moment "
                              "is not the same on every rank, so the drift monitor cannot read it")
         self.optimizer = optimizer
+        self.adaptive = is_adaptive(torch_optimizer(optimizer))  # type: ignore[arg-type]
+        """Whether the optimizer keeps the second moment the drift monitor reads (Adam-like). Only
+        then do the first steps' dense probes buy anything: under SGD they cost 10% of a resnet18 run's
+        bytes in its first 20 steps and starved the regular probes of their budget for the rest."""
         self.params = dict(params)
         self._eps = {id(p): float(g.get("eps", 1e-8)) for g in optimizer.param_groups for p in g["params"]}
         # values of one training step: the optimizer's state cannot change while its gradients
         # are being reduced (backward), so the hook's encode, decode and probe share them
         self._step: int | None = None
         self._memo: dict[Hashable, torch.Tensor | None] = {}
-
-    @property
-    def adaptive(self) -> bool:
-        """Whether the optimizer keeps the second moment the drift monitor reads (Adam-like). Only
-        then do the first steps' dense probes buy anything: under SGD they cost 10% of a resnet18 run's
-        bytes in its first 20 steps and starved the regular probes of their budget for the rest."""
-        return is_adaptive(torch_optimizer(self.optimizer))  # type: ignore[arg-type]
 
     def inverse_rms(self, name: str, step: int | None = None) -> torch.Tensor | None:
         """Flat 1 / `quantization_scale` of parameter `name` (Adam's 1 / (sqrt(v) + eps), capped at

@@ -30,13 +30,10 @@ def sign_bits(x: torch.Tensor, tie: int = 0) -> torch.Tensor:
     would decorrelate neighbours at odd W, but it cost the compiled vote kernel 3.7x: an index per
     element.)
     """
-    positive = tie % 2 == 0
+    positive = tie % 2 == 0  # then a zero (+-0.0) votes as x >= 0 does, else as x > 0 does
     if dispatch.on_host(x) and x.dtype == torch.float32:
-        flat = x.reshape(-1).contiguous().numpy()
-        out = np.greater(flat, np.float32(0))
-        if positive:
-            out |= flat == 0
-        return torch.from_numpy(out).view(x.shape)
+        vote = np.greater_equal if positive else np.greater
+        return torch.from_numpy(vote(x.reshape(-1).contiguous().numpy(), np.float32(0))).view(x.shape)
     return x >= 0 if positive else x > 0
 
 
