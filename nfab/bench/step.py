@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
-from nfab.bench import linkbytes, netns, nodes
+from nfab.bench import host, linkbytes, netns, nodes
 from nfab.bench.variants import (  # noqa: F401 - re-exported: fsdpstep and the CLIs read them here
     POWERSGD_BUCKET_MB,
     POWERSGD_START,
@@ -446,6 +446,7 @@ def report(cfg: BenchConfig, raw: dict[str, Any], command: str = "") -> dict[str
     return {
         "nfab_version": nfab.__version__,
         "torch_version": torch.__version__,
+        "machine": host.describe(),
         "command": command or " ".join(sys.argv),
         "config": cfg.to_dict(),
         "parameters": raw["parameters"],

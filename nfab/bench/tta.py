@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import nfab
-from nfab.bench import linkbytes, netns
+from nfab.bench import host, linkbytes, netns
 from nfab.bench import step as step_mod
 from nfab.bench.variants import POWERSGD_START, attach_comm, ddp_for
 from nfab.config.shipped import resolve_config
@@ -347,6 +347,7 @@ def report(cfg: TtaConfig, raw: dict[str, Any], command: str = "") -> dict[str, 
         "kind": "nfab.bench.tta",
         "nfab_version": nfab.__version__,
         "torch_version": torch.__version__,
+        "machine": host.describe(),
         "command": command or " ".join(sys.argv),
         "config": cfg.to_dict(),
         "recipe": cfg.train_config().model_dump(mode="json"),

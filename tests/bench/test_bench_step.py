@@ -38,6 +38,7 @@ def test_every_variant_runs_on_loopback(tmp_path):
     doc = step_mod.report(cfg, step_mod.run(cfg), command="test")
     _check_doc(doc, variants, 3)
     assert doc["link"] is None
+    assert doc["machine"]["cores"] == os.cpu_count() and doc["machine"]["cpu"]
     assert doc["nfab"]["nfab-fp32"]["route_mix"] == {"fp32": 1.0}
     by = {r["variant"]: r for r in doc["rows"]}  # every row also paired against bf16 DDP
     assert by["bf16"]["ratio_to_bf16"] == 1.0 and all(r["ratio_to_bf16"] > 0 for r in doc["rows"])

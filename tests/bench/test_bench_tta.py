@@ -4,6 +4,7 @@ target logic holds, and `nfab report` renders it. No timing assertions: the mach
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nfab.bench import tta, ttaseeds
@@ -72,6 +73,7 @@ def test_tiny_run_reaches_targets_by_the_rule_and_report_renders_it(tmp_path):
     doc = tta.report(cfg, tta.run(cfg), command="test")
     n, target = doc["fp32_steps"], doc["target_loss"]
     assert n == 4 and doc["max_steps"] == 8 and list(doc["variants"]) == list(tta.TTA_VARIANTS)
+    assert doc["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # targets move with it
     fp32 = doc["variants"]["fp32"]
     assert fp32["steps"] == n and target == fp32["curve"][-1]["val_loss"] == fp32["final_loss"]
     for name, v in doc["variants"].items():
