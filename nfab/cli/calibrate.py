@@ -95,6 +95,22 @@ def _traceback_log(exc: BaseException) -> str:
     return f.name
 
 
+VALIDATION_FAILED = 3
+"""`nfab calibrate`'s exit code when it wrote the table and profile but the profile failed its validation
+(1: the calibration itself failed, 2: bad input)."""
+
+
+def check_tolerances(tol_cosine: float | None, tol_loss: float | None, tol_validate: float | None = None) -> None:
+    """Fit's and validation's tolerances in their ranges, or one line and exit 2 before any work
+    (`--tol-validate -1` calibrated, then failed every validation round, and exited 0)."""
+    if tol_cosine is not None and not -1.0 <= tol_cosine <= 1.0:  # NaN fails both
+        fail(f"--tol-cosine must be a cosine in [-1, 1], got {tol_cosine}")
+    if tol_loss is not None and not tol_loss >= 0.0:
+        fail(f"--tol-loss must be a relative loss increase >= 0, got {tol_loss}")
+    if tol_validate is not None and not 0.0 <= tol_validate < float("inf"):
+        fail(f"--tol-validate must be a relative loss gap >= 0, got {tol_validate}")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("calibrate")
     def calibrate(
@@ -144,6 +160,7 @@ def register(app: typer.Typer) -> None:
         from nfab.calibrate import calibrate as run
         from nfab.calibrate import make_config, parse_overrides
 
+        check_tolerances(tol_cosine, tol_loss, tol_validate)
         flags = {"steps": ("--steps", steps), "phases": ("--phases", phases), "routes": ("--routes", routes),
                  "trial_steps": ("--trial-steps", trial_steps), "quick": ("--quick", quick or None)}
         if (message := clash(overrides or [], {k: o for k, (o, v) in flags.items() if v is not None})) is not None:
@@ -183,3 +200,8 @@ def register(app: typer.Typer) -> None:
             console.print(describe_validation(result.validation.to_evidence()), highlight=False)
         console.print(f"time: {describe_timing(result.timing)}", highlight=False)
         console.print(f"wrote {result.table_path} and {result.profile_path}", highlight=False)
+        if result.validation is not None and not result.validation.passed:  # `calibrate && train` must stop here
+            console.print(f"[red]validation FAILED[/]: the profile is written as calibrated but did not hold within "
+                          f"--tol-validate {tol_validate:g}; nfab train warns when it uses it (exit "
+                          f"{VALIDATION_FAILED})", highlight=False)
+            raise typer.Exit(VALIDATION_FAILED)

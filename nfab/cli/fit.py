@@ -31,12 +31,9 @@ def register(app: typer.Typer) -> None:
         """Fit an operating profile from a calibration table at the given tolerances (not validated)."""
         from nfab.calibrate import fit_file
         from nfab.calibrate.fit import adaptive_cosine_note
-        from nfab.cli.calibrate import profile_table
+        from nfab.cli.calibrate import check_tolerances, profile_table
 
-        if tol_cosine is not None and not -1.0 <= tol_cosine <= 1.0:  # NaN fails both
-            fail(f"--tol-cosine must be a cosine in [-1, 1], got {tol_cosine}")
-        if tol_loss is not None and not tol_loss >= 0.0:
-            fail(f"--tol-loss must be a relative loss increase >= 0, got {tol_loss}")
+        check_tolerances(tol_cosine, tol_loss)
         target = output if output is not None else table.parent / "profile.json"
         if target.exists() and table.exists() and target.resolve() == table.resolve():
             fail(f"{target} is the calibration table itself: write the profile elsewhere (-o profile.json)")
