@@ -96,3 +96,20 @@ def test_a_signal_to_the_launcher_exits_with_the_shells_code_for_it(monkeypatch,
             cli.main()
         assert info.value.code == 128 + signum
         assert capsys.readouterr().err.strip() == line
+
+
+def test_the_demo_carries_on_past_a_failed_validation_and_nothing_else(monkeypatch) -> None:
+    """calibrate's exit 3 (profile written, validation failed) must not end `make demo`; any other code does."""
+    import pytest
+
+    from nfab.cli import demo
+    from nfab.cli.calibrate import VALIDATION_FAILED
+
+    for code in (VALIDATION_FAILED, 1):
+        monkeypatch.setattr(demo.subprocess, "run",
+                            lambda args, check, code=code: subprocess.CompletedProcess(args, code))
+        if code == VALIDATION_FAILED:
+            demo._run(["calibrate", "resnet18"], carry_on=VALIDATION_FAILED)
+        with pytest.raises(SystemExit) as done:
+            demo._run(["train"])  # a stage without carry_on: every non-zero code ends the demo
+        assert done.value.code == code
