@@ -49,7 +49,9 @@ class StepStats:
     false_alarms: int = 0
     """Of `alarms`: those whose shadow window found every region faithful (no demotion)."""
     skipped: bool = False
-    """A non-finite gradient on some rank: the step's gradients were zeroed everywhere."""
+    """A non-finite gradient on some rank: the step's reduced gradients are non-finite everywhere (a
+    lossy bucket all NaN), so the step must not be taken: `nfab train` skips it, as a loss scaler
+    (`GradScaler.step`) does."""
     fidelity_cosine: float | None = None
     """Cosine between a probed bucket's low-bit result and its FP32 all-reduce (on a strided
     sample): the probe taken in the PREVIOUS step, whose result the control words of this

@@ -111,13 +111,16 @@ def train(rank: int, steps: int, route: str | dict | None, *, accumulate: int = 
             if rt is not None and micro == accumulate - 1:
                 rt.observe_loss(loss)
             loss.backward()
+        st = rt.step_stats() if rt is not None else None
+        finite = all(p.grad is None or bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
+        assert finite == (st is None or not st.skipped)  # a skipped step's shards are NaN, as plain FSDP2's
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        if finite:  # what a loss scaler does
+            opt.step()
         losses.append(loss.item())
-        assert all(p.grad is None or bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters())
-        if rt is not None:
-            stats.append(rt.step_stats())
+        if st is not None:
+            stats.append(st)
     params = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
     return {"losses": losses, "params": params, "stats": stats}
 

@@ -50,8 +50,9 @@ def test_resume_equals_uninterrupted_and_meta_default_device_gives_the_same_bits
 
 @pytest.mark.world_size(2)
 def test_nonfinite_step_is_skipped_and_demoted_on_every_rank():
-    """Rank 0's loss is infinite at step 2: every rank zeroes that step's gradients (the loop checks
-    they stay finite), reports it skipped, and demotes the lossy regions alike (agreed words)."""
+    """Rank 0's loss is infinite at step 2: every rank's shards of that step are NaN, as plain FSDP2's
+    would be non-finite (the loop checks that exactly the skipped step is, and skips it as a loss scaler
+    does), every rank reports it skipped and demotes the lossy regions alike (agreed words)."""
     out = run_ranks(_run, 2, "bq3", 5, {"inf_step": 2})
     rows = [_rows(o["stats"]) for o in out]
     assert rows[0] == rows[1]
@@ -59,6 +60,39 @@ def test_nonfinite_step_is_skipped_and_demoted_on_every_rank():
     assert [s.skipped for s in st] == [False, False, True, False, False]
     assert st[3].route_mix == {"fp32": 1.0} and "health" in st[3].fallback_reason
     assert all(torch.isfinite(o["params"]).all() for o in out)
+
+
+def _scaled(rank: int, world_size: int, route: object, overflow: int, steps: int) -> dict:
+    """A user's loop under `torch.amp.GradScaler`: rank 0's loss overflows at `overflow`."""
+    torch.manual_seed(0)
+    model = fsdpmodels.shard(fsdpmodels.Tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rt = nfab.attach(model, route=route, optimizer=opt, cost_model=None) if route is not None else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    out: dict = {"scale": [], "skipped": []}
+    for step in range(steps):
+        x, y = fsdpmodels.batch(rank, step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss * float("inf") if step == overflow and rank == 0 else loss).backward()
+        out["skipped"].append(rt.step_stats().skipped if rt is not None else None)
+        scaler.step(opt)
+        scaler.update()
+        out["scale"].append(scaler.get_scale())
+    out["params"] = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_a_loss_scaler_skips_an_overflow_as_with_plain_fsdp2():
+    """A non-finite step's shards are NaN on every rank, as plain FSDP2's would be non-finite: the scaler
+    skips it and halves its scale. Zeroed, they looked finite: it stepped and kept the scale."""
+    plain = run_ranks(_scaled, 2, None, 3, 6)[0]
+    res = run_ranks(_scaled, 2, {"linear": "bq3", "norm": "sign"}, 3, 6)
+    assert plain["scale"] == [1024.0] * 3 + [512.0] * 3
+    for r in res:
+        assert r["scale"] == plain["scale"] and r["skipped"] == [s == 3 for s in range(6)]
+        assert torch.isfinite(r["params"]).all()
 
 
 @pytest.mark.world_size(2)

@@ -71,7 +71,8 @@ def _train(rank: int, world_size: int, meta: bool, bucket_mb: float, qsum_scale:
         loss.backward()
         st = rt.step_stats()
         stats.append((st.route_mix, st.skipped, st.loss, st.grad_norm, st.fidelity_cosine, st.collectives))
-        opt.step()
+        if not st.skipped:  # its buckets are NaN (as plain DDP's would be non-finite)
+            opt.step()
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "stats": stats,
             "residuals": {k: v.clone() for k, v in rt.residuals.items()},
             "moment_steps": rt.moment.applied_steps if rt.moment is not None else None}

@@ -33,7 +33,7 @@ from nfab.wire.segments import nonfinite_sum
 def finish_bucket(launch: Launch, world_size: int,
                   inverse_rms: Callable[[str], torch.Tensor | None] | None = None,
                   moment: NoiseMoment | None = None) -> Outcome:
-    """Decode `launch`'s groups into its bucket (zeroed on every rank if any rank was non-finite).
+    """Decode `launch`'s groups into its bucket (NaN on every rank if any rank was non-finite: `_spoil_if`).
 
     `inverse_rms`: the optimizer's preconditioner (`optim.Preconditioner.inverse_rms`), read
     here, before any rank steps, so that a probe's region fidelity compares where it acts.
@@ -42,9 +42,8 @@ def finish_bucket(launch: Launch, world_size: int,
     t0 = time.thread_time()
     buffer = launch.buffer
     table = _control_table(launch, world_size)
-    if table is None:  # FP32 only, no word: a non-finite element shows in the reduced sum itself
+    if table is None:  # FP32 only, no word: a non-finite element shows in the reduced sum itself, as in plain DDP
         bad = nonfinite_sum(buffer)
-        _zero_if(buffer, bad)
         return Outcome(launch.index, None, bad, (), (), time.thread_time() - t0)
     bad = control.nonfinite(table)
     amax: list[tuple[tuple[str, ...], torch.Tensor]] = []
@@ -57,7 +56,7 @@ def finish_bucket(launch: Launch, world_size: int,
                 _record_variance(moment, sent, world_size)
             if out is not None:
                 probed.append((sent.enc.group, out))
-    _zero_if(buffer, bad)
+    _spoil_if(buffer, bad)
     probe = _probe_sums(launch, probed, inverse_rms) if launch.probe is not None and probed else ()
     return Outcome(launch.index, table, None, tuple(amax), tuple(saturated), time.thread_time() - t0, probe)
 
@@ -160,11 +159,18 @@ def _known_true(flag: torch.Tensor | bool) -> bool:
     return dispatch.on_host(flag) and bool(flag)
 
 
-def _zero_if(buffer: torch.Tensor, flag: torch.Tensor | bool) -> None:
-    """Zero the bucket when `flag` (a host bool, or a 0-d bool tensor) is set: read on the CPU,
-    masked on the device elsewhere."""
+def _spoil_if(buffer: torch.Tensor, flag: torch.Tensor | bool) -> None:
+    """Fill the bucket with NaN when `flag` (a host bool, or a 0-d bool tensor) is set: read on the CPU,
+    masked on the device elsewhere.
+
+    Why NaN: plain DDP's reduced bucket is non-finite when any rank's gradient is, and loops rely on
+    it -- a loss scaler (`torch.amp.GradScaler`) skips that step and lowers its scale, a
+    `clip_grad_norm_(error_if_nonfinite=True)` raises. A lossy codec cannot carry which elements
+    were non-finite, so the whole bucket says so, the same on every rank. Zeroing it (before
+    2026-12-05) made such a step look finite: the scaler stepped with a zero gradient (AdamW still
+    moved the weights by its momentum) and kept the scale that overflowed."""
     if isinstance(flag, bool) or dispatch.on_host(flag):
         if bool(flag):
-            buffer.zero_()
+            buffer.fill_(float("nan"))
     else:
-        buffer.masked_fill_(flag, 0)
+        buffer.masked_fill_(flag, float("nan"))

@@ -149,8 +149,8 @@ def fold_step(step: int, phase: str, launches: list[Launch], outcomes: list[Outc
     if cosine is not None:
         out.cosine = (cosine, frozenset(p.region for p in params.values()))
     st.region_cosine = {k: v.cosine for k, v in sorted(out.fidelity.items())}
-    # a skipped step applies no gradient (every bucket is zeroed): its norm is 0, as the
-    # health monitor and metrics have always read it, not the finite part of a poisoned sum
+    # a skipped step applies no gradient (its buckets are non-finite, no optimizer steps on them): its norm
+    # is 0, as the health monitor and metrics have always read it, not the finite part of a poisoned sum
     st.grad_norm = 0.0 if st.skipped else math.sqrt(grad_sq / world_size)
     return out
 

@@ -8,7 +8,7 @@ before the bucket's other groups and its control word are launched as on the fla
 
 - FP32 slices stay one plain all-reduce over all ranks (exact, what DDP sends);
 - the control word still travels over all ranks, so non-finite flags, loss and grad norm are
-  agreed as on the flat path, and a non-finite bucket is zeroed on every rank by the
+  agreed as on the flat path, and a non-finite bucket is NaN on every rank by the
   callback (over the two-level result too);
 - the two levels block the hook body: the cross level cannot encode before the node sums
   exist, and no collective may be launched from a callback (callbacks run in different

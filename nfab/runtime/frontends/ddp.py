@@ -27,7 +27,7 @@ Per bucket, in the hook body (DDP calls it in bucket order on every rank):
 4. launch, asynchronously: one collective per group plus the word's all-gather, or —
    beside a signgather group, when cheaper — all of it as the bytes of ONE all-gather;
 5. return a future whose callback (`decode.finish_bucket`) decodes every slice in place
-   and zeroes the bucket on all ranks if any rank saw a non-finite gradient (for a bucket
+   and fills the bucket with NaN on all ranks if any rank saw a non-finite gradient (for a bucket
    completed by the next hook body, a future that the callback's result completes).
 
 No collective is launched from a callback (callbacks finish in different orders on

@@ -13,7 +13,7 @@ rank's output shard (C,). Per call:
    reduce-scatters of `core/rowscatter.py`, each rank decoding only its own row; on a probe step
    a lossy group's probed slices are also sampled and reduce-scattered in FP32, and each rank
    compares its decoded row with that exact row (`core/shardprobe.py`);
-4. a non-finite |g|^2 on any rank zeroes the output on every rank (decided on the device from the
+4. a non-finite |g|^2 on any rank fills the output with NaN on every rank (decided on the device from the
    gathered word: no host read in the comm).
 
 The step boundary is the first reduce-scatter of a module that already reduced this step (FSDP2
@@ -172,8 +172,9 @@ class ShardedRuntime(RuntimeState):
                     collectives += 1
             collectives += 1
         word_fut.wait()
-        # a non-finite |g|^2 on any rank: zero the output everywhere (on the device, no host read)
-        output.masked_fill_(~torch.isfinite(word[:, 0].sum()), 0)
+        # a non-finite |g|^2 on any rank: the output NaN everywhere (on the device, no host read), as plain
+        # FSDP2's would be non-finite: a loss scaler skips the step (`decode._spoil_if` says why)
+        output.masked_fill_(~torch.isfinite(word[:, 0].sum()), float("nan"))
         baseline = rowscatter.plain_bytes(lay.chunk, w, inp.element_size())
         self._records.append(CallRecord(lay, routes, word, nbytes, baseline, collectives, elements,
                                         tuple(sorted(set(fallbacks))), time.thread_time() - t0, carried,

@@ -1,0 +1,76 @@
+"""A loss scaler sees nfab's non-finite steps as it sees plain DDP's (real DDP on gloo, W=2).
+
+fp16 training with `torch.amp.GradScaler` overflows by design: at the start, while the scale comes
+down, and whenever it grows again. The scaler then skips `optimizer.step()` and halves its scale,
+because the reduced gradient is non-finite. nfab zeroed a non-finite bucket, so the scaler saw a
+finite, zero gradient: it stepped (AdamW moved the weights by its momentum) and kept the scale that
+overflowed. A non-finite bucket is now NaN on every rank (`decode._spoil_if`). Here an overflow is
+one rank's infinite element at step 3, in a lossy bucket, in a bucket that mixes FP32 and lossy
+slices, and in FP32-only buckets. FSDP2: `tests/fsdp/test_fsdp_control_dist.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nfab
+from nfab.distributed import run_ranks
+
+OVERFLOW, STEPS = 3, 6
+ROUTES = {"plain": None, "bq2": "bq2", "sign": "sign", "q8": "q8", "mixed": {"linear": "bq2", "bias": "fp32"},
+          "fp32": "fp32"}
+
+
+def _scaled(rank: int, world_size: int, route: object) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rt = nfab.attach(ddp, route=route, cost_model=None, optimizer=opt) if route is not None else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    at = [0]
+
+    def overflow(g: torch.Tensor) -> torch.Tensor:  # what an fp16 overflow leaves in one rank's gradient
+        if at[0] == OVERFLOW and rank == 0:
+            g = g.clone()
+            g[0, 0] = float("inf")
+        return g
+
+    model[0].weight.register_hook(overflow)
+    gen = torch.Generator().manual_seed(rank)
+    out: dict = {"scale": [], "moved": [], "skipped": []}
+    for step in range(STEPS):
+        at[0] = step
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+        out["skipped"].append(rt.step_stats().skipped if rt is not None else None)
+        before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        scaler.step(opt)
+        scaler.update()
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out["scale"].append(scaler.get_scale())
+        out["moved"].append(bool((after != before).any()))
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return out
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("name", [n for n in ROUTES if n != "plain"])
+def test_the_scaler_skips_an_overflow_and_lowers_its_scale_as_with_plain_ddp(name):
+    plain = run_ranks(_scaled, 2, None, timeout_s=120)[0]
+    res = run_ranks(_scaled, 2, ROUTES[name], timeout_s=120)
+    assert plain["scale"] == [1024.0] * OVERFLOW + [512.0] * (STEPS - OVERFLOW)
+    assert plain["moved"] == [step != OVERFLOW for step in range(STEPS)]
+    for r in res:
+        assert r["scale"] == plain["scale"], (name, r["scale"])  # halved at the overflow, as plain DDP's
+        assert r["moved"] == plain["moved"], (name, r["moved"])  # no step on it: the weights did not move
+        assert r["skipped"] == [step == OVERFLOW for step in range(STEPS)]
+        assert torch.isfinite(r["params"]).all()
+    assert torch.equal(res[0]["params"], res[1]["params"])
+    if name == "fp32":  # the FP32 route is plain DDP, overflow included, bit for bit
+        assert torch.equal(res[0]["params"], plain["params"])
+
