@@ -49,16 +49,17 @@ def test_resume_equals_uninterrupted_and_meta_default_device_gives_the_same_bits
 
 
 @pytest.mark.world_size(2)
-def test_nonfinite_step_is_skipped_and_demoted_on_every_rank():
+def test_nonfinite_step_is_skipped_and_checked_by_a_shadow_on_every_rank():
     """Rank 0's loss is infinite at step 2: every rank's shards of that step are NaN, as plain FSDP2's
     would be non-finite (the loop checks that exactly the skipped step is, and skips it as a loss scaler
-    does), every rank reports it skipped and demotes the lossy regions alike (agreed words)."""
+    does), every rank reports it skipped and opens the same shadow window (agreed words), which keeps
+    the routes."""
     out = run_ranks(_run, 2, "bq3", 5, {"inf_step": 2})
     rows = [_rows(o["stats"]) for o in out]
     assert rows[0] == rows[1]
     st = out[0]["stats"]
     assert [s.skipped for s in st] == [False, False, True, False, False]
-    assert st[3].route_mix == {"fp32": 1.0} and "health" in st[3].fallback_reason
+    assert "alarm:nonfinite" in " ".join(st[2].events) and st[3].route_mix == st[1].route_mix != {"fp32": 1.0}
     assert all(torch.isfinite(o["params"]).all() for o in out)
 
 

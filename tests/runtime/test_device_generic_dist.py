@@ -88,8 +88,9 @@ def test_meta_default_device_gives_the_same_bits(bucket_mb, qsum_scale, adam):
     normal = run_ranks(_train, 2, False, bucket_mb, qsum_scale, 6, adam, timeout_s=240)
     meta = run_ranks(_train, 2, True, bucket_mb, qsum_scale, 6, adam, timeout_s=240)
     for a, b in zip(normal, meta, strict=True):
-        # steps 1 and 2 (step 0 has no v yet; the non-finite step 3 demotes every region to FP32)
-        assert a["moment_steps"] == b["moment_steps"] and (not adam or a["moment_steps"] == 2)
+        # steps 1, 2, 4 and 5 (step 0 has no v yet; the non-finite step 3 is not stepped on, and it opens a
+        # shadow window instead of demoting: the routes stay lossy)
+        assert a["moment_steps"] == b["moment_steps"] and (not adam or a["moment_steps"] == 4)
         assert torch.equal(a["params"], b["params"])
         assert a["stats"] == b["stats"]
         assert a["residuals"].keys() == b["residuals"].keys()

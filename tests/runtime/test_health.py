@@ -38,10 +38,26 @@ def test_unhealthy_step_during_cooldown_resets_the_streak():
     st = HealthState()
     for t in range(3):
         update(st, CFG, obs(t), LOSSY)
-    update(st, CFG, obs(3, nonfinite=True, norm=math.nan), LOSSY)
+    update(st, CFG, obs(3, cos=0.1, regions=frozenset({"conv"})), LOSSY)
     update(st, CFG, obs(6), LOSSY)
     update(st, CFG, obs(7, loss=100.0), LOSSY)  # spike while demoted: streak back to 0
     assert st.healthy_streak["conv"] == 0 and "conv" in st.demoted()
+
+
+def test_a_nonfinite_gradient_is_an_alarm_a_shadow_window_checks():
+    """A non-finite gradient is the step's input, not what was sent: under a loss scaler an fp16 overflow
+    the scaler skips. It demoted every lossy region for the cooldown; now it opens a shadow window, and
+    a window whose probes find every region faithful closes as a false alarm, demoting nothing."""
+    st = HealthState()
+    for t in range(3):
+        update(st, CFG, obs(t), LOSSY)
+    ev = update(st, CFG, obs(3, nonfinite=True, norm=math.nan), LOSSY)
+    assert [(e.kind, e.reason) for e in ev] == [("alarm", "nonfinite")] and not st.demoted()
+    assert st.shadow_until == 3 + 1 + CFG.shadow_steps and st.norm_baseline == 1.0  # it learns nothing from it
+    for t in range(4, st.shadow_until + 1):
+        ev = update(st, CFG, obs(t, cos=0.99, regions=LOSSY), LOSSY)
+    assert [(e.kind, e.reason) for e in ev] == [("shadow", "false alarm")] and not st.demoted()
+    assert (st.alarms, st.false_alarms) == (1, 1)
 
 
 def test_fidelity_probe_only_demotes_probed_regions_and_grad_jump_is_an_alarm():

@@ -4,7 +4,8 @@ fp16 training with `torch.amp.GradScaler` overflows by design: at the start, whi
 down, and whenever it grows again. The scaler then skips `optimizer.step()` and halves its scale,
 because the reduced gradient is non-finite. nfab zeroed a non-finite bucket, so the scaler saw a
 finite, zero gradient: it stepped (AdamW moved the weights by its momentum) and kept the scale that
-overflowed. A non-finite bucket is now NaN on every rank (`decode._spoil_if`). Here an overflow is
+overflowed. A non-finite bucket is now NaN on every rank (`decode._spoil_if`), and the overflow is an
+alarm a shadow window checks, not a demotion of every lossy region for the cooldown. Here an overflow is
 one rank's infinite element at step 3, in a lossy bucket, in a bucket that mixes FP32 and lossy
 slices, and in FP32-only buckets. FSDP2: `tests/fsdp/test_fsdp_control_dist.py`.
 """
@@ -41,13 +42,15 @@ def _scaled(rank: int, world_size: int, route: object) -> dict:
 
     model[0].weight.register_hook(overflow)
     gen = torch.Generator().manual_seed(rank)
-    out: dict = {"scale": [], "moved": [], "skipped": []}
+    out: dict = {"scale": [], "moved": [], "skipped": [], "mix": []}
     for step in range(STEPS):
         at[0] = step
         x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
         opt.zero_grad()
         scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
-        out["skipped"].append(rt.step_stats().skipped if rt is not None else None)
+        st = rt.step_stats() if rt is not None else None
+        out["skipped"].append(st.skipped if st is not None else None)
+        out["mix"].append(dict(st.route_mix) if st is not None else None)
         before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
         scaler.step(opt)
         scaler.update()
@@ -70,6 +73,8 @@ def test_the_scaler_skips_an_overflow_and_lowers_its_scale_as_with_plain_ddp(nam
         assert r["moved"] == plain["moved"], (name, r["moved"])  # no step on it: the weights did not move
         assert r["skipped"] == [step == OVERFLOW for step in range(STEPS)]
         assert torch.isfinite(r["params"]).all()
+        # the overflow opened a shadow window and kept the routes: it used to send the cooldown in FP32
+        assert r["mix"][OVERFLOW + 1] == r["mix"][OVERFLOW - 1], (name, r["mix"])
     assert torch.equal(res[0]["params"], res[1]["params"])
     if name == "fp32":  # the FP32 route is plain DDP, overflow included, bit for bit
         assert torch.equal(res[0]["params"], plain["params"])

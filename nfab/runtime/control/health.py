@@ -246,9 +246,12 @@ def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
     events: list[HealthEvent] = []
     reasons = global_reasons(state, cfg, obs)
     healthy = not reasons
-    # demote every lossy region on a non-finite gradient (or on any alarm without shadows);
-    # a spike or jump opens a shadow window instead: its probes decide which region, if any
-    if "nonfinite" in reasons or (reasons and cfg.shadow_steps == 0):
+    # demote every lossy region on any alarm without shadows; with them, a non-finite gradient, a spike
+    # or a jump opens a shadow window instead: its probes decide which region, if any. A non-finite
+    # gradient is this step's input (every rank's |g|^2 before it was sent), not what was sent: under a
+    # loss scaler it is an fp16 overflow the scaler skips, at the start and at every scale growth, and
+    # demoting every region for it cost the cooldown in FP32 each time
+    if reasons and cfg.shadow_steps == 0:
         hit = tuple(sorted(lossy_regions - state.demoted()))
         events.append(HealthEvent(obs.step, "fallback", "+".join(reasons), hit))
         for r in hit:
@@ -303,7 +306,7 @@ def update(state: HealthState, cfg: Health, obs: Observation, lossy_regions: fro
 def _shadow(state: HealthState, cfg: Health, obs: Observation, reasons: list[str], lossy_regions: frozenset[str],
             demoted_now: bool) -> list[HealthEvent]:
     """Close a shadow window whose last probe has been read (false alarm when it demoted no
-    region), then open one on a new spike or jump alarm (while none is open)."""
+    region), then open one on a new alarm: a non-finite gradient, a spike or a jump (while none is open)."""
     events = []
     if state.shadow_until:
         state.shadow_needed |= demoted_now
@@ -312,7 +315,7 @@ def _shadow(state: HealthState, cfg: Health, obs: Observation, reasons: list[str
             state.false_alarms += false
             events.append(HealthEvent(obs.step, "shadow", "false alarm" if false else "demotion needed", ()))
             state.shadow_until, state.shadow_needed = 0, False
-    if reasons and "nonfinite" not in reasons and cfg.shadow_steps > 0 and not state.shadow_until:
+    if reasons and cfg.shadow_steps > 0 and not state.shadow_until:
         watched = tuple(sorted(lossy_regions - state.demoted()))
         if watched:
             state.shadow_until, state.shadow_needed = obs.step + 1 + cfg.shadow_steps, False
