@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -22,6 +22,7 @@ from nfab.runtime.control.optim import (
     Preconditioner,
     is_adaptive,
     is_sharded,
+    loss_scale_of,
     resolve_error_feedback,
     torch_optimizer,
 )
@@ -53,6 +54,7 @@ def attach(
     coalesce: bool = True,
     hierarchy: Hierarchy | str | int | None = None,
     noise_moment: bool | str = "auto",
+    loss_scaler: Any = None,
 ) -> Runtime | ShardedRuntime:
     """Register nfab's hook on `ddp_model` (before its first backward) and return its Runtime.
 
@@ -91,6 +93,13 @@ def attach(
     what `nfab calibrate` writes under an adaptive optimizer); a profile calibrated without it
     runs as it was validated. True forces it on (needs `optimizer=`), False off.
 
+    `loss_scaler`: the `torch.amp.GradScaler` (or `ShardedGradScaler`) the loop scales its loss with,
+    if any. The gradients the hook sees are then S times the optimizer's: block routes round in the
+    optimizer's preconditioned space and the noise moment corrects its v, both in unscaled units, so
+    nfab divides by S there (read on the device, no host sync). Without it, under fp16 loss scaling
+    (S = 65536 at the start) block routes under Adam clip and the correction is lost. Skipping an
+    overflowed step needs nothing: a non-finite step's buckets are NaN, as plain DDP's.
+
     `qsum_scale`: how q8/q4/q2 slices summed on the wire agree their shared scale —
     "exact" (default: a blocking MAX all-reduce in the hook, what calibrate replays) or
     "delayed" (the max of the slice's agreed max |x| over its last 16 qsum steps, carried
@@ -115,6 +124,9 @@ def attach(
         raise NfabError(f"noise_moment must be 'auto', True or False, got {noise_moment!r}")
     if noise_moment is True and optimizer is None:
         raise NfabError("noise_moment=True needs optimizer= (it corrects that optimizer's second moment)")
+    if loss_scaler is not None and not all(callable(getattr(loss_scaler, a, None)) for a in ("is_enabled", "scale")):
+        raise NfabError(f"loss_scaler must be a torch.amp.GradScaler, got {type(loss_scaler).__name__}")
+    loss_scale = loss_scale_of(loss_scaler) if loss_scaler is not None else None
     if qsum_scale not in QSUM_SCALES:
         raise NfabError(f"qsum_scale must be one of {', '.join(QSUM_SCALES)}, got {qsum_scale!r}")
     if error_feedback not in ERROR_FEEDBACK_CHOICES or not isinstance(error_feedback, bool | str):
@@ -177,7 +189,7 @@ def attach(
             log.warning("nfab: this profile's phases carry error feedback, which FSDP2 does not offer (a full-size "
                         "residual per rank): it runs without it, as it was not validated")
         if optimizer is not None and _corrects_moment(noise_moment, prof, explicit, optimizer):
-            runtime.moment = NoiseMoment(optimizer, dict(ddp_model.named_parameters()))
+            runtime.moment = NoiseMoment(optimizer, dict(ddp_model.named_parameters()), loss_scale)
         return runtime
     use_ef = resolve_error_feedback(error_feedback, optimizer)
     if use_ef and optimizer is not None and error_feedback is True and is_adaptive(optimizer):
@@ -186,6 +198,7 @@ def attach(
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef,
                       total_steps=total_steps, cost_model=cm, seed=seed, head_modules=head_modules,
                       qsum_scale=qsum_scale, coalesce=coalesce, hierarchy=hierarchy)
+    runtime.loss_scale = loss_scale
     absent = absent_regions_warning(route, runtime.regions) if route is not None else None
     if absent is not None and runtime.rank == 0:
         log.warning(absent)
@@ -208,7 +221,7 @@ def attach(
             log.warning("noise_moment=True under %s: it keeps no second moment, nothing to correct",
                         type(optimizer).__name__)
         elif _corrects_moment(noise_moment, prof, explicit, optimizer):
-            runtime.moment = NoiseMoment(optimizer, dict(module.named_parameters()))
+            runtime.moment = NoiseMoment(optimizer, dict(module.named_parameters()), loss_scale)
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
 

@@ -96,6 +96,36 @@ def test_a_loss_scaler_skips_an_overflow_as_with_plain_fsdp2():
         assert torch.isfinite(r["params"]).all()
 
 
+def _moment(rank: int, world_size: int, scale: float) -> dict:
+    """bq3 under AdamW with the noise moment; the loss scaled by `scale` (0: no scaler), told to attach."""
+    torch.manual_seed(0)
+    model = fsdpmodels.shard(fsdpmodels.Tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, enabled=scale > 0)
+    rt = nfab.attach(model, route="bq3", optimizer=opt, cost_model=None, loss_scaler=scaler)
+    for step in range(4):
+        x, y = fsdpmodels.batch(rank, step)
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        rt.step_stats()
+        scaler.step(opt)
+        scaler.update()
+    v = torch.cat([opt.state[p]["exp_avg_sq"].to_local().reshape(-1) for p in model.parameters()])
+    return {"v": v, "moment": rt.moment.applied_steps,
+            "params": torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])}
+
+
+@pytest.mark.world_size(2)
+def test_the_noise_moment_under_a_loss_scaler_is_the_unscaled_one():
+    """The rounding variance is recorded in the scaled gradient's units (S^2 too large for v: the floor
+    cancelled the correction); told the scaler, the run is the unscaled one bit for bit."""
+    plain = run_ranks(_moment, 2, 0.0)
+    scaled = run_ranks(_moment, 2, 65536.0)
+    for a, b in zip(plain, scaled, strict=True):
+        assert a["moment"] == b["moment"] == 3
+        assert torch.equal(a["v"], b["v"]) and torch.equal(a["params"], b["params"])
+
+
 @pytest.mark.world_size(2)
 def test_bf16_reduce_dtype():
     """MixedPrecisionPolicy(reduce_dtype=bf16): route fp32 is FSDP2's own bf16 reduce-scatter (the same

@@ -79,3 +79,43 @@ def test_the_scaler_skips_an_overflow_and_lowers_its_scale_as_with_plain_ddp(nam
     if name == "fp32":  # the FP32 route is plain DDP, overflow included, bit for bit
         assert torch.equal(res[0]["params"], plain["params"])
 
+
+
+def _adam_bq2(rank: int, world_size: int, scale: float, tell: bool) -> dict:
+    """bq2 under AdamW (rounded in Adam's preconditioned space, noise moment on), the loss scaled by
+    `scale` (0: no scaler); `tell`: the scaler is given to attach."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, enabled=scale > 0)
+    rt = nfab.attach(ddp, route="bq2", cost_model=None, optimizer=opt, loss_scaler=scaler if tell else None)
+    gen = torch.Generator().manual_seed(rank)
+    grads = []
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+        rt.step_stats()
+        grads.append(model[0].weight.grad / (scale or 1.0))  # exact: a power of two
+        scaler.step(opt)
+        scaler.update()
+    return {"grads": grads, "v": opt.state[model[0].weight]["exp_avg_sq"].clone(), "moment": rt.moment.applied_steps}
+
+
+@pytest.mark.world_size(2)
+def test_block_routes_under_adam_round_as_unscaled_when_told_the_scaler():
+    """At S = 65536 the preconditioned values passed the top of the block scale codes (2^23.75) and were
+    clipped, and the rounding variance taken out of v was S^2 too large (the floor then cancelled it).
+    Told the scaler, nfab divides by S (on the device): the same gradients and v as with no scaler."""
+    plain = run_ranks(_adam_bq2, 2, 0.0, False, timeout_s=120)[0]
+    told = run_ranks(_adam_bq2, 2, 65536.0, True, timeout_s=120)[0]
+    untold = run_ranks(_adam_bq2, 2, 65536.0, False, timeout_s=120)[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain["grads"], told["grads"], strict=True))
+    assert torch.equal(plain["v"], told["v"]) and plain["moment"] == told["moment"] == STEPS - 1
+    assert not torch.equal(plain["grads"][2], untold["grads"][2])  # what the scaler's S did without it
+
+
+def test_loss_scaler_must_be_a_grad_scaler():
+    with pytest.raises(nfab.NfabError, match="loss_scaler must be a torch.amp.GradScaler"):
+        nfab.attach(object(), route="bq2", loss_scaler=1024.0)  # refused before the model is looked at

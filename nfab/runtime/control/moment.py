@@ -48,6 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
+from nfab.runtime.control.optim import LossScale
 from nfab.wire.blockq.reducer import BlockQSum
 
 
@@ -91,8 +92,12 @@ class NoiseMoment:
     it out of the optimizer's second moment just before `optimizer.step()` updates it (a step
     pre-hook; after the closure of a `step(closure)`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor],
+                 loss_scale: LossScale | None = None) -> None:
         self.optimizer = optimizer
+        self.loss_scale = loss_scale
+        """Under a loss scaler (`attach(loss_scaler=)`): the variance is recorded in the scaled gradient's
+        units, v holds the unscaled one's, so it is divided by S^2 (on the device)."""
         self._names = {id(t): n for n, t in params.items()}  # the optimizer's parameters by name
         self._pending: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()  # decode callbacks may run on the collectives' threads
@@ -121,6 +126,9 @@ class NoiseMoment:
 
     def record(self, names: Sequence[str], lengths: Sequence[int], var: torch.Tensor) -> None:
         """The variance of one decoded group, split into its parameters (flat, in group order)."""
+        scale = self.loss_scale() if self.loss_scale is not None else None
+        if scale is not None:
+            var = var / scale.to(var.device).square()
         parts = var.split(list(lengths))
         with self._lock:
             for name, part in zip(names, parts, strict=True):

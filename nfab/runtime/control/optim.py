@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -211,3 +212,24 @@ class Preconditioner:
         v, eps = moment
         return v.detach().reshape(-1).to(torch.float32).sqrt().add_(eps)
 
+
+
+LossScale = Callable[[], torch.Tensor | None]
+"""The loss scale the gradients in the hook carry now: a 1-element tensor on their device, or None."""
+
+
+def loss_scale_of(scaler: Any) -> LossScale:
+    """A reader of `scaler`'s current scale (`torch.amp.GradScaler` or a subclass: `ShardedGradScaler`)
+    that never reads it back to the host: the scale tensor itself, which the scaler creates at its
+    first `scale()` and changes in place in `update()`; None while it has none or is disabled.
+
+    Why: the gradients a hook sees under a loss scaler are S times the optimizer's. Block-scaled routes
+    round in the optimizer's preconditioned space, g / (sqrt(v) + eps), whose v the scaler never
+    scaled: at S = 4096 and above those values passed the top of the scale codes (2^23.75) and were
+    clipped (bq2 under AdamW, S = 65536: the first steps' decoded gradient half of the unscaled run's),
+    and the rounding variance taken out of v was S^2 too large (the floor then cancelled it)."""
+    def current() -> torch.Tensor | None:
+        if not scaler.is_enabled():
+            return None
+        return getattr(scaler, "_scale", None)
+    return current

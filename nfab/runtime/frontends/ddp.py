@@ -43,6 +43,7 @@ rank holds bit for bit.
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
 # against dist.GradBucket and torch.futures.Future at registration.
 import time
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -56,7 +57,7 @@ from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import BucketRoutes
 from nfab.runtime.control.fidelity import RegionFidelity
 from nfab.runtime.control.moment import NoiseMoment
-from nfab.runtime.control.optim import Preconditioner
+from nfab.runtime.control.optim import LossScale, Preconditioner
 from nfab.runtime.core import agreement as agreement_mod
 from nfab.runtime.core import coalesce, encode, twolevel
 from nfab.runtime.core.decode import finish_bucket
@@ -111,6 +112,7 @@ class Runtime(RuntimeState):
         self.residuals: dict[str, torch.Tensor] = {}
         self.preconditioner: Preconditioner | None = None  # attach(optimizer=): probes compare where Adam acts
         self.moment: NoiseMoment | None = None  # attach(noise_moment=): rounding noise out of Adam's v
+        self.loss_scale: LossScale | None = None  # attach(loss_scaler=): the scale the hook's gradients carry
         # the step in progress: launches written by the hook, outcomes by the callbacks
         self._launches: list[Launch] = []
         self._outcomes: list[Outcome] = []
@@ -251,8 +253,17 @@ class Runtime(RuntimeState):
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered[1],
                                    self.residuals, self.scales, frozenset(self.health.ef_off),
-                                   partial(pre.flat_scale, step=self.step) if pre else None)
+                                   self._quantization_scale if pre else None)
         return plan, routes, ctx
+
+    def _quantization_scale(self, names: Sequence[str], lengths: Sequence[int],
+                            device: torch.device) -> torch.Tensor | None:
+        """What block routes divide a group by: the preconditioner's sqrt(v) + eps, times the loss
+        scale under a scaler (the hook's gradients carry it, v does not: `optim.loss_scale_of`)."""
+        assert self.preconditioner is not None
+        q = self.preconditioner.flat_scale(names, lengths, device, step=self.step)
+        scale = self.loss_scale() if self.loss_scale is not None else None
+        return q if q is None or scale is None else q * scale.to(q.device)
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
                 ctx: encode.EncodeContext, encoded: list[Encoded], ctrl: torch.Tensor | None,
