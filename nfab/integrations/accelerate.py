@@ -62,6 +62,8 @@ def attach(
     from nfab.api import attach as nfab_attach
     from nfab.integrations.state import RankStates
 
+    if getattr(accelerator, "scaler", None) is not None:  # fp16: the gradients carry its scale (nfab.attach)
+        attach_kwargs.setdefault("loss_scaler", accelerator.scaler)
     runtime = nfab_attach(prepared_model, profile, route=route, **attach_kwargs)
     accelerator.register_for_checkpointing(RankStates(runtime, prepared_model))
     return runtime

@@ -37,6 +37,7 @@ def attach_with_defaults(
     *,
     total_steps: int | None,
     optimizer: Any = None,
+    loss_scaler: Any = None,
 ) -> Runtime:
     """`nfab.attach` (DDP or FSDP2 model) with the user's keywords, plus the framework's `total_steps` and optimizer.
 
@@ -44,7 +45,8 @@ def attach_with_defaults(
     `optimizer=` (unwrapped from Accelerate's `AcceleratedOptimizer`, whose `.optimizer` is
     the torch one): `error_feedback="auto"` needs it to tell SGD from Adam, the drift monitor
     reads its second moment, and the user of a Trainer never holds the optimizer before the
-    Trainer builds it.
+    Trainer builds it. The framework's fp16 loss scaler (a `GradScaler`, None without fp16) goes as
+    `loss_scaler=`: the hook's gradients carry its scale (`nfab.attach`).
     """
     from nfab.api import attach
 
@@ -53,4 +55,6 @@ def attach_with_defaults(
     inner = torch_optimizer(optimizer)
     if isinstance(inner, torch.optim.Optimizer):
         kwargs.setdefault("optimizer", inner)
+    if loss_scaler is not None:
+        kwargs.setdefault("loss_scaler", loss_scaler)
     return attach(ddp_model, profile, route=route, **kwargs)

@@ -86,7 +86,8 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
             optimizer = self.optimizers[0] if len(self.optimizers) == 1 else None
             self.runtime = attach_with_defaults(self.model, self._nfab_profile, self._nfab_route,
                                                 self._attach_kwargs, total_steps=_total_steps(trainer),
-                                                optimizer=optimizer)
+                                                optimizer=optimizer,
+                                                loss_scaler=getattr(self.precision_plugin, "scaler", None))
             self._nfab_log.reset()
             if self._pending is not None:  # resuming: nfab's state from the checkpoint, this rank's entry
                 restore(self.runtime, self.model, self._pending)

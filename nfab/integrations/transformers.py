@@ -83,7 +83,8 @@ class NfabCallback(TrainerCallback):
             raise NfabError(f"nfab needs the Trainer to wrap the model in DistributedDataParallel or FSDP2, got "
                             f"{type(model).__name__} (FSDP1 and DeepSpeed own their communication)")
         self.runtime = attach_with_defaults(model, self.profile, self.route, self.attach_kwargs,
-                                            total_steps=state.max_steps, optimizer=self.trainer.optimizer)
+                                            total_steps=state.max_steps, optimizer=self.trainer.optimizer,
+                                            loss_scaler=getattr(self.trainer.accelerator, "scaler", None))
         self._ddp = model
         self._log.reset()
         if state.global_step > 0:

@@ -119,3 +119,26 @@ def test_block_routes_under_adam_round_as_unscaled_when_told_the_scaler():
 def test_loss_scaler_must_be_a_grad_scaler():
     with pytest.raises(nfab.NfabError, match="loss_scaler must be a torch.amp.GradScaler"):
         nfab.attach(object(), route="bq2", loss_scaler=1024.0)  # refused before the model is looked at
+
+
+def _framework(rank: int, world_size: int) -> dict:
+    """What the adapters (Lightning's strategy, the Trainer's callback, Accelerate's attach) pass: their
+    fp16 scaler as `loss_scaler`, unless the user gave one."""
+    from nfab.integrations.defaults import attach_with_defaults
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    framework, own = torch.amp.GradScaler("cpu", init_scale=8.0), torch.amp.GradScaler("cpu", init_scale=2.0)
+    out = {}
+    for name, kwargs in (("framework", {}), ("own", {"loss_scaler": own})):
+        rt = attach_with_defaults(DDP(model), None, "bq2", {"cost_model": None, **kwargs}, total_steps=4,
+                                  loss_scaler=framework)
+        for s in (framework, own):
+            s.scale(torch.ones(()))  # makes its scale tensor, as the first scaled loss does
+        out[name] = float(rt.loss_scale())
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_a_frameworks_scaler_reaches_attach_and_the_users_wins():
+    assert run_ranks(_framework, 2, timeout_s=60)[0] == {"framework": 8.0, "own": 2.0}
