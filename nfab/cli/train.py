@@ -52,6 +52,8 @@ def register(app: typer.Typer) -> None:
             help="Data-parallel wrapper: ddp (default) or fsdp (FSDP2, sharded per block).")] = None,
         nproc: Annotated[int | None, typer.Option(help="Ranks per node.")] = None,
         steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
+        precision: Annotated[str | None, typer.Option(
+            help="Autocast dtype of the forward: fp32 (default), bf16, or fp16 with a loss scaler.")] = None,
         run_dir: Annotated[str | None, typer.Option(help="Artifact folder (default runs/MODEL-ROUTE-TIME).")] = None,
         resume: Annotated[bool, typer.Option("--resume", help="Continue from the run dir's checkpoint.")] = False,
         overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace what the run dir holds.")] = False,
@@ -80,7 +82,7 @@ def register(app: typer.Typer) -> None:
                 comm.append(f"comm.route={format_route(parse_route(route))}")
         options = {  # the config key each option sets: (the option as the user typed it, its value)
             "parallel": ("--parallel", parallel), "launch.nproc": ("--nproc", nproc), "steps": ("--steps", steps),
-            "run_dir": ("--run-dir", run_dir), "resume": ("--resume", resume),
+            "precision": ("--precision", precision), "run_dir": ("--run-dir", run_dir), "resume": ("--resume", resume),
             "overwrite": ("--overwrite", overwrite), "quiet": ("--quiet", quiet),
             "launch.nnodes": ("--nnodes", nnodes), "launch.node_rank": ("--node-rank", node_rank),
             "launch.rdzv_endpoint": ("--rdzv-endpoint", rdzv_endpoint),

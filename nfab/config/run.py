@@ -20,6 +20,7 @@ from nfab.validation import StrictModel
 OptimizerName = Literal["auto", "sgd", "adamw"]
 ScheduleName = Literal["cosine", "constant"]
 ParallelName = Literal["ddp", "fsdp"]
+PrecisionName = Literal["fp32", "bf16", "fp16"]
 
 
 class _OpenSection(StrictModel):
@@ -215,6 +216,10 @@ class TrainConfig(StrictModel):
     """Optimizer steps."""
     accum_steps: int = Field(1, ge=1)
     """Micro-batches per optimizer step (all but the last under `ddp.no_sync()`)."""
+    precision: PrecisionName = "fp32"
+    """The forward's and loss's autocast dtype (`torch.autocast`): `bf16`, or `fp16` with a
+    `torch.amp.GradScaler` that nfab is told of (`attach(loss_scaler=)`; its state is checkpointed).
+    Parameters, gradients and buckets stay fp32. A profile is calibrated in fp32."""
     seed: int = 0
     """Seed for the model init, data order and the hook."""
     eval_every: int = Field(0, ge=0)

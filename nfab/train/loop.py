@@ -129,6 +129,8 @@ def _levels(runtime: Runtime | ShardedRuntime | None) -> str | None:
 
 
 _COLLECTIVE = {"ddp": "all-reduce in DDP", "fsdp": "reduce-scatter in FSDP"}
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""`precision`'s autocast dtype (fp32: no autocast)."""
 
 
 def _check_parallel(cfg: TrainConfig, shared: dict[str, Any]) -> None:
@@ -195,6 +197,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     cost_json = shared.get("cost_model")
     # after wrapping (FSDP swaps in sharded parameters), before attach (nfab reads its family and state)
     optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
+    autocast = AUTOCAST.get(cfg.precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     if not cfg.comm.fp32:
         cm = _cost_model(cfg, wrapped, cost_json)
         cost_json = cm.to_json() if cm is not None else None
@@ -203,7 +207,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             total_steps=cfg.steps, cost_model=cm, seed=cfg.seed, head_modules=spec.head_modules,
             model_signature=signature,
             qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer, hierarchy=cfg.comm.hierarchy,
-            noise_moment=cfg.comm.noise_moment,
+            noise_moment=cfg.comm.noise_moment, loss_scaler=scaler if scaler.is_enabled() else None,
         )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
     rows: list[dict[str, Any]] = list(shared.get("rows", []))
@@ -214,6 +218,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         wrapped.load_optimizer_state(optimizer, shared["optimizer"])
         scheduler.load_state_dict(shared["scheduler"])
         stream.load_state_dict(shared["data"])
+        if shared.get("scaler"):
+            scaler.load_state_dict(shared["scaler"])
         checkpoint.set_rng_state(own["rng"])
         if runtime is not None:
             runtime.load_state_dict(own["hook"])
@@ -235,7 +241,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         model_state, optimizer_state = wrapped.model_state(), wrapped.optimizer_state(optimizer)
         state = {
             "step": step, "model": model_state, "optimizer": optimizer_state,
-            "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "rows": rows,
+            "scheduler": scheduler.state_dict(), "data": stream.state_dict(), "scaler": scaler.state_dict(),
+            "rows": rows,
             "wall_time_s": wall(), "cost_model": cost_json, "config": cfg.to_json(), "restarts": restarts,
         } if master else None
         own_state = {"rng": checkpoint.rng_state(), "hook": runtime.state_dict() if runtime is not None else None}
@@ -278,19 +285,26 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 x, y = (t.to(device) for t in stream.next())
                 last = micro == cfg.accum_steps - 1
                 with wrapped.sync(last):
-                    loss = loss_fn(spec.task, model(x), y)
+                    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                        loss = loss_fn(spec.task, model(x), y)
                     if factor is not None:  # injected NaN / Inf / spike (NFAB_FAULT)
                         loss = loss * factor
                     loss_sum += float(loss.detach())
                     if runtime is not None and last:
                         runtime.observe_loss(loss_sum / cfg.accum_steps)
-                    (loss / cfg.accum_steps).backward()
+                    scaler.scale(loss / cfg.accum_steps).backward()
             row = _step_row(runtime, step, lr, plain_bytes, wrapped, device)
+            if scaler.is_enabled():  # the gradients carried the loss scale: report the optimizer's norm
+                row["grad_norm"] /= scaler.get_scale()
             _at(f"step {step}: loss all-gather")
             row["loss"] = mean_loss(loss_sum / cfg.accum_steps, device)
             if cfg.optim.grad_clip is not None:
+                scaler.unscale_(optimizer)  # clip the optimizer's gradient, not the scaled one
                 torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
-            if not row["skipped"]:
+            if scaler.is_enabled():  # it skips a non-finite step itself (its buckets are NaN) and lowers its scale
+                scaler.step(optimizer)
+                scaler.update()
+            elif not row["skipped"]:
                 optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
