@@ -213,7 +213,6 @@ class Preconditioner:
         return v.detach().reshape(-1).to(torch.float32).sqrt().add_(eps)
 
 
-
 LossScale = Callable[[], torch.Tensor | None]
 """The loss scale the gradients in the hook carry now: a 1-element tensor on their device, or None."""
 
