@@ -142,3 +142,28 @@ def _framework(rank: int, world_size: int) -> dict:
 @pytest.mark.world_size(2)
 def test_a_frameworks_scaler_reaches_attach_and_the_users_wins():
     assert run_ranks(_framework, 2, timeout_s=60)[0] == {"framework": 8.0, "own": 2.0}
+
+
+def test_the_scale_is_the_scalers_own_tensor_or_else_its_value():
+    """The scale is read as the scaler's own device tensor (no host sync); a scaler that keeps it under
+    another name gives its value rather than nothing (which would read as unscaled, in silence)."""
+    from nfab.runtime.control.optim import loss_scale_of
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    read = loss_scale_of(scaler)
+    assert read() is None  # before the first scale(): no gradient carries a scale yet
+    scaler.scale(torch.ones(()))
+    assert read() is scaler._scale and float(read()) == 8.0
+
+    class Elsewhere:
+        def is_enabled(self) -> bool:
+            return True
+
+        def scale(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 4.0
+
+        def get_scale(self) -> float:
+            return 4.0
+
+    assert float(loss_scale_of(Elsewhere())()) == 4.0
+    assert loss_scale_of(torch.amp.GradScaler("cpu", enabled=False))() is None

@@ -230,5 +230,8 @@ def loss_scale_of(scaler: Any) -> LossScale:
     def current() -> torch.Tensor | None:
         if not scaler.is_enabled():
             return None
-        return getattr(scaler, "_scale", None)
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor) or hasattr(scaler, "_scale"):  # None before its first scale()
+            return scale
+        return torch.tensor(float(scaler.get_scale()))  # a scaler that keeps it elsewhere: its value (a host read)
     return current
