@@ -124,7 +124,8 @@ def attach(
         raise NfabError(f"noise_moment must be 'auto', True or False, got {noise_moment!r}")
     if noise_moment is True and optimizer is None:
         raise NfabError("noise_moment=True needs optimizer= (it corrects that optimizer's second moment)")
-    if loss_scaler is not None and not all(callable(getattr(loss_scaler, a, None)) for a in ("is_enabled", "scale")):
+    called = ("is_enabled", "get_scale")  # what loss_scale_of calls
+    if loss_scaler is not None and not all(callable(getattr(loss_scaler, m, None)) for m in called):
         raise NfabError(f"loss_scaler must be a torch.amp.GradScaler, got {type(loss_scaler).__name__}")
     loss_scale = loss_scale_of(loss_scaler) if loss_scaler is not None else None
     if qsum_scale not in QSUM_SCALES:

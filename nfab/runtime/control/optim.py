@@ -230,8 +230,7 @@ def loss_scale_of(scaler: Any) -> LossScale:
     def current() -> torch.Tensor | None:
         if not scaler.is_enabled():
             return None
-        scale = getattr(scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor) or hasattr(scaler, "_scale"):  # None before its first scale()
-            return scale
+        if hasattr(scaler, "_scale"):  # None before its first scale()
+            return scaler._scale
         return torch.tensor(float(scaler.get_scale()))  # a scaler that keeps it elsewhere: its value (a host read)
     return current
