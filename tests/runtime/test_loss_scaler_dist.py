@@ -116,6 +116,50 @@ def test_block_routes_under_adam_round_as_unscaled_when_told_the_scaler():
     assert not torch.equal(plain["grads"][2], untold["grads"][2])  # what the scaler's S did without it
 
 
+CHANGE, RUN = 3, 7
+
+
+def _scale_change(rank: int, world_size: int, route: str, qsum_scale: str, change: float | None, tell: bool) -> dict:
+    """SGD with error feedback on `route`, the loss scaled by 2^10; `change`: the scaler's scale is set to
+    it after step CHANGE (as an overflow's halving or a growth interval's doubling sets it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**6)
+    rt = nfab.attach(ddp, route=route, cost_model=None, optimizer=opt, error_feedback=True, qsum_scale=qsum_scale,
+                     loss_scaler=scaler if tell else None)
+    gen = torch.Generator().manual_seed(rank)
+    saturated = 0
+    for step in range(RUN):
+        x, y = torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+        saturated += rt.step_stats().saturated_slices
+        scaler.step(opt)
+        scaler.update(change if change is not None and step == CHANGE else None)
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "saturated": saturated,
+            "owed": sum(float(r.abs().sum()) for r in rt.residuals.values())}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize(("route", "qsum_scale", "change"), [("bq3", "exact", 64.0), ("q8", "delayed", 2.0**14)])
+def test_a_scale_change_leaves_error_feedback_and_delayed_scales_as_with_a_constant_scale(route, qsum_scale, change):
+    """The residuals error feedback owes and qsum's delayed amax history are kept in the optimizer's
+    units: a power-of-two scale change then changes no bit of training (every step of the codec is exact
+    under a power-of-two scale). Kept in the gradients' units, as before, the owed error went out at the
+    old scale once (here 16x too small or large) and the delayed scale was 16x too small for a step."""
+    constant = run_ranks(_scale_change, 2, route, qsum_scale, None, True, timeout_s=120)
+    changed = run_ranks(_scale_change, 2, route, qsum_scale, change, True, timeout_s=120)
+    untold = run_ranks(_scale_change, 2, route, qsum_scale, change, False, timeout_s=120)[0]
+    assert constant[0]["owed"] > 0  # error feedback was owing something when the scale changed
+    for a, b in zip(constant, changed, strict=True):
+        assert torch.equal(a["params"], b["params"]), route
+        assert a["saturated"] == b["saturated"]
+    assert torch.equal(changed[0]["params"], changed[1]["params"])
+    assert not torch.equal(untold["params"], constant[0]["params"])  # what the change did unaccounted
+
+
 def test_loss_scaler_must_be_a_grad_scaler():
     with pytest.raises(nfab.NfabError, match="loss_scaler must be a torch.amp.GradScaler"):
         nfab.attach(object(), route="bq2", loss_scaler=1024.0)  # refused before the model is looked at

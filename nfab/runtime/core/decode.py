@@ -101,7 +101,8 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
     if amax_cols is not None:
         assert enc.shared is not None
         agreed = _amax_over_ranks(amax_cols)
-        amax.append((tuple(s.name for s in group.slices), agreed))
+        history = agreed if launch.loss_scale is None else agreed / launch.loss_scale.to(agreed.device)
+        amax.append((tuple(s.name for s in group.slices), history))  # the history is unscaled
         if gathered is None:  # a rank's own scale never saturates
             saturated.append((agreed > enc.shared).sum())
     if gathered is not None and isinstance(red, QSum):  # each row with its own rank's scales

@@ -50,6 +50,12 @@ class EncodeContext:
     quantization_scale: Callable[[Sequence[str], Sequence[int], torch.device], torch.Tensor | None] | None = None
     """The scale block-scaled qsum rounds a group's slices in (`Preconditioner.flat_scale`), or
     None: no optimizer second moment, plain block scales."""
+    loss_scale: torch.Tensor | None = None
+    """The loss scale this step's gradients carry (`attach(loss_scaler=)`: 1 element, on their
+    device), or None. Error feedback's residuals and qsum's delayed amax history are kept in the
+    optimizer's units, divided by it: a loss scaler halves its scale on an overflow and doubles it
+    every growth interval, and an owed error kept in the old scale's units would be sent at twice
+    or half its size."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +199,7 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     if mask is not None and not after_ef:
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device, mask)))
     if ctx.error_feedback:
-        add_residuals(ctx.residuals, x, group, ctx.ef_off)
+        add_residuals(ctx.residuals, x, group, ctx.ef_off, ctx.loss_scale)
     if after_ef:
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device, mask)))
     raw, weights, local, shared = x, None, None, None
@@ -206,6 +212,8 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     elif red.needs_shared_scale:
         local = red.local_scale(x, group.lengths)
         shared = local if ctx.gathered else ctx.scales.delayed((s.name for s in group.slices), ctx.step, x.device)
+        if shared is not None and not ctx.gathered:  # the history is unscaled (`EncodeContext.loss_scale`)
+            shared = scaled(shared, ctx.loss_scale)
     return Prepared(group, x, raw, weights, local, shared)
 
 
@@ -218,7 +226,7 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
     if prep.x is None:
         if group.key == FP32:
             x = buffer if group.whole else gather_slices(buffer, group)
-            _flush_residuals(ctx.residuals, x, group)
+            _flush_residuals(ctx.residuals, x, group, ctx.loss_scale)
             x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
             return Encoded(group, x)
         # nothing to add or sample: encode the slices where they lie, no gathered copy
@@ -239,7 +247,7 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
     enc = red.encode(x, group.lengths, w, shared, dither, tie=tie(ctx))
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
-        resid = prep.raw - (enc.local if weights is None else enc.local * weights)
+        resid = unscaled(prep.raw - (enc.local if weights is None else enc.local * weights), ctx.loss_scale)
         residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True)
                           if s.region not in ctx.ef_off)  # the drift monitor switched it off
     return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals, weights)
@@ -345,19 +353,30 @@ def _noise(ctx: EncodeContext, group: Group, device: torch.device,
     return noise.Stratum(source, ctx.rank, ctx.world_size) if stratified else source
 
 
+def scaled(values: torch.Tensor, loss_scale: torch.Tensor | None) -> torch.Tensor:
+    """Values kept in the optimizer's units (residuals, delayed amax) in this step's gradient units."""
+    return values if loss_scale is None else values * loss_scale.to(values.device)
+
+
+def unscaled(values: torch.Tensor, loss_scale: torch.Tensor | None) -> torch.Tensor:
+    """This step's gradient-unit values in the optimizer's units (`EncodeContext.loss_scale`)."""
+    return values if loss_scale is None else values / loss_scale.to(values.device)
+
+
 def add_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,
-                  ef_off: frozenset[str]) -> None:
-    """Add what error feedback owes each slice to `x` (the group's slices, concatenated),
-    except in regions whose error feedback the drift monitor switched off."""
+                  ef_off: frozenset[str], loss_scale: torch.Tensor | None = None) -> None:
+    """Add what error feedback owes each slice to `x` (the group's slices, concatenated), in this
+    step's units (`loss_scale`), except in regions whose error feedback the drift monitor switched off."""
     pos = 0
     for s in group.slices:
         r = None if s.region in ef_off else residuals.get(s.name)
         if r is not None:
-            x[pos : pos + s.numel].add_(r)
+            x[pos : pos + s.numel].add_(scaled(r, loss_scale))
         pos += s.numel
 
 
-def _flush_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group) -> None:
+def _flush_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group: Group,
+                     loss_scale: torch.Tensor | None) -> None:
     """A slice back on fp32 sends what error feedback still owed it, then forgets it."""
     if not residuals:
         return
@@ -366,5 +385,5 @@ def _flush_residuals(residuals: dict[str, torch.Tensor], x: torch.Tensor, group:
         r = residuals.pop(s.name, None)
         if r is not None:
             start = s.offset if group.whole else pos
-            x[start : start + s.numel].add_(r)
+            x[start : start + s.numel].add_(scaled(r, loss_scale))
         pos += s.numel

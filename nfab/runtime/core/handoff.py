@@ -109,6 +109,9 @@ class Launch:
     measured (regions, and their `fidelity.ROW_FIELDS` columns), agreed over ranks at the fold."""
     levels: LevelSent | None = None
     """Its lossy groups' two-level reduction, already in the buffer (with a hierarchy)."""
+    loss_scale: torch.Tensor | None = None
+    """The loss scale the bucket's gradients carried (`EncodeContext.loss_scale`): its agreed max |x|
+    go to the delayed-scale history divided by it."""
 
 
 @dataclass(frozen=True, slots=True)

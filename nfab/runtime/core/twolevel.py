@@ -69,7 +69,7 @@ class TwoLevel:
         topo, red = self.topology, REDUCERS[group.key]
         x = buffer if group.whole else torch.cat(encode.views(buffer, group))
         if ctx.error_feedback:
-            encode.add_residuals(ctx.residuals, x, group, ctx.ef_off)
+            encode.add_residuals(ctx.residuals, x, group, ctx.ef_off, ctx.loss_scale)
         node_mean, start, shard = hier.scatter(x, self.groups)
         lengths = hier.shard_lengths(group.lengths, start, start + shard)
         gen = _noise(ctx, group, x.device, start, topo) if red.needs_shared_scale else None
@@ -77,7 +77,8 @@ class TwoLevel:
                                    ctx.step)
         residuals: tuple[tuple[str, torch.Tensor], ...] = ()
         if ctx.error_feedback and local is not None:
-            residuals = _owed(group, node_mean.sub_(local).mul_(topo.local_world), start, ctx.ef_off)
+            owed = encode.unscaled(node_mean.sub_(local).mul_(topo.local_world), ctx.loss_scale)
+            residuals = _owed(group, owed, start, ctx.ef_off)
         out = hier.gather(mean, x, self.groups)
         if group.whole:
             buffer.copy_(out)

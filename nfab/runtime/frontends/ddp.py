@@ -253,8 +253,12 @@ class Runtime(RuntimeState):
         ctx = encode.EncodeContext(w, self.group, self.step, self.seed, self.rank, self.param_index,
                                    self.error_feedback and phase.error_feedback, probing, gathered[1],
                                    self.residuals, self.scales, frozenset(self.health.ef_off),
-                                   self._quantization_scale if pre else None)
+                                   self._quantization_scale if pre else None, self._step_loss_scale())
         return plan, routes, ctx
+
+    def _step_loss_scale(self) -> torch.Tensor | None:
+        """The loss scale this step's gradients carry (`EncodeContext.loss_scale`), or None without a scaler."""
+        return self.loss_scale() if self.loss_scale is not None else None
 
     def _quantization_scale(self, names: Sequence[str], lengths: Sequence[int],
                             device: torch.device) -> torch.Tensor | None:
@@ -262,7 +266,7 @@ class Runtime(RuntimeState):
         scale under a scaler (the hook's gradients carry it, v does not: `optim.loss_scale_of`)."""
         assert self.preconditioner is not None
         q = self.preconditioner.flat_scale(names, lengths, device, step=self.step)
-        scale = self.loss_scale() if self.loss_scale is not None else None
+        scale = self._step_loss_scale()
         return q if q is None or scale is None else q * scale.to(q.device)
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
@@ -293,7 +297,8 @@ class Runtime(RuntimeState):
         launch = Launch(index, plan, routes, buffer, tuple(sent), recv, ctrl_part, rows, probe,
                         nbytes + blocking.wire_bytes, baseline, collectives + blocking.rounds, blocking.rounds,
                         tuple(elements.items()),
-                        (*zip(HOOK_PHASES, (*phases, time.thread_time() - t0), strict=True),), fid_cols)
+                        (*zip(HOOK_PHASES, (*phases, time.thread_time() - t0), strict=True),), fid_cols,
+                        loss_scale=ctx.loss_scale)
         return launch, futs
 
     def _callback(self, launch: Launch, done: torch.futures.Future) -> torch.Tensor:
