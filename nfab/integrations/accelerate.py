@@ -59,11 +59,12 @@ def attach(
             f"nfab needs the DistributedDataParallel or FSDP2 model from accelerator.prepare, got "
             f"{type(prepared_model).__name__} (distributed type {accelerator.distributed_type})"
         )
-    from nfab.api import attach as nfab_attach
+    from nfab.integrations.defaults import attach_with_defaults
     from nfab.integrations.state import RankStates
 
-    if getattr(accelerator, "scaler", None) is not None:  # fp16: the gradients carry its scale (nfab.attach)
-        attach_kwargs.setdefault("loss_scaler", accelerator.scaler)
-    runtime = nfab_attach(prepared_model, profile, route=route, **attach_kwargs)
+    # fp16: the gradients carry the scaler's scale (nfab.attach); the user's own keywords win
+    runtime = attach_with_defaults(prepared_model, profile, route, attach_kwargs,
+                                   total_steps=attach_kwargs.get("total_steps"),
+                                   loss_scaler=getattr(accelerator, "scaler", None))
     accelerator.register_for_checkpointing(RankStates(runtime, prepared_model))
     return runtime
