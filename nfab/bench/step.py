@@ -26,6 +26,7 @@ A variant `nfab:ROUTE` (e.g. `nfab:q8`) is nfab with that static route. With
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at registration.
+import contextlib
 import copy
 import importlib
 import json
@@ -61,7 +62,7 @@ from nfab.models import build_model
 from nfab.profile.schema import Profile
 from nfab.runtime.frontends import fsdp2
 from nfab.train.config import NFAB_BUCKET_MB
-from nfab.train.setup import loss_fn
+from nfab.train.setup import AUTOCAST, loss_fn
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
 
 VARIANTS: dict[str, str] = {
@@ -216,6 +217,23 @@ class Run:
     loss: float = float("nan")
     link_bytes: int = 0
     """Bytes this node sent on the shaped link during the timed steps (node's first rank only)."""
+    scaler: torch.amp.GradScaler | None = None
+    """The fp16 recipe's loss scaler (`Recipe.precision`), told to nfab's attach; None otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """What a training config's step does around forward, backward and the optimizer step, as
+    `nfab train` does it (`recipe_step`): a nanoGPT-style recipe clips, accumulates and autocasts."""
+
+    grad_clip: float | None = None
+    accum_steps: int = 1
+    precision: str = "fp32"
+
+    @classmethod
+    def of(cls, tc: Any) -> "Recipe":
+        """The recipe of a `TrainConfig`."""
+        return cls(tc.optim.grad_clip, tc.accum_steps, tc.precision)
 
 
 def build_run(name: str, module: torch.nn.Module, cfg: BenchConfig) -> Run:
@@ -248,16 +266,44 @@ def prepare(rank: int, cfg: BenchConfig) -> tuple[list[Run], list[tuple[torch.Te
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, task: str = "classification") -> float:
     """One timed training step (after a barrier, so ranks start together); seconds."""
+    return recipe_step(run, [(x, y)], task)
+
+
+def recipe_step(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]], task: str = "classification",
+                recipe: Recipe = Recipe()) -> float:
+    """One timed optimizer step of `recipe` over its micro-`batches` (after a barrier); seconds.
+
+    As `nfab train` steps: every micro-batch but the last under DDP's `no_sync` (the gradients
+    accumulate locally and go out once), the loss under autocast (bf16, fp16) and divided by the
+    micro-batches, scaled by the run's GradScaler (fp16), the gradient clipped unscaled, and the
+    scaler's step (it skips an overflowed step). Why: time to accuracy is the user's recipe's; a
+    bench that trained without its clipping or accumulation would time another recipe."""
     dist.barrier()
     t0 = time.perf_counter()
     run.opt.zero_grad(set_to_none=True)
-    loss = loss_fn(task, run.ddp(x), y)
-    if run.runtime is not None:
-        run.runtime.observe_loss(loss)
-    loss.backward()
-    run.opt.step()
+    dtype, scaler, n = AUTOCAST.get(recipe.precision), run.scaler, len(batches)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        last = i == n - 1
+        with contextlib.nullcontext() if last else run.ddp.no_sync():
+            with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = loss_fn(task, run.ddp(x), y)
+            losses.append(loss.detach())
+            if last and run.runtime is not None:
+                run.runtime.observe_loss(losses[0] if n == 1 else torch.stack(losses).mean())
+            part = loss if n == 1 else loss / n
+            (part if scaler is None else scaler.scale(part)).backward()
+    if recipe.grad_clip is not None:
+        if scaler is not None:
+            scaler.unscale_(run.opt)  # clip the optimizer's gradient, not the scaled one
+        torch.nn.utils.clip_grad_norm_(run.ddp.parameters(), recipe.grad_clip)
+    if scaler is not None:
+        scaler.step(run.opt)
+        scaler.update()
+    else:
+        run.opt.step()
     dt = time.perf_counter() - t0
-    run.loss = float(loss.detach())
+    run.loss = float(losses[0] if n == 1 else torch.stack(losses).mean())
     return dt
 
 

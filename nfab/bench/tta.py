@@ -1,7 +1,9 @@
 """Time to accuracy: how soon each communication variant reaches FP32's final validation loss.
 
-The same model, recipe (a shipped training config), data and seed train under each variant
-on the same W gloo ranks, on an emulated link (`link`: `nfab.bench.netns`):
+The same model, recipe (a shipped training config and the user's overrides: optimizer,
+schedule, clipping, accumulation, precision, as `nfab train` steps them: `step.recipe_step`), data
+and seed train under each variant on the same W gloo ranks, on an emulated link (`link`:
+`nfab.bench.netns`):
 
 - `fp32`: plain DDP; it trains its full `steps`, and its final validation loss is the target;
 - `bf16`: torch's `bf16_compress_hook` (bf16 DDP, the honest baseline);
@@ -62,6 +64,10 @@ MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 """`--model` -> (shipped config, its overrides for this benchmark)."""
 POWERSGD_RANK = 4
+UNSET_BY_RECIPE = ("comm", "launch", "parallel")
+"""Config sections a `bench tta` override may not set: the variants and the ranks are the benchmark's.
+The rest of the recipe (optimizer, clipping, accumulation, precision, schedule, data) every variant
+trains with (`step.recipe_step`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,6 +119,11 @@ class TtaConfig:
             object.__setattr__(self, "link", netns.check_rate(self.link))
         if self.cost_model not in step_mod.COST_MODELS:
             raise ConfigError(f"cost_model must be one of {', '.join(step_mod.COST_MODELS)}, got {self.cost_model!r}")
+        for o in self.overrides:  # what a variant, not the recipe, decides: refused rather than ignored
+            key = o.split("=", 1)[0].strip()
+            if key.split(".", 1)[0] in UNSET_BY_RECIPE:
+                raise ConfigError(f"bench tta sets each variant's communication and launch itself (--variants, "
+                                  f"--profile, --world-size): drop the override {o!r}")
         self.train_config()  # a bad override is one line here, not inside a rank
 
     def train_config(self) -> TrainConfig:
@@ -181,11 +192,12 @@ def build_trainees(cfg: TtaConfig, tc: TrainConfig, module: torch.nn.Module, spe
         sname = STEP_NAMES.get(name, name)
         ddp = ddp_for(sname, copy.deepcopy(module), NFAB_BUCKET_MB)
         opt = build_optimizer(ddp.module, tc.optim, spec.optimizer)
-        run = step_mod.Run(name, ddp, opt)
+        scaler = torch.amp.GradScaler("cpu") if tc.precision == "fp16" else None
+        run = step_mod.Run(name, ddp, opt, scaler=scaler)
         run.runtime, run.state = attach_comm(
             sname, ddp, total_steps=fp32_steps, seed=tc.seed, cost_model=cfg.cost_model, profile=cfg.profile,
             powersgd_rank=cfg.powersgd_rank, powersgd_start=cfg.powersgd_start, optimizer=opt,
-            head_modules=spec.head_modules)
+            head_modules=spec.head_modules, loss_scaler=scaler)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, fp32_steps, tc.schedule))
         out.append(Trainee(name, run, sched))
     return out
@@ -205,6 +217,7 @@ def rank_main(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]
     n = tc.steps
     limit = int(round(cfg.max_factor * n))
     trainees = build_trainees(cfg, tc, spec.module, spec, n)
+    recipe = step_mod.Recipe.of(tc)
     train_data = build_dataset(tc.data.name, split="train", seed=tc.seed, **tc.data.options)
     test_data = build_dataset(tc.data.name, split="test", seed=tc.seed, **tc.data.options)
     stream = BatchStream(train_data, batch_size=tc.data.batch_size, rank=rank, world_size=world, seed=tc.seed)
@@ -217,13 +230,13 @@ def rank_main(rank: int, world: int, cfg_dict: dict[str, Any]) -> dict[str, Any]
         active = [t for t in trainees if not t.done]
         if not active:
             break
-        x, y = stream.next()
+        batches = [stream.next() for _ in range(recipe.accum_steps)]  # the same micro-batches for every variant
         k = i % len(active)
         for t in active[k:] + active[:k]:
             seen = t.run.runtime.step if t.run.runtime is not None else 0
             dist.barrier()
             before = counter.read()
-            t.pending.append(step_mod.train_step(t.run, x, y, task=spec.task))
+            t.pending.append(step_mod.recipe_step(t.run, batches, spec.task, recipe))
             dist.barrier()
             t.link_bytes += counter.read() - before
             t.wire_bytes += _step_bytes(t, cfg, module0, world, seen)

@@ -57,15 +57,16 @@ def ddp_for(name: str, module: torch.nn.Module, nfab_bucket_mb: float) -> DDP:
 def attach_comm(name: str, ddp: DDP, *, total_steps: int, seed: int, cost_model: str,
                 profile: dict[str, Any] | None, powersgd_rank: int = 2, powersgd_start: int = POWERSGD_START,
                 optimizer: torch.optim.Optimizer | None = None, head_modules: tuple[str, ...] | None = None,
-                ) -> tuple[Any, Any]:
+                loss_scaler: torch.amp.GradScaler | None = None) -> tuple[Any, Any]:
     """Register variant `name`'s communication on `ddp`: (nfab Runtime or None, torch hook state or None).
 
     Shared by `nfab bench step` and `nfab bench tta`, so both compare the same variants.
-    `optimizer` and `head_modules` reach nfab's attach (it reads the optimizer's family).
+    `optimizer`, `head_modules` and `loss_scaler` (an fp16 recipe's) reach nfab's attach (it reads the
+    optimizer's family; the hook's gradients carry the scaler's scale).
     """
     cm = "measure" if cost_model == "measure" else None
     nfab_kw: dict[str, Any] = {"total_steps": total_steps, "seed": seed, "cost_model": cm,
-                               "optimizer": optimizer, "head_modules": head_modules}
+                               "optimizer": optimizer, "head_modules": head_modules, "loss_scaler": loss_scaler}
     if name == "floor":
         ddp.register_comm_hook(None, no_comm_hook)
     elif name == "fp16":

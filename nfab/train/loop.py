@@ -31,7 +31,7 @@ from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
 from nfab.train.parallel import Wrapped, wrap
 from nfab.train.progress import ProgressBar
-from nfab.train.setup import BatchStream, build_optimizer, loss_fn, lr_factor
+from nfab.train.setup import AUTOCAST, BatchStream, build_optimizer, loss_fn, lr_factor
 from nfab.wire import cost as cost_mod
 
 if TYPE_CHECKING:
@@ -129,8 +129,6 @@ def _levels(runtime: Runtime | ShardedRuntime | None) -> str | None:
 
 
 _COLLECTIVE = {"ddp": "all-reduce in DDP", "fsdp": "reduce-scatter in FSDP"}
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""`precision`'s autocast dtype (fp32: no autocast)."""
 
 
 def _check_parallel(cfg: TrainConfig, shared: dict[str, Any]) -> None:

@@ -1,14 +1,17 @@
 """`nfab bench tta`: a tiny real run (W=2 gloo, loopback) gives the JSON the issue asks for, its
 target logic holds, and `nfab report` renders it. No timing assertions: the machine is shared."""
 
+import contextlib
 import json
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from nfab.bench import step as step_mod
 from nfab.bench import tta, ttaseeds
 from nfab.cli.app import app
+from nfab.distributed import run_ranks
 from nfab.errors import NfabError
 
 VARIANT_KEYS = {"time_to_target_s", "steps_to_target", "steps", "final_loss", "wire_bytes", "curve",
@@ -121,3 +124,66 @@ def test_bytes_per_step_count_to_the_target_for_fp32_too():
                  "train_time_s": 15.0, "final_loss": 0.09}}}
     fewer = {r["variant"]: r["fewer_bytes_per_step_vs_fp32"] for r in tta.summary_rows(doc)}
     assert fewer == {"fp32": 1.0, "nfab-profile": 14.0, "bf16": 2.0}
+
+
+def _recipe_steps(rank: int, world_size: int, precision: str) -> dict:
+    """Three steps of a recipe (2 micro-batches, clip 0.05, `precision`) by `recipe_step` and by a loop
+    written out here, from the same weights and batches, under plain DDP and under nfab (fp32 route)."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import nfab
+
+    recipe = step_mod.Recipe(grad_clip=0.05, accum_steps=2, precision=precision)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    gen = torch.Generator().manual_seed(rank)
+    data = [[(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)) for _ in range(2)]
+            for _ in range(3)]
+    out: dict = {"norms": []}
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        models = [DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))) for _ in range(2)]
+        models[1].module.load_state_dict(models[0].module.state_dict())
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+        scalers = [torch.amp.GradScaler("cpu", init_scale=256.0) if precision == "fp16" else None for _ in models]
+        runtimes = [nfab.attach(m, route="fp32", cost_model=None, optimizer=o, loss_scaler=s) if hooked else None
+                    for m, o, s in zip(models, opts, scalers, strict=True)]
+        run = step_mod.Run("r", models[0], opts[0], runtime=runtimes[0], scaler=scalers[0])
+        ref, ref_opt, scaler = models[1], opts[1], scalers[1]
+        for batches in data:
+            step_mod.recipe_step(run, batches, "classification", recipe)
+            ref_opt.zero_grad()
+            for i, (x, y) in enumerate(batches):  # the recipe written out
+                ctx = ref.no_sync() if i == 0 else contextlib.nullcontext()
+                with ctx:
+                    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                        loss = nn.functional.cross_entropy(ref(x), y) / 2
+                    (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(ref_opt)
+            out["norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+            (scaler.step(ref_opt), scaler.update()) if scaler else ref_opt.step()
+        out[hooked] = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    return out
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_bench_steps_are_the_recipes_steps(precision):
+    """`bench tta` steps the recipe as `nfab train` does (accumulation under no_sync, autocast, the fp16
+    scaler, clipping on the unscaled gradient): bit for bit the loop written out, plain and under nfab.
+    It used to run one micro-batch in fp32 without clipping, while its JSON recorded the recipe."""
+    for res in run_ranks(_recipe_steps, 2, precision, timeout_s=120):
+        for hooked in (False, True):
+            bench, ref = res[hooked]
+            assert torch.equal(bench, ref), (precision, hooked)
+        assert max(res["norms"]) > 0.05  # the clip acted
+
+
+def test_overrides_a_variant_decides_are_refused_in_one_line():
+    with pytest.raises(NfabError, match="drop the override 'comm.route=sign'"):
+        tta.TtaConfig(overrides=("comm.route=sign",))
+    result = CliRunner().invoke(app, ["bench", "tta", "parallel=fsdp"])
+    assert result.exit_code == 2 and "drop the override 'parallel=fsdp'" in result.output
+    cfg = tta.TtaConfig(overrides=("accum_steps=4", "optim.grad_clip=1.0", "precision=bf16"))
+    assert step_mod.Recipe.of(cfg.train_config()) == step_mod.Recipe(1.0, 4, "bf16")  # what rank_main steps
