@@ -88,7 +88,8 @@ def register(app: typer.Typer) -> None:
         ] = None,
         json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here.")] = None,
         overrides: Annotated[list[str] | None, typer.Argument(
-            help="key=value overrides on the model's training config (optim.lr=0.1).")] = None,
+            help="key=value overrides on the model's training recipe, stepped as nfab train steps it "
+                 "(optim.lr=0.1 optim.grad_clip=1.0 accum_steps=2 precision=bf16).")] = None,
     ) -> None:
         """Time to FP32's final validation loss: FP32, bf16 and PowerSGD DDP and nfab's profile, side by side."""
         from nfab.bench import netns, tta, ttaseeds
