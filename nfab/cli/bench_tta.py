@@ -41,9 +41,12 @@ def print_report(doc: dict[str, Any]) -> None:
                       f"{r['final_loss']:.4f}",
                       f"{r['step_ms']:.0f}", f"{r['wire_bytes'] / 1e6:.1f}", "" if fewer is None else f"{fewer:.1f}x")
     console.print(table)
-    console.print(f"{doc['parameters']:,} parameters; FP32 {doc['fp32_steps']} steps, others up to "
-                  f"{doc['max_steps']}; evaluated every {doc['config']['eval_every']} steps; clock: {doc['clock']}; "
-                  "× = time to target of the base / the variant's (>1: sooner)", highlight=False)
+    from nfab.report.tta import recipe_text
+
+    console.print(f"{doc['parameters']:,} parameters; recipe: {recipe_text(doc)}; FP32 {doc['fp32_steps']} steps, "
+                  f"others up to {doc['max_steps']}; evaluated every {doc['config']['eval_every']} steps; "
+                  f"clock: {doc['clock']}; × = time to target of the base / the variant's (>1: sooner)",
+                  highlight=False)
 
 
 def print_over_seeds(doc: dict[str, Any]) -> None:

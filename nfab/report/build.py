@@ -90,8 +90,8 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
         plot = f"tta_{_slug(tta.name)}.png"
         written.append(atomic_write_bytes(out / plot, tta_plot(tta)))
         ttas.append(TtaView(name=tta.name, target_loss=tta.target_loss, table=tta_table(tta), plot=plot,
-                            note=f"{tta.model} on a {tta.link} link; target: FP32's final validation loss "
-                                 f"{tta.target_loss:.4f}; '×' (sooner than) = the base's time to target / this "
+                            note=f"{tta.model} ({tta.recipe}) on a {tta.link} link; target: FP32's final validation "
+                                 f"loss {tta.target_loss:.4f}; '×' (sooner than) = the base's time to target / this "
                                  "variant's; wall time counts training steps only, evaluation excluded"))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(

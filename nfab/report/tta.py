@@ -44,6 +44,8 @@ class TtaArtifact:
     variants: dict[str, dict[str, Any]]
     link: str
     model: str
+    recipe: str = ""
+    """What every variant trained with, in one line (`recipe_text`)."""
     over_seeds: dict[str, dict[str, Any]] | None = None
     """On the first seed's artifact of an `nfab bench tta --seeds` file: the summary over its seeds."""
     series: str | None = None
@@ -107,7 +109,28 @@ def _artifact(path: Path, name: str, doc: dict[str, Any]) -> TtaArtifact:
         raise NfabError(f"{path}: no fp32 variant (it sets the target)")
     link = doc.get("link") or {}
     return TtaArtifact(name=name, path=path, target_loss=float(doc["target_loss"]), variants=variants,
-                       link=link.get("rate", "loopback"), model=str(doc["config"]["model"]))
+                       link=link.get("rate", "loopback"), model=str(doc["config"]["model"]), recipe=recipe_text(doc))
+
+
+def recipe_text(doc: dict[str, Any]) -> str:
+    """The recipe a tta run stepped, in one line, from its JSON's `recipe` (the training config): optimizer
+    and learning rate, schedule, batch, and the clipping, accumulation and precision where set. Why: a
+    time to accuracy is the recipe's; two runs compare only when it is the same."""
+    r = doc.get("recipe") or {}
+    optim, data, sched = r.get("optim") or {}, r.get("data") or {}, r.get("schedule") or {}
+    name = str(optim.get("name", "?"))
+    parts = [f"{name} lr {optim['lr']:g}" if optim.get("lr") else name]
+    if sched.get("name"):
+        parts.append(f"{sched['name']} schedule")
+    if data.get("batch_size"):
+        parts.append(f"batch {data['batch_size']}/rank")
+    if optim.get("grad_clip"):
+        parts.append(f"clip {optim['grad_clip']:g}")
+    if (r.get("accum_steps") or 1) > 1:
+        parts.append(f"{r['accum_steps']} micro-batches")
+    if r.get("precision", "fp32") != "fp32":
+        parts.append(str(r["precision"]))
+    return ", ".join(parts)
 
 
 def speedup(base: dict[str, Any] | None, variant: dict[str, Any]) -> str | None:

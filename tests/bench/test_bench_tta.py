@@ -99,6 +99,7 @@ def test_tiny_run_reaches_targets_by_the_rule_and_report_renders_it(tmp_path):
     assert "Time to accuracy" in result.output and "sooner" in result.output
     html = (out / "report.html").read_text()
     assert "Time to accuracy: tta" in html and (out / "tta_tta.png").stat().st_size > 1000
+    assert "(sgd lr 0.05, cosine schedule, batch 8/rank)" in html  # the recipe the run stepped
     seeds = ttaseeds.seeds_document((0, 1), [doc, doc], command="test")  # as `--seeds 0,1` writes it
     path2 = tta.write_json(tmp_path / "seeds.json", seeds)
     result = CliRunner().invoke(app, ["report", str(path2), "--out", str(out)])
