@@ -163,7 +163,11 @@ def _recipe_steps(rank: int, world_size: int, precision: str) -> dict:
             if scaler:
                 scaler.unscale_(ref_opt)
             out["norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
-            (scaler.step(ref_opt), scaler.update()) if scaler else ref_opt.step()
+            if scaler:
+                scaler.step(ref_opt)
+                scaler.update()
+            else:
+                ref_opt.step()
         out[hooked] = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
     return out
 
