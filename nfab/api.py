@@ -172,7 +172,8 @@ def attach(
         run_steps = total_steps or calibrated_steps(prof, "run_steps")
         prof = prof.model_copy(update={"health": for_run(prof.health, calibrated_steps(prof), run_steps)})
     if sharded:
-        fsdp_layout.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy)
+        fsdp_layout.check_options(prof, explicit=explicit, error_feedback=error_feedback, hierarchy=hierarchy,
+                                  qsum_scale=qsum_scale)
     group = fsdp_layout.shard_group(ddp_model) if sharded else ddp_model.process_group
     if cost_model == "measure":
         cm = cost_mod.measure(group, device=_grad_device(ddp_model))

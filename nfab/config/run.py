@@ -254,7 +254,7 @@ class TrainConfig(StrictModel):
             route = self.comm.route
             fsdp_layout.check_options(Profile.static(route if route is not None else "fp32"),
                                       explicit=route is not None, error_feedback=self.comm.error_feedback,
-                                      hierarchy=self.comm.hierarchy)
+                                      hierarchy=self.comm.hierarchy, qsum_scale=self.comm.qsum_scale)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -163,6 +163,7 @@ def test_model_and_dataset_flags_win_over_the_config_file(tmp_path: Path) -> Non
     (["comm.route=bq2", "comm.error_feedback=true"], "error_feedback=True is not offered on FSDP2"),
     (["comm.route=bq2", "comm.hierarchy=1x2"], "hierarchy= is not offered on FSDP2"),
     (["comm.route=bf16"], "route bf16 is not offered on FSDP2"),
+    (["comm.route=q8", "comm.qsum_scale=delayed"], "qsum_scale='delayed' is not offered on FSDP2"),
 ])
 def test_what_fsdp2_refuses_is_refused_before_the_ranks_start(tmp_path: Path, flags: list[str], match: str) -> None:
     """It was refused inside rank 0, after the run dir was made ("training failed: rank 0 ...")."""

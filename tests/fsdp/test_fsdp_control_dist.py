@@ -178,6 +178,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     refused(lambda: nfab.attach(model, route="bf16", cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", error_feedback=True, cost_model=None))
     refused(lambda: nfab.attach(model, route="bq3", hierarchy=2, cost_model=None))
+    refused(lambda: nfab.attach(model, route="q8", qsum_scale="delayed", cost_model=None))
     refused(lambda: nfab.attach(model, cost_model=None))
     refused(lambda: nfab.attach(nn.Linear(3, 3), route="bq3", cost_model=None))
 
@@ -199,10 +200,11 @@ def test_attach_refuses_what_fsdp2_cannot_do_with_one_line():
     assert "route bf16 is not offered on FSDP2" in msgs[0]
     assert "error_feedback=True is not offered on FSDP2" in msgs[1]
     assert "hierarchy= is not offered on FSDP2" in msgs[2]
-    assert msgs[3] == "give exactly one of profile= or route="
-    assert "DistributedDataParallel model or an FSDP2 model" in msgs[4]
-    assert "already has a custom reduce-scatter (Custom" in msgs[5]
-    assert "supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1" in msgs[6]
+    assert "qsum_scale='delayed' is not offered on FSDP2" in msgs[3]  # it was ignored: exact scales, in silence
+    assert msgs[4] == "give exactly one of profile= or route="
+    assert "DistributedDataParallel model or an FSDP2 model" in msgs[5]
+    assert "already has a custom reduce-scatter (Custom" in msgs[6]
+    assert "supports FSDP2 (torch.distributed.fsdp.fully_shard), not FSDP1" in msgs[7]
     assert all("\n" not in m for m in msgs)
 
 

@@ -109,9 +109,13 @@ def shard_group(root: nn.Module) -> dist.ProcessGroup | None:
     return groups[0].mesh_info.shard_process_group
 
 
-def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | str, hierarchy: object) -> None:
-    """What the FSDP2 front end refuses, one line each: error feedback, a hierarchy, an explicit route
-    it cannot reduce as asked."""
+def check_options(profile: Profile, *, explicit: bool, error_feedback: bool | str, hierarchy: object,
+                  qsum_scale: str = "exact") -> None:
+    """What the FSDP2 front end refuses, one line each: error feedback, a hierarchy, delayed qsum scales,
+    an explicit route it cannot reduce as asked."""
+    if qsum_scale != "exact":
+        raise NfabError(f"qsum_scale={qsum_scale!r} is not offered on FSDP2: its q8/q4/q2 shards agree their "
+                        "scale in the step (exact)")
     if error_feedback is True:
         raise NfabError("error_feedback=True is not offered on FSDP2: a residual per parameter would keep a "
                         "full-size gradient on every rank")
