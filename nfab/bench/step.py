@@ -54,6 +54,7 @@ from nfab.bench.variants import (  # noqa: F401 - re-exported: fsdpstep and the 
     on_bench_model,
     test_profile,
 )
+from nfab.config.optim import AUTOCAST
 from nfab.data import build_dataset, make_loader
 from nfab.distributed import run_ranks
 from nfab.errors import ConfigError
@@ -62,7 +63,7 @@ from nfab.models import build_model
 from nfab.profile.schema import Profile
 from nfab.runtime.frontends import fsdp2
 from nfab.train.config import NFAB_BUCKET_MB
-from nfab.train.setup import AUTOCAST, loss_fn
+from nfab.train.setup import loss_fn
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
 
 VARIANTS: dict[str, str] = {

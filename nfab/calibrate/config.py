@@ -117,6 +117,18 @@ class CalibrationConfig(StrictModel):
         return self.setting.data.batch_size
 
     @property
+    def accum_steps(self) -> int:
+        return self.setting.accum_steps
+
+    @property
+    def grad_clip(self) -> float | None:
+        return self.setting.optim.grad_clip
+
+    @property
+    def precision(self) -> str:
+        return self.setting.precision
+
+    @property
     def steps(self) -> int:
         return self.setting.steps
 
@@ -143,7 +155,8 @@ _ALIASES: dict[str, str] = {
     "batch_size": "data.batch_size", "lr": "optim.lr", "momentum": "optim.momentum",
     "weight_decay": "optim.weight_decay", "betas": "optim.betas", "grad_clip": "optim.grad_clip",
     "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
-    "steps": "steps", "seed": "seed", "optimizer": "optim.name",
+    "steps": "steps", "seed": "seed", "optimizer": "optim.name", "accum_steps": "accum_steps",
+    "precision": "precision",
 }
 """Plain keys that name a setting field (`lr=0.1` is `optim.lr=0.1`)."""
 

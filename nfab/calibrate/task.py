@@ -4,6 +4,12 @@ W virtual ranks live in one process. A step runs each rank's shard through the o
 model, keeps each rank's flat gradient, and emulates DDP's buffer broadcast (every
 rank starts the step from rank 0's buffers; rank 0's updated buffers win), so batch
 norm statistics evolve as in a real W-rank run.
+
+A step is the setting's recipe, as `nfab train` steps it: each rank accumulates `accum_steps`
+micro-batches (the loss divided by their number), its forward under autocast at `precision`
+(bf16, fp16: no loss scaler here), and the mean gradient is clipped to `optim.grad_clip` before
+the optimizer steps. Until 2026-12-05 a step was one micro-batch in fp32, unclipped, whatever the
+setting said.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nfab.calibrate.config import CalibrationConfig
-from nfab.config.optim import build_optimizer, lr_factor, warmup_steps
+from nfab.config.optim import AUTOCAST, build_optimizer, lr_factor, warmup_steps
 from nfab.data import build_dataset, make_loader
 from nfab.data.spec import SpecDataset
 from nfab.errors import ConfigError
@@ -147,19 +153,27 @@ class Task:
 
     # ---- one step -----------------------------------------------------------------
     def rank_grads(self, step: int) -> tuple[list[torch.Tensor], float]:
-        """Each rank's flat gradient (params in model order) at `step`, and the mean loss."""
+        """Each rank's flat gradient (params in model order) at `step`, and the mean loss: the mean over
+        its `accum_steps` micro-batches (global batches step * A .. step * A + A - 1, as `nfab train`'s
+        stream deals them), forward under the setting's autocast."""
         self.model.train()
         start = [b.clone() for b in self.buffers]
         after0: list[torch.Tensor] = []
         grads, losses = [], []
-        for r, (x, y) in enumerate(self.stream.batches(step)):
+        a = self.cfg.accum_steps
+        dtype = AUTOCAST.get(self.cfg.precision)
+        micro = [self.stream.batches(step * a + k) for k in range(a)]  # micro[k][rank]
+        for r in range(self.cfg.world_size):
             for b, s in zip(self.buffers, start, strict=True):
                 b.copy_(s)
             for p in self.params:
                 p.grad = None
-            loss = loss_fn(self.spec, self.model(x), y)
-            loss.backward()
-            losses.append(float(loss.detach()))
+            for k in range(a):
+                x, y = micro[k][r]
+                with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                    loss = loss_fn(self.spec, self.model(x), y)
+                (loss if a == 1 else loss / a).backward()
+                losses.append(float(loss.detach()))
             grads.append(torch.cat([_grad(p).reshape(-1) for p in self.params]))
             if r == 0:
                 after0 = [b.clone() for b in self.buffers]
@@ -168,12 +182,15 @@ class Task:
         return grads, sum(losses) / len(losses)
 
     def apply(self, flat_mean: torch.Tensor, step: int) -> None:
-        """Write a flat mean gradient into .grad and take one optimizer step at step's lr."""
+        """Write a flat mean gradient into .grad, clip it as the setting does (`clip_grad_norm_`, as
+        `nfab train` clips the reduced gradient) and take one optimizer step at step's lr."""
         pos = 0
         for p in self.params:
             n = p.numel()
             p.grad = flat_mean[pos : pos + n].view_as(p).clone()
             pos += n
+        if self.cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(step)
         self.optimizer.step()

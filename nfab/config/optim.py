@@ -14,6 +14,8 @@ from torch import nn
 
 from nfab.config.run import OptimConfig, ScheduleConfig
 
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""`precision`'s autocast dtype (fp32: no autocast), for `nfab train`, `nfab calibrate` and the benches."""
 DEFAULT_LR = {"sgd": 0.05, "adamw": 3e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.01}
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import nfab
+from nfab.config.optim import AUTOCAST
 from nfab.data import build_dataset, make_eval_loader
 from nfab.errors import NfabError
 from nfab.models import build_model, model_signature
@@ -31,7 +32,7 @@ from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
 from nfab.train.parallel import Wrapped, wrap
 from nfab.train.progress import ProgressBar
-from nfab.train.setup import AUTOCAST, BatchStream, build_optimizer, loss_fn, lr_factor
+from nfab.train.setup import BatchStream, build_optimizer, loss_fn, lr_factor
 from nfab.wire import cost as cost_mod
 
 if TYPE_CHECKING:

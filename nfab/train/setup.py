@@ -17,10 +17,6 @@ from nfab.data import SpecDataset, make_loader
 __all__ = ["BatchStream", "build_optimizer", "check_pairing", "loss_fn", "lr_factor"]
 
 
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""`precision`'s autocast dtype (fp32: no autocast)."""
-
-
 def loss_fn(task: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (per token for LMs)."""
     if task == "lm":

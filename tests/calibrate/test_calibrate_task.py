@@ -40,3 +40,34 @@ def test_a_calibration_shorter_than_its_config_records_the_run_it_is_for() -> No
     assert shipped.run_steps is None
     short = make_config("resnet18", steps=shipped.steps // 3)
     assert (short.steps, short.run_steps) == (shipped.steps // 3, shipped.steps)
+
+
+def _gpt(**over: object) -> Task:
+    return Task(make_config("gpt", steps=4, phases=1, overrides={"data.max_bytes": 50_000, "batch_size": 2,
+                                                                 "eval_samples": 4, **over}))
+
+
+def test_a_step_is_the_settings_recipe_accumulated_clipped_and_autocast() -> None:
+    """A calibration step steps the setting's recipe as `nfab train` does. It used to be one fp32
+    micro-batch, unclipped, whatever the setting said (the recipe profiles of docs/study.md were
+    calibrated so)."""
+    plain, accum = _gpt(), _gpt(accum_steps=2)
+    # accumulation: each rank's gradient is the mean over the global batches 2s and 2s + 1, bit for bit
+    # (the loss halved before backward, then added: exact in binary floating point)
+    a, b = plain.rank_grads(2)[0], plain.rank_grads(3)[0]
+    got, loss = accum.rank_grads(1)
+    assert all(torch.equal(g, (x + y) / 2) for g, x, y in zip(got, a, b, strict=True))
+    assert loss == (plain.rank_grads(2)[1] + plain.rank_grads(3)[1]) / 2
+    # clipping: the optimizer steps on the mean clipped to the setting's norm
+    clipped = _gpt(**{"optim.grad_clip": 0.05})
+    mean = torch.stack(clipped.rank_grads(0)[0]).mean(0)
+    assert float(mean.norm()) > 0.05
+    clipped.apply(mean.clone(), 0)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in clipped.params]))
+    assert abs(float(norm) - 0.05) < 1e-6
+    plain.apply(mean.clone(), 0)
+    assert not all(torch.equal(p, q) for p, q in zip(plain.params, clipped.params, strict=True))
+    # precision: the forward under bf16 autocast gives another gradient, close to fp32's
+    bf16 = torch.cat(_gpt(precision="bf16").rank_grads(0)[0])
+    fp32 = torch.cat(_gpt().rank_grads(0)[0])
+    assert not torch.equal(bf16, fp32) and float(torch.nn.functional.cosine_similarity(bf16, fp32, 0)) > 0.95
