@@ -251,6 +251,9 @@ class TrainConfig(StrictModel):
             from nfab.runtime.frontends import fsdp_layout
 
             # what the FSDP2 front end refuses, refused here: before the ranks start and the run dir is made
+            if self.comm.bucket_cap_mb is not None:
+                raise ValueError("comm.bucket_cap_mb sizes DDP's buckets: FSDP2 reduce-scatters per module "
+                                 "(fully_shard unit), so drop it or train with parallel=ddp")
             route = self.comm.route
             fsdp_layout.check_options(Profile.static(route if route is not None else "fp32"),
                                       explicit=route is not None, error_feedback=self.comm.error_feedback,

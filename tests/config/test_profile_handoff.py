@@ -164,6 +164,7 @@ def test_model_and_dataset_flags_win_over_the_config_file(tmp_path: Path) -> Non
     (["comm.route=bq2", "comm.hierarchy=1x2"], "hierarchy= is not offered on FSDP2"),
     (["comm.route=bf16"], "route bf16 is not offered on FSDP2"),
     (["comm.route=q8", "comm.qsum_scale=delayed"], "qsum_scale='delayed' is not offered on FSDP2"),
+    (["comm.route=bq2", "comm.bucket_cap_mb=4"], "comm.bucket_cap_mb sizes DDP's buckets"),
 ])
 def test_what_fsdp2_refuses_is_refused_before_the_ranks_start(tmp_path: Path, flags: list[str], match: str) -> None:
     """It was refused inside rank 0, after the run dir was made ("training failed: rank 0 ...")."""
