@@ -54,7 +54,7 @@ from nfab.bench.variants import (  # noqa: F401 - re-exported: fsdpstep and the 
     on_bench_model,
     test_profile,
 )
-from nfab.config.optim import AUTOCAST
+from nfab.config.optim import autocast
 from nfab.data import build_dataset, make_loader
 from nfab.distributed import run_ranks
 from nfab.errors import ConfigError
@@ -63,7 +63,7 @@ from nfab.models import build_model
 from nfab.profile.schema import Profile
 from nfab.runtime.frontends import fsdp2
 from nfab.train.config import NFAB_BUCKET_MB
-from nfab.train.setup import loss_fn
+from nfab.train.setup import clip_and_step, loss_fn
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
 
 VARIANTS: dict[str, str] = {
@@ -282,27 +282,19 @@ def recipe_step(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]], task
     dist.barrier()
     t0 = time.perf_counter()
     run.opt.zero_grad(set_to_none=True)
-    dtype, scaler, n = AUTOCAST.get(recipe.precision), run.scaler, len(batches)
+    scaler, n = run.scaler, len(batches)
     losses = []
     for i, (x, y) in enumerate(batches):
         last = i == n - 1
         with contextlib.nullcontext() if last else run.ddp.no_sync():
-            with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            with autocast(recipe.precision, x.device.type):
                 loss = loss_fn(task, run.ddp(x), y)
             losses.append(loss.detach())
             if last and run.runtime is not None:
                 run.runtime.observe_loss(losses[0] if n == 1 else torch.stack(losses).mean())
             part = loss if n == 1 else loss / n
             (part if scaler is None else scaler.scale(part)).backward()
-    if recipe.grad_clip is not None:
-        if scaler is not None:
-            scaler.unscale_(run.opt)  # clip the optimizer's gradient, not the scaled one
-        torch.nn.utils.clip_grad_norm_(run.ddp.parameters(), recipe.grad_clip)
-    if scaler is not None:
-        scaler.step(run.opt)
-        scaler.update()
-    else:
-        run.opt.step()
+    clip_and_step(run.opt, run.ddp.parameters(), recipe.grad_clip, scaler)
     dt = time.perf_counter() - t0
     run.loss = float(losses[0] if n == 1 else torch.stack(losses).mean())
     return dt

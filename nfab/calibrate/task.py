@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nfab.calibrate.config import CalibrationConfig
-from nfab.config.optim import AUTOCAST, build_optimizer, lr_factor, warmup_steps
+from nfab.config.optim import autocast, build_optimizer, lr_factor, warmup_steps
 from nfab.data import build_dataset, make_loader
 from nfab.data.spec import SpecDataset
 from nfab.errors import ConfigError
@@ -161,7 +161,6 @@ class Task:
         after0: list[torch.Tensor] = []
         grads, losses = [], []
         a = self.cfg.accum_steps
-        dtype = AUTOCAST.get(self.cfg.precision)
         micro = [self.stream.batches(step * a + k) for k in range(a)]  # micro[k][rank]
         for r in range(self.cfg.world_size):
             for b, s in zip(self.buffers, start, strict=True):
@@ -170,7 +169,7 @@ class Task:
                 p.grad = None
             for k in range(a):
                 x, y = micro[k][r]
-                with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+                with autocast(self.cfg.precision, "cpu"):
                     loss = loss_fn(self.spec, self.model(x), y)
                 (loss if a == 1 else loss / a).backward()
                 losses.append(float(loss.detach()))

@@ -16,6 +16,13 @@ from nfab.config.run import OptimConfig, ScheduleConfig
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """`precision`'s autocast dtype (fp32: no autocast), for `nfab train`, `nfab calibrate` and the benches."""
+
+
+def autocast(precision: str, device_type: str) -> torch.autocast:
+    """The forward's autocast context at `precision` on `device_type` (fp32: a disabled one)."""
+    dtype = AUTOCAST.get(precision)
+    return torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
 DEFAULT_LR = {"sgd": 0.05, "adamw": 3e-3}
 DEFAULT_WEIGHT_DECAY = {"sgd": 5e-4, "adamw": 0.01}
 

@@ -219,7 +219,8 @@ class TrainConfig(StrictModel):
     precision: PrecisionName = "fp32"
     """The forward's and loss's autocast dtype (`torch.autocast`): `bf16`, or `fp16` with a
     `torch.amp.GradScaler` that nfab is told of (`attach(loss_scaler=)`; its state is checkpointed).
-    Parameters, gradients and buckets stay fp32. A profile is calibrated in fp32."""
+    Parameters, gradients and buckets stay fp32. `nfab calibrate` autocasts the same way (without a
+    loss scaler)."""
     seed: int = 0
     """Seed for the model init, data order and the hook."""
     eval_every: int = Field(0, ge=0)

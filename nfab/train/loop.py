@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import nfab
-from nfab.config.optim import AUTOCAST
+from nfab.config.optim import autocast
 from nfab.data import build_dataset, make_eval_loader
 from nfab.errors import NfabError
 from nfab.models import build_model, model_signature
@@ -32,7 +32,7 @@ from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
 from nfab.train.parallel import Wrapped, wrap
 from nfab.train.progress import ProgressBar
-from nfab.train.setup import BatchStream, build_optimizer, loss_fn, lr_factor
+from nfab.train.setup import BatchStream, build_optimizer, clip_and_step, loss_fn, lr_factor
 from nfab.wire import cost as cost_mod
 
 if TYPE_CHECKING:
@@ -196,7 +196,6 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     cost_json = shared.get("cost_model")
     # after wrapping (FSDP swaps in sharded parameters), before attach (nfab reads its family and state)
     optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
-    autocast = AUTOCAST.get(cfg.precision)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     if not cfg.comm.fp32:
         cm = _cost_model(cfg, wrapped, cost_json)
@@ -284,7 +283,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 x, y = (t.to(device) for t in stream.next())
                 last = micro == cfg.accum_steps - 1
                 with wrapped.sync(last):
-                    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                    with autocast(cfg.precision, device.type):
                         loss = loss_fn(spec.task, model(x), y)
                     if factor is not None:  # injected NaN / Inf / spike (NFAB_FAULT)
                         loss = loss * factor
@@ -297,14 +296,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                 row["grad_norm"] /= scaler.get_scale()
             _at(f"step {step}: loss all-gather")
             row["loss"] = mean_loss(loss_sum / cfg.accum_steps, device)
-            if cfg.optim.grad_clip is not None:
-                scaler.unscale_(optimizer)  # clip the optimizer's gradient, not the scaled one
-                torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
-            if scaler.is_enabled():  # it skips a non-finite step itself (its buckets are NaN) and lowers its scale
-                scaler.step(optimizer)
-                scaler.update()
-            elif not row["skipped"]:
-                optimizer.step()
+            clip_and_step(optimizer, module.parameters(), cfg.optim.grad_clip, scaler, skipped=row["skipped"])
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             row["step_time_s"] = time.perf_counter() - t0

@@ -4,6 +4,7 @@ come from `nfab.config`, shared with calibration), so the loop stays a short set
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,6 +16,22 @@ from nfab.config.pairing import check_pairing
 from nfab.data import SpecDataset, make_loader
 
 __all__ = ["BatchStream", "build_optimizer", "check_pairing", "loss_fn", "lr_factor"]
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], grad_clip: float | None,
+                  scaler: torch.amp.GradScaler | None, skipped: bool = False) -> None:
+    """The end of a recipe's step: the gradient clipped to `grad_clip` unscaled (the optimizer's, not the
+    loss-scaled one), then the optimizer's step: through an enabled `scaler` (it skips a non-finite step
+    itself and lowers its scale), else unless nfab reported the step `skipped` (its buckets non-finite)."""
+    if grad_clip is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    if scaler is not None and scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+    elif not skipped:
+        optimizer.step()
 
 
 def loss_fn(task: str, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

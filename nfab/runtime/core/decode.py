@@ -20,7 +20,7 @@ from nfab.runtime.control import fidelity
 from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import FP32, Group
 from nfab.runtime.control.moment import NoiseMoment, rounding_variance
-from nfab.runtime.core.encode import slices, views
+from nfab.runtime.core.encode import slices, unscaled, views
 from nfab.runtime.core.handoff import Launch, Outcome, Sent
 from nfab.wire import dispatch
 from nfab.wire.blockq.reducer import BlockQSum
@@ -101,8 +101,7 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
     if amax_cols is not None:
         assert enc.shared is not None
         agreed = _amax_over_ranks(amax_cols)
-        history = agreed if launch.loss_scale is None else agreed / launch.loss_scale.to(agreed.device)
-        amax.append((tuple(s.name for s in group.slices), history))  # the history is unscaled
+        amax.append((tuple(s.name for s in group.slices), unscaled(agreed, launch.loss_scale)))  # kept unscaled
         if gathered is None:  # a rank's own scale never saturates
             saturated.append((agreed > enc.shared).sum())
     if gathered is not None and isinstance(red, QSum):  # each row with its own rank's scales

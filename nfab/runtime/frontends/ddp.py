@@ -266,8 +266,7 @@ class Runtime(RuntimeState):
         scale under a scaler (the hook's gradients carry it, v does not: `optim.loss_scale_of`)."""
         assert self.preconditioner is not None
         q = self.preconditioner.flat_scale(names, lengths, device, step=self.step)
-        scale = self._step_loss_scale()
-        return q if q is None or scale is None else q * scale.to(q.device)
+        return None if q is None else encode.scaled(q, self._step_loss_scale())
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
                 ctx: encode.EncodeContext, encoded: list[Encoded], ctrl: torch.Tensor | None,
