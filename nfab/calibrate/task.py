@@ -7,9 +7,9 @@ norm statistics evolve as in a real W-rank run.
 
 A step is the setting's recipe, as `nfab train` steps it: each rank accumulates `accum_steps`
 micro-batches (the loss divided by their number), its forward under autocast at `precision`
-(bf16, fp16: no loss scaler here), and the mean gradient is clipped to `optim.grad_clip` before
-the optimizer steps. Until 2026-12-05 a step was one micro-batch in fp32, unclipped, whatever the
-setting said.
+(under fp16 with GradScaler's dynamic loss scale, `lossscale`), and the mean gradient is clipped
+to `optim.grad_clip` before the optimizer steps. Until 2026-12-05 a step was one micro-batch in
+fp32, unclipped, whatever the setting said (and until 2026-12-05 fp16 ran without a loss scale).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nfab.calibrate.config import CalibrationConfig
+from nfab.calibrate.lossscale import LossScale
 from nfab.config.optim import autocast, build_optimizer, lr_factor, warmup_steps
 from nfab.data import build_dataset, make_loader
 from nfab.data.spec import SpecDataset
@@ -120,6 +121,8 @@ class Task:
         """Corrects the optimizer's second moment for the rounding variance `reduce_step` records, as the
         hook's does (`attach(noise_moment="auto")` under an adaptive optimizer)."""
         self.buffers = list(self.model.buffers())
+        self.loss_scale = LossScale() if cfg.precision == "fp16" else None
+        """fp16's dynamic loss scale, as `nfab train`'s GradScaler keeps it (None: no scaling)."""
         self._index: dict[str, torch.Tensor] = {}
         self._runs: dict[str, tuple[tuple[int, int], ...]] = {}
 
@@ -143,11 +146,14 @@ class Task:
         return {
             "model": {k: v.clone() for k, v in self.model.state_dict().items()},
             "optimizer": _clone(self.optimizer.state_dict()),
+            "loss_scale": None if self.loss_scale is None else self.loss_scale.state(),
         }
 
     def restore(self, ckpt: dict) -> None:
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(_clone(ckpt["optimizer"]))
+        if self.loss_scale is not None:
+            self.loss_scale.load(ckpt["loss_scale"])
         if self.moment is not None:
             self.moment.clear()  # a variance recorded for a step that never ran
 
@@ -155,13 +161,28 @@ class Task:
     def rank_grads(self, step: int) -> tuple[list[torch.Tensor], float]:
         """Each rank's flat gradient (params in model order) at `step`, and the mean loss: the mean over
         its `accum_steps` micro-batches (global batches step * A .. step * A + A - 1, as `nfab train`'s
-        stream deals them), forward under the setting's autocast."""
+        stream deals them), forward under the setting's autocast. Under fp16 the loss is scaled by
+        `loss_scale` and the gradients divided by it (exact: a power of two); a step that overflows
+        on any rank is taken again at the halved scale (`LossScale.settle`)."""
         self.model.train()
         start = [b.clone() for b in self.buffers]
-        after0: list[torch.Tensor] = []
-        grads, losses = [], []
         a = self.cfg.accum_steps
         micro = [self.stream.batches(step * a + k) for k in range(a)]  # micro[k][rank]
+        tries = 0
+        while True:
+            grads, loss = self._scaled_grads(micro, start)
+            if self.loss_scale is None or self.loss_scale.settle(grads, tries):
+                return grads, loss
+            tries += 1
+
+    def _scaled_grads(self, micro: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                      start: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """`rank_grads` at the current loss scale, every rank from the buffers `start`; after it the
+        buffers are rank 0's (DDP's broadcast)."""
+        scale = 1.0 if self.loss_scale is None else self.loss_scale.scale
+        after0: list[torch.Tensor] = []
+        grads, losses = [], []
+        a = len(micro)
         for r in range(self.cfg.world_size):
             for b, s in zip(self.buffers, start, strict=True):
                 b.copy_(s)
@@ -171,9 +192,11 @@ class Task:
                 x, y = micro[k][r]
                 with autocast(self.cfg.precision, "cpu"):
                     loss = loss_fn(self.spec, self.model(x), y)
-                (loss if a == 1 else loss / a).backward()
+                part = loss / a if a != 1 else loss
+                (part * scale if scale != 1.0 else part).backward()  # GradScaler.scale(loss / a)
                 losses.append(float(loss.detach()))
-            grads.append(torch.cat([_grad(p).reshape(-1) for p in self.params]))
+            flat = torch.cat([_grad(p).reshape(-1) for p in self.params])
+            grads.append(flat.div_(scale) if scale != 1.0 else flat)
             if r == 0:
                 after0 = [b.clone() for b in self.buffers]
         for b, s in zip(self.buffers, after0, strict=True):

@@ -8,6 +8,7 @@ import torch
 from nfab.calibrate import make_config
 from nfab.calibrate import task as task_mod
 from nfab.calibrate.task import Task
+from nfab.config.optim import autocast
 
 
 @pytest.mark.parametrize("by_index", [False, True])
@@ -71,3 +72,37 @@ def test_a_step_is_the_settings_recipe_accumulated_clipped_and_autocast() -> Non
     bf16 = torch.cat(_gpt(precision="bf16").rank_grads(0)[0])
     fp32 = torch.cat(_gpt().rank_grads(0)[0])
     assert not torch.equal(bf16, fp32) and float(torch.nn.functional.cosine_similarity(bf16, fp32, 0)) > 0.95
+
+
+def _plain_fp16_grad(task: Task, scale: float) -> torch.Tensor:
+    """Rank 0's gradient at step 0 from a plain fp16 loop: `GradScaler("cpu", init_scale=scale)`, the loss
+    scaled, backward, `unscale_`."""
+    x, y = task.stream.batches(0)[0]
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    with autocast("fp16", "cpu"):
+        loss = task_mod.loss_fn(task.spec, task.model(x), y)
+    scaler.scale(loss / 1).backward()
+    scaler.unscale_(task.optimizer)
+    return torch.cat([task_mod._grad(p).reshape(-1) for p in task.params])
+
+
+def test_an_fp16_step_runs_under_the_loss_scale_nfab_train_runs_under() -> None:
+    """Under fp16 a calibration step scales its loss as `nfab train`'s GradScaler does (2^16 to start,
+    halved on an overflow) and divides the gradients by it: a plain GradScaler loop's gradients, bit
+    for bit. Until 2026-12-05 it ran at scale 1, where the fp16 backward loses small gradients."""
+    task = _gpt(precision="fp16")
+    assert task.loss_scale is not None and task.loss_scale.scale == 2.0**16
+    got = task.rank_grads(0)[0][0]
+    assert torch.equal(got, _plain_fp16_grad(_gpt(precision="fp16"), 2.0**16))
+    assert not torch.equal(got, _plain_fp16_grad(_gpt(precision="fp16"), 1.0))  # what scale 1 gave
+    # an overflow: the step is taken again at half the scale until it is finite; the checkpoint keeps the scale
+    over = _gpt(precision="fp16")
+    over.loss_scale.scale = 2.0**40
+    ckpt = over.checkpoint()
+    grads = over.rank_grads(0)[0]
+    settled = over.loss_scale.scale
+    assert settled < 2.0**40 and all(bool(torch.isfinite(g).all()) for g in grads)
+    assert torch.equal(grads[0], _plain_fp16_grad(_gpt(precision="fp16"), settled))
+    over.restore(ckpt)
+    assert over.loss_scale.scale == 2.0**40
+    assert _gpt().loss_scale is None and _gpt(precision="bf16").loss_scale is None
