@@ -180,6 +180,44 @@ def test_each_kind_of_arguments_has_its_own_compiled_stage():
     assert len(set(rows)) == 3 and rows[2] == rows[3]
 
 
+def _word_stage(out: torch.Tensor, words: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """Integer words in, integer words out, in place and returned: what every stage does with its
+    counters, keys and containers."""
+    out.copy_(words ^ 0x5A5A5A5A)
+    return (wide >> 3) ^ wide
+
+
+def test_integer_arguments_reach_a_cpu_stage_as_float_views_and_leave_it_as_integers():
+    """On the CPU a stage's int32 / int64 arguments go to the compiler as float32 / float64 views of the
+    same words (`fusion._as_float_words`: inductor's AVX2 C++ reads integer vectors through a stack
+    buffer) and are viewed back in the graph; every other argument, and every non-CPU tensor,
+    goes as it is."""
+    i32, i64, u8, f = (torch.arange(3, dtype=d) for d in (torch.int32, torch.int64, torch.uint8, torch.float32))
+    words = fusion._as_float_words((i32, i64, u8, f, 5))
+    assert [getattr(w, "dtype", None) for w in words] == [torch.float32, torch.float64, torch.uint8,
+                                                         torch.float32, None]
+    assert words[0].data_ptr() == i32.data_ptr()  # a view, not a copy
+    kind = fusion._kind(words, (i32, i64, u8, f, 5))
+    assert [k[2] if k else None for k in kind] == [torch.int32, torch.int64, None, None, None]
+    back = fusion._integer_views(words, tuple(k[2] if k else None for k in kind))
+    assert all(torch.equal(a, b) for a, b in zip(back[:4], (i32, i64, u8, f), strict=True))
+    meta = torch.empty(2, dtype=torch.int32, device="meta")
+    assert fusion._as_float_words((meta,))[0] is meta
+
+
+@needs_compile
+def test_integer_words_that_are_nan_as_floats_pass_a_compiled_stage_bit_for_bit():
+    """The float views carry any word, a signalling NaN's among them, through the compiled loads and
+    stores unchanged (no float arithmetic touches them), in an in-place output and a returned one."""
+    words = torch.tensor([0x7F800001, -1, 0x7FC00000, -(1 << 31), 0, 0x00000001] * 700, dtype=torch.int32)
+    wide = torch.tensor([0x7FF0000000000001, -1, 1 << 62, 0x7FF8000000000000] * 700, dtype=torch.int64)
+    want_out, got_out = torch.empty_like(words), torch.empty_like(words)
+    want = _word_stage(want_out, words, wide)
+    got = fusion.run(_word_stage, got_out, words, wide)
+    assert not fusion.failed() and got is not None
+    assert torch.equal(got_out, want_out) and torch.equal(got, want) and got.dtype == torch.int64
+
+
 @needs_compile
 def test_one_stage_over_more_kinds_than_dynamos_limit_stays_compiled():
     """qsum's level stage over 10 kinds of argument (empty, one-element and longer rows, fp32 and bf16
