@@ -109,12 +109,23 @@ def register(app: typer.Typer) -> None:
             return
         if s.get("replicas_identical") is False:
             warn(f"{result.run_dir}: the ranks' parameters differ at the end of the run (replicas_identical: false)")
-        ev = s.get("final_eval", {})
-        parts = [f"{s['steps']} steps", f"{s['wall_time_s']:.1f} s", f"eval loss {ev.get('loss', float('nan')):.4f}"]
-        if "accuracy" in ev:
-            parts.append(f"accuracy {ev['accuracy']:.2%}")
-        if "perplexity" in ev:
-            parts.append(f"perplexity {ev['perplexity']:.2f}")
-        parts.append(f"compression {s['compression_ratio']:.1f}x")
         # printed under `--quiet` too (it drops the progress bar): where the run went, and its figures
-        console.print(f"[bold]{result.run_dir}[/]: " + ", ".join(parts), highlight=False, soft_wrap=True)
+        console.print(f"[bold]{result.run_dir}[/]: " + summary_text(s), highlight=False, soft_wrap=True)
+
+
+def summary_text(s: dict) -> str:
+    """A finished run's figures in one line, from its summary.json. Steps on which the cost gate kept
+    regions at FP32 (`StepStats.cost_gated`) are counted, with the reason and the override: under
+    `--quiet` attach's warning goes to the log only, and `make demo`'s profile run on loopback read
+    "compression 1.0x" with nothing to say why."""
+    ev = s.get("final_eval", {})
+    parts = [f"{s['steps']} steps", f"{s['wall_time_s']:.1f} s", f"eval loss {ev.get('loss', float('nan')):.4f}"]
+    if "accuracy" in ev:
+        parts.append(f"accuracy {ev['accuracy']:.2%}")
+    if "perplexity" in ev:
+        parts.append(f"perplexity {ev['perplexity']:.2f}")
+    parts.append(f"compression {s['compression_ratio']:.1f}x")
+    if gated := s.get("cost_gated_steps"):
+        parts.append(f"cost gate: some regions kept at FP32 on {gated} of {s['steps']} steps (low bits cost more "
+                     "than they saved on the measured link; comm.cost_model=none compresses anyway)")
+    return ", ".join(parts)

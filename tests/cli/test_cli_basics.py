@@ -113,3 +113,18 @@ def test_the_demo_carries_on_past_a_failed_validation_and_nothing_else(monkeypat
         with pytest.raises(SystemExit) as done:
             demo._run(["train"])  # a stage without carry_on: every non-zero code ends the demo
         assert done.value.code == code
+
+
+def test_a_runs_last_line_names_the_steps_the_cost_gate_kept_at_fp32() -> None:
+    """Under `--quiet` attach's cost-gate warning reaches only the log: `make demo`'s profile run on
+    loopback ended "compression 1.0x" with nothing to say why. The line now names the gated steps,
+    why and the override; an ungated run's line is as it was."""
+    from nfab.cli.train import summary_text
+
+    run = {"steps": 150, "wall_time_s": 15.1, "final_eval": {"loss": 0.0593, "accuracy": 0.9805},
+           "compression_ratio": 1.0, "cost_gated_steps": 150}
+    line = summary_text(run)
+    assert line.startswith("150 steps, 15.1 s, eval loss 0.0593, accuracy 98.05%, compression 1.0x, ")
+    assert "cost gate: some regions kept at FP32 on 150 of 150 steps" in line and "comm.cost_model=none" in line
+    assert summary_text({**run, "cost_gated_steps": 0, "compression_ratio": 30.7}) == (
+        "150 steps, 15.1 s, eval loss 0.0593, accuracy 98.05%, compression 30.7x")
