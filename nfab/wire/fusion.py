@@ -128,7 +128,10 @@ def _as_float_words(args: tuple[Any, ...]) -> tuple[Any, ...]:
     loads have a full-vector fast path): a store-forwarding stall per 8 lanes. On an AVX2 machine a
     level kernel that read its int32 counter steps so took 20 ms per 4M elements, 5.3 with the steps
     passed as a float view; a shift and a mask of int32 words 4.0 ms against 1.2 (a copy: 1.0). A
-    view of a dtype of the same size is free and is bit-exact: the graph only reinterprets it."""
+    view of a dtype of the same size moves no data and is bit-exact (the graph only reinterprets it);
+    on the host it costs about 5 us per integer argument and call (a stage of three int32 and two
+    fp32 arguments: 84-93 us a call against 69-72, one core). Tensors on other devices go as they
+    are: Triton loads integers natively."""
     return tuple(a.view(FLOAT_WORDS[a.dtype]) if isinstance(a, torch.Tensor) and a.dtype in FLOAT_WORDS
                  and a.device.type == "cpu" else a for a in args)
 
