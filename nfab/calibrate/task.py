@@ -9,7 +9,7 @@ A step is the setting's recipe, as `nfab train` steps it: each rank accumulates 
 micro-batches (the loss divided by their number), its forward under autocast at `precision`
 (under fp16 with GradScaler's dynamic loss scale, `lossscale`), and the mean gradient is clipped
 to `optim.grad_clip` before the optimizer steps. Until 2026-12-05 a step was one micro-batch in
-fp32, unclipped, whatever the setting said (and until 2026-12-05 fp16 ran without a loss scale).
+fp32, unclipped, whatever the setting said (and until later that day fp16 ran without a loss scale).
 """
 
 from __future__ import annotations
