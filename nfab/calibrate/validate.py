@@ -149,6 +149,9 @@ class Validation:
     probe_min: float = math.nan
     """The lowest per-step probe cosine (`trajectory.probe_cosine`) of any lossy region along the run as
     it finally stands: what the hook's fidelity probe read on the validated profile (nan: no lossy step)."""
+    run_steps: int | None = None
+    """The training run the profile is for, when a shorter calibration was asked for it (`--steps` below
+    the config's steps): validation covers `steps` of it, and says so (`describe_validation`)."""
 
     @property
     def judged_by(self) -> str:
@@ -173,7 +176,7 @@ class Validation:
             "stopped": self.stopped or None, "noise": _json_num(self.noise),
             "resolution": _json_num(self.resolution), "resolved": _json_num(self.resolved),
             "judged_tolerance": _json_num(self.judged), "judged_by": self.judged_by,
-            "probe_min": _json_num(self.probe_min),
+            "probe_min": _json_num(self.probe_min), "run_steps": self.run_steps,
             "rounds": [{**dataclasses.asdict(r), "gap": _json_num(r.gap), "seconds": round(r.seconds, 2)}
                        for r in self.rounds],
             "eval_steps": self.eval_steps,
@@ -246,7 +249,8 @@ def validate_profile(
     nats = resolution(*task.eval_predictions) if held_out_resolution is None else held_out_resolution
     resolved = nats / gap_denominator(ref.eval_loss, steps, floor)
     result = Validation(tolerance=tolerance, steps=steps, eval_steps=sorted(evals), noise=noise,
-                        resolution=nats, resolved=resolved, judged=judged_tolerance(tolerance, noise, resolved))
+                        resolution=nats, resolved=resolved, judged=judged_tolerance(tolerance, noise, resolved),
+                        run_steps=task.cfg.run_steps)
     start = shared_start(segments_of(profile, steps), ref, steps)
     # before the first lossy step the profile *is* the reference: its evals and checkpoints
     val: dict[int, float] = {s: v for s, v in ref.eval_loss.items() if s <= start}

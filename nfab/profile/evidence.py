@@ -28,7 +28,8 @@ def describe_validation(ev: dict[str, Any]) -> str:
     """`validation over 300 steps: passed, gap +0.41% (tolerance 1.00%) after 2 round(s); tightened ...`
     (a noisy reference: `(tolerance 1.00%; FP32's own held-out loss moves 30.5% between evaluations, so
     judged at 91.6%)`; a gap under one held-out prediction's worth: `(tolerance 1.00%; one held-out prediction
-    moves the loss by 0.0090 nats, so judged at 2.3%)`)."""
+    moves the loss by 0.0090 nats, so judged at 2.3%)`; a calibration shorter than the run it is for:
+    `validation over 100 steps of a 300-step run: ...`, what was validated, not the run's length)."""
     if ev.get("passed") is None:
         return f"validation: none ({ev.get('stopped') or 'not run'})"
     gap = ev.get("gap")
@@ -41,7 +42,9 @@ def describe_validation(ev: dict[str, Any]) -> str:
     elif ev.get("judged_by") == "resolution":  # the tolerance was finer than one held-out prediction
         tolerance += (f"; one held-out prediction moves the loss by {float(ev.get('resolution') or 0.0):.4f} nats, "
                       f"so judged at {float(ev.get('judged_tolerance') or 0.0) * 100:.1f}%")
-    text = (f"validation over {ev.get('steps')} steps: {'passed' if ev['passed'] else 'FAILED'}, {gap_text} "
+    steps, run = ev.get("steps"), ev.get("run_steps")
+    span = f"{steps} steps" if not run or not steps or run <= steps else f"{steps} steps of a {run}-step run"
+    text = (f"validation over {span}: {'passed' if ev['passed'] else 'FAILED'}, {gap_text} "
             f"({tolerance}) after {len(rounds)} round(s)")
     changes = [r["change"] for r in rounds if isinstance(r, dict) and r.get("change")]
     if changes:

@@ -28,7 +28,8 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     res = runner.invoke(app, ["calibrate", "resnet18", "--steps", "8", "--phases", "2", "--trial-steps", "2",
                               "--routes", "fp32,q8,q2,sign", "--quick", "--out", str(out),
                               "model.width=4", "ef_steps=2", "eval_samples=32", "batch_size=8"])
-    failed = "validation over 8 steps: FAILED" in " ".join(res.output.split())  # 8 steps of a width-4 net may
+    text = " ".join(res.output.split())
+    failed = "validation over 8 steps of a 150-step run: FAILED" in text  # 8 steps of a width-4 net may
     assert res.exit_code == (VALIDATION_FAILED if failed else 0), res.output
     return out
 
@@ -72,7 +73,7 @@ def test_calibrate_writes_table_and_profile(calibrated: Path) -> None:
     from nfab.report.tables import calibration_notes
 
     notes = calibration_notes(cal)
-    assert notes[0].startswith("validation over 8 steps:") and "x the FP32 reference" in notes[1]
+    assert notes[0].startswith("validation over 8 steps of a 150-step run:") and "x the FP32 reference" in notes[1]
 
 
 def test_fit_refits_with_other_tolerances(calibrated: Path, tmp_path: Path) -> None:
@@ -170,7 +171,8 @@ def test_a_failed_validation_writes_the_profile_and_exits_3(tmp_path: Path, monk
                               "model.width=4", "ef_steps=2", "eval_samples=32", "batch_size=8"])
     assert res.exit_code == VALIDATION_FAILED == 3, res.output
     text = " ".join(res.output.split())
-    assert "validation over 8 steps: FAILED" in text and "validation FAILED: the profile is written" in text
+    assert "validation over 8 steps of a 150-step run: FAILED" in text
+    assert "validation FAILED: the profile is written" in text
     assert (out / "profile.json").is_file() and (out / "calibration.parquet").is_file()
     assert Profile.load(out / "profile.json").evidence  # complete, not half-written
 

@@ -218,6 +218,23 @@ def test_describe_validation_says_when_the_resolution_judged() -> None:
     assert noisy.judged_by == "noise"
 
 
+def test_describe_validation_says_when_it_covered_part_of_the_run_the_profile_is_for() -> None:
+    """A calibration shorter than its run (`--steps` below the config's) validates the shorter run: the
+    recipe ViT passed or failed at 100 steps where its 300-step runs ended elsewhere. The line says what
+    was validated; a calibration at the run's own length reads as before."""
+    from nfab.calibrate.validate import Round, Validation
+    from nfab.profile.evidence import describe_validation
+
+    short = Validation(tolerance=0.01, steps=100, run_steps=300)
+    short.rounds.append(Round(start_step=0, stopped_at=None, gap=0.004, passed=True, seconds=1.0))
+    assert short.to_evidence()["run_steps"] == 300
+    assert describe_validation(short.to_evidence()).startswith("validation over 100 steps of a 300-step run: passed")
+    whole = Validation(tolerance=0.01, steps=300)
+    whole.rounds.append(Round(start_step=0, stopped_at=None, gap=0.004, passed=True, seconds=1.0))
+    assert describe_validation(whole.to_evidence()).startswith("validation over 300 steps: passed")
+    assert describe_validation({**whole.to_evidence(), "run_steps": None}).startswith("validation over 300 steps:")
+
+
 def _noisy(ref_eval: dict[int, float], val: list[float], steps: list[int], gap: float, rise: float) -> dict[int, float]:
     """A synthetic FP32 held-out curve: `val` lowered by `gap` (so the profile sits about `gap` above
     it), with one late rise of `rise` between steps 4 and 5 of 8 (noise, not training); without a
