@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from nfab.calibrate import make_config
+from nfab.calibrate import make_config, validate
 from nfab.calibrate.search import Tolerances
 from nfab.calibrate.task import Task
 from nfab.calibrate.trajectory import eval_points, run_reference
@@ -42,11 +42,23 @@ def tiny(steps: int = 8) -> Task:
     return Task(cfg)
 
 
-def test_an_fp32_profile_validates_to_the_reference_bit_for_bit() -> None:
+def test_an_fp32_profile_validates_to_the_reference_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation starts from the reference checkpoint before the first lossy step, and copies the
+    reference's losses up to it: an all-FP32 profile would start at the last checkpoint and compare
+    the reference with itself. Started from step 0, every step and evaluation is the validation's own."""
     task = tiny()
     ref = run_reference(task)
     prof = profile((0.0, {"conv": "fp32"}, False), (0.5, {"conv": "fp32"}, True))
+    starts: list[int] = []
+    given = validate.shared_start
+
+    def from_zero(segments, ref, steps):  # noqa: ANN001, ANN202 - the signature of validate.shared_start
+        starts.append(given(segments, ref, steps))
+        return 0
+
+    monkeypatch.setattr(validate, "shared_start", from_zero)
     out, v = validate_profile(task, ref, prof, table([]), tol=TOL, tolerance=0.0)
+    assert starts == [7]  # left alone, it would have run one step of the eight
     assert v.passed and v.gap == 0.0 and len(v.rounds) == 1
     assert v.profile_eval == v.reference_eval == [ref.eval_loss[s] for s in eval_points(8)]
     assert out.evidence["validation"]["passed"] is True and out.phases == prof.phases
