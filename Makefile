@@ -60,11 +60,10 @@ demo: install
 lint: install
 	$(BIN)/ruff check nfab tests
 
-bench: install  # one run each, folded into its setting's file (bench/runs.py: runs with min/median/max)
+bench: install  # the wire run folded into its setting's file (bench/runs.py: runs with min/median/max); the hook table printed
 	$(BIN)/nfab bench wire --reducers signgather,signcount,qsum-q8 --json /tmp/nfab-wire-run.json
 	$(BIN)/python -m bench.runs bench/wire/codecs.json /tmp/nfab-wire-run.json
-	$(BIN)/nfab bench hook --json /tmp/nfab-hook-run.json
-	$(BIN)/python -m bench.runs bench/hook.json /tmp/nfab-hook-run.json
+	$(BIN)/nfab bench hook
 
 study: install
 	$(BIN)/nfab bench study --out bench/study --publish

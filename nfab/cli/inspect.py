@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         model: Annotated[str, typer.Argument(help="resnet18, vit, gpt or module.path:factory.")],
         world_size: Annotated[int, typer.Option("--world-size", "-w", help="Ranks to plan for.")] = 4,
-        size: Annotated[str | None, typer.Option(help="Model size (gpt: nano..1.3b, vit: tiny/small).")] = None,
+        size: Annotated[str | None, typer.Option(help="Model size (gpt: nano..1.3b, vit: nano/tiny/small).")] = None,
         profile: Annotated[str | None, typer.Option(help="Operating profile: a path or a shipped name.")] = None,
         route: Annotated[str | None, typer.Option(help="Static route, e.g. sign or conv:sign,norm:fp32.")] = None,
         step: Annotated[int, typer.Option(help="Training step whose profile phase to show.")] = 0,
