@@ -21,6 +21,7 @@ def test_every_fsdp_variant_runs_on_loopback():
     assert doc["rows"][0]["description"] == "FSDP2, FP32 reduce-scatter"
     rs = doc["reduce_scatter_bytes"]
     assert rs["bf16"] == rs["fp32"] / 2
+    assert doc["loss"]["bf16"] != doc["loss"]["plain"]  # the bf16 variant reduced in bf16: its weights moved otherwise
     sign = doc["nfab"]["nfab-sign"]
     assert sign["route_mix"] == {"sign": 1.0}
     assert sign["wire_bytes_per_step"] < rs["bf16"] / 4  # 2-bit counts at W=2 against 16-bit floats
@@ -38,6 +39,7 @@ def _floor(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.world_size(2)
 def test_floor_keeps_each_ranks_own_row_and_sends_nothing():
+    """A reduce-scatter would have summed both ranks' rows (rank 0's row 0 is 0..3, rank 1's 10..13)."""
     for out, own in run_ranks(_floor, 2):
         assert torch.equal(out, own)
 

@@ -106,7 +106,7 @@ def test_user_lm_reads_attributes(user_module: str) -> None:
 
 
 def test_user_task_option_overrides(user_module: str) -> None:
-    spec = build_model(f"{user_module}:mlp", task="classification")
+    spec = build_model(f"{user_module}:lm", task="classification")  # its model class says task = "lm"
     assert spec.task == "classification"
     with pytest.raises(ConfigError, match="must take vocab_size and block_size"):
         build_model(f"{user_module}:lm_without_vocab", task="lm")

@@ -167,6 +167,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Case, 
         done |= {name: f.result() for name, f in futures.items()}
     assert not (root / "run").exists(), "a refused run created its run dir"
     assert not (root / "PWNED").exists(), "a checkpoint ran code while loading"
+    assert not (root / "profile.json").exists(), "a refused fit wrote a profile beside its table"
     return done
 
 
