@@ -66,5 +66,5 @@ def attach(
     runtime = attach_with_defaults(prepared_model, profile, route, attach_kwargs,
                                    total_steps=attach_kwargs.get("total_steps"),
                                    loss_scaler=getattr(accelerator, "scaler", None))
-    accelerator.register_for_checkpointing(RankStates(runtime, prepared_model))
+    accelerator.register_for_checkpointing(RankStates(runtime))
     return runtime

@@ -90,13 +90,13 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
                                                 loss_scaler=getattr(self.precision_plugin, "scaler", None))
             self._nfab_log.reset()
             if self._pending is not None:  # resuming: nfab's state from the checkpoint, this rank's entry
-                restore(self.runtime, self.model, self._pending)
+                restore(self.runtime, self._pending)
                 self._pending = None
 
         def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
             """Add every rank's nfab state (a collective: Lightning calls this on every rank), then save."""
             if self.runtime is not None:
-                checkpoint[KEY] = RankStates(self.runtime, self.model).state_dict()
+                checkpoint[KEY] = RankStates(self.runtime).state_dict()
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
         def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -23,11 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from nfab.errors import NfabError
 from nfab.fsutil import atomic_write_bytes
-from nfab.runtime.bindings import trained_module
 from nfab.runtime.frontends.ddp import Runtime
 
 KEY = "nfab"
@@ -35,18 +33,7 @@ KEY = "nfab"
 VERSION = 1
 
 
-def _host_state(runtime: Runtime) -> dict[str, Any]:
-    state = runtime.state_dict()
-    state["residuals"] = {k: v.detach().cpu() for k, v in state["residuals"].items()}
-    return state
-
-
-def _devices(model: torch.nn.Module) -> dict[str, torch.device]:
-    module = trained_module(model.module) if isinstance(model, DistributedDataParallel) else model
-    return {n: p.device for n, p in module.named_parameters()}
-
-
-def restore(runtime: Runtime, model: torch.nn.Module, blob: dict[str, Any]) -> None:
+def restore(runtime: Runtime, blob: dict[str, Any]) -> None:
     """Load this rank's entry of `blob` (from `RankStates.state_dict`) into `runtime`."""
     if not isinstance(blob, dict) or blob.get("version") != VERSION or "ranks" not in blob:
         raise NfabError(f"not an nfab checkpoint state (version {VERSION} expected)")
@@ -54,28 +41,24 @@ def restore(runtime: Runtime, model: torch.nn.Module, blob: dict[str, Any]) -> N
     if saved != runtime.world_size:
         raise NfabError(f"nfab state was saved at world size {saved}, resumed at {runtime.world_size}: "
                         f"error-feedback residuals are per rank and cannot be redistributed")
-    state = dict(blob["ranks"][runtime.rank])
-    devices = _devices(model)
-    state["residuals"] = {k: v.to(devices.get(k, v.device)) for k, v in state["residuals"].items()}
-    runtime.load_state_dict(state)
+    runtime.load_state_dict(dict(blob["ranks"][runtime.rank]))
 
 
 class RankStates:
     """Every rank's `Runtime` state as one checkpointable object (see the module doc)."""
 
-    def __init__(self, runtime: Runtime, model: torch.nn.Module) -> None:
+    def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.model = model
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's state, by rank. A collective: call it on every rank."""
         rt = self.runtime
         every: list[Any] = [None] * rt.world_size
-        dist.all_gather_object(every, _host_state(rt), group=rt.group)
+        dist.all_gather_object(every, rt.state_dict(), group=rt.group)
         return {"version": VERSION, "world_size": rt.world_size, "ranks": every}
 
     def load_state_dict(self, blob: dict[str, Any]) -> None:
-        restore(self.runtime, self.model, blob)
+        restore(self.runtime, blob)
 
 
 def rank_file(folder: str | Path, rank: int) -> Path:
@@ -86,13 +69,13 @@ def save_rank_file(runtime: Runtime, folder: str | Path) -> Path:
     """Write this rank's state into `folder` (temp file + rename); every rank writes its own."""
     buf = io.BytesIO()
     blob = {"version": VERSION, "world_size": runtime.world_size, "rank": runtime.rank,
-            "state": _host_state(runtime)}
+            "state": runtime.state_dict()}
     torch.save(blob, buf)
     Path(folder).mkdir(parents=True, exist_ok=True)
     return atomic_write_bytes(rank_file(folder, runtime.rank), buf.getvalue())
 
 
-def load_rank_file(runtime: Runtime, model: torch.nn.Module, folder: str | Path) -> bool:
+def load_rank_file(runtime: Runtime, folder: str | Path) -> bool:
     """Restore this rank's state from `folder`; False when the folder holds none."""
     path = rank_file(folder, runtime.rank)
     if not path.is_file():
@@ -100,5 +83,5 @@ def load_rank_file(runtime: Runtime, model: torch.nn.Module, folder: str | Path)
     blob = torch.load(path, map_location="cpu", weights_only=True)
     ranks: list[Any] = [None] * int(blob["world_size"])
     ranks[int(blob["rank"])] = blob["state"]
-    restore(runtime, model, {"version": blob["version"], "world_size": blob["world_size"], "ranks": ranks})
+    restore(runtime, {"version": blob["version"], "world_size": blob["world_size"], "ranks": ranks})
     return True

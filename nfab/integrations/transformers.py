@@ -88,10 +88,9 @@ class NfabCallback(TrainerCallback):
         self._ddp = model
         self._log.reset()
         if state.global_step > 0:
-            self._restore(args, state, model)
+            self._restore(args, state)
 
-    def _restore(self, args: TrainingArguments, state: TrainerState,
-                 model: DistributedDataParallel | FSDPModule) -> None:
+    def _restore(self, args: TrainingArguments, state: TrainerState) -> None:
         assert self.runtime is not None
         folder = self.resume_from
         named = args.resume_from_checkpoint
@@ -99,7 +98,7 @@ class NfabCallback(TrainerCallback):
             folder = named
         if folder is None:
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if not load_rank_file(self.runtime, model, folder):
+        if not load_rank_file(self.runtime, folder):
             log.warning("nfab: resumed at step %d but %s holds no nfab state: residuals and health start afresh",
                         state.global_step, folder)
 

@@ -36,12 +36,20 @@ def _build_context(device: torch.device | str | None, seed: int | None) -> Itera
     """Construct on `device` (`meta`: shapes only, no memory) under an optional local seed.
 
     The seed is applied inside `fork_rng`, so building a model never disturbs the
-    caller's global RNG stream.
+    caller's global RNG stream: the CPU generator's, and where the model is built on a GPU, that
+    GPU's (`torch.manual_seed` would reseed every GPU's, and queue it where CUDA is not started).
     """
     with contextlib.ExitStack() as stack:
         if seed is not None:
-            stack.enter_context(torch.random.fork_rng(devices=[]))
-            torch.manual_seed(seed)
+            where = torch.device(device) if device is not None else torch.get_default_device()
+            gpu = None
+            if where.type == "cuda":
+                gpu = where.index if where.index is not None else torch.cuda.current_device()
+            stack.enter_context(torch.random.fork_rng(devices=[] if gpu is None else [gpu]))
+            torch.random.default_generator.manual_seed(seed)
+            if gpu is not None:
+                with torch.cuda.device(gpu):
+                    torch.cuda.manual_seed(seed)
         if device is not None:
             stack.enter_context(torch.device(device))
         yield

@@ -84,10 +84,12 @@ def draw_keys(generator: Generators | torch.Tensor | Seeds, segments: int, devic
     A single generator (or None) gives all keys in one draw; a list gives one key from each
     generator, so a parameter's key depends only on its own generator.
     """
+    # keys made on the host go to `device` without a host sync: a blocking copy waited for the stream
+    # (FSDP2's reduce-scatter, which draws from `Seeds`, once per lossy group and module)
     if isinstance(generator, torch.Tensor):  # keys already drawn (`seeded_keys`)
-        return generator.to(device)
+        return generator.to(device, non_blocking=True)
     if isinstance(generator, Seeds):
-        return seeded_keys(generator.values).to(device)
+        return seeded_keys(generator.values).to(device, non_blocking=True)
     if generator is None or isinstance(generator, torch.Generator):
         return torch.randint(-(1 << 63), (1 << 63) - 1, (segments,), generator=generator, device=device,
                              dtype=torch.int64)
@@ -127,7 +129,7 @@ class Stratum:
 
     def keys(self, segments: int, device: torch.device) -> torch.Tensor:
         if isinstance(self.source, torch.Tensor):
-            return self.source.to(device)
+            return self.source.to(device, non_blocking=True)
         return draw_keys(self.source, segments, device)
 
 

@@ -14,6 +14,7 @@ and independent computations, as on gloo. With one GPU:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from pathlib import Path
@@ -150,18 +151,24 @@ class _SyncChecked:
     def hook(self, bucket):  # noqa: ANN001, ANN201
         if self._saw_last:
             self._finish_step()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with _sync_error():
             return super().hook(bucket)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
-    def _callback(self, launch, done):  # noqa: ANN001, ANN202
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return super()._callback(launch, done)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def _callback(self, *args):  # noqa: ANN002, ANN202
+        with _sync_error():  # NCCL's futures are complete at launch: this often runs inside `hook`
+            return super()._callback(*args)
+
+
+@contextlib.contextmanager
+def _sync_error():
+    """Host syncs raise inside the block; the mode before it comes back after (not "default": a callback
+    run inside the hook body would switch the check off for the rest of that body)."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def _runtime_cls():

@@ -65,9 +65,9 @@ class Guarded(Runtime):
         with HostReads(self.seen):
             return super().hook(bucket)
 
-    def _callback(self, launch, done):  # noqa: ANN001, ANN202
+    def _callback(self, *args):  # noqa: ANN002, ANN202
         with HostReads(self.seen):
-            return super()._callback(launch, done)
+            return super()._callback(*args)
 
 
 def _forcing(key: str | None) -> CostModel | None:

@@ -202,6 +202,36 @@ def test_state_dict_round_trip_continues_exactly():
         assert torch.equal(straight[r]["params"], resumed[r]["params"])
 
 
+def _state_devices(rank: int, world_size: int) -> dict:
+    """A checkpoint's residuals: host copies out (rank 0 gathers every rank's state), back onto each
+    parameter's device in (`Runtime.devices`; a GPU's here stood for by meta)."""
+    torch.manual_seed(0)
+    model = twins.Awkward()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.05)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    rt = nfab.attach(ddp, route=ROUTE, cost_model=None, optimizer=opt)  # SGD: error feedback on
+    for step in range(2):
+        x, y = twins.batch(rank, step)
+        opt.zero_grad()
+        twins.loss_fn(ddp, x, y).backward()
+        opt.step()
+    state = rt.state_dict()
+    out = {"residuals": len(state["residuals"]),
+           "devices": rt.devices == {n: p.device for n, p in model.named_parameters()},
+           "host_copies": all(v.device.type == "cpu" and v.data_ptr() != rt.residuals[k].data_ptr()
+                              for k, v in state["residuals"].items())}
+    rt.devices = dict.fromkeys(rt.devices, torch.device("meta"))
+    rt.load_state_dict(state)
+    out["loaded_onto_devices"] = all(v.device.type == "meta" for v in rt.residuals.values())
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_residuals_leave_on_the_host_and_load_onto_their_parameters_device():
+    for r in run_ranks(_state_devices, 2):
+        assert r["residuals"] and r["devices"] and r["host_copies"] and r["loaded_onto_devices"]
+
+
 def _capacity(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = twins.Awkward()

@@ -96,6 +96,6 @@ class DefaultDeviceMeta(Runtime):
         with torch.device("meta"):
             return super().hook(bucket)
 
-    def _callback(self, launch, done):  # noqa: ANN001, ANN202
+    def _callback(self, *args):  # noqa: ANN002, ANN202
         with torch.device("meta"):
-            return super()._callback(launch, done)
+            return super()._callback(*args)

@@ -107,6 +107,7 @@ class Runtime(RuntimeState):
         self.names = {id(p): n for n, p in module.named_parameters()}
         self.regions = {n: b.region for n, b in self.bindings.items()}
         self.param_index = {n: i for i, n in enumerate(self.names.values())}
+        self.devices = {n: p.device for n, p in module.named_parameters()}  # where a loaded residual goes
         self.plans: dict[tuple[int, ...], BucketPlan] = {}
         self._gathered: dict[int, tuple[BucketRoutes, bool]] = {}  # the coalescing decision per routes
         self.residuals: dict[str, torch.Tensor] = {}
@@ -141,11 +142,13 @@ class Runtime(RuntimeState):
         return self.history[-1] if self.history else None
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: residuals, step and health (noise is seeded per step)."""
+        """Everything needed to continue exactly: residuals, step and health (noise is seeded per step).
+        The residuals are copied to the host: a checkpoint gathers every rank's state to rank 0, which
+        would otherwise unpickle rank r's CUDA residuals onto its own cuda:r."""
         self.step_stats()
         return {
             **self.base_state(),
-            "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            "residuals": {k: v.detach().to("cpu", copy=True) for k, v in self.residuals.items()},
             "amax": self.scales.state_dict(),
             # the last probe's values ride the next step's first word: a resumed run sends them too
             "carried_probe": carried_state(self._cosine_next, self._fidelity_next),
@@ -153,7 +156,8 @@ class Runtime(RuntimeState):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_base_state(state)
-        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        # onto their parameter's device (a checkpoint holds them on the host): the hook adds them in place
+        self.residuals = {k: v.to(self.devices.get(k, v.device), copy=True) for k, v in state["residuals"].items()}
         # absent in states saved before delayed scaling: those slices agree exactly once
         self.scales.load_state_dict(state.get("amax", {}))
         self._cosine_next, self._fidelity_next = load_carried(state.get("carried_probe"))
@@ -231,7 +235,9 @@ class Runtime(RuntimeState):
                                     blocking, fid_cols, (plan_s, norm_s, encode_s + time.thread_time() - t0))
         self._launches.append(twolevel.with_levels(launch, levels))
         # a coalesced bucket has one future: chained as it is (`collect_all` of one costs a combined future)
-        done = (futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)).then(partial(self._callback, launch))
+        combined = len(futs) > 1
+        waited = torch.futures.collect_all(futs) if combined else futs[0]
+        done = waited.then(partial(self._callback, launch, combined))
         if result is None:
             return done
         done.add_done_callback(partial(_forward, result))
@@ -300,8 +306,16 @@ class Runtime(RuntimeState):
                         loss_scale=ctx.loss_scale)
         return launch, futs
 
-    def _callback(self, launch: Launch, done: torch.futures.Future) -> torch.Tensor:
-        done.value()  # a failed collective (e.g. a peer timed out) raises its own error before results are read
+    def _callback(self, launch: Launch, combined: bool, done: torch.futures.Future) -> torch.Tensor:
+        """Decode the bucket once its collectives are done. `done` is a collective's own future or,
+        `combined`, `collect_all`'s, whose value is the list of the collectives' futures: that future
+        holds no device, so `then` did not make this stream wait for their CUDA events (NCCL completes
+        a future when it enqueues the collective). Each one's `wait()` does, without a host sync,
+        before the control word, the rows and the payloads are read."""
+        value = done.value()  # a failed collective (e.g. a peer timed out) raises its own error before results are read
+        if combined:
+            for fut in value:
+                fut.wait()
         self._outcomes.append(self._finish(launch))
         return launch.buffer
 
