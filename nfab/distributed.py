@@ -91,8 +91,8 @@ def _rank_main(
                       LOCAL_WORLD_SIZE=str(local_world or world_size), GROUP_RANK=str(group_rank))
     torch.set_num_threads(1)
     try:
-        if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        if backend == "nccl":  # one GPU per rank of this node (NCCL refuses two ranks on one device)
+            torch.cuda.set_device((rank - first) % torch.cuda.device_count())
         dist.init_process_group(
             backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
         )

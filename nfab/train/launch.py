@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nfab.attach_checks import check_globs
 from nfab.config.calibrated import layout_mismatch, profile_base
 from nfab.config.pairing import default_data, resolve_pairing
@@ -144,6 +146,14 @@ def check_resume(run_dir: Path, module: Any) -> None:
     checkpoint.check_model_state(state["model"], module, path)
 
 
+def check_gpus(nproc: int, gpus: int) -> None:
+    """On a machine with GPUs every rank takes its own (NCCL, `worker._device`): more ranks than GPUs
+    failed in the surplus ranks with CUDA's "invalid device ordinal" while the rest waited for them."""
+    if gpus and nproc > gpus:
+        raise ConfigError(f"--nproc {nproc} on a node with {gpus} GPU{'s' if gpus > 1 else ''}: nfab runs one "
+                          f"rank per GPU; pass --nproc {gpus} or fewer")
+
+
 def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     """Check everything a user can get wrong, writing nothing; return the config resolved.
 
@@ -162,6 +172,7 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)  # each rank evaluates on it
     world = cfg.launch.world_size
     make_loader(data, batch_size=cfg.data.batch_size, rank=0, world_size=world, seed=cfg.seed)
+    check_gpus(cfg.launch.nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if cfg.comm.profile is not None:
         cfg.comm.profile = str(resolve_profile(cfg.comm.profile))
         profile = Profile.load(cfg.comm.profile)

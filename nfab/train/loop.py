@@ -59,15 +59,31 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(module: torch.nn.Module, loader: Any, task: str, max_batches: int | None, device: torch.device,
-             ) -> EvalResult:
-    """Held-out loss (and accuracy for classifiers): sums and counts all-reduced across ranks."""
+             sharded: bool = False) -> EvalResult:
+    """Held-out loss (and accuracy for classifiers): sums and counts all-reduced across ranks.
+
+    `sharded` (FSDP2): every forward all-gathers parameters, so every rank runs as many forwards as
+    the rank with the most batches (a rank's strided shard can hold one batch fewer: the digits test
+    set at W=11 gives ranks one or two batches of 32); a rank past its own batches runs its first one
+    again and counts nothing. Left unmatched, its all-reduce met the others' all-gathers."""
     was_training = module.training
     module.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * n, correct, n (samples or tokens)
-    for i, (x, y) in enumerate(loader):
-        if max_batches is not None and i >= max_batches:
-            break
-        x, y = x.to(device), y.to(device)
+    own = len(loader) if max_batches is None else min(len(loader), max_batches)
+    forwards = own
+    if sharded:
+        most = torch.tensor([own], dtype=torch.int64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        forwards = int(most.item())
+    batches = iter(loader)
+    first: tuple[torch.Tensor, torch.Tensor] | None = None
+    for i in range(forwards):
+        if i >= own:
+            if first is not None:  # a rank with no batch at all has nothing to run (W beyond the data)
+                module(first[0])
+            continue
+        x, y = (t.to(device) for t in next(batches))
+        first = first or (x, y)
         logits = module(x)
         n = y.numel()
         sums[0] += loss_fn(task, logits, y).double() * n
@@ -80,9 +96,10 @@ def evaluate(module: torch.nn.Module, loader: Any, task: str, max_batches: int |
     return EvalResult(sums[0].item() / n, sums[1].item() / n if task == "classification" else None)
 
 
-def mean_loss(loss: float, device: torch.device) -> float:
+def mean_loss(loss: torch.Tensor | float, device: torch.device) -> float:
     """The cross-rank mean loss, summed in rank order (bit-identical on every rank and mode)."""
-    local = torch.tensor([loss], dtype=torch.float64, device=device)
+    local = (loss.reshape(1).to(device, torch.float64) if isinstance(loss, torch.Tensor)
+             else torch.tensor([loss], dtype=torch.float64, device=device))
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return float(torch.cat(gathered).sum().item() / len(gathered))
@@ -112,14 +129,18 @@ def route_label(cfg: TrainConfig) -> str | None:
     return c.route
 
 
-def _cost_model(cfg: TrainConfig, wrapped: Wrapped, saved: str | None) -> cost_mod.CostModel | None:
+def _cost_model(cfg: TrainConfig, wrapped: Wrapped, saved: str | None,
+                device: torch.device) -> cost_mod.CostModel | None:
+    """The run's cost model: the checkpoint's (a resume decides as the run did), none, measured on the
+    gradients' `device` (NCCL's collectives take no CPU tensor, and the codecs timed must be the
+    device's), or read from a JSON file."""
     if saved:
         return cost_mod.CostModel.from_dict(json.loads(saved))
     choice = cfg.comm.cost_model
     if choice == "none":
         return None
     if choice == "measure":
-        return cost_mod.measure(wrapped.group)
+        return cost_mod.measure(wrapped.group, device=device)
     return cost_mod.CostModel.load(choice)
 
 
@@ -198,7 +219,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
     optimizer = build_optimizer(module, cfg.optim, spec.optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     if not cfg.comm.fp32:
-        cm = _cost_model(cfg, wrapped, cost_json)
+        cm = _cost_model(cfg, wrapped, cost_json, device)
         cost_json = cm.to_json() if cm is not None else None
         runtime = nfab.attach(
             model, profile=cfg.comm.profile, route=cfg.comm.route, error_feedback=cfg.comm.error_feedback,
@@ -278,7 +299,9 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             _at(f"step {step}: forward/backward (gradient {_COLLECTIVE[cfg.parallel]})")
             t0 = time.perf_counter()
             lr = scheduler.get_last_lr()[0]
-            loss_sum = 0.0
+            # summed on the device in float64 (as a Python float would, bit for bit): a float() of each
+            # micro-batch's loss waited for its forward before its backward could be queued on a GPU
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for micro in range(cfg.accum_steps):
                 x, y = (t.to(device) for t in stream.next())
                 last = micro == cfg.accum_steps - 1
@@ -287,7 +310,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
                         loss = loss_fn(spec.task, model(x), y)
                     if factor is not None:  # injected NaN / Inf / spike (NFAB_FAULT)
                         loss = loss * factor
-                    loss_sum += float(loss.detach())
+                    loss_sum = loss_sum + loss.detach().double()
                     if runtime is not None and last:
                         runtime.observe_loss(loss_sum / cfg.accum_steps)
                     scaler.scale(loss / cfg.accum_steps).backward()
@@ -303,7 +326,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 _at(f"step {step}: evaluation (all-reduce)")
-                ev = evaluate(module, eval_loader, spec.task, cfg.data.eval_batches, device)
+                ev = evaluate(module, eval_loader, spec.task, cfg.data.eval_batches, device,
+                              sharded=cfg.parallel == "fsdp")
                 row["eval_loss"] = ev.loss
                 row["eval_accuracy"] = ev.accuracy if ev.accuracy is not None else float("nan")
             rows.append(row)

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from nfab.cli.app import main
+from nfab.errors import ConfigError
 from nfab.models import build_model, model_signature
 from nfab.profile.schema import ModelRef, Profile
 from nfab.train.config import load_config
 from nfab.train.fault import Fault, parse_faults
+from nfab.train.launch import check_gpus
 
 REPO = Path(__file__).resolve().parents[2]
 RESNET = ["--config", str(REPO / "configs/resnet18-digits.yaml"), "model.width=8", "--nproc", "2"]
@@ -99,3 +101,12 @@ def test_fault_syntax() -> None:
     assert parse_faults("crash@step=3,rank=1") == (Fault("crash", 3, 1, 0),)
     assert parse_faults("crash@step=2;crash@step=4,rank=1,attempt=1")[1] == Fault("crash", 4, 1, 1)
     assert parse_faults("") == ()
+
+
+def test_more_ranks_than_gpus_is_one_line_before_launch() -> None:
+    """A GPU node runs one rank per GPU; a CPU machine (no GPU) any number of gloo ranks."""
+    check_gpus(4, 0)
+    check_gpus(8, 8)
+    with pytest.raises(ConfigError, match=r"^--nproc 9 on a node with 8 GPUs: nfab runs one rank per GPU; pass "
+                                          r"--nproc 8 or fewer$"):
+        check_gpus(9, 8)
