@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -372,6 +373,10 @@ def explain_failure(log: str, rank: int, exitcode: int, alive: tuple[int, ...] =
         if alive and "timed out" in message:
             message += f"; rank {', '.join(map(str, alive))} never arrived and was stopped"
         return message, int(own[-1][0])
+    watchdog = re.search(r"Watchdog caught collective operation timeout: (\w+\((?:[^()]|\([^()]*\))*\))", log)
+    if exitcode == -signal.SIGABRT and watchdog:  # NCCL aborts the rank: nfab's own line is never printed
+        return (f"rank {rank}: a collective timed out after launch.timeout_s and NCCL's watchdog ended the rank "
+                f"({watchdog.group(1)}; its stack is in the log)"), 1
     if exitcode < 0:
         return f"rank {rank} was killed by signal {-exitcode}", 1
     return f"rank {rank} exited with code {exitcode} without an error message", 1

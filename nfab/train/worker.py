@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     _end_with_launcher()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints every thread's stack (hang diagnosis)
+    faulthandler.enable()  # an abort (NCCL's watchdog ends a timed-out rank so) leaves the Python stack in the log
     timeout_s = LaunchConfig().timeout_s
     nnodes = 1
     try:

@@ -14,7 +14,7 @@ from nfab.models import build_model, model_signature
 from nfab.profile.schema import ModelRef, Profile
 from nfab.train.config import load_config
 from nfab.train.fault import Fault, parse_faults
-from nfab.train.launch import check_gpus
+from nfab.train.launch import check_gpus, explain_failure
 
 REPO = Path(__file__).resolve().parents[2]
 RESNET = ["--config", str(REPO / "configs/resnet18-digits.yaml"), "model.width=8", "--nproc", "2"]
@@ -110,3 +110,15 @@ def test_more_ranks_than_gpus_is_one_line_before_launch() -> None:
     with pytest.raises(ConfigError, match=r"^--nproc 9 on a node with 8 GPUs: nfab runs one rank per GPU; pass "
                                           r"--nproc 8 or fewer$"):
         check_gpus(9, 8)
+
+
+def test_a_rank_nccls_watchdog_aborted_is_named_a_collective_timeout() -> None:
+    """Under NCCL a timed-out collective is ended by the watchdog (SIGABRT), so the rank never prints
+    nfab's own timeout line; the launcher tells it from the watchdog's line in the log."""
+    log = ("[rank1]:[E1206 00:30:34 ProcessGroupNCCL.cpp:632] [PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught "
+           "collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=3, NumelOut=3, "
+           "Timeout(ms)=10000) ran for 10012 milliseconds before timing out.\n")
+    line, code = explain_failure(log, 1, -6)
+    assert code == 1 and line.startswith("rank 1: a collective timed out after launch.timeout_s and NCCL's watchdog")
+    assert "WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=3, NumelOut=3, Timeout(ms)=10000)" in line
+    assert explain_failure("", 1, -6) == ("rank 1 was killed by signal 6", 1)  # an abort without the watchdog's line
