@@ -109,10 +109,15 @@ class NfabCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        # DefaultFlowCallback (always first) has already decided whether this step is logged
-        if self.runtime is None or not control.should_log:
+        if self.runtime is None:
             return
-        metrics = self._log.metrics(self.runtime.step_stats())
+        # every step: the step's statistics are folded here, after it, with their one read from the
+        # device; left to the next step, the fold ran inside its first reduction, during backward
+        stats = self.runtime.step_stats()
+        # DefaultFlowCallback (always first) has already decided whether this step is logged
+        if not control.should_log:
+            return
+        metrics = self._log.metrics(stats)
         if metrics is None:
             return
         self.trainer.log(metrics)

@@ -261,3 +261,25 @@ def test_levels_are_floor_then_clamp_for_every_t_and_zero_for_nan():
     assert got.dtype == torch.int32 and torch.equal(got, want)
     top = fusion.levels_of(torch.ones(4), safe, counters[:4], None, torch.tensor(127.5), torch.tensor(255.0))
     assert int(top.max()) <= 255
+
+
+def test_a_large_layouts_block_index_is_built_on_the_device_as_the_kept_one_is():
+    """Past `grid.CACHED_INDEX` elements (an FSDP2 module's rows of segments) the per-element block ids
+    are expanded from the kept block sizes at each call: the same ids and count as the index built
+    element by element, in the torch path's int64 and in the compiled path's narrow dtype."""
+    from nfab.wire.blockq import grid
+
+    cpu = torch.device("cpu")
+    lengths = (grid.CACHED_INDEX // 2 + 3, 64 * 5, 1, grid.CACHED_INDEX // 2 + 100)
+    ids, at = [], 0
+    for n in lengths:  # the numbering `kernels.py` documents: blocks restart per segment, counted on
+        ids.append(torch.arange(n) // 64 + at)
+        at += -(-n // 64)
+    want = torch.cat(ids)
+    got, blocks = grid.block_index(lengths, 64, cpu)
+    assert sum(lengths) > grid.CACHED_INDEX and blocks == at and torch.equal(got, want)
+    index, seg, offset = blockq_fused._block_index(lengths, 64, cpu)
+    assert index.dtype == qsum_fused.index_dtype(at) and torch.equal(index.long(), want)
+    small = lengths[1:3]
+    assert torch.equal(blockq_fused._block_index(small, 64, cpu)[0].long(), grid.block_index(small, 64, cpu)[0])
+    assert seg.numel() == offset.numel() == at

@@ -157,7 +157,8 @@ class NoiseMoment:
                     v = v.to_local()
                 if var is None or not isinstance(v, torch.Tensor) or v.numel() != var.numel():
                     continue
-                var = var.view_as(v).to(v.dtype)
+                # onto v's device: FSDP2 with CPU offload keeps Adam's state on the host (a blocking copy)
+                var = var.view_as(v).to(v.device, v.dtype)
                 floor = torch.minimum(v, var * (FLOOR * _debias(betas[1], state.get("step"))))  # never raises v
                 torch.maximum(v.sub_(var, alpha=k), floor, out=v)
                 touched = True

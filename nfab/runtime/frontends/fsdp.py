@@ -187,6 +187,8 @@ class ShardedRuntime(RuntimeState):
         first = not self._records
         loss = self.take_loss() if first else None
         if isinstance(loss, torch.Tensor):
+            if loss.device.type == "cuda":  # made on the default stream, read here on FSDP2's reduce-scatter
+                loss.record_stream(torch.cuda.current_stream(loss.device))  # stream: not reused before that
             loss_t = loss.to(device=inp.device, dtype=torch.float32).reshape(())
         else:
             loss_t = torch.full((), math.nan if loss is None else loss, dtype=torch.float32, device=inp.device)

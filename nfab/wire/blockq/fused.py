@@ -240,22 +240,37 @@ def _row_counters(lengths: tuple[int, ...], block: int, device: torch.device) ->
     return torch.cat(seg).to(device, non_blocking=True), torch.cat(first).to(device, non_blocking=True)
 
 
-@lru_cache(maxsize=64)
 def _block_index(lengths: tuple[int, ...], block: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the block of every element (`qsum.fused.index_dtype`), each block's segment and that
-    segment's counter offset 1 - its start (int64)) on `device`, made on the host once per layout:
-    what the indexed kernels read for a bucket of more block views than `grid.MAX_PIECES`."""
-    seg, _ = _row_counters(lengths, block, torch.device("cpu"))
+    segment's counter offset 1 - its start (int64)) on `device`: what the indexed kernels read for
+    a bucket of more block views than `grid.MAX_PIECES`. The per-block parts are kept per layout, the
+    per-element index only up to `grid.CACHED_INDEX` elements (`grid.block_index`)."""
+    seg, offset = _block_segments(lengths, block, device)
     dtype = qsum_fused.index_dtype(seg.numel())
+    if sum(lengths) <= grid.CACHED_INDEX:
+        return _kept_index(lengths, block, device, dtype), seg, offset
+    return grid.block_index(lengths, block, device)[0].to(dtype), seg, offset
+
+
+@lru_cache(maxsize=64)
+def _block_segments(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block (int64, on `device`, made once per layout): its segment, and 1 - that segment's start."""
+    seg, _ = _row_counters(lengths, block, torch.device("cpu"))
+    starts = qsum_fused.segment_starts(lengths)
+    offset = 1 - starts[seg] if seg.numel() else seg
+    return seg.to(device, non_blocking=True), offset.to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=64)
+def _kept_index(lengths: tuple[int, ...], block: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The per-element block index of a small layout in `dtype`, made on the host once."""
     ids, at = [], 0
     for n in lengths:
         ids.append((torch.arange(n, dtype=torch.int64) // block + at).to(dtype))
         at += -(-n // block)
     index = torch.cat(ids) if ids else torch.empty(0, dtype=dtype)
-    starts = qsum_fused.segment_starts(lengths)
-    offset = 1 - starts[seg] if seg.numel() else seg
-    return tuple(t.to(device, non_blocking=True) for t in (index, seg, offset))  # type: ignore[return-value]
+    return index.to(device, non_blocking=True)
 
 
 def block_terms(codes_: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor, seg: torch.Tensor,

@@ -95,10 +95,37 @@ def div_blocks(x: torch.Tensor, per_block: torch.Tensor, parts: tuple[Piece, ...
     return out
 
 
-@lru_cache(maxsize=256)
+CACHED_INDEX = 1 << 20
+"""Layouts of at most this many elements keep their per-element block index (8 MB of int64 at most);
+larger ones, such as an FSDP2 module's W rows of segments (always past `MAX_PIECES`), keep only their
+blocks' sizes and expand them on the device at each call: 256 kept indexes of whole modules came to
+about twice the model's fp32 gradient in GPU memory."""
+
+
 def block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """Block id of every element of the concatenated segments (blocks restart per segment), on
-    `device`: made on the host once per layout and copied without waiting for the device."""
+    """Block id (int64) of every element of the concatenated segments (blocks restart per segment),
+    on `device`, and the number of blocks: kept per layout up to `CACHED_INDEX` elements, else each
+    block's id repeated by its size on the device (no host read: the total size is given)."""
+    if sum(lengths) <= CACHED_INDEX:
+        return _kept_block_index(lengths, block, device)
+    sizes = block_sizes(lengths, block, device)
+    ids = torch.arange(sizes.numel(), dtype=torch.int64, device=device)
+    return torch.repeat_interleave(ids, sizes, output_size=sum(lengths)), sizes.numel()
+
+
+@lru_cache(maxsize=256)
+def block_sizes(lengths: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
+    """Every block's element count (int64, on `device`, made once per layout): `block`, and each
+    segment's short last block."""
+    per_segment = [torch.tensor([block] * (n // block) + ([n % block] if n % block else []), dtype=torch.int64)
+                   for n in lengths]
+    out = torch.cat(per_segment) if per_segment else torch.empty(0, dtype=torch.int64)
+    return out.to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=256)
+def _kept_block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """`block_index` of a small layout: made on the host once and copied without waiting for the device."""
     ids, start = [], 0
     for n in lengths:
         nb = -(-n // block)
