@@ -90,6 +90,9 @@ class CallRecord:
     """Per probed group: its parameters and this rank's probe sums on the device (`shardprobe.compare`)."""
     probe_bytes: float = 0.0
     """Of `wire_bytes`: the probes' FP32 reduce-scatters and the carried sums."""
+    ready: Any = None
+    """On CUDA, an event recorded on the reduce-scatter stream after the word and the probe sums: the
+    fold waits on it (FSDP2's own end-of-backward wait is skipped under `set_is_last_backward(False)`)."""
 
 
 class ShardedRuntime(RuntimeState):
@@ -176,9 +179,13 @@ class ShardedRuntime(RuntimeState):
         # FSDP2's would be non-finite: a loss scaler skips the step (`decode._spoil_if` says why)
         output.masked_fill_(~torch.isfinite(word[:, 0].sum()), float("nan"))
         baseline = rowscatter.plain_bytes(lay.chunk, w, inp.element_size())
+        ready = None
+        if output.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()  # on the stream this runs on: FSDP2's reduce-scatter stream
         self._records.append(CallRecord(lay, routes, word, nbytes, baseline, collectives, elements,
                                         tuple(sorted(set(fallbacks))), time.thread_time() - t0, carried,
-                                        tuple(probes), probe_bytes))
+                                        tuple(probes), probe_bytes, ready))
 
     def _launch_word(self, inp: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, Any, tuple[str, ...]]:
         """All-gather this rank's [|g|^2 of the input, loss] (loss: NaN but in the step's first call, which
@@ -293,6 +300,9 @@ class ShardedRuntime(RuntimeState):
         phase = self.controller.phase(self.step)
         records, w = self._records, self.world_size
         sums = [t for r in records for _, t in r.probes]
+        for r in records:
+            if r.ready is not None:  # the stream reading them waits for the one that wrote them
+                torch.cuda.current_stream(r.word.device).wait_event(r.ready)
         host = read_to_host([*(r.word for r in records), *sums])
         words = [np.asarray(flat, dtype=np.float64).reshape(w, -1) for flat in host[: len(records)]]
         head = np.stack([wd[:, :2] for wd in words])  # (calls, W, 2): each rank's [|g|^2, loss]
