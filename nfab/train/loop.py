@@ -96,10 +96,10 @@ def evaluate(module: torch.nn.Module, loader: Any, task: str, max_batches: int |
     return EvalResult(sums[0].item() / n, sums[1].item() / n if task == "classification" else None)
 
 
-def mean_loss(loss: torch.Tensor | float, device: torch.device) -> float:
-    """The cross-rank mean loss, summed in rank order (bit-identical on every rank and mode)."""
-    local = (loss.reshape(1).to(device, torch.float64) if isinstance(loss, torch.Tensor)
-             else torch.tensor([loss], dtype=torch.float64, device=device))
+def mean_loss(loss: torch.Tensor, device: torch.device) -> float:
+    """The cross-rank mean of this rank's loss (a 0-d tensor), summed in rank order (bit-identical on
+    every rank and mode)."""
+    local = loss.reshape(1).to(device, torch.float64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return float(torch.cat(gathered).sum().item() / len(gathered))

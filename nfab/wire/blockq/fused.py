@@ -265,12 +265,7 @@ def _block_segments(lengths: tuple[int, ...], block: int, device: torch.device) 
 @lru_cache(maxsize=64)
 def _kept_index(lengths: tuple[int, ...], block: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The per-element block index of a small layout in `dtype`, made on the host once."""
-    ids, at = [], 0
-    for n in lengths:
-        ids.append((torch.arange(n, dtype=torch.int64) // block + at).to(dtype))
-        at += -(-n // block)
-    index = torch.cat(ids) if ids else torch.empty(0, dtype=dtype)
-    return index.to(device, non_blocking=True)
+    return grid.host_block_index(lengths, block, dtype)[0].to(device, non_blocking=True)
 
 
 def block_terms(codes_: torch.Tensor, scales: torch.Tensor, keys: torch.Tensor, seg: torch.Tensor,

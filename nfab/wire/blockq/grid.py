@@ -126,10 +126,16 @@ def block_sizes(lengths: tuple[int, ...], block: int, device: torch.device) -> t
 @lru_cache(maxsize=256)
 def _kept_block_index(lengths: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """`block_index` of a small layout: made on the host once and copied without waiting for the device."""
+    index, blocks = host_block_index(lengths, block)
+    return index.to(device, non_blocking=True), blocks
+
+
+def host_block_index(lengths: tuple[int, ...], block: int, dtype: torch.dtype = torch.int64
+                     ) -> tuple[torch.Tensor, int]:
+    """`block_index` built on the host, element by element, in `dtype` (the compiled path's narrow
+    index: `blockq.fused`), and the number of blocks."""
     ids, start = [], 0
     for n in lengths:
-        nb = -(-n // block)
-        ids.append(torch.arange(n, dtype=torch.int64, device="cpu") // block + start)
-        start += nb
-    index = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")
-    return index.to(device, non_blocking=True), start
+        ids.append((torch.arange(n, dtype=torch.int64, device="cpu") // block + start).to(dtype))
+        start += -(-n // block)
+    return (torch.cat(ids) if ids else torch.empty(0, dtype=dtype, device="cpu")), start
