@@ -11,7 +11,8 @@ without this and is dominated by the step itself with it.
 Why a module and not a function: a forkserver only imports its preload list (and Python 3.11's
 ignores the caller's sys.path, so the warm-up must live in the installed package, not in
 tests/). Importing it never fails: a warm-up that cannot run leaves each rank to load what it
-needs itself, as before.
+needs itself, as before. The warm-up draws only from its own generators: a forked rank finds
+torch's, numpy's and Python's global random streams as a freshly started interpreter does.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def warm_host_codecs(numel: int = 3000) -> None:
         for reducer in REDUCERS.values():
             if not reducer.capacity(world_size).ok:
                 continue
-            reducer.replay_with_locals(xs, lengths)
+            reducer.replay_with_locals(xs, lengths, [torch.Generator().manual_seed(r) for r in range(world_size)])
             if not reducer.needs_shared_scale:
                 views = [xs[0][: lengths[0]], xs[0][lengths[0]:]]
                 reducer.encode_views(views, lengths, world_size, with_sq=reducer.reads_sq(xs[0]))
@@ -65,7 +66,7 @@ def warm_row_codecs(numel: int = 3000) -> None:
                        lengths[0], lengths[:1], 2)
             continue
         codes = red.agree_input(red.local_scale(x, lengths))
-        enc = red.encode(x, lengths, 2, codes, None)
+        enc = red.encode(x, lengths, 2, codes, torch.Generator().manual_seed(2))
         red.owner_step(red.owner_share([enc.payload, enc.payload], 0), 2)
 
 

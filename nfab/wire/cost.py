@@ -116,7 +116,7 @@ def measure_codecs(world_size: int, numel: int = 1 << 18, reps: int = 3,
                    device: torch.device | str = "cpu") -> dict[str, float]:
     """Encode+decode seconds per element for every reducer that can run at W (one process),
     on `device` (where the gradients live)."""
-    x = torch.randn(numel, device=device)
+    x = torch.randn(numel, generator=torch.Generator(device=device).manual_seed(0), device=device)  # never the user's
     done = _synchronizer(device)
     out: dict[str, float] = {}
     for key, red in REDUCERS.items():
@@ -146,7 +146,8 @@ def codec_work(red: Reducer, x: torch.Tensor, world_size: int) -> Callable[[], t
         return red.agree_input(red.local_scale(x, lengths)) if red.needs_shared_scale else None
 
     shared = agreed()
-    enc = red.encode(x, lengths, world_size, shared, torch.Generator(device=x.device).manual_seed(0))
+    noise = torch.Generator(device=x.device).manual_seed(0)  # the rounding's, never torch's global generator
+    enc = red.encode(x, lengths, world_size, shared, noise)
     payloads = [enc.payload] * world_size
     reduced = red.combine(payloads)
     share = red.owner_share(payloads, 0)
@@ -154,7 +155,7 @@ def codec_work(red: Reducer, x: torch.Tensor, world_size: int) -> Callable[[], t
     out = torch.empty_like(x)
 
     def run() -> torch.Tensor:
-        red.encode(x, lengths, world_size, agreed(), None)
+        red.encode(x, lengths, world_size, agreed(), noise)
         if share is not None:
             red.owner_step(share, world_size)
         return red.decode(reduced, scale, x.numel(), lengths, world_size, out=out)
