@@ -17,3 +17,8 @@ class ProfileError(NfabError):
 
 class ConfigError(NfabError):
     """A config file or `key=value` override is malformed or names an unknown key."""
+
+
+class UserCodeError(NfabError):
+    """The user's own code (a loss, a data or model factory) raised: one line naming the function and its
+    exception; the CLI logs the traceback and names the log."""

@@ -14,19 +14,24 @@ fp32, unclipped, whatever the setting said (and until later that day fp16 ran wi
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import default_collate
 
 from nfab.calibrate.config import CalibrationConfig
 from nfab.calibrate.lossscale import LossScale
 from nfab.config.optim import autocast, build_optimizer, lr_factor, warmup_steps
+from nfab.config.pairing import adopt_task, check_pairing
 from nfab.data import build_dataset, make_loader
 from nfab.data.spec import SpecDataset
-from nfab.errors import ConfigError
-from nfab.models import ModelSpec, build_model
+from nfab.errors import ConfigError, UserCodeError
+from nfab.loss import resolve_loss
+from nfab.models import build_model
 from nfab.runtime.bindings import classify
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.control.optim import Preconditioner, is_adaptive
@@ -45,18 +50,25 @@ class Region:
         return sum(self.lengths)
 
 
-def loss_fn(spec: ModelSpec, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if spec.task == "lm":
-        return F.cross_entropy(out.flatten(0, 1), y.flatten())
-    return F.cross_entropy(out, y)
+Collate = Callable[[list[Any]], Any]
+
+
+def resolve_collate(name: str | None) -> Collate:
+    """`data.collate` as a function: the user's `module.path:fn`, else torch's `default_collate`."""
+    if name is None:
+        return default_collate
+    from nfab.models.registry import load_factory
+
+    return load_factory(name, what="collate")
 
 
 class ShardStream:
     """The W per-rank batches of any global step, as `make_loader` would deal them."""
 
-    def __init__(self, data: SpecDataset, cfg: CalibrationConfig) -> None:
+    def __init__(self, data: SpecDataset, cfg: CalibrationConfig, collate: Collate = default_collate) -> None:
         self.data = data
         self.cfg = cfg
+        self.collate = collate
         self.loaders = [
             make_loader(data, batch_size=cfg.batch_size, rank=r, world_size=cfg.world_size, seed=cfg.seed)
             for r in range(cfg.world_size)
@@ -65,7 +77,7 @@ class ShardStream:
         self._epoch: int | None = None
         self._indices: list[list[int]] = []
 
-    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, step: int) -> list[Any]:
         epoch, b = divmod(step, self.per_epoch)
         if epoch != self._epoch:
             self._indices = []
@@ -74,12 +86,30 @@ class ShardStream:
                 self._indices.append(list(iter(loader.sampler)))  # type: ignore[arg-type]
             self._epoch = epoch
         bs = self.cfg.batch_size
-        return [collate(self.data, idx[b * bs : (b + 1) * bs]) for idx in self._indices]
+        return [collate(self.data, idx[b * bs : (b + 1) * bs], self.collate) for idx in self._indices]
 
 
-def collate(data: SpecDataset, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    items = [data[i] for i in indices]
-    return torch.stack([x for x, _ in items]), torch.stack([torch.as_tensor(y, device="cpu") for _, y in items])
+def collate(data: SpecDataset, indices: list[int], fn: Collate = default_collate) -> Any:
+    """The samples at `indices`, collated as the user's loader would (`default_collate`: tuples and dicts
+    of stacked tensors)."""
+    try:
+        return fn([data[i] for i in indices])
+    except (ConfigError, UserCodeError):
+        raise
+    except Exception as exc:  # a sample the collate function cannot batch: the user's data, one line
+        raise UserCodeError(f"collating samples of {data.spec.name} raised {type(exc).__name__}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def seeded(*key: int) -> Iterator[None]:
+    """Run the user's loss with torch's CPU generator seeded from `key`, the caller's stream left as it was.
+
+    A loss may draw (a denoiser's noise, a contrastive loss's augmentations, dropout): the same step of a
+    trial and of the FP32 reference then draws the same numbers, so their difference is the route's, and
+    the held-out loss is a function of the weights alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(hash(key) & 0x7FFF_FFFF_FFFF_FFFF)
+        yield
 
 
 class Task:
@@ -87,21 +117,27 @@ class Task:
 
     def __init__(self, cfg: CalibrationConfig) -> None:
         self.cfg = cfg
-        self.spec = build_model(cfg.model, seed=cfg.seed, **cfg.model_options)
+        spec = build_model(cfg.model, seed=cfg.seed, **cfg.model_options)
         data_opts = dict(cfg.data_options)
-        if self.spec.task == "lm" and "block_size" not in data_opts and cfg.dataset.partition(":")[0] in (
-                "stdlib-text", "text"):
-            data_opts["block_size"] = self.spec.block_size
+        if spec.task == "lm" and "block_size" not in data_opts and cfg.dataset.partition(":")[0] in (
+                "stdlib-text", "text", "tokens"):
+            data_opts["block_size"] = spec.block_size
         self.data_options = data_opts
         self.train = build_dataset(cfg.dataset, split="train", seed=cfg.seed, **data_opts)
-        test = build_dataset(cfg.dataset, split="test", seed=cfg.seed, **data_opts)
-        if self.train.spec.task != self.spec.task:
-            raise ConfigError(f"model {cfg.model} ({self.spec.task}) cannot train on {cfg.dataset} "
-                              f"({self.train.spec.task})")
-        self.stream = ShardStream(self.train, cfg)
+        held_out = cfg.setting.data.eval
+        test = build_dataset(held_out or cfg.dataset, split="test", seed=cfg.seed,
+                             **(data_opts if held_out is None else {}))
+        check_pairing(spec, self.train)
+        self.spec = adopt_task(spec, self.train.spec)
+        self.loss = resolve_loss(cfg.setting.loss)
+        """The step's loss, `loss(model, batch)`: the user's, else the model's own or cross-entropy."""
+        self.collate = resolve_collate(cfg.setting.data.collate)
+        self.stream = ShardStream(self.train, cfg, self.collate)
         n_eval = min(cfg.eval_samples, len(test))
         g = torch.Generator().manual_seed(cfg.seed + 17)
-        self.eval_batch = collate(test, torch.randperm(len(test), generator=g, device="cpu")[:n_eval].tolist())
+        self.eval_batch = collate(test, torch.randperm(len(test), generator=g, device="cpu")[:n_eval].tolist(),
+                                  self.collate)
+        self.eval_samples = n_eval
         self.model: nn.Module = self.spec.module
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.names = [n for n, p in self.model.named_parameters() if p.requires_grad]
@@ -124,6 +160,7 @@ class Task:
         self.loss_scale = LossScale() if cfg.precision == "fp16" else None
         """fp16's dynamic loss scale, as `nfab train`'s GradScaler keeps it (None: no scaling)."""
         self._index: dict[str, torch.Tensor] = {}
+        self._step = 0
         self._runs: dict[str, tuple[tuple[int, int], ...]] = {}
 
     # ---- optimizer and schedule ---------------------------------------------------
@@ -169,13 +206,14 @@ class Task:
         a = self.cfg.accum_steps
         micro = [self.stream.batches(step * a + k) for k in range(a)]  # micro[k][rank]
         tries = 0
+        self._step = step
         while True:
             grads, loss = self._scaled_grads(micro, start)
             if self.loss_scale is None or self.loss_scale.settle(grads, tries):
                 return grads, loss
             tries += 1
 
-    def _scaled_grads(self, micro: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    def _scaled_grads(self, micro: list[list[Any]],
                       start: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
         """`rank_grads` at the current loss scale, every rank from the buffers `start`; after it the
         buffers are rank 0's (DDP's broadcast)."""
@@ -183,15 +221,15 @@ class Task:
         after0: list[torch.Tensor] = []
         grads, losses = [], []
         a = len(micro)
+        step = self._step
         for r in range(self.cfg.world_size):
             for b, s in zip(self.buffers, start, strict=True):
                 b.copy_(s)
             for p in self.params:
                 p.grad = None
             for k in range(a):
-                x, y = micro[k][r]
-                with autocast(self.cfg.precision, "cpu"):
-                    loss = loss_fn(self.spec, self.model(x), y)
+                with autocast(self.cfg.precision, "cpu"), seeded(self.cfg.seed, step, r, k):
+                    loss = self.loss(self.model, micro[k][r])
                 part = loss / a if a != 1 else loss
                 (part * scale if scale != 1.0 else part).backward()  # GradScaler.scale(loss / a)
                 losses.append(float(loss.detach()))
@@ -226,8 +264,8 @@ class Task:
         that lag instead of the route.
         """
         saved = [b.clone() for b in self.buffers]
-        x, y = self.eval_batch
-        loss = float(loss_fn(self.spec, self.model(x), y))
+        with seeded(self.cfg.seed, -1):
+            loss = float(self.loss(self.model, self.eval_batch))
         for b, s in zip(self.buffers, saved, strict=True):
             b.copy_(s)
         return loss
@@ -237,6 +275,8 @@ class Task:
         """(classes, predictions) of the held-out batch: what one held-out prediction weighs in its
         mean loss (validation's `resolution`). A language model predicts every token of a vocabulary."""
         spec = self.train.spec
+        if spec.task == "custom" or not isinstance(self.eval_batch, tuple | list):
+            return 0, self.eval_samples  # the user's loss: no prediction's weight to bound it by
         classes = spec.vocab_size if spec.task == "lm" else spec.num_classes
         return int(classes or 0), int(self.eval_batch[1].numel())
 

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from nfab.cli.output import console, fail
-from nfab.errors import NfabError
+from nfab.errors import NfabError, UserCodeError
 from nfab.overrides import clash
 
 if TYPE_CHECKING:
@@ -188,6 +188,8 @@ def register(app: typer.Typer) -> None:
             with SweepProgress(console) as progress:
                 result = run(cfg, target, progress=progress, command=command, tol_cosine=tol_cosine,
                              tol_loss=tol_loss, validate=validate, tol_validate=tol_validate)
+        except UserCodeError as exc:  # the user's loss, data or forward: one line, its traceback in a log
+            fail(f"{exc} (traceback: {_traceback_log(exc)})")
         except NfabError as exc:
             fail(str(exc))
         except Exception as exc:  # noqa: BLE001  (a user model's forward or backward, mostly: one line and a log)

@@ -8,7 +8,7 @@ with digits) is then caught by `check_pairing` as one line.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nfab.data import SpecDataset, build_dataset
@@ -31,7 +31,12 @@ def model_option_names(model: str) -> tuple[str, ...] | None:
 
 
 def data_facts(data: DataSpec) -> dict[str, Any]:
-    """The model options a data set decides: classes, channels and size of images; vocab and window of text."""
+    """The model options a data set decides: classes, channels and size of images; vocab and window of text
+    (none for a user's data, whose samples only the user's loss reads)."""
+    if data.task == "custom":
+        return {}
+    if data.task == "classification" and len(data.input_shape) != 3:  # rows of features, not images
+        return {"num_classes": data.num_classes}
     if data.task == "classification":
         channels, height = data.input_shape[0], data.input_shape[-1]
         return {"num_classes": data.num_classes, "in_channels": channels, "image_size": height,
@@ -48,9 +53,24 @@ def fit_model_options(model: str, options: dict[str, Any], data: DataSpec) -> di
     return {**options, **facts}
 
 
+def adopt_task(spec: ModelSpec, data: DataSpec) -> ModelSpec:
+    """A user model that declared no task takes its data's (a language model's vocabulary and window
+    from the data's), so its default optimizer family and checks follow the data it trains on."""
+    if spec.task_declared or data.task in ("custom", spec.task):
+        return spec
+    if data.task == "lm":
+        return replace(spec, task="lm", optimizer="adamw", vocab_size=spec.vocab_size or data.vocab_size,
+                       block_size=spec.block_size or data.input_shape[0])
+    return replace(spec, task="classification", num_classes=spec.num_classes or data.num_classes)
+
+
 def check_pairing(spec: ModelSpec, data: SpecDataset | DataSpec) -> None:
-    """Refuse a model and data set that cannot train together (one line)."""
+    """Refuse a model and data set that cannot train together (one line). A user's data (task `custom`)
+    is its loss's to read: nothing here can check it."""
     d = data if isinstance(data, DataSpec) else data.spec
+    if d.task == "custom":
+        return
+    spec = adopt_task(spec, d)
     if spec.task != d.task:
         raise ConfigError(f"model {spec.name} is a {spec.task} model but data set {d.name} is {d.task}")
     if spec.task == "classification":
@@ -104,4 +124,4 @@ def resolve_pairing(model: str, model_options: dict[str, Any], dataset: str, dat
         data_opts["block_size"] = spec.block_size
         data = build_dataset(dataset, split="train", seed=seed, **data_opts).spec
     check_pairing(spec, data)
-    return Pairing(options, data_opts, spec, data)
+    return Pairing(options, data_opts, adopt_task(spec, data), data)

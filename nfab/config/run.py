@@ -53,7 +53,12 @@ class DataConfig(_OpenSection):
     """Which data set to train and evaluate on, and the batch sizes."""
 
     name: str = "stdlib-text"
-    """Registry name (`digits`, `stdlib-text`, ...) or `cifar10:PATH` / `text:PATH`."""
+    """Registry name (`digits`, `stdlib-text`, ...), a file `KIND:PATH` (`tokens:`, `npz:`, `npy:`, `parquet:`,
+    `text:`, `cifar10:`), or the user's `module.path:factory` (called with `split="train"` / `"val"`)."""
+    eval: str | None = None
+    """The held-out data, named as `name` is (None: `name`'s own held-out split)."""
+    collate: str | None = None
+    """`module.path:fn` that collates a list of samples into a batch (None: torch's `default_collate`)."""
     batch_size: int = Field(16, ge=1)
     """Samples per rank per micro-batch (global batch = batch_size * world_size * accum_steps)."""
     eval_batch_size: int = Field(64, ge=1)
@@ -118,7 +123,8 @@ class CommConfig(StrictModel):
     """Add back what compression dropped on the next step (lossy routes): `auto` (on for SGD,
     off for adaptive optimizers such as AdamW, where it collapsed training), true or false."""
     cost_model: str = "measure"
-    """`measure` (a short collective benchmark at start, kept for resumes), `none`, or a JSON path."""
+    """`measure` (a collective benchmark of about a second at start, kept for resumes), `none` (no cost
+    gate), a declared link `link:100mbit` / `link:25gbit,20us` (nothing measured), or a JSON path."""
     bucket_cap_mb: float | None = Field(None, gt=0)
     """DDP bucket size in MB; None: DDP's 25 for `fp32`, `NFAB_BUCKET_MB` under nfab's hook."""
     qsum_scale: Literal["exact", "delayed"] = "exact"
@@ -141,6 +147,18 @@ class CommConfig(StrictModel):
             parse(v)
         except NfabError as exc:
             raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("cost_model")
+    @classmethod
+    def _cost_model(cls, v: str) -> str:
+        from nfab.wire.cost import is_declared, parse_link
+
+        if is_declared(v):
+            try:
+                parse_link(v)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
         return v
 
     @field_validator("route")
@@ -212,6 +230,9 @@ class TrainConfig(StrictModel):
     """The data-parallel wrapper: `ddp` (replicated model, gradient all-reduce) or `fsdp` (PyTorch's
     FSDP2: `fully_shard` per Transformer block, then the root; gradient reduce-scatter). A profile
     or route applies unchanged: it names regions and bits, not the wrapper."""
+    loss: str | None = None
+    """The loss a step minimises, `module.path:fn` with `fn(model, batch) -> scalar tensor` (None: the loss
+    the model's output carries, else cross-entropy: `nfab.loss`)."""
     steps: int = Field(100, ge=1)
     """Optimizer steps."""
     accum_steps: int = Field(1, ge=1)

@@ -147,6 +147,9 @@ def text_file(
         raise ConfigError(f"text: max_bytes must be >= 1, got {max_bytes}")
     with file.open("rb") as f:
         corpus = f.read() if max_bytes is None else f.read(max_bytes)
+    if b"\0" in corpus:
+        nul = corpus.index(b"\0")
+        raise ConfigError(f"{file}: a binary file, not text (a NUL byte at {nul}); token ids are tokens:PATH")
     # A `max_bytes` cap may cut the last multi-byte character: only then is a trailing
     # incomplete sequence fine (the incremental decoder with final=False allows exactly that).
     try:

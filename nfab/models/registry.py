@@ -88,23 +88,47 @@ def _importable_from_cwd() -> None:
         sys.path.append(cwd)
 
 
-def load_factory(target: str) -> Callable[..., Any]:
-    """Import `module.path:factory` and return the callable it names."""
+LIVE: dict[str, Any] = {}
+"""Python objects handed to `nfab.calibrate` that no `module.path:name` imports (a lambda, a closure, a
+Dataset instance), under the `module:name` they are recorded as; `load_factory` looks here first."""
+
+
+def name_for(obj: Any, kind: str) -> str:
+    """The `module.path:name` that imports `obj` (so the CLI and the Python API record the same setting),
+    else a name under which `LIVE` keeps it for this process."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str) and "<" not in qualname:
+        with contextlib.suppress(Exception):
+            found: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                found = getattr(found, part)
+            if found is obj:
+                return f"{module}:{qualname}"
+    label = qualname if isinstance(qualname, str) and "<" not in qualname else type(obj).__name__
+    name = f"{module if isinstance(module, str) else 'python'}:{label}#{kind}{len(LIVE)}"
+    LIVE[name] = obj
+    return name
+
+
+def load_factory(target: str, what: str = "model") -> Callable[..., Any]:
+    """Import `module.path:factory` (or find it in `LIVE`) and return the callable it names."""
+    if target in LIVE:
+        return LIVE[target]
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
-        raise ConfigError(f"user model {target!r} must look like module.path:factory")
+        raise ConfigError(f"user {what} {target!r} must look like module.path:{'fn' if what == 'loss' else 'factory'}")
     _importable_from_cwd()
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's to fix: report it in one line
-        raise ConfigError(f"cannot import {module_name!r} for model {target!r}: {exc}") from exc
+        raise ConfigError(f"cannot import {module_name!r} for {what} {target!r}: {exc}") from exc
     factory: Any = module
     for part in attr.split("."):
         if not hasattr(factory, part):
-            raise ConfigError(f"module {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r} (the {what} {target!r})")
         factory = getattr(factory, part)
     if not callable(factory):
-        raise ConfigError(f"user model {target!r} is not callable")
+        raise ConfigError(f"user {what} {target!r} is not callable")
     return factory
 
 
@@ -137,7 +161,8 @@ def _build_user_model(
     def attribute(key: str) -> Any:
         return getattr(factory, key, getattr(module, key, None))
 
-    task = task_option if task_option is not None else attribute("task") or "classification"
+    declared = task_option if task_option is not None else attribute("task")
+    task = declared or "classification"
     if task not in TASKS:
         raise ConfigError(f"user model {target!r}: task must be one of {TASKS}, got {task!r}")
     optimizer = attribute("optimizer") or ("adamw" if task == "lm" else "sgd")
@@ -159,7 +184,8 @@ def _build_user_model(
         task=task,
         head_modules=tuple(heads),
         optimizer=optimizer,
-        options={**options, "task": task},
+        options={**options, "task": task} if declared else dict(options),
+        task_declared=bool(declared),
         **facts,
     )
 

@@ -49,6 +49,8 @@ class ModelSpec:
     blocks: one block's parameters gathered at a time); empty: the root alone."""
     options: dict[str, object] = field(default_factory=dict)
     """The resolved builder options, recorded for provenance (profiles, run summaries)."""
+    task_declared: bool = True
+    """False for a user model that declared no task: it takes its data's (`nfab.config.pairing.adopt_task`)."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

@@ -209,9 +209,10 @@ def test_a_user_models_failure_is_one_line_naming_its_traceback(tmp_path: Path, 
     monkeypatch.syspath_prepend(str(tmp_path))
     res = runner.invoke(app, ["calibrate", "brokenmodel:build", "--dataset", "digits", "-w", "2", "--steps", "4",
                               "--quick", "--out", str(tmp_path / "cal")])
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output
     line = res.output.strip().splitlines()[-1]
-    assert "calibration failed: RuntimeError: the user's forward is broken (traceback: " in line, res.output
+    assert "the model's forward (under the default loss) raised RuntimeError: the user's forward is broken " \
+           "(traceback: " in line, res.output
     log = Path(line.rsplit("(traceback: ", 1)[1].rstrip(")"))
     assert "Traceback" not in res.output and "in forward" in log.read_text()
     log.unlink()

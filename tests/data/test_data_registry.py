@@ -10,7 +10,7 @@ from nfab.errors import ConfigError
 
 def test_registries_are_explicit() -> None:
     assert set(DATASETS) == {"digits", "stdlib-text", "synthetic-images"}
-    assert set(PATH_DATASETS) == {"cifar10", "text"}
+    assert set(PATH_DATASETS) == {"cifar10", "npy", "npz", "parquet", "text", "tokens"}
 
 
 @pytest.mark.parametrize(
