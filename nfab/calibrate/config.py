@@ -156,7 +156,7 @@ _ALIASES: dict[str, str] = {
     "weight_decay": "optim.weight_decay", "betas": "optim.betas", "grad_clip": "optim.grad_clip",
     "warmup_steps": "schedule.warmup_steps", "min_lr_ratio": "schedule.min_lr_ratio",
     "steps": "steps", "seed": "seed", "optimizer": "optim.name", "accum_steps": "accum_steps",
-    "precision": "precision",
+    "precision": "precision", "loss": "loss", "eval_data": "data.eval", "collate": "data.collate",
 }
 """Plain keys that name a setting field (`lr=0.1` is `optim.lr=0.1`)."""
 
