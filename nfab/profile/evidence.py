@@ -52,3 +52,23 @@ def describe_validation(ev: dict[str, Any]) -> str:
     if ev.get("stopped"):
         text += f"; stopped: {ev['stopped']}"
     return text
+
+
+def failed_validation(ev: Any) -> str | None:
+    """What failed, in one short line, for a profile whose validation failed; None for one that passed,
+    was never validated or holds no validation evidence: `validation FAILED over 300 steps: gap +2.41%
+    vs tolerance 1.00%` (`... vs tolerance 1.00%, judged at 91.6%` where the reference's noise or the
+    held-out resolution widened it; `diverged or stopped early (tolerance 1.00%)` where there is no gap).
+    `describe_validation` is the whole story (rounds, what was tightened)."""
+    if not isinstance(ev, dict) or ev.get("passed") is not False:
+        return None
+    gap = ev.get("gap")
+    tolerance = float(ev.get("tolerance") or 0.0) * 100
+    judged = ev.get("judged_tolerance")
+    against = f"tolerance {tolerance:.2f}%"
+    if ev.get("judged_by") in ("noise", "resolution") and judged is not None:
+        against += f", judged at {float(judged) * 100:.1f}%"
+    what = f"diverged or stopped early ({against})" if gap is None else f"gap {gap * 100:+.2f}% vs {against}"
+    steps = f" over {ev['steps']} steps" if ev.get("steps") else ""
+    return f"validation FAILED{steps}: {what}"
+

@@ -32,7 +32,7 @@ from nfab.config.shipped import resolve_profile
 from nfab.data import build_dataset, make_loader
 from nfab.errors import ConfigError, NfabError, ProfileError
 from nfab.fsutil import atomic_write_text
-from nfab.profile.evidence import describe_validation
+from nfab.profile.evidence import failed_validation
 from nfab.profile.schema import Profile
 from nfab.runtime.control.controller import candidates
 from nfab.runtime.core.hierarchy import parse as parse_hierarchy
@@ -180,10 +180,9 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
         if (mismatch := layout_mismatch(profile, spec)) is not None:
             raise ProfileError(f"profile {cfg.comm.profile}: {mismatch}")
         check_world(profile, world, f"profile {cfg.comm.profile}", warn)
-        validation = profile.evidence.get("validation")
-        if isinstance(validation, dict) and validation.get("passed") is False:  # calibrate said FAILED, once
-            warn(f"profile {cfg.comm.profile} did not pass its validation ({describe_validation(validation)}): "
-                 "it trains as calibrated all the same")
+        if (failed := failed_validation(profile.evidence.get("validation"))) is not None:  # calibrate said so, once
+            warn(f"profile {cfg.comm.profile}: {failed}; it trains as calibrated: recalibrate it (nfab calibrate) "
+                 "or train --fp32")
         check_globs(profile, spec.module)  # a glob that matches nothing: refused here, not in every rank
     if cfg.comm.route is not None:
         check_world(Profile.static(cfg.comm.route), world, "route", warn)
