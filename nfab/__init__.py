@@ -1,6 +1,7 @@
 """nfab (NEURON-Fabric): controlled low-bit gradient communication for PyTorch DDP.
 
-Public API: `nfab.attach(ddp_model, profile)`, `nfab.Profile` and `nfab.Hierarchy` (two-level
+Public API: `nfab.attach(ddp_model, profile)`, `nfab.calibrate(model, data, loss=...)` (calibrate the
+user's own training: `nfab.calibrate.api`), `nfab.Profile` and `nfab.Hierarchy` (two-level
 reduction, `attach(..., hierarchy=)`); `nfab.NfabError`, what `attach` raises for a mistake at
 the call (`nfab.ProfileError`, a profile that cannot be used, is one); the `nfab` CLI.
 """
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from nfab.errors import NfabError, ProfileError
 
 __version__ = "0.1.0"
-__all__ = ["Hierarchy", "NfabError", "Profile", "ProfileError", "attach", "__version__"]
+__all__ = ["Hierarchy", "NfabError", "Profile", "ProfileError", "attach", "calibrate", "__version__"]
 
 if TYPE_CHECKING:
     from nfab.api import attach
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from nfab.api import attach
 
         return attach
+    if name == "calibrate":  # the package, callable as the Python calibration API
+        import nfab.calibrate
+
+        return nfab.calibrate
     if name == "Profile":
         from nfab.profile.schema import Profile
 

@@ -125,8 +125,18 @@ def register(app: typer.Typer) -> None:
         config: Annotated[str | None, typer.Option(
             "--config", "-c", help="The run config to calibrate for (same files as nfab train; default: the "
                                    "model's shipped config).", show_default=False)] = None,
-        dataset: Annotated[str | None, typer.Option(help="Data set (default: the config's).", show_default=False)
-                           ] = None,
+        dataset: Annotated[str | None, typer.Option(
+            "--data", "--dataset", metavar="DATA",
+            help="Training data: a shipped name (digits, stdlib-text), a file KIND:PATH (tokens:, npz:, npy:, "
+                 "parquet:, text:, cifar10:) or module.path:factory called as factory(split='train'|'val') "
+                 "(default: the config's).", show_default=False)] = None,
+        eval_data: Annotated[str | None, typer.Option(
+            "--eval-data", metavar="DATA", help="Held-out data, named as --data is (default: --data's own "
+                                                "held-out split).", show_default=False)] = None,
+        loss: Annotated[str | None, typer.Option(
+            "--loss", metavar="module.path:fn", help="The loss, fn(model, batch) -> scalar tensor (default: the "
+                                                    "loss the model's output carries, else cross-entropy).",
+            show_default=False)] = None,
         world_size: Annotated[int, typer.Option("--world-size", "-w", help="Virtual ranks W.")] = 4,
         routes: Annotated[str | None, typer.Option(
             help="Comma-separated routes to measure (default: every registered route but fp16, bq8 and the "
@@ -161,13 +171,15 @@ def register(app: typer.Typer) -> None:
         from nfab.calibrate import make_config, parse_overrides
 
         check_tolerances(tol_cosine, tol_loss, tol_validate)
-        flags = {"steps": ("--steps", steps), "phases": ("--phases", phases), "routes": ("--routes", routes),
+        flags = {"loss": ("--loss", loss), "eval_data": ("--eval-data", eval_data),
+                 "steps": ("--steps", steps), "phases": ("--phases", phases), "routes": ("--routes", routes),
                  "trial_steps": ("--trial-steps", trial_steps), "quick": ("--quick", quick or None)}
         if (message := clash(overrides or [], {k: o for k, (o, v) in flags.items() if v is not None})) is not None:
             fail(message)  # the override won in silence: `--steps 2 steps=5` calibrated 5 steps
         try:
+            given = {k: v for k, v in (("loss", loss), ("eval_data", eval_data)) if v is not None}
             cfg = make_config(
-                model, dataset=dataset, config=config, overrides=parse_overrides(overrides or []),
+                model, dataset=dataset, config=config, overrides={**parse_overrides(overrides or []), **given},
                 world_size=world_size, phases=phases, steps=steps, trial_steps=trial_steps, quick=quick or None,
                 routes=tuple(r.strip() for r in routes.split(",") if r.strip()) if routes else None,
             )
@@ -177,7 +189,9 @@ def register(app: typer.Typer) -> None:
                 raise NfabError(f"{target} already holds a calibration ({', '.join(held)}): pass --overwrite to "
                                 "replace it, or --out DIR")
             command = _command_line(ctx.params)
-            console.print(f"calibrating [bold]{cfg.model}[/] on {cfg.dataset}, W={cfg.world_size}, "
+            console.print(f"calibrating [bold]{cfg.model}[/] on {cfg.dataset}"
+                          f"{f' (held out: {cfg.setting.data.eval})' if cfg.setting.data.eval else ''}"
+                          f"{f', loss {cfg.setting.loss}' if cfg.setting.loss else ''}, W={cfg.world_size}, "
                           f"{cfg.steps} steps, {cfg.phases} phases, {_trials_phrase(cfg, tol_cosine)}"
                           f"{' (quick)' if cfg.quick else ''}", highlight=False)
             if cfg.run_steps:
