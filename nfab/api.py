@@ -81,9 +81,12 @@ def attach(
     optimizers collapsed training in nfab's measurements. True forces it on (a warning is
     logged under an adaptive optimizer), False off. A profile phase can still turn it off.
 
-    `cost_model`: "measure" (default: a short collective measurement, agreed by all
-    ranks), a path to a JSON from `nfab bench wire --cost`, a `CostModel`, or None
-    (no cost gate; sign picks by bytes). Every rank must call `attach` identically.
+    `cost_model`: "measure" (default: a collective measurement of about a second, agreed by all
+    ranks), a declared link "link:100mbit" / "link:25gbit,20us" (its bandwidth and latency, nothing
+    measured), a path to a JSON from `nfab bench wire --cost`, a `CostModel`, or None (no cost gate;
+    sign picks by bytes). A route compresses where it is modelled at least 15% cheaper than FP32
+    (`cost.gate`); a measurement no real link could give keeps FP32 everywhere, with one warning.
+    Every rank must call `attach` identically.
 
     `noise_moment`: take the block-scaled routes' rounding noise out of the optimizer's second
     moment before each step (runtime/moment.py): under Adam the noise inflates v and acts like a
@@ -137,8 +140,10 @@ def attach(
         raise NfabError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     parse(hierarchy)  # a malformed spec is refused before any collective
     if not (cost_model is None or isinstance(cost_model, str | Path | cost_mod.CostModel)):
-        raise NfabError(f"cost_model must be 'measure', a JSON path, a CostModel or None, got "
+        raise NfabError(f"cost_model must be 'measure', 'link:...', a JSON path, a CostModel or None, got "
                         f"{type(cost_model).__name__}")
+    if cost_mod.is_declared(cost_model):
+        cost_mod.parse_link(str(cost_model))  # a malformed declaration is refused before any collective
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise NfabError(f"seed must be an int, got {seed!r}")
     if head_modules is not None:
@@ -177,6 +182,9 @@ def attach(
     group = fsdp_layout.shard_group(ddp_model) if sharded else ddp_model.process_group
     if cost_model == "measure":
         cm = cost_mod.measure(group, device=_grad_device(ddp_model))
+    elif cost_mod.is_declared(cost_model):
+        cm = cost_mod.declared(str(cost_model), torch.distributed.get_world_size(group),
+                               torch.distributed.get_backend(group))
     elif isinstance(cost_model, str | Path):
         cm = cost_mod.CostModel.load(cost_model)
     else:
@@ -208,7 +216,9 @@ def attach(
                               find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
     if zeros is not None and runtime.rank == 0:
         log.warning(zeros)
-    if cm is not None and runtime.rank == 0 and runtime.controller.gated_everywhere(
+    if cm is not None and runtime.rank == 0 and cm.implausible and not explicit and prof.fallback.cost_gate:
+        log.warning(implausible_line(cm))
+    elif cm is not None and runtime.rank == 0 and runtime.controller.gated_everywhere(
             runtime.regions, {n: p.numel() for n, p in module.named_parameters()}):
         log.warning(cost_gate_line(cm, runtime.controller.world_size))
     if optimizer is None and prof.noise_moment and noise_moment == "auto":
@@ -230,11 +240,17 @@ def attach(
 
 def cost_gate_line(cm: cost_mod.CostModel, world_size: int) -> str:
     """The one line attach logs when the cost model keeps FP32 everywhere: the link figure and the override."""
-    link = cm.allreduce
-    return (f"nfab: the {cm.source} cost model keeps FP32 on every region (all-reduce "
-            f"{link.bandwidth_bps * 8 / 1e9:.2f} Gbit/s, {link.latency_s * 1e6:.0f} us latency at W={world_size}): "
-            "compression does not pay on this link, so nothing is compressed (StepStats.cost_gated). To compress "
-            "anyway pass cost_model=None, or the cost model of the target link (nfab bench wire --cost) as cost_model=")
+    return (f"nfab: the {cm.source} cost model keeps FP32 on every region (all-reduce {cm.link_line()} at "
+            f"W={world_size}): compression does not pay on this link, so nothing is compressed "
+            "(StepStats.cost_gated). To compress anyway pass cost_model=None, or declare the target link: "
+            "cost_model=\"link:100mbit\" (comm.cost_model=link:100mbit)")
+
+
+def implausible_line(cm: cost_mod.CostModel) -> str:
+    """The one line attach logs when the measured figures are implausible and the gate keeps FP32."""
+    return (f"nfab: the link measurement is implausible ({'; '.join(cm.implausible)}), so every region stays "
+            "FP32 (StepStats.cost_gated), the choice that is always correct. Measure again on a quieter machine, "
+            "or declare the link: cost_model=\"link:100mbit\" (comm.cost_model=link:100mbit)")
 
 
 def calibrated_steps(prof: Profile, key: str = "steps") -> int | None:

@@ -126,6 +126,7 @@ def summary_text(s: dict) -> str:
         parts.append(f"perplexity {ev['perplexity']:.2f}")
     parts.append(f"compression {s['compression_ratio']:.1f}x")
     if gated := s.get("cost_gated_steps"):
-        parts.append(f"cost gate: some regions kept at FP32 on {gated} of {s['steps']} steps (low bits cost more "
-                     "than they saved on the measured link; comm.cost_model=none compresses anyway)")
+        parts.append(f"cost gate: some regions kept at FP32 on {gated} of {s['steps']} steps (low bits were not "
+                     "modelled 15% cheaper on the link; comm.cost_model=link:100mbit declares a link, "
+                     "comm.cost_model=none compresses anyway)")
     return ", ".join(parts)

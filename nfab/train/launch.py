@@ -40,7 +40,7 @@ from nfab.train import checkpoint, fault, rundir
 from nfab.train.config import TrainConfig, load_config
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE
 from nfab.train.worker import ERROR_MARK, LAUNCHER_ENV
-from nfab.wire.cost import CostModel
+from nfab.wire.cost import CostModel, is_declared
 
 CONFIG_FILE = "config.json"
 LOG_DIR = "logs"
@@ -190,7 +190,7 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     layout = parse_hierarchy(cfg.comm.hierarchy)
     if layout is not None and layout.local_world is not None:  # "auto" is torchrun's --nproc per node
         layout.topology(world, 0)
-    if cfg.comm.cost_model not in ("measure", "none"):
+    if cfg.comm.cost_model not in ("measure", "none") and not is_declared(cfg.comm.cost_model):
         CostModel.load(cfg.comm.cost_model)
     if cfg.run_dir is None:
         cfg.run_dir = default_run_dir(cfg)

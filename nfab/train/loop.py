@@ -133,7 +133,7 @@ def _cost_model(cfg: TrainConfig, wrapped: Wrapped, saved: str | None,
                 device: torch.device) -> cost_mod.CostModel | None:
     """The run's cost model: the checkpoint's (a resume decides as the run did), none, measured on the
     gradients' `device` (NCCL's collectives take no CPU tensor, and the codecs timed must be the
-    device's), or read from a JSON file."""
+    device's), a declared link (`link:100mbit`), or read from a JSON file."""
     if saved:
         return cost_mod.CostModel.from_dict(json.loads(saved))
     choice = cfg.comm.cost_model
@@ -156,6 +156,8 @@ _COLLECTIVE = {"ddp": "all-reduce in DDP", "fsdp": "reduce-scatter in FSDP"}
 def _check_parallel(cfg: TrainConfig, shared: dict[str, Any]) -> None:
     """A checkpoint resumes under the wrapper it was written under (its optimizer state is keyed by it)."""
     saved = json.loads(shared.get("config") or "{}").get("parallel", "ddp")
+    if cost_mod.is_declared(choice):
+        return cost_mod.declared(choice, dist.get_world_size(wrapped.group), dist.get_backend(wrapped.group))
     if saved != cfg.parallel:
         raise NfabError(f"the checkpoint was written under parallel={saved}; resume it with --parallel {saved}")
 

@@ -17,7 +17,7 @@ import numpy as np
 from nfab.errors import CapacityError
 from nfab.profile.schema import Phase, Profile
 from nfab.runtime.core.plan import BucketPlan, Slice
-from nfab.wire.cost import CostModel
+from nfab.wire.cost import CostModel, gate, predicted_saving
 from nfab.wire.registry import REDUCERS, candidates
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,8 @@ class Controller:
         self._last_phase: tuple[int, Phase] | None = None
         self._model_lossy: dict[int, tuple[str, ...]] = {}
         self.admitted: dict[str, list[str]] = {}
+        self._compressing: dict[tuple[str, int, int], bool] = {}
+        """The gate's state per (reducer, elements, slices): its hysteresis (`cost.gate`)."""
         self.capacity_notes: dict[str, str] = {}
         for route in sorted(profile.routes_used() | {"fp32"}):
             keys = [r for r in candidates(route) if r.capacity(world_size).ok]
@@ -167,9 +169,30 @@ class Controller:
                 if key is None or key == FP32:
                     continue
                 lossy_any = True
-                if self.cost_model.cheaper_than_fp32(key, numel, self.world_size, segments):
+                if self._pays(key, numel, segments, compressing=False):
                     return False
         return lossy_any
+
+    def reprice(self, cost_model: CostModel) -> None:
+        """Decide again under a new (re-measured) cost model: each group's route moves only where
+        `cost.gate`'s margin says so, so one noisy figure cannot flip it back and forth."""
+        self.cost_model = cost_model
+        self._routes_cached.cache_clear()
+
+    def _pays(self, key: str, numel: int, segments: int, *, compressing: bool) -> bool:
+        """Whether reducer `key` on `numel` elements in `segments` slices is modelled to pay off against
+        FP32 by the gate's margin; never on figures the measurement found implausible."""
+        assert self.cost_model is not None
+        if getattr(self.cost_model, "implausible", ()):
+            return False
+        return gate(predicted_saving(self.cost_model, key, numel, self.world_size, segments), compressing)
+
+    def _admit(self, key: str, numel: int, segments: int) -> bool:
+        """The cost gate for one group, with its state: a group that compresses keeps compressing until
+        low bits are dearer by the margin (`cost.gate`)."""
+        state = (key, numel, segments)
+        self._compressing[state] = self._pays(key, numel, segments, compressing=self._compressing.get(state, False))
+        return self._compressing[state]
 
     def _lossy_regions(self, plan: BucketPlan, phase_id: int) -> frozenset[str]:
         phase = self._phases[phase_id]
@@ -209,7 +232,7 @@ class Controller:
             elif (key != FP32 and not self.explicit and self.profile.fallback.cost_gate
                   and self.cost_model is not None
                   and not any(s.region in self.profile.fallback.pinned for s in slices)
-                  and not self.cost_model.cheaper_than_fp32(key, numel, self.world_size, len(slices))):
+                  and not self._admit(key, numel, len(slices))):
                 fallbacks.extend(("cost", s.region) for s in slices)
                 key = FP32
             by_key.setdefault(key, []).extend(slices)

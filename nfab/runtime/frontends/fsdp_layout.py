@@ -170,6 +170,11 @@ class ShardCost:
 
     base: CostModel
 
+    @property
+    def implausible(self) -> tuple[str, ...]:
+        """The base measurement's problems: non-empty, the gate keeps FP32 (`Controller`)."""
+        return self.base.implausible
+
     def time(self, key: str, numel: int, world_size: int | None = None, segments: int = 1) -> float:
         w = world_size or self.base.world_size
         rs = self.base.reducescatter or self.base.allreduce
