@@ -272,7 +272,7 @@ def fit_profile(
         "adaptive_optimizer": adaptive(optimizer),
         "bits_slack": BITS_SLACK,
         "calibrated": {k: meta[k] for k in ("model", "model_options", "dataset", "data_options", "world_size",
-                                            "optimizer", "schedule",
+                                            "optimizer", "schedule", "accum_steps", "precision",
                                             "steps", "run_steps", "trial_steps", "ef_steps", "batch_size", "seed",
                                             "command",
                                             "nfab_version", "torch_version", "created") if k in meta},

@@ -1,10 +1,11 @@
 """A profile's `provenance.calibrated`: the setting it was calibrated under, as a run config.
 
 `nfab train --profile P` starts from this setting (model and options, data set and
-options, optimizer, batch size, schedule, length, W as ranks on one node), so the profile
-alone reproduces the run it was fitted for; anything given explicitly overrides it. When
-the result no longer matches the profile's model signature, `explain_mismatch` names the
-options that differ from the calibrated ones.
+options, optimizer with its clipping, batch size, accumulation, precision, schedule, length,
+seed, W as ranks on one node), so the profile alone reproduces the run it was fitted for;
+anything given explicitly overrides it (`recipe_changes` names what differs from the step the
+profile was calibrated with). When the result no longer matches the profile's model signature,
+`explain_mismatch` names the options that differ from the calibrated ones.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from nfab.config.run import ScheduleConfig
+from nfab.config.run import PrecisionName, ScheduleConfig, TrainConfig
 from nfab.errors import ProfileError
 from nfab.models import ModelSpec, model_signature
 from nfab.profile.schema import Profile
@@ -50,6 +51,10 @@ class CalibratedSetting(FrozenModel):
     run_steps: int | None = Field(None, ge=1)
     """Steps of the training run the profile is for, when the calibration (`steps`) was shorter."""
     batch_size: int = Field(ge=1)
+    accum_steps: int | None = Field(None, ge=1)
+    """Micro-batches per optimizer step (profiles before it was recorded: None, trained as 1)."""
+    precision: PrecisionName | None = None
+    """The forward's autocast dtype (profiles before it was recorded: None, trained as fp32)."""
     seed: int = 0
     trial_steps: int | None = None
     ef_steps: int | None = None
@@ -92,10 +97,46 @@ def profile_base(profile: Profile, path: str) -> dict[str, Any]:
     base["optim"] = {"name": o.name, "lr": o.lr, "momentum": o.momentum, "betas": list(o.betas),
                      "weight_decay": o.weight_decay, "grad_clip": o.grad_clip}
     base["schedule"] = setting.schedule_config().model_dump(mode="json")
+    if setting.accum_steps is not None:  # older profiles: the run config's default, as they were calibrated
+        base["accum_steps"] = setting.accum_steps
+    if setting.precision is not None:
+        base["precision"] = setting.precision
     base["steps"] = setting.steps
     base["seed"] = setting.seed
     base["launch"] = {"nproc": setting.world_size}  # W: the profile's capacity and fit assume it
     return base
+
+
+def _recipe(setting: CalibratedSetting) -> dict[str, Any]:
+    """How the calibrated setting takes one optimizer step, by run-config key (None: not recorded)."""
+    o = setting.optimizer
+    return {"data.batch_size": setting.batch_size, "accum_steps": setting.accum_steps,
+            "precision": setting.precision, "optim.name": o.name, "optim.lr": o.lr, "optim.momentum": o.momentum,
+            "optim.betas": tuple(o.betas), "optim.weight_decay": o.weight_decay, "optim.grad_clip": o.grad_clip,
+            **{f"schedule.{k}": v for k, v in setting.schedule_config().model_dump().items()}}
+
+
+def recipe_changes(profile: Profile, cfg: TrainConfig) -> str | None:
+    """One line naming where `cfg` (the resolved run) steps otherwise than `profile` was calibrated
+    (batch, accumulation, precision, optimizer, clipping, schedule), else None. The explicit value wins;
+    the line says so. Length, W and seed are not the step: `--steps` and `--nproc` change them freely."""
+    setting = calibrated_setting(profile)
+    if setting is None:
+        return None
+    diffs = []
+    for key, calibrated in _recipe(setting).items():
+        if calibrated is None:  # an older profile that did not record it
+            continue
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if isinstance(value, list):
+            value = tuple(value)
+        if value != calibrated:
+            diffs.append(f"{key}={_show(value)} (calibrated: {_show(calibrated)})")
+    if not diffs:
+        return None
+    return ("this run steps otherwise than the profile was calibrated, as given explicitly: " + ", ".join(diffs))
 
 
 def _show(value: Any) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from nfab.attach_checks import check_globs
-from nfab.config.calibrated import layout_mismatch, profile_base
+from nfab.config.calibrated import layout_mismatch, profile_base, recipe_changes
 from nfab.config.pairing import default_data, resolve_pairing
 from nfab.config.shipped import resolve_profile
 from nfab.data import build_dataset, make_loader
@@ -187,6 +187,8 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     if cfg.comm.route is not None:
         check_world(Profile.static(cfg.comm.route), world, "route", warn)
         check_globs(Profile.static(cfg.comm.route), spec.module)
+        if (changed := recipe_changes(profile, cfg)) is not None:
+            warn(f"profile {cfg.comm.profile}: {changed}")
     layout = parse_hierarchy(cfg.comm.hierarchy)
     if layout is not None and layout.local_world is not None:  # "auto" is torchrun's --nproc per node
         layout.topology(world, 0)
