@@ -92,7 +92,9 @@ def _takes_target(forward: Callable[..., Any]) -> bool:
 
 def takes_target(model: nn.Module) -> bool:
     """Whether `model.forward` names a second parameter for the target (nanoGPT's `forward(idx, targets)`)."""
-    return _takes_target(type(model).forward.__get__(model)) if hasattr(type(model), "forward") else False
+    inner = getattr(model, "module", model)  # DDP's forward takes *inputs: its module's says what it wants
+    inner = inner if isinstance(inner, nn.Module) else model
+    return _takes_target(type(inner).forward.__get__(inner)) if hasattr(type(inner), "forward") else False
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -169,3 +171,30 @@ def resolve_loss(loss: str | LossFn | None) -> UserLoss:
     from nfab.models.registry import load_factory
 
     return UserLoss(load_factory(loss, what="loss"), loss)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """A batch's tensors moved to `device`, its structure kept (tuples, lists, mappings; a `BatchEncoding`
+    or anything else with `.to` moves itself)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping) and not hasattr(batch, "to"):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()}) if isinstance(batch, dict) \
+            else {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(v, device) for v in batch)
+    if hasattr(batch, "to"):
+        return batch.to(device)
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, tuple | list) else ()
+    for v in values:
+        n = batch_size_of(v)
+        if n:
+            return n
+    return 0

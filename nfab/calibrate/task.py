@@ -15,7 +15,7 @@ fp32, unclipped, whatever the setting said (and until later that day fp16 ran wi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from nfab.config.optim import autocast, build_optimizer, lr_factor, warmup_steps
 from nfab.config.pairing import adopt_task, check_pairing
 from nfab.data import build_dataset, make_loader
 from nfab.data.spec import SpecDataset
+from nfab.data.user import Collate, resolve_collate
 from nfab.errors import ConfigError, UserCodeError
 from nfab.loss import resolve_loss
 from nfab.models import build_model
@@ -48,18 +49,6 @@ class Region:
     @property
     def numel(self) -> int:
         return sum(self.lengths)
-
-
-Collate = Callable[[list[Any]], Any]
-
-
-def resolve_collate(name: str | None) -> Collate:
-    """`data.collate` as a function: the user's `module.path:fn`, else torch's `default_collate`."""
-    if name is None:
-        return default_collate
-    from nfab.models.registry import load_factory
-
-    return load_factory(name, what="collate")
 
 
 class ShardStream:

@@ -47,7 +47,14 @@ def register(app: typer.Typer) -> None:
             help="Static route: sign, q8, ... everywhere, or conv:sign,norm:fp32,*.bias:fp32.")] = None,
         fp32: Annotated[bool, typer.Option("--fp32", help="Plain DDP / FSDP2, no nfab hook (the reference).")] = False,
         model: Annotated[str | None, typer.Option(help="Model (resnet18, vit, gpt, module:factory).")] = None,
-        dataset: Annotated[str | None, typer.Option(help="Data set (digits, stdlib-text, ...).")] = None,
+        dataset: Annotated[str | None, typer.Option(
+            "--data", "--dataset", metavar="DATA", help="Training data: digits, stdlib-text, a file KIND:PATH "
+            "(tokens:, npz:, npy:, parquet:, text:, cifar10:) or module.path:factory.")] = None,
+        eval_data: Annotated[str | None, typer.Option(
+            "--eval-data", metavar="DATA", help="Held-out data, named as --data is.")] = None,
+        loss: Annotated[str | None, typer.Option(
+            "--loss", metavar="module.path:fn", help="The loss fn(model, batch) -> scalar (default: the "
+                                                    "model's own, else cross-entropy).")] = None,
         parallel: Annotated[str | None, typer.Option(
             help="Data-parallel wrapper: ddp (default) or fsdp (FSDP2, sharded per block).")] = None,
         nproc: Annotated[int | None, typer.Option(help="Ranks per node.")] = None,
@@ -84,6 +91,7 @@ def register(app: typer.Typer) -> None:
             "parallel": ("--parallel", parallel), "launch.nproc": ("--nproc", nproc), "steps": ("--steps", steps),
             "precision": ("--precision", precision), "run_dir": ("--run-dir", run_dir), "resume": ("--resume", resume),
             "overwrite": ("--overwrite", overwrite), "quiet": ("--quiet", quiet),
+            "loss": ("--loss", loss), "data.eval": ("--eval-data", eval_data),
             "launch.nnodes": ("--nnodes", nnodes), "launch.node_rank": ("--node-rank", node_rank),
             "launch.rdzv_endpoint": ("--rdzv-endpoint", rdzv_endpoint),
             "launch.rdzv_backend": ("--rdzv-backend", rdzv_backend),

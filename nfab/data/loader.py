@@ -11,6 +11,9 @@ sample exactly once: `make_eval_loader` gives disjoint strided shards without pa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -57,8 +60,9 @@ def make_loader(
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last)
 
 
-def make_eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world_size: int) -> DataLoader:
+def make_eval_loader(dataset: Dataset, *, batch_size: int, rank: int, world_size: int,
+                     collate: Callable[[list[Any]], Any] | None = None) -> DataLoader:
     """This rank's disjoint strided shard (indices rank, rank+W, ...), in order, unpadded."""
     _check_rank(batch_size, rank, world_size)
     indices = list(range(rank, len(dataset), world_size))  # type: ignore[arg-type]
-    return DataLoader(dataset, batch_size=batch_size, sampler=indices, drop_last=False)
+    return DataLoader(dataset, batch_size=batch_size, sampler=indices, drop_last=False, collate_fn=collate)

@@ -7,10 +7,11 @@ collates them with `default_collate` (or the collate function given to `nfab.cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from nfab.data.spec import DataSpec, SpecDataset, Split
 from nfab.errors import ConfigError, UserCodeError
@@ -63,3 +64,15 @@ def user_dataset(target: str, *, split: Split, seed: int, **options: Any) -> Spe
     spec = DataSpec(name=target, split=split, task="custom", input_shape=shape, num_samples=n,
                     options={"seed": seed, **options})
     return UserDataset(data, spec)
+
+
+Collate = Callable[[list[Any]], Any]
+
+
+def resolve_collate(name: str | None) -> Collate:
+    """`data.collate` as a function: the user's `module.path:fn`, else torch's `default_collate`."""
+    if name is None:
+        return default_collate
+    from nfab.models.registry import load_factory
+
+    return load_factory(name, what="collate")

@@ -30,8 +30,10 @@ from nfab.config.calibrated import layout_mismatch, profile_base, recipe_changes
 from nfab.config.pairing import default_data, resolve_pairing
 from nfab.config.shipped import resolve_profile
 from nfab.data import build_dataset, make_loader
+from nfab.data.user import resolve_collate
 from nfab.errors import ConfigError, NfabError, ProfileError
 from nfab.fsutil import atomic_write_text
+from nfab.loss import resolve_loss
 from nfab.profile.evidence import failed_validation
 from nfab.profile.schema import Profile
 from nfab.runtime.control.controller import candidates
@@ -170,7 +172,12 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     if not any(p.requires_grad for p in spec.module.parameters()):  # DDP refused it inside every rank
         raise ConfigError(f"model {spec.name} has no trainable parameter: nothing to train or to communicate")
     data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
-    build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)  # each rank evaluates on it
+    if cfg.data.eval is None:  # each rank evaluates on it
+        build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)
+    else:
+        build_dataset(cfg.data.eval, split="test", seed=cfg.seed)
+    resolve_loss(cfg.loss)  # an unimportable loss is one line here, not one per rank
+    resolve_collate(cfg.data.collate)
     world = cfg.launch.world_size
     make_loader(data, batch_size=cfg.data.batch_size, rank=0, world_size=world, seed=cfg.seed)
     check_gpus(cfg.launch.nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -180,6 +187,8 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
         if (mismatch := layout_mismatch(profile, spec)) is not None:
             raise ProfileError(f"profile {cfg.comm.profile}: {mismatch}")
         check_world(profile, world, f"profile {cfg.comm.profile}", warn)
+        if (changed := recipe_changes(profile, cfg)) is not None:
+            warn(f"profile {cfg.comm.profile}: {changed}")
         if (failed := failed_validation(profile.evidence.get("validation"))) is not None:  # calibrate said so, once
             warn(f"profile {cfg.comm.profile}: {failed}; it trains as calibrated: recalibrate it (nfab calibrate) "
                  "or train --fp32")
@@ -187,8 +196,6 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     if cfg.comm.route is not None:
         check_world(Profile.static(cfg.comm.route), world, "route", warn)
         check_globs(Profile.static(cfg.comm.route), spec.module)
-        if (changed := recipe_changes(profile, cfg)) is not None:
-            warn(f"profile {cfg.comm.profile}: {changed}")
     layout = parse_hierarchy(cfg.comm.hierarchy)
     if layout is not None and layout.local_world is not None:  # "auto" is torchrun's --nproc per node
         layout.topology(world, 0)

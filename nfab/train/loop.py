@@ -22,8 +22,11 @@ import torch.distributed as dist
 
 import nfab
 from nfab.config.optim import autocast
+from nfab.config.pairing import adopt_task
 from nfab.data import build_dataset, make_eval_loader
+from nfab.data.user import resolve_collate
 from nfab.errors import NfabError
+from nfab.loss import UserLoss, batch_size_of, cross_entropy, resolve_loss, to_device
 from nfab.models import build_model, model_signature
 from nfab.profile.schema import file_sha256
 from nfab.runtime.frontends.ddp import Runtime
@@ -32,7 +35,7 @@ from nfab.train.config import TrainConfig
 from nfab.train.metrics import METRICS_FILE, SUMMARY_FILE, make_row, write_metrics, write_summary
 from nfab.train.parallel import Wrapped, wrap
 from nfab.train.progress import ProgressBar
-from nfab.train.setup import BatchStream, build_optimizer, clip_and_step, loss_fn, lr_factor
+from nfab.train.setup import BatchStream, build_optimizer, clip_and_step, lr_factor, plain_logits
 from nfab.wire import cost as cost_mod
 
 if TYPE_CHECKING:
@@ -59,13 +62,18 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(module: torch.nn.Module, loader: Any, task: str, max_batches: int | None, device: torch.device,
-             sharded: bool = False) -> EvalResult:
+             sharded: bool = False, step_loss: UserLoss | None = None) -> EvalResult:
     """Held-out loss (and accuracy for classifiers): sums and counts all-reduced across ranks.
+
+    The loss is the step's (`step_loss`, default: `nfab.loss.default_loss`), weighted by the samples of
+    each batch; on nfab's own `(x, y)` batches whose `module(x)` gives logits it is cross-entropy weighted
+    by the predictions (tokens for a language model), with a classifier's accuracy.
 
     `sharded` (FSDP2): every forward all-gathers parameters, so every rank runs as many forwards as
     the rank with the most batches (a rank's strided shard can hold one batch fewer: the digits test
     set at W=11 gives ranks one or two batches of 32); a rank past its own batches runs its first one
     again and counts nothing. Left unmatched, its all-reduce met the others' all-gathers."""
+    step_loss = step_loss or resolve_loss(None)
     was_training = module.training
     module.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss * n, correct, n (samples or tokens)
@@ -76,24 +84,31 @@ def evaluate(module: torch.nn.Module, loader: Any, task: str, max_batches: int |
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
         forwards = int(most.item())
     batches = iter(loader)
-    first: tuple[torch.Tensor, torch.Tensor] | None = None
+    first: Any = None
+    accuracy = False
     for i in range(forwards):
         if i >= own:
             if first is not None:  # a rank with no batch at all has nothing to run (W beyond the data)
-                module(first[0])
+                step_loss(module, first)
             continue
-        x, y = (t.to(device) for t in next(batches))
-        first = first or (x, y)
-        logits = module(x)
-        n = y.numel()
-        sums[0] += loss_fn(task, logits, y).double() * n
-        if task == "classification":
-            sums[1] += (logits.argmax(-1) == y).sum().double()
+        batch = to_device(next(batches), device)
+        first = first if first is not None else batch
+        if plain_logits(step_loss, module, batch):
+            x, y = batch
+            logits = module(x)
+            n = y.numel()
+            sums[0] += cross_entropy(logits, y).double() * n
+            if task == "classification":
+                accuracy = True
+                sums[1] += (logits.argmax(-1) == y).sum().double()
+        else:
+            n = batch_size_of(batch)
+            sums[0] += step_loss(module, batch).detach().double() * n
         sums[2] += n
     module.train(was_training)
     dist.all_reduce(sums)
     n = max(sums[2].item(), 1.0)
-    return EvalResult(sums[0].item() / n, sums[1].item() / n if task == "classification" else None)
+    return EvalResult(sums[0].item() / n, sums[1].item() / n if accuracy else None)
 
 
 def mean_loss(loss: torch.Tensor, device: torch.device) -> float:
@@ -141,6 +156,8 @@ def _cost_model(cfg: TrainConfig, wrapped: Wrapped, saved: str | None,
         return None
     if choice == "measure":
         return cost_mod.measure(wrapped.group, device=device)
+    if cost_mod.is_declared(choice):
+        return cost_mod.declared(choice, dist.get_world_size(wrapped.group), dist.get_backend(wrapped.group))
     return cost_mod.CostModel.load(choice)
 
 
@@ -156,8 +173,6 @@ _COLLECTIVE = {"ddp": "all-reduce in DDP", "fsdp": "reduce-scatter in FSDP"}
 def _check_parallel(cfg: TrainConfig, shared: dict[str, Any]) -> None:
     """A checkpoint resumes under the wrapper it was written under (its optimizer state is keyed by it)."""
     saved = json.loads(shared.get("config") or "{}").get("parallel", "ddp")
-    if cost_mod.is_declared(choice):
-        return cost_mod.declared(choice, dist.get_world_size(wrapped.group), dist.get_backend(wrapped.group))
     if saved != cfg.parallel:
         raise NfabError(f"the checkpoint was written under parallel={saved}; resume it with --parallel {saved}")
 
@@ -209,9 +224,15 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         module.load_state_dict(shared["model"])  # the full state, before any sharding
     signature = model_signature(module) if cfg.comm.profile else None
     train_data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
-    test_data = build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options)
-    stream = BatchStream(train_data, batch_size=cfg.data.batch_size, rank=rank, world_size=world, seed=cfg.seed)
-    eval_loader = make_eval_loader(test_data, batch_size=cfg.data.eval_batch_size, rank=rank, world_size=world)
+    test_data = (build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options) if cfg.data.eval is None
+                 else build_dataset(cfg.data.eval, split="test", seed=cfg.seed))
+    task = adopt_task(spec, train_data.spec).task
+    step_loss = resolve_loss(cfg.loss)
+    collate = resolve_collate(cfg.data.collate)
+    stream = BatchStream(train_data, batch_size=cfg.data.batch_size, rank=rank, world_size=world, seed=cfg.seed,
+                         collate=collate)
+    eval_loader = make_eval_loader(test_data, batch_size=cfg.data.eval_batch_size, rank=rank, world_size=world,
+                                   collate=collate)
     _at(f"setup ({cfg.parallel.upper()} construction, cost-model measurement)")
     wrapped = wrap(spec, cfg.parallel, device, cfg.comm.bucket_mb)
     model = wrapped.model
@@ -282,7 +303,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         if master:
             write_metrics(run_dir / METRICS_FILE, rows)
             record = {"restart_count": sum(r["kind"] == "restart" for r in restarts), "restarts": restarts}
-            write_summary(run_dir / SUMMARY_FILE, identity, rows, lm=spec.task == "lm", complete=complete,
+            write_summary(run_dir / SUMMARY_FILE, identity, rows, lm=task == "lm", complete=complete,
                           wall_time_s=wall(), extra={**record, **(final if complete else {})})
 
     title = f"{spec.name} {identity['route'] or Path(cfg.comm.profile or '').name} W={world}"
@@ -305,11 +326,11 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             # micro-batch's loss waited for its forward before its backward could be queued on a GPU
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for micro in range(cfg.accum_steps):
-                x, y = (t.to(device) for t in stream.next())
+                batch = to_device(stream.next(), device)
                 last = micro == cfg.accum_steps - 1
                 with wrapped.sync(last):
                     with autocast(cfg.precision, device.type):
-                        loss = loss_fn(spec.task, model(x), y)
+                        loss = step_loss(model, batch)
                     if factor is not None:  # injected NaN / Inf / spike (NFAB_FAULT)
                         loss = loss * factor
                     loss_sum = loss_sum + loss.detach().double()
@@ -328,8 +349,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
                 _at(f"step {step}: evaluation (all-reduce)")
-                ev = evaluate(module, eval_loader, spec.task, cfg.data.eval_batches, device,
-                              sharded=cfg.parallel == "fsdp")
+                ev = evaluate(module, eval_loader, task, cfg.data.eval_batches, device,
+                              sharded=cfg.parallel == "fsdp", step_loss=step_loss)
                 row["eval_loss"] = ev.loss
                 row["eval_accuracy"] = ev.accuracy if ev.accuracy is not None else float("nan")
             rows.append(row)
