@@ -17,7 +17,7 @@ FLOORS: dict[str, int] = {
     "wire": 2,
     "profile": 3,
     "runtime": 4, "models": 4,
-    "data": 5, "attach_checks": 5,
+    "data": 5, "attach_checks": 5, "loss": 5,
     "config": 6,
     "api": 7, "inspect": 7, "inspect_fsdp": 7,
     "calibrate": 8, "train": 8, "integrations": 8, "report": 8, "rankserver": 8,

@@ -104,7 +104,7 @@ def name_for(obj: Any, kind: str) -> str:
                 found = getattr(found, part)
             if found is obj:
                 return f"{module}:{qualname}"
-    label = qualname if isinstance(qualname, str) and "<" not in qualname else type(obj).__name__
+    label = qualname if isinstance(qualname, str) else type(obj).__name__
     name = f"{module if isinstance(module, str) else 'python'}:{label}#{kind}{len(LIVE)}"
     LIVE[name] = obj
     return name
