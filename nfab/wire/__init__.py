@@ -15,5 +15,10 @@ Shared by all: `dispatch.py` (the one choice of implementation per device), `fus
 torch.compile'd stages' switch, compiler settings and hash), `segments.py`
 and `host_slices.py` (per-segment helpers, torch and compiled), `shared_kernels.py` (numba
 intrinsics: cache directory, prefetch, noise hash), `noise.py`, `slices.py`, `routes.py`,
-`contract.py` (the Reducer contract), `registry.py` (route -> reducers), `cost.py`.
+`contract.py` (the Reducer contract), `registry.py` (route -> reducers), `cost.py`, and
+`numba_cache.py` (where numba caches the compiled kernels: a per-user directory).
 """
+
+from nfab.wire import numba_cache
+
+numba_cache.configure()  # before any codec module imports numba: importing one runs this first

@@ -1,47 +1,25 @@
-"""Numba pieces shared by every codec's compiled kernels: the cache directory, prefetch, the
+"""Numba pieces shared by every codec's compiled kernels: prefetch, the
 counter-based noise hash, fp16/bf16 widening, slices read where they lie, max |x| as bits and
 the generator's first draw.
 
 The codecs' own kernels live beside their torch references (`sign/bit_kernels.py`,
 `sign/vote_kernels.py`, `sign/trit_kernels.py`, `qsum/level_kernels.py`,
-`qsum/lane_kernels.py`, `blockq/kernels.py`); each imports this module first, which points
-numba's cache at a writable place before anything compiles. `nfab.wire.dispatch` chooses
+`qsum/lane_kernels.py`, `blockq/kernels.py`). `nfab.wire.dispatch` chooses
 whether a tensor takes these kernels (CPU) or the torch reference (every other device).
 
 Numba compiles each kernel on its first call and caches the machine code on disk
-(`cache=True`, one cache per source file), so a machine pays the compile once. The cache
-lives beside each file; when the install is read-only, numba's own fallback is a per-user
-cache directory, and when that is unusable too we point NUMBA_CACHE_DIR at a private temp
-directory before numba is imported (set it yourself to choose the place).
+(`cache=True`, one cache per source file), so a machine pays the compile once. The cache lives
+in a per-user directory (`nfab.wire.numba_cache`: NUMBA_CACHE_DIR if set, else
+`$XDG_CACHE_HOME/nfab/numba` or `~/.cache/nfab/numba`), never in the installed package.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
-
-def _ensure_cache_dir() -> None:
-    """Give numba a writable cache directory when neither the package dir nor $HOME is."""
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return
-    here = Path(__file__).parent
-    if os.access(here, os.W_OK):
-        return
-    home = Path(os.path.expanduser("~"))
-    if home.is_dir() and os.access(home, os.W_OK):
-        return  # numba's user-wide locator writes under ~/.cache
-    os.environ["NUMBA_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"nfab-numba-{os.getuid()}")
-
-
-_ensure_cache_dir()
-
-import numpy as np  # noqa: E402
-from llvmlite import ir  # noqa: E402
-from numba import njit, types  # noqa: E402
-from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 CHUNK = 4096  # elements per float32 partial sum and per widened scratch chunk (counted from the segment start)
 _I32 = ir.IntType(32)

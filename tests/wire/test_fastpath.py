@@ -255,19 +255,6 @@ class _reference:
         dispatch.AVAILABLE = self._was
 
 
-def test_numba_cache_dir_falls_back_to_temp_in_a_read_only_install(monkeypatch):
-    """Package dir and $HOME unwritable: the kernels' cache goes to a private temp directory."""
-    from nfab.wire import shared_kernels as kernels
-
-    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    monkeypatch.setattr(kernels.os, "access", lambda path, mode: False)
-    kernels._ensure_cache_dir()
-    assert kernels.os.environ["NUMBA_CACHE_DIR"].startswith(kernels.tempfile.gettempdir())
-    monkeypatch.setenv("NUMBA_CACHE_DIR", "/chosen")
-    kernels._ensure_cache_dir()
-    assert kernels.os.environ["NUMBA_CACHE_DIR"] == "/chosen"  # the user's choice wins
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("key", ["signcount", "signgather", "signscatter"])
 def test_half_precision_gradients_encode_alike_on_both_paths(dtype, key):

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from nfab.wire.blockq.table import CODE_OFFSET, CODES_PER_OCTAVE  # numba reads them as constants
-from nfab.wire.shared_kernels import counter, next_counter, noise_u  # sets numba's cache directory
+from nfab.wire.shared_kernels import counter, next_counter, noise_u
 
 
 @njit(cache=True, nogil=True)

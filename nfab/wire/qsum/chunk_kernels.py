@@ -12,8 +12,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire.shared_kernels import prefetch_write  # noqa: F401  first: sets numba's cache directory
-
 
 @njit(cache=True, nogil=True)
 def pack_chunked(values, numel, lane_bits, lanes, chunk, out):

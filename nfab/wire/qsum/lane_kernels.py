@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire.shared_kernels import prefetch_write  # first: sets numba's cache directory
+from nfab.wire.shared_kernels import prefetch_write
 
 _AHEAD64 = 128  # uint64 words of output (1 KiB) asked for writing ahead of the lookups that write them
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire.shared_kernels import (  # first: sets numba's cache directory
+from nfab.wire.shared_kernels import (
     CHUNK,
     counter,
     first_draw_keys,

@@ -17,7 +17,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from nfab.wire.shared_kernels import CHUNK, read_ahead, widen_chunk  # first: sets numba's cache directory
+from nfab.wire.shared_kernels import CHUNK, read_ahead, widen_chunk
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -17,8 +17,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire import shared_kernels  # noqa: F401  (first: sets numba's cache directory)
-
 
 def plane_table(digit: np.ndarray, lane_bits: int) -> np.ndarray:
     """uint64 table over a container byte: its 8 // lane_bits counts' digits (`digit[count]`, a count

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from nfab.wire.shared_kernels import prefetch_read, prefetch_write  # first: sets numba's cache directory
+from nfab.wire.shared_kernels import prefetch_read, prefetch_write
 
 _CHUNK = 16384  # elements per pass: 16 rows of it (32 KiB), planes and masks stay in L1
 _AHEAD = 256  # output elements (1 KiB) asked for writing ahead of the select that writes them
