@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nfab.errors import NfabError, ProfileError
+from nfab.models.registry import layout_differences
 from nfab.models.registry import model_signature as signature_of
 from nfab.profile.routes import parse_route, split_route
 from nfab.profile.schema import Profile
@@ -35,9 +36,11 @@ def check_model(profile: Profile, module: nn.Module, model_signature: str | None
         return
     signature = model_signature if model_signature is not None else signature_of(module)
     if signature != profile.model.signature:
+        kept = (profile.provenance.get("calibrated") or {}).get("parameters")  # the layout calibration saw
+        which = f": {layout_differences(list(kept), module)}" if isinstance(kept, list) and kept else ""
         raise ProfileError(
             f"profile was made for model {profile.model.name!r} with another parameter layout "
-            f"(signature {profile.model.signature[:12]}…, this model {signature[:12]}…)")
+            f"(signature {profile.model.signature[:12]}…, this model {signature[:12]}…){which}")
 
 
 def check_globs(profile: Profile, module: nn.Module) -> None:

@@ -274,7 +274,7 @@ def fit_profile(
         "calibrated": {k: meta[k] for k in ("model", "model_options", "dataset", "data_options", "world_size",
                                             "optimizer", "schedule", "accum_steps", "precision",
                                             "steps", "run_steps", "trial_steps", "ef_steps", "batch_size", "seed",
-                                            "command",
+                                            "command", "loss", "eval_data", "collate", "parameters",
                                             "nfab_version", "torch_version", "created") if k in meta},
         **(provenance or {}),
     }

@@ -59,6 +59,7 @@ from nfab.calibrate.trajectory import (
 )
 from nfab.calibrate.validate import TOL_VALIDATE, Validation, loss_floor, resolution, validate_profile
 from nfab.models import model_signature
+from nfab.models.registry import parameter_layout
 from nfab.profile.schema import Profile, file_sha256
 from nfab.wire.registry import REDUCERS
 
@@ -196,10 +197,12 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
         "model": cfg.model,
         "model_options": dict(task.spec.options),
         "signature": model_signature(task.spec.module),
+        "parameters": parameter_layout(task.spec.module),
         "dataset": cfg.dataset,
         "data_options": dict(task.data_options),
         "eval_data": cfg.setting.data.eval,
         "loss": task.loss.name,
+        "collate": cfg.setting.data.collate,
         "world_size": w,
         "optimizer": cfg.optimizer.model_dump(mode="json"),
         "schedule": cfg.schedule.model_dump(mode="json"),

@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field
+from torch import nn
 
 from nfab.config.run import PrecisionName, ScheduleConfig, TrainConfig
 from nfab.errors import ProfileError
 from nfab.models import ModelSpec, model_signature
+from nfab.models.registry import layout_differences
 from nfab.profile.schema import Profile
 from nfab.validation import FrozenModel, validate
 
@@ -56,6 +58,14 @@ class CalibratedSetting(FrozenModel):
     precision: PrecisionName | None = None
     """The forward's autocast dtype (profiles before it was recorded: None, trained as fp32)."""
     seed: int = 0
+    loss: str | None = None
+    """The loss the step minimised, `module.path:fn`, or `default` (profiles before it: the default)."""
+    eval_data: str | None = None
+    """The held-out data, where it was not the training data's own held-out split."""
+    collate: str | None = None
+    """The user's collate function, where one was given."""
+    parameters: tuple[str, ...] | None = None
+    """The model's `name:shape` lines (its signature's), so a model that does not fit is named by them."""
     trial_steps: int | None = None
     ef_steps: int | None = None
     quick: bool | None = None
@@ -101,6 +111,12 @@ def profile_base(profile: Profile, path: str) -> dict[str, Any]:
         base["accum_steps"] = setting.accum_steps
     if setting.precision is not None:
         base["precision"] = setting.precision
+    if setting.eval_data is not None:
+        base["data"]["eval"] = setting.eval_data
+    if setting.collate is not None:
+        base["data"]["collate"] = setting.collate
+    if setting.loss not in (None, "default"):
+        base["loss"] = setting.loss
     base["steps"] = setting.steps
     base["seed"] = setting.seed
     base["launch"] = {"nproc": setting.world_size}  # W: the profile's capacity and fit assume it
@@ -153,10 +169,11 @@ def layout_mismatch(profile: Profile, spec: ModelSpec) -> str | None:
     signature = model_signature(spec.module)
     if signature == profile.model.signature:
         return None
-    return explain_mismatch(profile, spec.name, dict(spec.options), signature)
+    return explain_mismatch(profile, spec.name, dict(spec.options), signature, spec.module)
 
 
-def explain_mismatch(profile: Profile, model: str, options: dict[str, Any], signature: str) -> str:
+def explain_mismatch(profile: Profile, model: str, options: dict[str, Any], signature: str,
+                     module: nn.Module | None = None) -> str:
     """One line: the profile does not fit this model, and which options differ from the calibrated ones."""
     setting = calibrated_setting(profile)
     head = (f"profile was made for model {profile.model.name!r} with another parameter layout "
@@ -166,6 +183,8 @@ def explain_mismatch(profile: Profile, model: str, options: dict[str, Any], sign
     calibrated_model = setting.model or profile.model.name
     if model != calibrated_model:
         return f"{head}: it was calibrated for model {calibrated_model}, this run builds {model}"
+    if setting.parameters and module is not None:
+        return f"{head}: {layout_differences(list(setting.parameters), module)}"
     calibrated = {k: v for k, v in setting.model_options.items() if k != "task"}
     mine = {k: v for k, v in options.items() if k != "task"}
     keys = sorted(k for k in set(calibrated) | set(mine) if calibrated.get(k) != mine.get(k))

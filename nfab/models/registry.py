@@ -114,6 +114,9 @@ def load_factory(target: str, what: str = "model") -> Callable[..., Any]:
     """Import `module.path:factory` (or find it in `LIVE`) and return the callable it names."""
     if target in LIVE:
         return LIVE[target]
+    if "#" in target:
+        raise ConfigError(f"{what} {target!r} was a Python object given to nfab.calibrate, which only that process "
+                          f"holds: give a module.path:{'fn' if what == 'loss' else 'factory'} instead")
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"user {what} {target!r} must look like module.path:{'fn' if what == 'loss' else 'factory'}")
@@ -190,11 +193,30 @@ def _build_user_model(
     )
 
 
+def parameter_layout(module: nn.Module) -> list[str]:
+    """The sorted `name:d0,d1,...` lines `model_signature` hashes (a profile keeps them to name what differs)."""
+    return sorted(f"{name}:{','.join(str(d) for d in p.shape)}" for name, p in module.named_parameters())
+
+
+def layout_differences(expected: list[str], module: nn.Module, most: int = 3) -> str:
+    """The first parameters whose names or shapes differ between a kept layout and `module`'s, in one phrase."""
+    mine = dict(line.rsplit(":", 1) for line in parameter_layout(module))
+    theirs = dict(line.rsplit(":", 1) for line in expected)
+    diffs = []
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            here = f"({mine[name].replace(',', 'x')})" if name in mine else "absent"
+            there = f"({theirs[name].replace(',', 'x')})" if name in theirs else "absent"
+            diffs.append(f"{name} {here}, profile {there}")
+    more = f" and {len(diffs) - most} more" if len(diffs) > most else ""
+    return "; ".join(diffs[:most]) + more
+
+
 def model_signature(module: nn.Module) -> str:
     """sha256 hex of the sorted `name:d0,d1,...` lines of `named_parameters`.
 
     A profile stores this to refuse being applied to a model it was not fitted for;
     it depends only on names and shapes, not on values, dtype or device (meta works).
     """
-    lines = sorted(f"{name}:{','.join(str(d) for d in p.shape)}" for name, p in module.named_parameters())
+    lines = parameter_layout(module)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

@@ -157,7 +157,7 @@ class Totals:
             t.final_eval = {"loss": last["eval_loss"]}
             if lm:
                 t.final_eval["perplexity"] = math.exp(min(last["eval_loss"], 700.0))
-            else:
+            elif not math.isnan(last["eval_accuracy"]):  # a user's loss has no accuracy to report
                 t.final_eval["accuracy"] = last["eval_accuracy"]
         return t
 

@@ -27,7 +27,8 @@ def test_nanogpts_token_folder_reads_train_val_and_meta(tmp_path: Path) -> None:
     x, y = train[2]
     assert x.dtype == torch.int64 and torch.equal(x, torch.from_numpy(ids[32:48].astype(np.int64)))
     assert torch.equal(y, torch.from_numpy(ids[33:49].astype(np.int64)))
-    assert len(test) == (len(val) - 17) // 16 + 1 and torch.equal(test[0][0], torch.from_numpy(val[:16].astype(np.int64)))
+    assert len(test) == (len(val) - 17) // 16 + 1
+    assert torch.equal(test[0][0], torch.from_numpy(val[:16].astype(np.int64)))
 
 
 def test_a_uint32_token_file_without_meta_takes_its_largest_id(tmp_path: Path) -> None:

@@ -210,7 +210,7 @@ def test_an_optimizer_of_another_model_is_refused(group) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"cost_model": 5}, "cost_model must be 'measure', a JSON path, a CostModel or None, got int"),
+    ({"cost_model": 5}, "cost_model must be 'measure', 'link:...', a JSON path, a CostModel or None, got int"),
     ({"seed": "x"}, "seed must be an int"),
     ({"head_modules": "fc"}, "head_modules must be a tuple of module names"),
 ])
