@@ -1,4 +1,4 @@
-"""The user's own training, calibrated: six projects written as their users write them (tests/projects),
+"""The user's own training, calibrated: six projects written as their users write them (bench/projects),
 each through `nfab calibrate --data --loss` and through `nfab.calibrate`, then trained with the profile
 in the user's own DDP loop on gloo. Short settings: these check the contract end to end, not the quality
 (the W=4, 300-step comparison is `python -m bench.userprojects`, its figures in docs/calibrate-your-own.md)."""
@@ -14,17 +14,17 @@ import torch
 import nfab
 from nfab.profile.schema import Profile
 from tests.inprocess import nfab_main
-from tests.projects import files
+from bench.projects import files
 
 PROJECTS = {
-    "cnn-npz": ("tests.projects.cnn:build", "npz", None, []),
-    "autoencoder-mse": ("tests.projects.autoencoder:build", "npy", "tests.projects.autoencoder:mse", []),
-    "denoiser": ("tests.projects.denoiser:build", "tests.projects.denoiser:data", "tests.projects.denoiser:loss",
+    "cnn-npz": ("bench.projects.cnn:build", "npz", None, []),
+    "autoencoder-mse": ("bench.projects.autoencoder:build", "npy", "bench.projects.autoencoder:mse", []),
+    "denoiser": ("bench.projects.denoiser:build", "bench.projects.denoiser:data", "bench.projects.denoiser:loss",
                  []),
-    "contrastive": ("tests.projects.contrastive:build", "tests.projects.contrastive:data",
-                    "tests.projects.contrastive:info_nce", []),
-    "nanogpt-tokens": ("tests.projects.nanogpt:build", "tokens", None, ["optimizer=adamw", "block_size=32"]),
-    "gpt2-modeloutput": ("tests.projects.hf_gpt2:build", "tests.projects.hf_gpt2:data", None, ["optimizer=adamw"]),
+    "contrastive": ("bench.projects.contrastive:build", "bench.projects.contrastive:data",
+                    "bench.projects.contrastive:info_nce", []),
+    "nanogpt-tokens": ("bench.projects.nanogpt:build", "tokens", None, ["optimizer=adamw", "block_size=32"]),
+    "gpt2-modeloutput": ("bench.projects.hf_gpt2:build", "bench.projects.hf_gpt2:data", None, ["optimizer=adamw"]),
 }
 
 
@@ -94,7 +94,7 @@ def test_the_cli_and_the_python_api_give_the_same_table_and_profile(name: str, t
 def test_the_python_api_takes_objects_no_module_can_import(tmp_path: Path) -> None:
     """A Dataset instance (its last 10% held out), a lambda loss and a built model; nothing written
     without `out`."""
-    from tests.projects import autoencoder
+    from bench.projects import autoencoder
 
     rows = torch.tensor(__import__("numpy").load(files.digits_rows_npy(tmp_path / "rows.npy")))
     data = torch.utils.data.TensorDataset(rows)
@@ -105,7 +105,7 @@ def test_the_python_api_takes_objects_no_module_can_import(tmp_path: Path) -> No
 
 
 def test_a_failing_user_loss_is_one_line_exit_2_with_its_traceback(tmp_path: Path) -> None:
-    ran = nfab_main("calibrate", "tests.projects.autoencoder:build", "--data",
+    ran = nfab_main("calibrate", "bench.projects.autoencoder:build", "--data",
                     f"npy:{files.digits_rows_npy(tmp_path / 'rows.npy')}", "--loss", f"{__name__}:reads_a_dict",
                     "-w", "2", "--steps", "4", "--quick", "--out", str(tmp_path / "cal"))
     assert ran.code == 2, ran.stderr

@@ -13,7 +13,7 @@ import torch
 
 from nfab.data import build_dataset
 from nfab.errors import ConfigError, UserCodeError
-from tests.projects import files
+from bench.projects import files
 
 
 def test_nanogpts_token_folder_reads_train_val_and_meta(tmp_path: Path) -> None:
@@ -86,8 +86,8 @@ def test_parquet_columns_with_a_split_column(tmp_path: Path) -> None:
 
 
 def test_a_user_data_factory_is_called_with_train_and_val() -> None:
-    train = build_dataset("tests.projects.contrastive:data", split="train", seed=0)
-    test = build_dataset("tests.projects.contrastive:data", split="test", seed=0)
+    train = build_dataset("bench.projects.contrastive:data", split="train", seed=0)
+    test = build_dataset("bench.projects.contrastive:data", split="test", seed=0)
     assert train.spec.task == "custom" and len(train) == 1500 and len(test) == 297
     assert set(train[0]) == {"a", "b"}
 

@@ -17,14 +17,14 @@ from nfab.distributed import run_ranks
 from nfab.errors import ProfileError
 from nfab.profile.schema import Profile
 from tests.inprocess import nfab_main
-from tests.projects import denoiser, files, nanogpt
+from bench.projects import denoiser, files, nanogpt
 
 
 @pytest.fixture(scope="module")
 def denoiser_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("denoiser") / "cal"
-    ran = nfab_main("calibrate", "tests.projects.denoiser:build", "--data", "tests.projects.denoiser:data", "--loss",
-                    "tests.projects.denoiser:loss", "-w", "2", "--steps", "12", "--quick", "--no-validate",
+    ran = nfab_main("calibrate", "bench.projects.denoiser:build", "--data", "bench.projects.denoiser:data", "--loss",
+                    "bench.projects.denoiser:loss", "-w", "2", "--steps", "12", "--quick", "--no-validate",
                     "--out", str(out), "batch_size=16")
     assert ran.code == 0, ran.stderr
     return out / "profile.json"
@@ -35,7 +35,7 @@ def test_nfab_train_with_the_profile_trains_the_users_data_and_loss(denoiser_pro
                     "--run-dir", str(tmp_path / "run"))
     assert ran.code == 0, ran.stderr
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["loss"] == "tests.projects.denoiser:loss" and config["data"]["name"] == "tests.projects.denoiser:data"
+    assert config["loss"] == "bench.projects.denoiser:loss" and config["data"]["name"] == "bench.projects.denoiser:data"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["replicas_identical"] and summary["compression_ratio"] > 4
     assert "accuracy" not in summary["final_eval"] and summary["final_eval"]["loss"] > 0
@@ -76,7 +76,7 @@ def test_the_profile_trains_in_the_users_own_ddp_loop(denoiser_profile: Path) ->
 def test_a_profile_for_another_layout_names_the_parameters_that_differ(tmp_path: Path) -> None:
     tokens = files.nanogpt_dir(tmp_path / "chars", chars=8000)
     out = tmp_path / "cal"
-    ran = nfab_main("calibrate", "tests.projects.nanogpt:build", "--data", f"tokens:{tokens}", "-w", "2", "--steps",
+    ran = nfab_main("calibrate", "bench.projects.nanogpt:build", "--data", f"tokens:{tokens}", "-w", "2", "--steps",
                     "6", "--quick", "--no-validate", "--out", str(out), "block_size=32", "optimizer=adamw")
     assert ran.code == 0, ran.stderr
     other = nanogpt.build(vocab_size=256, block_size=32)  # the byte-level sibling: the (tied) embedding differs
