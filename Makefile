@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-gpu device-check device-wheels compat demo lint bench study clean
+.PHONY: install test test-fast test-gpu device-check device-wheels compat demo lint docs-tables bench study clean
 
 install: $(STAMP)
 
@@ -59,6 +59,9 @@ demo: install
 
 lint: install
 	$(BIN)/ruff check nfab tests
+
+docs-tables: install  # docs/config.md's key tables from the config models (tests/test_docs_tables.py checks them)
+	$(BIN)/python -m bench.docs_tables
 
 bench: install  # the wire run folded into its setting's file (bench/runs.py: runs with min/median/max); the hook table printed
 	$(BIN)/nfab bench wire --reducers signgather,signcount,qsum-q8 --json /tmp/nfab-wire-run.json
