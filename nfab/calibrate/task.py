@@ -8,8 +8,7 @@ norm statistics evolve as in a real W-rank run.
 A step is the setting's recipe, as `nfab train` steps it: each rank accumulates `accum_steps`
 micro-batches (the loss divided by their number), its forward under autocast at `precision`
 (under fp16 with GradScaler's dynamic loss scale, `lossscale`), and the mean gradient is clipped
-to `optim.grad_clip` before the optimizer steps. Until 2026-12-05 a step was one micro-batch in
-fp32, unclipped, whatever the setting said (and until later that day fp16 ran without a loss scale).
+to `optim.grad_clip` before the optimizer steps.
 """
 
 from __future__ import annotations
