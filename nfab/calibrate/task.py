@@ -148,7 +148,6 @@ class Task:
         self.loss_scale = LossScale() if cfg.precision == "fp16" else None
         """fp16's dynamic loss scale, as `nfab train`'s GradScaler keeps it (None: no scaling)."""
         self._index: dict[str, torch.Tensor] = {}
-        self._step = 0
         self._runs: dict[str, tuple[tuple[int, int], ...]] = {}
 
     # ---- optimizer and schedule ---------------------------------------------------
@@ -194,14 +193,13 @@ class Task:
         a = self.cfg.accum_steps
         micro = [self.stream.batches(step * a + k) for k in range(a)]  # micro[k][rank]
         tries = 0
-        self._step = step
         while True:
-            grads, loss = self._scaled_grads(micro, start)
+            grads, loss = self._scaled_grads(step, micro, start)
             if self.loss_scale is None or self.loss_scale.settle(grads, tries):
                 return grads, loss
             tries += 1
 
-    def _scaled_grads(self, micro: list[list[Any]],
+    def _scaled_grads(self, step: int, micro: list[list[Any]],
                       start: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
         """`rank_grads` at the current loss scale, every rank from the buffers `start`; after it the
         buffers are rank 0's (DDP's broadcast)."""
@@ -209,7 +207,6 @@ class Task:
         after0: list[torch.Tensor] = []
         grads, losses = [], []
         a = len(micro)
-        step = self._step
         for r in range(self.cfg.world_size):
             for b, s in zip(self.buffers, start, strict=True):
                 b.copy_(s)
