@@ -6,7 +6,8 @@
 
 `pytorch_lightning.Trainer` refuses a strategy built on `lightning.pytorch` ("You selected an
 invalid strategy name"), so this module builds nfab's strategy on `pytorch_lightning`'s own
-`DDPStrategy` (`nfab.integrations.lightning_strategy`).
+`DDPStrategy` (`nfab.integrations.lightning_strategy`). `calibrate` is the same function as
+`nfab.integrations.lightning.calibrate` (`nfab.integrations.lightning_calibrate`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
     raise ImportError("nfab.integrations.pytorch_lightning needs pytorch_lightning: pip install pytorch-lightning "
                       "(with the lightning package, use nfab.integrations.lightning)") from e
 
+from nfab.integrations.lightning_calibrate import calibrate
 from nfab.integrations.lightning_strategy import ddp_strategy_class
 
 NfabDDPStrategy = ddp_strategy_class(DDPStrategy, __name__)
 
-__all__ = ["NfabDDPStrategy"]
+__all__ = ["NfabDDPStrategy", "calibrate"]

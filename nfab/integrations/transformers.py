@@ -16,11 +16,17 @@ temp file + rename, as the Trainer writes its per-process RNG states. A resumed
 from `args.resume_from_checkpoint` when that names a folder, else from
 `<output_dir>/checkpoint-<global step>` (where `resume_from_checkpoint=True` resumes from);
 set `callback.resume_from` to name another folder.
+
+`calibrate(trainer, out=...)` calibrates the training the Trainer would run, from its model, datasets,
+collator, `compute_loss` and `TrainingArguments`, and writes the profile `attach` then takes.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +35,14 @@ try:
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nfab.integrations.transformers needs Transformers: pip install 'nfab[transformers]'") from e
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import IterableDataset
 
-from nfab.errors import NfabError
+from nfab.errors import ConfigError, NfabError
 from nfab.integrations.defaults import attach_with_defaults, checked
 from nfab.integrations.metrics import StepLog
+from nfab.integrations.recipe import named_loss, run, trainer_recipe
 from nfab.integrations.state import load_rank_file, save_rank_file
 from nfab.profile.schema import Profile
 from nfab.runtime.frontends import fsdp2
@@ -41,6 +50,8 @@ from nfab.runtime.frontends.ddp import Runtime
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
+
+    from nfab.calibrate.api import CalibrationResult
 
 log = logging.getLogger(__name__)
 
@@ -143,3 +154,64 @@ def attach(
     callback = NfabCallback(trainer, checked(profile, route), route, dict(attach_kwargs))
     trainer.add_callback(callback)
     return callback
+
+
+def calibrate(trainer: Trainer, *, out: str | Path | None = None, world_size: int = 4, steps: int | None = None,
+              **kwargs: Any) -> CalibrationResult:
+    """Calibrate the training `trainer` would run, from what it holds; `attach(trainer, result.profile_path)`
+    then trains with the profile (docs/integrations.md).
+
+    - model: `trainer.model_init` when set, else a copy of `trainer.model` taken now (call this before
+      `train()`), on the CPU, where calibration runs;
+    - data: the datasets and collator of `trainer.get_train_dataloader()` / `get_eval_dataloader()`, so
+      the Trainer's removal of the columns `forward` does not take, and a subclass's overrides, apply
+      (without an eval dataset the train set's last 10% is held out);
+    - loss: `trainer.compute_loss(model, inputs)`, a subclass's override included, called as the
+      Trainer calls it less `num_items_in_batch` (each micro-batch's own mean, as nfab averages
+      accumulated micro-batches), on a copy of the batch (it may pop `labels`);
+    - recipe: `TrainingArguments` where nfab's config has the same setting (`recipe.trainer_recipe`:
+      batch size, accumulation, `max_grad_norm`, AdamW's or SGD's lr / weight decay / betas, a cosine or
+      constant schedule and its warm-up, `max_steps`, bf16 / fp16, seed).
+
+    `out`, `world_size`, `steps` and `kwargs` go to `nfab.calibrate` and win over what was read.
+    """
+    if trainer.train_dataset is None:
+        raise ConfigError("the Trainer has no train_dataset to calibrate on")
+    train = trainer.get_train_dataloader()
+    if isinstance(train.dataset, IterableDataset):
+        raise ConfigError("nfab calibrates from a map-style train_dataset (len and indexing); the Trainer's "
+                          "is an IterableDataset")
+    eval_data = None
+    if trainer.eval_dataset is not None:
+        named = next(iter(trainer.eval_dataset)) if isinstance(trainer.eval_dataset, dict) else None
+        eval_data = trainer.get_eval_dataloader(named).dataset
+    recipe = trainer_recipe(trainer.args, trainer.optimizer)
+    recipe.update(eval_data=eval_data, collate=train.collate_fn, loss=trainer_loss(trainer))
+    kwargs.update(out=out, world_size=world_size, steps=steps)
+    return run(_model_factory(trainer), train.dataset, recipe, kwargs)
+
+
+def _model_factory(trainer: Trainer) -> Callable[[], nn.Module] | nn.Module:
+    """`model_init` itself where it takes no trial (so it is named as the CLI would name it), else a call
+    through the Trainer; without one, a copy of the model as it is now."""
+    init = trainer.model_init
+    if init is None:
+        return copy.deepcopy(trainer.model).cpu()
+    if not inspect.signature(init).parameters:
+        return init
+
+    def fresh_model() -> nn.Module:
+        return trainer.call_model_init()
+
+    fresh_model.__qualname__ = f"<{type(trainer).__name__}.model_init>"
+    return fresh_model
+
+
+def trainer_loss(trainer: Trainer) -> Callable[[nn.Module, Any], Any]:
+    """`trainer.compute_loss` as `loss(model, batch)`, named after the class that defines it."""
+    compute_loss = trainer.compute_loss
+
+    def loss(model: nn.Module, batch: Any) -> Any:
+        return compute_loss(model, dict(batch) if isinstance(batch, Mapping) else batch)
+
+    return named_loss(loss, type(trainer), "compute_loss")
