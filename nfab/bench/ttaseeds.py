@@ -99,3 +99,40 @@ def seeds_document(seeds: tuple[int, ...], docs: list[dict[str, Any]], command: 
         "over_seeds": over_seeds(docs),
         "runs": docs,
     }
+
+
+def _spread(values: list[Any]) -> str:
+    """Per-seed values as text: `1.54x, 0x, unbounded` (None: neither reached on that seed)."""
+    return ", ".join("no verdict" if v is None else v if isinstance(v, str) else f"{v:.2f}x" for v in values)
+
+
+def verdict(entry: dict[str, Any], base: str) -> str:
+    """`sooner`, `slower`, `level` or `no verdict`: the median per-seed speed-up of a variant against base."""
+    if entry.get(f"median_speedup_vs_{base}_unbounded"):
+        return "sooner"
+    r = entry.get(f"median_speedup_vs_{base}")
+    if r is None:
+        return "no verdict"
+    return "sooner" if r > 1.0 else "slower" if r < 1.0 else "level"
+
+
+def verdict_lines(over: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per variant over the seeds: how many seeds it reached its target in, the median time and
+    the per-seed times, and against each base its verdict with the median and per-seed speed-ups."""
+    lines = []
+    for name, v in over.items():
+        times = [t for t in v["time_to_target_s"] if t is not None]
+        median = v["median_time_to_target_s"]
+        head = (f"{name}: reached its target on {v['reached']} of {v['runs']} seeds; median time "
+                + ("never (most seeds missed)" if median is None else f"{median:.1f} s")
+                + (f" (reached in {min(times):.1f}-{max(times):.1f} s)" if times else ""))
+        parts = []
+        for base in SEEDS_BASES:
+            if f"speedup_vs_{base}" not in v:
+                continue
+            r = v.get(f"median_speedup_vs_{base}")
+            med = ("unbounded" if v.get(f"median_speedup_vs_{base}_unbounded")
+                   else "-" if r is None else f"{r:.2f}x")
+            parts.append(f"vs {base}: {verdict(v, base)} (median {med}; per seed {_spread(v[f'speedup_vs_{base}'])})")
+        lines.append(head + ("; " + "; ".join(parts) if parts else ""))
+    return lines

@@ -34,6 +34,51 @@ def test_reached_is_the_first_evaluation_at_or_below_the_target():
     assert tta.lower_bounds({**never, "nfab-profile": {"time_to_target_s": 0.0}}, "bf16")["nfab-profile"] is None
 
 
+def _curve(losses: list[float], every: int = 10, step_s: float = 1.0) -> list[dict[str, float]]:
+    return [{"step": every * (i + 1), "time_s": every * (i + 1) * step_s, "val_loss": v}
+            for i, v in enumerate(losses)]
+
+
+def test_target_is_fp32s_smoothed_final_loss_plus_the_tolerance():
+    """A noisy last evaluation does not set the target: the mean of the last three does, + 2%."""
+    fp32 = _curve([2.0, 1.0, 0.50, 0.40, 0.52, 0.38, 0.45])  # the last three: mean 0.45
+    target = tta.target_loss(fp32)
+    assert tta.smoothed_final(fp32) == pytest.approx(0.45) and target == pytest.approx(0.459)
+    assert tta.target_loss(fp32, tolerance=0.0, evals=1) == 0.45  # the old rule: FP32's exact final loss
+    assert tta.smoothed_final(fp32[:2], evals=3) == pytest.approx(1.5)  # fewer evaluations: all of them
+    # FP32 is judged by the same rule: its first evaluation at or below the target (step 40, 0.40)
+    assert tta.reached(fp32, target)["step"] == 40
+    # a variant level with FP32 within the tolerance gets a time; one that stays above it does not
+    level = _curve([1.5, 0.8, 0.47, 0.458, 0.47], step_s=0.25)
+    assert tta.reached(level, target) == {"step": 40, "time_s": 10.0, "val_loss": 0.458}
+    assert tta.reached(_curve([1.5, 0.8, 0.47, 0.46, 0.465, 0.47]), target) is None
+    # under the old rule the level variant never got there: 0.458 > 0.45
+    assert tta.reached(level, tta.target_loss(fp32, tolerance=0.0, evals=1)) is None
+    with pytest.raises(NfabError, match="tolerance"):
+        tta.TtaConfig(tolerance=-0.1)
+
+
+def test_verdicts_over_seeds_name_every_variant_against_every_base():
+    def doc(fp32: float, bf16: float | None, nfab: float | None) -> dict:
+        return {"variants": {"fp32": {"time_to_target_s": fp32}, "bf16": {"time_to_target_s": bf16},
+                             "nfab-profile": {"time_to_target_s": nfab}}}
+    over = ttaseeds.over_seeds([doc(200.0, 100.0, 20.0), doc(180.0, None, 30.0), doc(220.0, 110.0, None)])
+    lines = dict(zip(over, ttaseeds.verdict_lines(over), strict=True))
+    assert set(lines) == {"fp32", "bf16", "nfab-profile"}
+    nfab = over["nfab-profile"]  # per seed vs FP32: 10x, 6x, 0x (never) -> median 6x; vs bf16: 5x, unbounded, 0x
+    assert nfab["reached"] == 2 and nfab["median_time_to_target_s"] == 30.0
+    assert ttaseeds.verdict(nfab, "fp32") == "sooner" and nfab["median_speedup_vs_fp32"] == 6.0
+    assert lines["nfab-profile"].startswith("nfab-profile: reached its target on 2 of 3 seeds; median time 30.0 s "
+                                            "(reached in 20.0-30.0 s)")
+    assert "vs fp32: sooner (median 6.00x; per seed 10.00x, 6.00x, 0.00x)" in lines["nfab-profile"]
+    assert "vs bf16: sooner (median 5.00x; per seed 5.00x, unbounded, 0.00x)" in lines["nfab-profile"]
+    assert "vs fp32: sooner (median 2.00x; per seed 2.00x, 0.00x, 2.00x)" in lines["bf16"]
+    never = ttaseeds.over_seeds([doc(200.0, None, None), doc(180.0, None, None)])
+    assert ttaseeds.verdict(never["bf16"], "fp32") == "slower"  # 0x on every seed
+    assert ttaseeds.verdict(never["nfab-profile"], "bf16") == "no verdict"  # neither ever reached it
+    assert "median time never" in ttaseeds.verdict_lines(never)[1]
+
+
 def test_over_seeds_counts_a_seed_that_never_reached_as_slower_than_any_that_did():
     assert ttaseeds.parse_seeds("0-2,7") == (0, 1, 2, 7)
     for bad in ("", "a", "1,1", "-1"):
@@ -78,7 +123,9 @@ def test_tiny_run_reaches_targets_by_the_rule_and_report_renders_it(tmp_path):
     assert n == 4 and doc["max_steps"] == 8 and list(doc["variants"]) == list(tta.TTA_VARIANTS)
     assert doc["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()  # targets move with it
     fp32 = doc["variants"]["fp32"]
-    assert fp32["steps"] == n and target == fp32["curve"][-1]["val_loss"] == fp32["final_loss"]
+    assert fp32["steps"] == n and fp32["curve"][-1]["val_loss"] == fp32["final_loss"]
+    last = [p["val_loss"] for p in fp32["curve"][-tta.TARGET_EVALS:]]  # FP32's smoothed final loss + 2%
+    assert target == pytest.approx(sum(last) / len(last) * 1.02) and "+ 2%" in doc["target_rule"]
     for name, v in doc["variants"].items():
         assert (VARIANT_KEYS - {"fallback_steps"} if name != "nfab-profile" else VARIANT_KEYS) <= set(v), name
         steps = [p["step"] for p in v["curve"]]
