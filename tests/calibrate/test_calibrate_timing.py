@@ -56,5 +56,8 @@ def test_validation_line_says_when_it_was_judged_against_the_references_noise() 
     ev = {"passed": True, "gap": 0.4, "tolerance": 0.01, "steps": 150, "noise": 0.305, "judged_tolerance": 0.915,
           "judged_by": "noise", "rounds": [{"change": None}]}
     assert describe_validation(ev) == (
-        "validation over 150 steps: passed, gap +40.00% (tolerance 1.00%; FP32's own held-out loss moves 30.5% "
-        "between evaluations, so judged at 91.5%) after 1 round(s)")
+        "validation over 150 steps: passed only within FP32's own noise, not at the 1.00% tolerance: gap +40.00%, "
+        "while FP32's own held-out loss moves 30.5% between evaluations on this data, so no gap under 91.5% can be "
+        "told from noise; after 1 round(s)")
+    failed = describe_validation({**ev, "passed": False, "gap": 1.2})
+    assert failed.startswith("validation over 150 steps: FAILED, beyond FP32's own noise: gap +120.00%")

@@ -279,7 +279,7 @@ def test_validation_on_a_noisy_reference_passes_in_one_round_and_says_why() -> N
     assert v.gap == pytest.approx(0.10, rel=1e-4) and out.phases == prof.phases
     ev = out.evidence["validation"]
     assert ev["judged_by"] == "noise" and ev["judged_tolerance"] == pytest.approx(v.judged, abs=1e-6)
-    assert "so judged at" in describe_validation(ev)
+    assert "passed only within FP32's own noise" in describe_validation(ev)
     # a quiet reference with the same 10 % gap: judged at the tolerance, so it fails and tightens
     ref.eval_loss = _noisy(ref.eval_loss, plain.profile_eval, plain.eval_steps, gap=0.10, rise=0.0)
     _, quiet = validate_profile(task, ref, prof, table(rows), tol=TOL,
