@@ -30,8 +30,9 @@ class TwoTower(nn.Module):
         self.tower_b = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, embed))
         self.log_temperature = nn.Parameter(torch.tensor(2.0))
 
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return F.normalize(self.tower_a(a), dim=-1), F.normalize(self.tower_b(b), dim=-1)
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the scale comes out of forward (as CLIP's logit_scale does): under DDP the loss sees the wrapper
+        return F.normalize(self.tower_a(a), dim=-1), F.normalize(self.tower_b(b), dim=-1), self.log_temperature.exp()
 
 
 def build() -> nn.Module:
@@ -43,7 +44,7 @@ def data(split: str) -> Dataset:
 
 
 def info_nce(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    za, zb = model(batch["a"], batch["b"])
-    logits = za @ zb.T * model.log_temperature.exp()
+    za, zb, scale = model(batch["a"], batch["b"])
+    logits = za @ zb.T * scale
     labels = torch.arange(len(za))
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2

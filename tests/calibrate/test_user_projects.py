@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import nfab
+from bench.projects import files
 from nfab.profile.schema import Profile
 from tests.inprocess import nfab_main
-from bench.projects import files
 
 PROJECTS = {
     "cnn-npz": ("bench.projects.cnn:build", "npz", None, []),

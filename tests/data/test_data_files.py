@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
+from bench.projects import files
 from nfab.data import build_dataset
 from nfab.errors import ConfigError, UserCodeError
-from bench.projects import files
 
 
 def test_nanogpts_token_folder_reads_train_val_and_meta(tmp_path: Path) -> None:

@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
+from bench.projects import denoiser, files, nanogpt
 from nfab.attach_checks import check_model
 from nfab.distributed import run_ranks
 from nfab.errors import ProfileError
 from nfab.profile.schema import Profile
 from tests.inprocess import nfab_main
-from bench.projects import denoiser, files, nanogpt
 
 
 @pytest.fixture(scope="module")
