@@ -127,7 +127,7 @@ def replicas_identical(module: torch.nn.Module, device: torch.device) -> bool:
     """
     digest = hashlib.sha256()
     for p in module.parameters():
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(p.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
     local = torch.tensor(list(digest.digest()[:16]), dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)

@@ -4,6 +4,7 @@ and loss), and in the user's own DDP loop on gloo with `nfab.attach`, replicas b
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,14 @@ def test_a_profile_for_another_layout_names_the_parameters_that_differ(tmp_path:
     with pytest.raises(ProfileError, match=r"wte.weight \(256x32\), profile \(\d+x32\)") as info:
         check_model(Profile.load(out / "profile.json"), other, None)  # what nfab.attach checks first
     assert "\n" not in str(info.value)
+
+
+def test_nfab_train_takes_data_and_loss_flags_and_a_scalar_parameter(tmp_path: Path) -> None:
+    """The contrastive model's temperature is a 0-d parameter (the replica check hashed it as bytes and
+    failed on 0-d tensors); its samples are dicts, its loss InfoNCE."""
+    ran = nfab_main("train", "--model", "bench.projects.contrastive:build", "--data", "bench.projects.contrastive:data",
+                    "--loss", "bench.projects.contrastive:info_nce", "--route", "bq2", "--nproc", "2", "--steps", "3",
+                    "--quiet", "--run-dir", str(tmp_path / "run"))
+    assert ran.code == 0, ran.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["replicas_identical"] and math.isfinite(summary["final_eval"]["loss"])
