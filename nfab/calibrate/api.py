@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
+from nfab.calibrate.budget import BUDGET_RATIO
 from nfab.calibrate.config import CalibrationConfig, make_config
 from nfab.calibrate.sweep import CALIBRATION_FILE, PROFILE_FILE, Progress
 from nfab.calibrate.sweep import calibrate as run_calibration
@@ -118,7 +119,8 @@ def calibrate(model: str | Callable[..., nn.Module] | nn.Module, data: Any, *, l
               grad_clip: float | None = None, precision: str | None = None, seed: int | None = None,
               config: str | None = None, out: str | Path | None = None, quick: bool = False,
               routes: tuple[str, ...] | None = None, validate: bool = True, tol_validate: float = TOL_VALIDATE,
-              overwrite: bool = False, progress: Progress | None = None, **options: Any) -> CalibrationResult:
+              budget: float = BUDGET_RATIO, overwrite: bool = False, progress: Progress | None = None,
+              **options: Any) -> CalibrationResult:
     """Calibrate the user's training and fit its profile (`nfab calibrate` from Python).
 
     `model`: a factory returning a fresh `nn.Module` (a registry name, `module.path:factory`, or a built
@@ -128,7 +130,8 @@ def calibrate(model: str | Callable[..., nn.Module] | nn.Module, data: Any, *, l
     is called with the batch as the loader yields it (default: the loss the output carries, else
     cross-entropy: `nfab.loss`). `optimizer` / `schedule`: nfab's config (a name, a mapping of its keys).
     `options` are the CLI's `KEY=VALUE` overrides (`width=8`, `phases=2`, `optim.lr=0.1`). With `out`, the
-    table and profile are written there as `nfab calibrate --out` writes them.
+    table and profile are written there as `nfab calibrate --out` writes them. `budget` caps the whole
+    calibration at that many FP32 reference runs (trials and validation's tightening rounds share it).
     """
     overrides: dict[str, Any] = dict(options)
     overrides.update(_section(optimizer, OptimConfig, "optim"))
@@ -154,7 +157,7 @@ def calibrate(model: str | Callable[..., nn.Module] | nn.Module, data: Any, *, l
         where = target if target is not None else Path(tmp)
         try:
             done = run_calibration(cfg, where, progress=progress, command=command, validate=validate,
-                                   tol_validate=tol_validate)
+                                   tol_validate=tol_validate, budget_ratio=budget)
         finally:
             torch.set_num_threads(threads)
         table, meta = read_table(done.table_path)

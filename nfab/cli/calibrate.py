@@ -163,6 +163,9 @@ def register(app: typer.Typer) -> None:
                                              "tighten it until the gap is within --tol-validate.")] = True,
         tol_validate: Annotated[float, typer.Option(
             "--tol-validate", help="Validation: maximum relative held-out loss gap to FP32 at the end.")] = 0.01,
+        budget: Annotated[float, typer.Option(
+            "--budget", help="Cap on the whole calibration, in FP32 reference runs (trials and validation's "
+                             "tightening rounds share it; counted in steps, never the clock).")] = 3.0,
         overwrite: Annotated[bool, typer.Option(
             "--overwrite", help="Replace a calibration already in the output folder.")] = False,
     ) -> None:
@@ -171,6 +174,8 @@ def register(app: typer.Typer) -> None:
         from nfab.calibrate import make_config, parse_overrides
 
         check_tolerances(tol_cosine, tol_loss, tol_validate)
+        if not budget >= 1.2:  # the reference and replay alone cost about 1.2 reference runs
+            fail(f"--budget must be at least 1.2 reference runs (the reference and replay), got {budget}")
         flags = {"loss": ("--loss", loss), "eval_data": ("--eval-data", eval_data),
                  "steps": ("--steps", steps), "phases": ("--phases", phases), "routes": ("--routes", routes),
                  "trial_steps": ("--trial-steps", trial_steps), "quick": ("--quick", quick or None)}
@@ -201,7 +206,7 @@ def register(app: typer.Typer) -> None:
                               "the whole run", highlight=False)
             with SweepProgress(console) as progress:
                 result = run(cfg, target, progress=progress, command=command, tol_cosine=tol_cosine,
-                             tol_loss=tol_loss, validate=validate, tol_validate=tol_validate)
+                             tol_loss=tol_loss, validate=validate, tol_validate=tol_validate, budget_ratio=budget)
         except UserCodeError as exc:  # the user's loss, data or forward: one line, its traceback in a log
             fail(f"{exc} (traceback: {_traceback_log(exc)})")
         except NfabError as exc:

@@ -244,3 +244,9 @@ def test_trial_labels_say_whether_trials_ran(optimizer: str, tmp_path: Path) -> 
     assert ("short trials (phases)" in text) == trialled, text
     assert ("trials of 2 steps" in text) == trialled, text
     assert ("no short trials (adamw: replay fidelity decides)" in text) == (not trialled), text
+
+
+def test_a_budget_below_the_reference_and_replay_is_one_line(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["calibrate", "resnet18", "--budget", "0.5", "--out", str(tmp_path / "cal")])
+    assert res.exit_code == 2 and "--budget must be at least 1.2 reference runs" in res.output
+    assert not (tmp_path / "cal").exists()
