@@ -19,6 +19,7 @@ from nfab.fsutil import atomic_write_bytes, atomic_write_text
 from nfab.report import plots
 from nfab.report.discover import discover
 from nfab.report.html import render_html
+from nfab.report.linktime import ACCURACY_POINTS, TARGET_EVALS, link_view
 from nfab.report.model import CalibrationView, Report, TtaView
 from nfab.report.tables import calibration_notes, calibration_table, comparison_table, run_table
 from nfab.report.tta import seeds_table, tta_plot, tta_table
@@ -90,9 +91,16 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
         plot = f"tta_{_slug(tta.name)}.png"
         written.append(atomic_write_bytes(out / plot, tta_plot(tta)))
         ttas.append(TtaView(name=tta.name, target_loss=tta.target_loss, table=tta_table(tta), plot=plot,
-                            note=f"{tta.model} ({tta.recipe}) on a {tta.link} link; target: FP32's final validation "
-                                 f"loss {tta.target_loss:.4f}; '×' (sooner than) = the base's time to target / this "
+                            note=f"{tta.model} ({tta.recipe}) on a {tta.link} link; target {tta.target_loss:.4f} "
+                                 f"({tta.target_rule}); '×' (sooner than) = the base's time to target / this "
                                  "variant's; wall time counts training steps only, evaluation excluded"))
+    if (priced := link_view(inputs.runs)) is not None:  # runs trained for a declared link: priced at it
+        link, table, target = priced
+        ttas.append(TtaView(name=f"at the declared {link} (modelled)", target_loss=None, table=table, plot=None,
+                            note=f"each step: this machine's median compute + its gradient bytes at {link} "
+                                 f"(nfab.report.linktime); target: {target:.2%} held-out accuracy, FP32's mean over "
+                                 f"its last {TARGET_EVALS} evaluations less {ACCURACY_POINTS:g} point; 'sooner than' = "
+                                 "the base's time to accuracy / this run's; fewer bytes = the base's / this run's"))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(
             {c: "Int64" for c in ("world_size", "steps", "fallback_steps", "cost_gated_steps")})  # 4, not 4.0

@@ -26,6 +26,8 @@ HEADERS = {
     "reached": "seeds that reached the target", "median_time_to_target_s": "median time to target s",
     "median_speedup_vs_fp32": "median sooner than FP32", "median_speedup_vs_bf16": "median sooner than bf16",
     "median_speedup_vs_powersgd": "median sooner than PowerSGD",
+    "fewer_bytes_vs_fp32": "fewer bytes than FP32", "fewer_bytes_vs_bf16": "fewer bytes than bf16",
+    "modelled_step_ms": "modelled ms/step", "time_to_accuracy_s": "time to accuracy s (modelled)",
 }
 
 
@@ -67,6 +69,12 @@ _FORMATS: dict[str, Callable[[object], str]] = {
     "steps_to_target": _number(".0f"),
     "final_loss": _number(".4f"),
     "wire_mb_to_target": _number(".1f"),
+    "fewer_bytes_vs_fp32": _number(".1f", "x"),
+    "fewer_bytes_vs_bf16": _number(".1f", "x"),
+    "modelled_step_ms": _number(".0f"),
+    "time_to_accuracy_s": _time_to_target,
+    "speedup_vs_fp32": lambda v: v if isinstance(v, str) else _number(".2f", "x")(v),  # tta's: text already
+    "speedup_vs_bf16": lambda v: v if isinstance(v, str) else _number(".2f", "x")(v),
 }
 
 

@@ -27,7 +27,9 @@ _SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain\nMB",
           "final_loss": "final\nloss", "wire_mb_to_target": "MB to\ntarget",
           "reached": "reached", "median_time_to_target_s": "median to\ntarget s",
           "median_speedup_vs_fp32": "median ×\nFP32", "median_speedup_vs_bf16": "median ×\nbf16",
-          "median_speedup_vs_powersgd": "median ×\nPowerSGD"}
+          "median_speedup_vs_powersgd": "median ×\nPowerSGD",
+          "fewer_bytes_vs_fp32": "fewer B\nvs FP32", "fewer_bytes_vs_bf16": "fewer B\nvs bf16",
+          "modelled_step_ms": "ms/\nstep", "time_to_accuracy_s": "to acc.\ns"}
 # Text that may wrap when space runs out; numbers and names never do.
 _WRAPPABLE = {"route", "model", "dataset", "baseline"}
 
