@@ -15,6 +15,7 @@ Each project is what its user would have: a model factory, data (a file kind or 
 | `bf16` | PyTorch's `bf16_compress_hook` (a bf16 all-reduce: the sum accumulates in bf16) |
 | `bf16-acc32` | bf16 on the wire, summed in fp32: an all-gather of every rank's bf16 gradient (W-1 payloads sent) |
 | `profile` | `nfab.attach(profile, optimizer=opt, cost_model=None)`: the calibrated profile |
+| `route:R` (`--routes bq2,sign`) | `nfab.attach(route=R, optimizer=opt, cost_model=None)`: a static route |
 
 Every variant starts from the same seed and sees the same batches. The held-out loss is the project's
 own loss over its whole held-out split (the noise a loss draws is seeded per batch, so variants are
@@ -132,7 +133,7 @@ def held_out_loss(model: torch.nn.Module, loss: Any, loader: Any) -> tuple[float
 
 
 def _worker(rank: int, world: int, project: Project, profile: str, steps: int, batch_size: int, port: int,
-            out: str) -> None:
+            out: str, variants: tuple[str, ...]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -147,7 +148,7 @@ def _worker(rank: int, world: int, project: Project, profile: str, steps: int, b
     collate = resolve_collate(None)
     schedule = ScheduleConfig()
     rows = []
-    for variant in VARIANTS:
+    for variant in variants:
         module = build_model(project.model, seed=0, **options).module
         model = DDP(module)
         opt = _optimizer(module, project.optimizer)
@@ -158,6 +159,9 @@ def _worker(rank: int, world: int, project: Project, profile: str, steps: int, b
             model.register_comm_hook(None, bf16_fp32_sum_hook)
         elif variant == "profile":
             runtime = nfab.attach(model, profile, optimizer=opt, total_steps=steps, cost_model=None)
+        elif variant.startswith("route:"):
+            runtime = nfab.attach(model, route=variant.removeprefix("route:"), optimizer=opt, total_steps=steps,
+                                  cost_model=None)
         loader = make_loader(train, batch_size=batch_size, rank=rank, world_size=world, seed=0)
         sent, epoch, t0 = 0.0, 0, time.perf_counter()
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -199,7 +203,7 @@ def _worker(rank: int, world: int, project: Project, profile: str, steps: int, b
 
 
 def run_project(project: Project, cal_root: Path, steps: int, world: int, batch_size: int,
-                budget: float) -> dict[str, Any]:
+                budget: float, routes: tuple[str, ...] = ()) -> dict[str, Any]:
     out = cal_root / project.name
     t0 = time.perf_counter()
     result = nfab.calibrate(project.model, project.data, loss=project.loss, optimizer=project.optimizer,
@@ -214,8 +218,9 @@ def run_project(project: Project, cal_root: Path, steps: int, world: int, batch_
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        variants = VARIANTS + tuple(f"route:{r}" for r in routes)
         mp.start_processes(_worker, args=(world, project, str(result.profile_path), steps, batch_size, port,
-                                          str(target)), nprocs=world, join=True, start_method="spawn")
+                                          str(target), variants), nprocs=world, join=True, start_method="spawn")
         rows = json.loads(target.read_text())
     by = {r["variant"]: r for r in rows}
     fp32, bf16, acc32, prof = by["fp32"], by["bf16"], by["bf16-acc32"], by["profile"]
@@ -231,6 +236,9 @@ def run_project(project: Project, cal_root: Path, steps: int, world: int, batch_
         "x_fewer_than_bf16": bf16["bytes_per_step"] / prof["bytes_per_step"],
         "replicas_identical": all(r["replicas_identical"] for r in rows),
         "routes": [p.routes for p in result.profile.phases],
+        "static": {v.removeprefix("route:"): {"gap_vs_fp32": r["eval_loss"] / fp32["eval_loss"] - 1,
+                                             "x_fewer_than_fp32": fp32["bytes_per_step"] / r["bytes_per_step"]}
+                   for v, r in by.items() if v.startswith("route:")},
     }
 
 
@@ -242,6 +250,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--calibrations", default="bench/calibrations/projects")
     parser.add_argument("--budget", type=float, default=3.0, help="nfab calibrate --budget (reference runs)")
+    parser.add_argument("--routes", default="", help="static routes to run beside the profile (bq2,sign)")
     parser.add_argument("--json", default=None, help="write the rows here too")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -251,13 +260,15 @@ def main() -> None:
         rows = []
         for name in names:
             row = run_project(todo[name], Path(args.calibrations), args.steps, args.world_size, args.batch_size,
-                              args.budget)
+                              args.budget, tuple(r for r in args.routes.split(",") if r))
             rows.append(row)
             print(f"{name:18} cal {row['calibration_s']:6.1f} s  validation {row['validation_passed']}  "
                   f"fp32 {row['fp32_loss']:.4f}  bf16 {row['bf16_loss']:.4f} ({row['bf16_gap_vs_fp32']:+.2%})  "
                   f"profile {row['profile_loss']:.4f} ({row['gap_vs_fp32']:+.2%})  "
                   f"{row['x_fewer_than_fp32']:.1f}x < fp32, {row['x_fewer_than_bf16']:.1f}x < bf16  "
-                  f"replicas {'identical' if row['replicas_identical'] else 'DIFFER'}", flush=True)
+                  f"replicas {'identical' if row['replicas_identical'] else 'DIFFER'}"
+                  + "".join(f"  {r} {v['gap_vs_fp32']:+.2%} at {v['x_fewer_than_fp32']:.1f}x"
+                            for r, v in row["static"].items()), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
