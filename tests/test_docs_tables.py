@@ -1,4 +1,4 @@
-"""The reference tables say what the code says: every `attach` option, `StepStats` field and config key.
+"""The reference tables say what the code says: every `attach` option (AttachConfig), `StepStats` field and config key.
 
 Each table in docs/ follows a `<!-- table: NAME -->` marker. Its key, type and default columns are
 compared with the code (the meaning column is prose, not compared): a field added, renamed or
@@ -10,12 +10,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import types
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 import nfab
-from bench.docs_tables import tables
+from bench.docs_tables import tables, type_text
+from nfab.config.attach import AttachConfig
 from nfab.runtime.stats import StepStats
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -57,14 +61,29 @@ def test_every_config_key_is_in_its_table_with_the_code_s_type_and_default(name:
     assert not differences(documented, actual), "docs/config.md is stale: run `make docs-tables`"
 
 
-def test_every_attach_option_is_in_the_table_with_the_signature_s_type_and_default() -> None:
+def api_type(annotation: object) -> str:
+    """A type as a Python caller reads it: `type_text`, with a literal quoted (`bool | "auto"`)."""
+    if typing.get_origin(annotation) is Literal:
+        return " | ".join(f'"{a}"' for a in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(api_type(a) for a in typing.get_args(annotation))
+    return type_text(annotation)
+
+
+def test_every_attach_option_is_in_the_table_with_the_code_s_type_and_default() -> None:
+    """The rows: `attach`'s named arguments (its signature), then every `AttachConfig` field, the options
+    `attach` takes as keywords or as `config=`, in that order."""
     documented = {plain(r[0]): (plain(r[1]), plain(r[2])) for r in table("api.md", "attach")}
     actual = {}
     for name, p in inspect.signature(nfab.attach).parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
         default = "required" if p.default is inspect.Parameter.empty else repr(p.default).replace("'", '"')
         actual[name] = (plain(str(p.annotation)), default)
+    for name, field in AttachConfig.model_fields.items():
+        actual[name] = (plain(api_type(field.annotation)), repr(field.default).replace("'", '"'))
     assert not differences(documented, actual)
-    assert list(documented) == list(actual), "the table lists the options in the signature's order"
+    assert list(documented) == list(actual), "the table lists the arguments, then AttachConfig's fields, in order"
 
 
 def test_every_step_stats_field_is_in_the_table_with_its_type() -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nfab.config.attach import AttachConfig
 from nfab.config.shipped import load_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
@@ -29,19 +31,25 @@ def checked(profile: str | Path | Profile | None, route: str | dict[str, str] | 
     return load_profile(profile)
 
 
+def adapter_config(config: AttachConfig | None, route: str | dict[str, str] | None,
+                   options: Mapping[str, Any]) -> AttachConfig:
+    """What the user handed an adapter (`config=`, its `route` argument, `nfab.attach`'s keyword options)
+    as one `AttachConfig`, validated at that call: keywords win over `config`."""
+    return AttachConfig.of(config, **options, **({} if route is None else {"route": route}))
+
+
 def attach_with_defaults(
     ddp_model: DistributedDataParallel | torch.nn.Module,
     profile: str | Path | Profile | None,
-    route: str | dict[str, str] | None,
-    attach_kwargs: dict[str, Any],
+    config: AttachConfig,
     *,
     total_steps: int | None,
     optimizer: Any = None,
     loss_scaler: Any = None,
 ) -> Runtime:
-    """`nfab.attach` (DDP or FSDP2 model) with the user's keywords, plus the framework's `total_steps` and optimizer.
+    """`nfab.attach` (DDP or FSDP2 model) with the user's `config`, plus the framework's `total_steps` and optimizer.
 
-    A keyword the user passed always wins. The framework's optimizer is passed as
+    An option the user set always wins (`AttachConfig.unless_set`). The framework's optimizer is passed as
     `optimizer=` (unwrapped from Accelerate's `AcceleratedOptimizer`, whose `.optimizer` is
     the torch one): `error_feedback="auto"` needs it to tell SGD from Adam, the drift monitor
     reads its second moment, and the user of a Trainer never holds the optimizer before the
@@ -50,11 +58,10 @@ def attach_with_defaults(
     """
     from nfab.api import attach
 
-    kwargs = dict(attach_kwargs)
-    kwargs.setdefault("total_steps", total_steps)
+    known: dict[str, Any] = {"total_steps": total_steps}
     inner = torch_optimizer(optimizer)
     if isinstance(inner, torch.optim.Optimizer):
-        kwargs.setdefault("optimizer", inner)
+        known["optimizer"] = inner
     if loss_scaler is not None:
-        kwargs.setdefault("loss_scaler", loss_scaler)
-    return attach(ddp_model, profile, route=route, **kwargs)
+        known["loss_scaler"] = loss_scaler
+    return attach(ddp_model, profile, config=config.unless_set(**known))

@@ -33,8 +33,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from nfab.config.attach import AttachConfig
 from nfab.errors import NfabError
-from nfab.integrations.defaults import attach_with_defaults, checked
+from nfab.integrations.defaults import adapter_config, attach_with_defaults, checked
 from nfab.integrations.metrics import StepLog
 from nfab.integrations.state import KEY, RankStates, restore
 from nfab.profile.schema import Profile
@@ -48,7 +49,8 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
     class NfabDDPStrategy(ddp_strategy):  # type: ignore[misc, valid-type]
         """Lightning's DDP with nfab's communication hook; the hook's state is `strategy.runtime`.
 
-        `profile` / `route` and `attach_kwargs` go to `nfab.attach` as given; `total_steps` (what
+        `profile` / `route` and the options (`config=`, an `AttachConfig`, and/or `nfab.attach`'s keyword
+        options, validated here) go to `nfab.attach` as given; `total_steps` (what
         a profile's fractional phase starts are fractions of) defaults to the trainer's
         `estimated_stepping_batches`, and `optimizer` (where `nfab.attach` takes one) to the
         module's single optimizer. `strategy_kwargs` go to Lightning's `DDPStrategy` (e.g.
@@ -63,16 +65,17 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
             route: str | dict[str, str] | None = None,
             *,
             strategy_kwargs: Mapping[str, Any] | None = None,
-            **attach_kwargs: Any,
+            config: AttachConfig | None = None,
+            **options: Any,
         ) -> None:
-            profile = checked(profile, route, "NfabDDPStrategy: ")
+            config = adapter_config(config, route, options)
+            profile = checked(profile, config.route, "NfabDDPStrategy: ")
             strategy_kwargs = dict(strategy_kwargs or {})
             if "ddp_comm_hook" in strategy_kwargs or "ddp_comm_wrapper" in strategy_kwargs:
                 raise NfabError("NfabDDPStrategy registers nfab's hook; DDP takes one, so drop ddp_comm_hook/wrapper")
             super().__init__(**strategy_kwargs)
             self._nfab_profile = profile
-            self._nfab_route = route
-            self._attach_kwargs = attach_kwargs
+            self._nfab_config = config
             self.runtime: Runtime | None = None
             """nfab's hook state on this rank, set when `fit` wraps the model in DDP."""
             self._nfab_log = StepLog()
@@ -84,8 +87,8 @@ def ddp_strategy_class(ddp_strategy: type, module: str) -> type:
             if not isinstance(self.model, DistributedDataParallel):  # validate/test/predict: no DDP, no gradients
                 return
             optimizer = self.optimizers[0] if len(self.optimizers) == 1 else None
-            self.runtime = attach_with_defaults(self.model, self._nfab_profile, self._nfab_route,
-                                                self._attach_kwargs, total_steps=_total_steps(trainer),
+            self.runtime = attach_with_defaults(self.model, self._nfab_profile, self._nfab_config,
+                                                total_steps=_total_steps(trainer),
                                                 optimizer=optimizer,
                                                 loss_scaler=getattr(self.precision_plugin, "scaler", None))
             self._nfab_log.reset()

@@ -39,8 +39,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
 
+from nfab.config.attach import AttachConfig
 from nfab.errors import ConfigError, NfabError
-from nfab.integrations.defaults import attach_with_defaults, checked
+from nfab.integrations.defaults import adapter_config, attach_with_defaults, checked
 from nfab.integrations.metrics import StepLog
 from nfab.integrations.recipe import named_loss, run, trainer_recipe
 from nfab.integrations.state import load_rank_file, save_rank_file
@@ -69,13 +70,11 @@ class NfabCallback(TrainerCallback):
         self,
         trainer: Trainer,
         profile: str | Path | Profile | None,
-        route: str | dict[str, str] | None,
-        attach_kwargs: dict[str, Any],
+        config: AttachConfig,
     ) -> None:
         self.trainer = trainer
         self.profile = profile
-        self.route = route
-        self.attach_kwargs = attach_kwargs
+        self.config = config
         self.runtime: Runtime | None = None
         self._ddp: DistributedDataParallel | FSDPModule | None = None
         self._log = StepLog()
@@ -93,8 +92,8 @@ class NfabCallback(TrainerCallback):
         if not (isinstance(model, DistributedDataParallel) or fsdp2.is_fsdp2(model)):
             raise NfabError(f"nfab needs the Trainer to wrap the model in DistributedDataParallel or FSDP2, got "
                             f"{type(model).__name__} (FSDP1 and DeepSpeed own their communication)")
-        self.runtime = attach_with_defaults(model, self.profile, self.route, self.attach_kwargs,
-                                            total_steps=state.max_steps, optimizer=self.trainer.optimizer,
+        self.runtime = attach_with_defaults(model, self.profile, self.config, total_steps=state.max_steps,
+                                            optimizer=self.trainer.optimizer,
                                             loss_scaler=getattr(self.trainer.accelerator, "scaler", None))
         self._ddp = model
         self._log.reset()
@@ -141,17 +140,21 @@ def attach(
     trainer: Trainer,
     profile: str | Path | Profile | None = None,
     route: str | dict[str, str] | None = None,
-    **attach_kwargs: Any,
+    *,
+    config: AttachConfig | None = None,
+    **options: Any,
 ) -> NfabCallback:
     """Make `trainer.train()` run with nfab's hook; the returned handle's `.runtime` is set when training begins.
 
-    `profile` / `route` and `attach_kwargs` go to `nfab.attach` untouched; `total_steps`
+    `profile` / `route` and the options (`config=`, an `AttachConfig`, and/or `nfab.attach`'s keyword
+    options, validated here) go to `nfab.attach` untouched; `total_steps`
     defaults to the Trainer's `max_steps` for the run and `optimizer` (where `nfab.attach`
     takes one) to the optimizer the Trainer built. The Trainer hands callbacks no loss
     before the backward, so nfab's loss-spike check has no loss here; its gradient-norm,
     non-finite and fidelity checks run as usual.
     """
-    callback = NfabCallback(trainer, checked(profile, route), route, dict(attach_kwargs))
+    cfg = adapter_config(config, route, options)
+    callback = NfabCallback(trainer, checked(profile, cfg.route), cfg)
     trainer.add_callback(callback)
     return callback
 

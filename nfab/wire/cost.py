@@ -335,6 +335,20 @@ def declared(spec: str, world_size: int, backend: str = "declared") -> CostModel
     return CostModel(backend, world_size, link, link, {}, source=f"declared ({spec.strip()})", reducescatter=link)
 
 
+def resolve(choice: str | Path | CostModel | None, group: dist.ProcessGroup | None,
+            device: torch.device | str = "cpu") -> CostModel | None:
+    """`attach`'s `cost_model` as the model the gate uses: "measure" measures on `group` and `device` (a
+    collective: every rank calls it), "link:..." is declared, another string or a path is a JSON file,
+    a `CostModel` or None is itself."""
+    if choice == "measure":
+        return measure(group, device=device)
+    if is_declared(choice):
+        return declared(str(choice), dist.get_world_size(group), dist.get_backend(group))
+    if isinstance(choice, str | Path):
+        return CostModel.load(choice)
+    return choice
+
+
 def measure(group: dist.ProcessGroup | None = None, large_numel: int = 1 << 20, reps: int = REPS,
             device: torch.device | str = "cpu") -> CostModel:
     """Measure the cost model on the live process group; all ranks get identical constants.

@@ -315,3 +315,12 @@ def test_a_route_naming_a_region_the_model_lacks_is_named_at_attach(group, caplo
         assert not lines
     else:
         assert len(lines) == 1 and warned in lines[0]
+
+
+def test_a_config_attaches_as_the_same_keywords_do(group) -> None:
+    """`attach(ddp, config=AttachConfig(...))` is `attach(ddp, **the same options)`; keywords beside it win."""
+    route = {"conv": "sign", "*.bias": "fp32"}
+    by_config = nfab.attach(shipped_resnet(), config=nfab.AttachConfig(route=route, cost_model=None, seed=7), seed=3)
+    by_keywords = nfab.attach(shipped_resnet(), route=route, cost_model=None, seed=3)
+    assert by_config.regions == by_keywords.regions and by_config.profile == by_keywords.profile
+    assert by_config.seed == by_keywords.seed == 3

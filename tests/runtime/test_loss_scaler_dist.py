@@ -168,6 +168,7 @@ def test_loss_scaler_must_be_a_grad_scaler():
 def _framework(rank: int, world_size: int) -> dict:
     """What the adapters (Lightning's strategy, the Trainer's callback, Accelerate's attach) pass: their
     fp16 scaler as `loss_scaler`, unless the user gave one."""
+    from nfab.config.attach import AttachConfig
     from nfab.integrations.defaults import attach_with_defaults
 
     torch.manual_seed(0)
@@ -175,8 +176,8 @@ def _framework(rank: int, world_size: int) -> dict:
     framework, own = torch.amp.GradScaler("cpu", init_scale=8.0), torch.amp.GradScaler("cpu", init_scale=2.0)
     out = {}
     for name, kwargs in (("framework", {}), ("own", {"loss_scaler": own})):
-        rt = attach_with_defaults(DDP(model), None, "bq2", {"cost_model": None, **kwargs}, total_steps=4,
-                                  loss_scaler=framework)
+        rt = attach_with_defaults(DDP(model), None, AttachConfig(route="bq2", cost_model=None, **kwargs),
+                                  total_steps=4, loss_scaler=framework)
         for s in (framework, own):
             s.scale(torch.ones(()))  # makes its scale tensor, as the first scaled loss does
         out[name] = float(rt.loss_scale())

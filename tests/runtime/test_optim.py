@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nfab.runtime.control.optim import Preconditioner, is_adaptive, resolve_error_feedback
+from nfab.runtime.control.optim import Preconditioner, is_adaptive, resolve_error_feedback, resolve_noise_moment
 
 
 def _params():
@@ -36,6 +36,17 @@ def test_unknown_optimizer_and_unknown_choice():
     assert resolve_error_feedback("auto", None) is False  # unknown optimizer: the safe side
     with pytest.raises(ValueError, match="error_feedback"):
         resolve_error_feedback("yes", None)
+
+
+def test_noise_moment_auto_corrects_an_adaptive_optimizer_on_a_static_route_or_a_profile_calibrated_with_it():
+    adam, sgd = torch.optim.AdamW(_params()), torch.optim.SGD(_params(), lr=0.1)
+    assert resolve_noise_moment("auto", adam, static_route=True, calibrated_with=False)
+    assert resolve_noise_moment("auto", adam, static_route=False, calibrated_with=True)
+    assert not resolve_noise_moment("auto", adam, static_route=False, calibrated_with=False)  # runs as validated
+    assert not resolve_noise_moment("auto", sgd, static_route=True, calibrated_with=True)
+    assert not resolve_noise_moment(True, None, static_route=True, calibrated_with=True)  # nothing to correct
+    assert resolve_noise_moment(True, adam, static_route=False, calibrated_with=False)
+    assert not resolve_noise_moment(False, adam, static_route=True, calibrated_with=True)
 
 
 def test_preconditioner_reads_adams_second_moment():

@@ -90,6 +90,22 @@ def resolve_error_feedback(choice: bool | str, optimizer: torch.optim.Optimizer 
     return not is_adaptive(optimizer)
 
 
+def resolve_noise_moment(choice: bool | str, optimizer: torch.optim.Optimizer | None, *, static_route: bool,
+                         calibrated_with: bool) -> bool:
+    """`attach`'s `noise_moment` as a bool: whether to take the block routes' rounding noise out of
+    `optimizer`'s second moment (`nfab.runtime.control.moment`).
+
+    "auto" is on under an adaptive optimizer for a static route, and for a profile calibrated with the
+    correction (`calibrated_with`): a profile calibrated without it runs as it was validated. True and
+    False are as asked; without an optimizer there is nothing to correct.
+    """
+    if optimizer is None:
+        return False
+    if choice == "auto":
+        return is_adaptive(optimizer) and (static_route or calibrated_with)
+    return bool(choice)
+
+
 class Preconditioner:
     """1 / (sqrt(second moment) + eps) per parameter, read from the optimizer's state.
 
