@@ -27,10 +27,14 @@ from nfab.calibrate.sweep import CALIBRATION_FILE, PROFILE_FILE, Progress
 from nfab.calibrate.sweep import calibrate as run_calibration
 from nfab.calibrate.table import read_table
 from nfab.calibrate.validate import TOL_VALIDATE, Validation
+from nfab.config.optim import optimizer_config
 from nfab.config.run import OptimConfig, ScheduleConfig
-from nfab.errors import ConfigError
+from nfab.errors import ConfigError, UserCodeError
 from nfab.models.registry import name_for
 from nfab.profile.schema import Profile
+
+OptimizerArg = str | Mapping[str, Any] | OptimConfig | torch.optim.Optimizer | Callable[..., Any] | None
+"""nfab's optimizer config (a name, a mapping of its keys), a torch optimizer, or a factory over parameters."""
 
 HELD_OUT = 0.1
 """A Dataset instance given without `eval_data` holds out its last 10% (fixed, like nfab's file kinds)."""
@@ -97,6 +101,28 @@ def _data_name(data: Any, what: str, held_out: bool) -> str:
                       f"got {type(data).__name__}")
 
 
+def _optimizer(value: Any, model: str, options: dict[str, Any]) -> Any:
+    """`optimizer=` as nfab's config: a torch optimizer, or a factory over parameters, is read back
+    (`optimizer_config`: AdamW, Adam without L2, SGD) from one built over the model on the meta device."""
+    if value is None or isinstance(value, str | Mapping | OptimConfig):
+        return value
+    built = value
+    if not isinstance(value, torch.optim.Optimizer) and callable(value):
+        from nfab.models import build_model
+
+        params = [p for p in build_model(model, device="meta", **options).module.parameters() if p.requires_grad]
+        try:
+            built = value(params)
+        except Exception as exc:  # the user's factory: one line
+            raise UserCodeError(f"optimizer factory raised {type(exc).__name__}: {exc}") from exc
+    mapped = optimizer_config(built)
+    if mapped is None:
+        raise ConfigError(f"optimizer {type(getattr(built, 'optimizer', built)).__name__} has no equivalent in "
+                          "nfab's optimizer config (AdamW, Adam without weight decay, SGD without Nesterov; one lr "
+                          "for every group): give optimizer={'name': ..., 'lr': ...}")
+    return mapped
+
+
 def _section(value: Any, kind: type[OptimConfig] | type[ScheduleConfig], prefix: str) -> dict[str, Any]:
     """`optimizer=` / `schedule=` as dotted overrides: a name, a mapping of the section's keys, or the section."""
     if value is None:
@@ -108,12 +134,12 @@ def _section(value: Any, kind: type[OptimConfig] | type[ScheduleConfig], prefix:
     if isinstance(value, Mapping):
         return {f"{prefix}.{k}": list(v) if isinstance(v, tuple) else v for k, v in value.items()}
     raise ConfigError(f"{prefix} must be a name, a mapping of {kind.__name__} keys or a {kind.__name__}, got "
-                      f"{type(value).__name__} (an optimizer factory is not taken yet: give nfab's optimizer config)")
+                      f"{type(value).__name__}")
 
 
 def calibrate(model: str | Callable[..., nn.Module] | nn.Module, data: Any, *, loss: Any = None,
               eval_data: Any = None, collate: Callable[[list[Any]], Any] | str | None = None,
-              optimizer: str | Mapping[str, Any] | OptimConfig | None = None,
+              optimizer: OptimizerArg = None,
               schedule: str | Mapping[str, Any] | ScheduleConfig | None = None, world_size: int = 4,
               steps: int | None = None, batch_size: int | None = None, accum_steps: int | None = None,
               grad_clip: float | None = None, precision: str | None = None, seed: int | None = None,
@@ -128,13 +154,16 @@ def calibrate(model: str | Callable[..., nn.Module] | nn.Module, data: Any, *, l
     map-style Dataset, a Dataset (its last 10% held out unless `eval_data` is given), or a name as the CLI
     takes it (`digits`, `tokens:PATH`, `npz:PATH`, `module.path:factory`). `loss(model, batch) -> scalar`
     is called with the batch as the loader yields it (default: the loss the output carries, else
-    cross-entropy: `nfab.loss`). `optimizer` / `schedule`: nfab's config (a name, a mapping of its keys).
+    cross-entropy: `nfab.loss`). `optimizer`: nfab's config (a name, a mapping of its keys), or a torch
+    optimizer / a factory over parameters that maps onto it (AdamW, SGD); `schedule`: nfab's config.
     `options` are the CLI's `KEY=VALUE` overrides (`width=8`, `phases=2`, `optim.lr=0.1`). With `out`, the
     table and profile are written there as `nfab calibrate --out` writes them. `budget` caps the whole
     calibration at that many FP32 reference runs (trials and validation's tightening rounds share it).
     """
     overrides: dict[str, Any] = dict(options)
-    overrides.update(_section(optimizer, OptimConfig, "optim"))
+    model_name = _model_name(model)
+    model_options = {k: v for k, v in options.items() if "." not in k}
+    overrides.update(_section(_optimizer(optimizer, model_name, model_options), OptimConfig, "optim"))
     overrides.update(_section(schedule, ScheduleConfig, "schedule"))
     held_out = eval_data is None
     named = {"loss": None if loss is None else loss if isinstance(loss, str) else name_for(loss, "loss"),
@@ -144,7 +173,7 @@ def calibrate(model: str | Callable[..., nn.Module] | nn.Module, data: Any, *, l
              "batch_size": batch_size, "accum_steps": accum_steps, "grad_clip": grad_clip,
              "precision": precision, "seed": seed}
     overrides.update({k: v for k, v in named.items() if v is not None})
-    cfg = make_config(_model_name(model), dataset=_data_name(data, "data", held_out), config=config,
+    cfg = make_config(model_name, dataset=_data_name(data, "data", held_out), config=config,
                       overrides=overrides, world_size=world_size, steps=steps, quick=quick or None, routes=routes)
     target = Path(out) if out is not None else None
     if target is not None and not overwrite:

@@ -8,6 +8,7 @@ exemptions) and follow the same schedule: both call these functions.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,3 +73,37 @@ def lr_factor(step: int, total_steps: int, cfg: ScheduleConfig) -> float:
 def warmup_steps(total_steps: int, cfg: ScheduleConfig) -> int:
     """The schedule's warm-up length (None in the config: 5% of the run)."""
     return cfg.warmup_steps if cfg.warmup_steps is not None else int(0.05 * total_steps)
+
+
+def optimizer_config(optimizer: Any) -> dict[str, Any] | None:
+    """nfab's optimizer config for a torch AdamW (or Adam without L2), or SGD; None where it does not map.
+
+    Every param group must share lr and betas (or momentum); weight decay is the largest group's
+    (nfab's AdamW never decays 1-D tensors, the usual split of a decay and a no-decay group). An
+    optimizer wrapped by a framework (`AcceleratedOptimizer`, Lightning's) is read through `.optimizer`.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer) or not inner.param_groups:
+        return None
+    groups = inner.param_groups
+
+    def shared(key: str) -> Any:
+        values = {repr(g.get(key)) for g in groups}
+        return groups[0].get(key) if len(values) == 1 else None
+
+    lr = shared("lr")
+    decay = max(float(g.get("weight_decay", 0.0)) for g in groups)
+    if lr is None:
+        return None
+    kind = type(inner)
+    if kind is torch.optim.AdamW or (kind is torch.optim.Adam and decay == 0.0):
+        betas = shared("betas")
+        if betas is None or groups[0].get("amsgrad"):
+            return None
+        return {"name": "adamw", "lr": float(lr), "weight_decay": decay, "betas": [float(b) for b in betas]}
+    if kind is torch.optim.SGD:
+        momentum = shared("momentum")
+        if momentum is None or groups[0].get("nesterov") or groups[0].get("dampening"):
+            return None
+        return {"name": "sgd", "lr": float(lr), "momentum": float(momentum), "weight_decay": decay}
+    return None

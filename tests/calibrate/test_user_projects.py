@@ -117,3 +117,17 @@ def test_a_failing_user_loss_is_one_line_exit_2_with_its_traceback(tmp_path: Pat
 def reads_a_dict(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """A loss written for dict batches, given the rows of an .npy."""
     return model(batch["image"]).mean()
+
+
+def test_an_optimizer_factory_maps_onto_nfabs_config(tmp_path: Path) -> None:
+    """A factory over parameters (or a built torch optimizer) is read back into nfab's config; one that has
+    no equivalent is one line."""
+    from bench.projects import autoencoder
+
+    rows = f"npy:{files.digits_rows_npy(tmp_path / 'rows.npy')}"
+    result = nfab.calibrate(autoencoder.build, rows, loss=autoencoder.mse, world_size=2, steps=6, quick=True,
+                            validate=False, optimizer=lambda ps: torch.optim.AdamW(ps, lr=2e-3, weight_decay=0.05))
+    optim = result.config.setting.optim
+    assert (optim.name, optim.lr, optim.weight_decay) == ("adamw", 2e-3, 0.05)
+    with pytest.raises(nfab.NfabError, match="RMSprop has no equivalent in nfab's optimizer config"):
+        nfab.calibrate(autoencoder.build, rows, loss=autoencoder.mse, optimizer=lambda ps: torch.optim.RMSprop(ps))
