@@ -61,9 +61,10 @@ def print_summary(run_dirs: list[Path]) -> None:
     for row in frame.to_dict("records"):
         table.add_row(*(cell(c, row[c]) for c in heads))
     console.print(table)
-    console.print(f"time to accuracy: modelled at {link} (each step: this machine's median compute + its gradient "
-                  f"bytes at the link), until held-out accuracy first reaches {target:.2%} (FP32's mean over its "
-                  f"last evaluations, less {ACCURACY_POINTS:g} point); × = how many times sooner than FP32 / bf16",
+    console.print(f"time to accuracy: modelled at {link} (each step: this machine's compute, the fastest half of "
+                  f"its steps, + its gradient bytes at the link), until held-out accuracy first reaches {target:.2%} "
+                  f"(FP32's mean over its last evaluations, less {ACCURACY_POINTS:g} point); × = how many times "
+                  "sooner than FP32 / bf16",
                   highlight=False)
     prof = frame[frame["run"] == "profile"].to_dict("records")
     if prof:

@@ -12,6 +12,7 @@ from rich.markup import escape
 from nfab.cli.output import console, err_console, fail
 from nfab.overrides import clash
 from nfab.profile.routes import format_route, parse_route
+from nfab.wire.cost import is_declared
 
 
 def _flags(**values: object) -> list[str]:
@@ -118,10 +119,11 @@ def register(app: typer.Typer) -> None:
         if s.get("replicas_identical") is False:
             warn(f"{result.run_dir}: the ranks' parameters differ at the end of the run (replicas_identical: false)")
         # printed under `--quiet` too (it drops the progress bar): where the run went, and its figures
-        console.print(f"[bold]{result.run_dir}[/]: " + summary_text(s), highlight=False, soft_wrap=True)
+        console.print(f"[bold]{result.run_dir}[/]: " + summary_text(s, cfg.comm.cost_model), highlight=False,
+                      soft_wrap=True)
 
 
-def summary_text(s: dict) -> str:
+def summary_text(s: dict, cost_model: str | None = None) -> str:
     """A finished run's figures in one line, from its summary.json. Steps on which the cost gate kept
     regions at FP32 (`StepStats.cost_gated`) are counted, with the reason and the override: under
     `--quiet` attach's warning goes to the log only, and `make demo`'s profile run on loopback read
@@ -133,7 +135,10 @@ def summary_text(s: dict) -> str:
     if "perplexity" in ev:
         parts.append(f"perplexity {ev['perplexity']:.2f}")
     parts.append(f"compression {s['compression_ratio']:.1f}x")
-    if gated := s.get("cost_gated_steps"):
+    if (gated := s.get("cost_gated_steps")) and is_declared(cost_model):  # the user's link: nothing to suggest
+        parts.append(f"cost gate: some regions kept at FP32 on {gated} of {s['steps']} steps (low bits were not "
+                     f"modelled 15% cheaper on the declared {cost_model.strip()})")
+    elif gated:
         parts.append(f"cost gate: some regions kept at FP32 on {gated} of {s['steps']} steps (low bits were not "
                      "modelled 15% cheaper on the link; comm.cost_model=link:100mbit declares a link, "
                      "comm.cost_model=none compresses anyway)")

@@ -97,10 +97,11 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
     if (priced := link_view(inputs.runs)) is not None:  # runs trained for a declared link: priced at it
         link, table, target = priced
         ttas.append(TtaView(name=f"at the declared {link} (modelled)", target_loss=None, table=table, plot=None,
-                            note=f"each step: this machine's median compute + its gradient bytes at {link} "
-                                 f"(nfab.report.linktime); target: {target:.2%} held-out accuracy, FP32's mean over "
-                                 f"its last {TARGET_EVALS} evaluations less {ACCURACY_POINTS:g} point; 'sooner than' = "
-                                 "the base's time to accuracy / this run's; fewer bytes = the base's / this run's"))
+                            note=f"each step: this machine's compute (the fastest half of its steps) + its "
+                                 f"gradient bytes at {link} (nfab.report.linktime); target: {target:.2%} held-out "
+                                 f"accuracy, FP32's mean over its last {TARGET_EVALS} evaluations less "
+                                 f"{ACCURACY_POINTS:g} point; 'sooner than' = the base's time to accuracy / this "
+                                 "run's; fewer bytes = the base's / this run's"))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(
             {c: "Int64" for c in ("world_size", "steps", "fallback_steps", "cost_gated_steps")})  # 4, not 4.0

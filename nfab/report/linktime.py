@@ -4,8 +4,10 @@ Runs trained with a declared link (`comm.cost_model=link:100mbit`, as `nfab demo
 link they are for; `nfab report` then prices every run of the same model at that link, so FP32, bf16 and
 a profile compare as they would on it, whatever this machine's loopback does:
 
-- a step's time is the run's compute, its median measured step time on this machine (loopback: the
-  gradient's own transfer there is negligible; the median, so that a burst of load does not count),
+- a step's time is the run's compute, its measured step time on this machine (loopback: the gradient's
+  own transfer there is negligible) as `nfab.wire.cost.trimmed_time` takes it: the mean of the fastest
+  half without its fastest tenth, step 1's set-up left out. Load only ever makes a step slower, and the
+  median moved the demo's modelled times 15% between two runs on a loaded host;
   plus the step's gradient bytes (each rank's, as `StepStats.wire_bytes` counts them, probes included)
   at the link's bandwidth and one link latency per collective: the cost gate's model of a declared
   link (`nfab.wire.cost.declared`). The bytes are exact; only the compute is measured.
@@ -27,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from nfab.report.artifacts import RunArtifacts
-from nfab.wire.cost import LinkCost, is_declared, parse_link
+from nfab.wire.cost import LinkCost, is_declared, parse_link, trimmed_time
 
 ACCURACY_POINTS = 1.0
 """The target: FP32's smoothed final accuracy less this many points (the demo's quality bar)."""
@@ -47,7 +49,7 @@ class LinkRun:
     steps: int
     wire_bytes: float
     compute_s: float
-    """The median measured step time (steps 2.. when there are more than one)."""
+    """The measured step time, `trimmed_time` of steps 2.. (of all where there is one)."""
     curve: pd.DataFrame
     """One row per evaluation: step (steps done), time_s (modelled), accuracy, loss."""
     total_s: float
@@ -72,7 +74,7 @@ def step_link_s(wire_bytes: pd.Series, collectives: pd.Series | None, link: Link
 def price(name: str, route: str, is_fp32: bool, metrics: pd.DataFrame, link: LinkCost) -> LinkRun:
     """A run's metrics priced at `link` (see the module docstring)."""
     times = metrics["step_time_s"].astype(float) if "step_time_s" in metrics else pd.Series(0.0, index=metrics.index)
-    compute = float(times.iloc[1:].median() if len(times) > 1 else times.median())
+    compute = trimmed_time((times.iloc[1:] if len(times) > 1 else times).tolist())
     collectives = metrics["collectives"] if "collectives" in metrics else None
     clock = (compute + step_link_s(metrics["wire_bytes"], collectives, link)).cumsum()
     evals = metrics["eval_accuracy"].notna() | metrics["eval_loss"].notna()

@@ -126,5 +126,9 @@ def test_a_runs_last_line_names_the_steps_the_cost_gate_kept_at_fp32() -> None:
     line = summary_text(run)
     assert line.startswith("150 steps, 15.1 s, eval loss 0.0593, accuracy 98.05%, compression 1.0x, ")
     assert "cost gate: some regions kept at FP32 on 150 of 150 steps" in line and "comm.cost_model=none" in line
+    # on a declared link (make demo's) the gate priced the user's own link: no override to suggest
+    declared = summary_text({**run, "cost_gated_steps": 140, "compression_ratio": 21.1}, "link:100mbit")
+    assert declared.endswith("cost gate: some regions kept at FP32 on 140 of 150 steps (low bits were not modelled "
+                             "15% cheaper on the declared link:100mbit)")
     assert summary_text({**run, "cost_gated_steps": 0, "compression_ratio": 30.7}) == (
         "150 steps, 15.1 s, eval loss 0.0593, accuracy 98.05%, compression 30.7x")
