@@ -8,7 +8,8 @@ and seed train under each variant on the same W gloo ranks, on an emulated link 
 - `fp32`: plain DDP; it trains its full `steps`, and its smoothed final validation loss sets the target;
 - `bf16`: torch's `bf16_compress_hook` (bf16 DDP, the honest baseline);
 - `powersgd`: torch's `powerSGD_hook`, rank 4, one bucket (several abort on gloo);
-- `nfab-profile`: nfab with the calibrated profile (cost gate on: attach measures the link).
+- `nfab-profile`: nfab with the calibrated profile (cost gate on: by default, on a shaped link, the link
+  declared as a user who knows theirs declares it, `declared_cost_model`; else attach measures it).
 
 The target (`target_loss`): FP32's smoothed final validation loss, the mean of its last
 `target_evals` evaluations, plus `tolerance` (2%: `target_loss`). Why not FP32's exact final
@@ -55,6 +56,7 @@ from nfab.train.config import NFAB_BUCKET_MB, TrainConfig, load_config
 from nfab.train.loop import evaluate
 from nfab.train.setup import BatchStream, build_optimizer, lr_factor
 from nfab.validation import STRICT_DATACLASS, validate_dataclass
+from nfab.wire.cost import is_declared, parse_link
 
 TTA_VARIANTS: tuple[str, ...] = ("fp32", "bf16", "powersgd", "nfab-profile")
 """Variant names in the JSON, in order; `fp32` is always run (it sets the target)."""
@@ -100,7 +102,8 @@ class TtaConfig:
     link: str | None = None
     """A tc rate to shape the ranks' loopback to (`100mbit`), or None (loopback)."""
     cost_model: str = "measure"
-    """nfab's cost model: `measure` (at attach) or `none`."""
+    """nfab's cost model: `measure` (at attach), a declared link (`link:100mbit`, what `nfab bench tta --link
+    100mbit` passes: `declared_cost_model`) or `none`."""
     profile: dict[str, Any] | None = None
     """The profile (JSON dict) for `nfab-profile`; None: `variants.test_profile()`."""
     profile_source: str = "test profile"
@@ -132,7 +135,9 @@ class TtaConfig:
             raise ConfigError(f"max_factor must be >= 1, got {self.max_factor}")
         if self.link is not None:
             object.__setattr__(self, "link", netns.check_rate(self.link))
-        if self.cost_model not in step_mod.COST_MODELS:
+        if is_declared(self.cost_model):
+            parse_link(self.cost_model)  # one line here, not inside a rank
+        elif self.cost_model not in step_mod.COST_MODELS:
             raise ConfigError(f"cost_model must be one of {', '.join(step_mod.COST_MODELS)}, got {self.cost_model!r}")
         for o in self.overrides:  # what a variant, not the recipe, decides: refused rather than ignored
             key = o.split("=", 1)[0].strip()
@@ -216,6 +221,25 @@ def build_trainees(cfg: TtaConfig, tc: TrainConfig, module: torch.nn.Module, spe
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, fp32_steps, tc.schedule))
         out.append(Trainee(name, run, sched))
     return out
+
+
+def declared_cost_model(link: str | None) -> str:
+    """nfab's cost model in `bench tta` by default: the emulated link, declared (`100mbit` -> `link:100mbit`),
+    as a user who knows their link declares it; `measure` without a link (or one a declaration cannot name).
+
+    Why not `measure` under `--link`: `tc tbf` passes its 256 KB burst at loopback speed, so the
+    measurement's small all-reduces are near free and its big ones pay the rate; the line through them
+    has a negative latency and misses its points by 264-973%, the measurement names it implausible, and
+    the gate keeps FP32 on every region and step (seed 0 of the default command, 2026-12-07: nfab
+    1851 ms a step, FP32's 1842, 1331 MB to FP32's 1343)."""
+    if link is None:
+        return "measure"
+    spec = f"link:{link}"
+    try:
+        parse_link(spec)
+    except ConfigError:
+        return "measure"
+    return spec
 
 
 def smoothed_final(curve: list[dict[str, Any]], evals: int = TARGET_EVALS) -> float:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nfab
 from nfab.profile.schema import Profile
+from nfab.wire.cost import is_declared
 
 POWERSGD_BUCKET_MB = 1000.0
 """PowerSGD's single bucket on gloo."""
@@ -64,7 +65,7 @@ def attach_comm(name: str, ddp: DDP, *, total_steps: int, seed: int, cost_model:
     `optimizer`, `head_modules` and `loss_scaler` (an fp16 recipe's) reach nfab's attach (it reads the
     optimizer's family; the hook's gradients carry the scaler's scale).
     """
-    cm = "measure" if cost_model == "measure" else None
+    cm = cost_model if cost_model == "measure" or is_declared(cost_model) else None  # "none": decide by bytes
     nfab_kw: dict[str, Any] = {"total_steps": total_steps, "seed": seed, "cost_model": cm,
                                "optimizer": optimizer, "head_modules": head_modules, "loss_scaler": loss_scaler}
     if name == "floor":

@@ -94,8 +94,9 @@ def register(app: typer.Typer) -> None:
             "--variants", help="Comma-separated subset of: fp32, bf16, powersgd, nfab-profile (fp32 always runs).")
         ] = None,
         world_size: Annotated[int, typer.Option("--world-size", min=1, help="Ranks (W).")] = 2,
-        cost_model: Annotated[str, typer.Option(
-            "--cost-model", help="nfab: measure (at attach) or none (decide by bytes).")] = "measure",
+        cost_model: Annotated[str | None, typer.Option(
+            "--cost-model", help="nfab's cost gate: measure (at attach), link:RATE or none (decide by bytes); "
+                                 "default: the --link declared (link:100mbit), else measure.")] = None,
         seeds: Annotated[str, typer.Option(
             "--seeds", help="Run once per seed (0,1,2 or 0-4), each side by side, and give a verdict over them.")
         ] = DEFAULT_SEEDS,
@@ -128,14 +129,16 @@ def register(app: typer.Typer) -> None:
             if any(o.split("=", 1)[0].strip() == "seed" for o in user):
                 fail("bench tta runs once per --seeds (default 0-2): give --seeds 5, not seed=5")
             cfgs = [tta.TtaConfig(model=model, overrides=(*user, f"seed={s}"), steps=steps, eval_every=eval_every,
-                                  world_size=world_size, link=link, cost_model=cost_model, profile=prof,
+                                  world_size=world_size, link=link,
+                                  cost_model=cost_model or tta.declared_cost_model(link), profile=prof,
                                   profile_source=source, tolerance=tolerance, **kw)
                     for s in seed_list]
         except NfabError as exc:
             fail(str(exc))
         command = shlex.join(["nfab", *sys.argv[1:]])
         console.print(f"nfab bench tta: {', '.join(cfgs[0].variants)}; profile: {source}; "
-                      f"seeds {', '.join(map(str, seed_list))}; target: {tta.target_rule(cfgs[0])}", highlight=False)
+                      f"seeds {', '.join(map(str, seed_list))}; nfab's cost model: {cfgs[0].cost_model}; "
+                      f"target: {tta.target_rule(cfgs[0])}", highlight=False)
         docs = []
         for cfg in cfgs:
             docs.append(tta.report(cfg, tta.run(cfg), command=command))

@@ -58,6 +58,15 @@ def test_target_is_fp32s_smoothed_final_loss_plus_the_tolerance():
         tta.TtaConfig(tolerance=-0.1)
 
 
+def test_on_a_shaped_link_nfab_declares_it_by_default():
+    """`--link 100mbit` gives nfab `link:100mbit` (a tbf link's burst makes the measured line implausible)."""
+    assert tta.declared_cost_model("100mbit") == "link:100mbit" and tta.declared_cost_model(None) == "measure"
+    assert tta.declared_cost_model("10mbps") == "measure"  # a tc rate a declaration cannot name
+    assert tta.TtaConfig(link="100mbit", cost_model="link:100mbit").cost_model == "link:100mbit"
+    with pytest.raises(NfabError, match="bandwidth"):
+        tta.TtaConfig(cost_model="link:fast")
+
+
 def test_verdicts_over_seeds_name_every_variant_against_every_base():
     def doc(fp32: float, bf16: float | None, nfab: float | None) -> dict:
         return {"variants": {"fp32": {"time_to_target_s": fp32}, "bf16": {"time_to_target_s": bf16},
