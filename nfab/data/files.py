@@ -217,7 +217,10 @@ def parquet(*, path: str, split: Split, seed: int, x: list[str] | None = None, y
         parts = None
     else:
         parts = split
-    inputs = x or [c for c in frame.columns if c not in (target, "split") and np.issubdtype(frame[c].dtype, np.number)]
+    from pandas.api.types import is_bool_dtype, is_numeric_dtype
+
+    inputs = x or [c for c in frame.columns
+                   if c not in (target, "split") and is_numeric_dtype(frame[c]) and not is_bool_dtype(frame[c])]
     missing = [c for c in inputs if c not in frame.columns]
     if missing or not inputs:
         raise ConfigError(f"{name}: no input column {missing[0]!r}" if missing else f"{name}: no numeric input column")

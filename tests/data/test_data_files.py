@@ -74,7 +74,7 @@ def test_npz_keys_npy_rows_and_regression_targets(tmp_path: Path) -> None:
 
 def test_parquet_columns_with_a_split_column(tmp_path: Path) -> None:
     frame = pd.DataFrame({"a": np.arange(10.0), "b": np.arange(10.0) * 2, "label": np.arange(10) % 3,
-                          "split": ["train"] * 7 + ["val"] * 3})
+                          "kind": pd.Categorical(list("xy") * 5), "split": ["train"] * 7 + ["val"] * 3})
     frame.to_parquet(tmp_path / "t.parquet")
     train = build_dataset(f"parquet:{tmp_path / 't.parquet'}", split="train", seed=0)
     test = build_dataset(f"parquet:{tmp_path / 't.parquet'}", split="test", seed=0)
