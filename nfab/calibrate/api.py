@@ -162,7 +162,10 @@ def calibrate(model: str | Callable[..., nn.Module] | nn.Module, data: Any, *, l
     """
     overrides: dict[str, Any] = dict(options)
     model_name = _model_name(model)
-    model_options = {k: v for k, v in options.items() if "." not in k}
+    from nfab.config.pairing import model_option_names
+
+    takes = model_option_names(model_name) if callable(optimizer) else ()
+    model_options = {k: v for k, v in options.items() if takes is None or k in takes}  # None: any keyword
     overrides.update(_section(_optimizer(optimizer, model_name, model_options), OptimConfig, "optim"))
     overrides.update(_section(schedule, ScheduleConfig, "schedule"))
     held_out = eval_data is None
