@@ -17,7 +17,8 @@ Each project is what its user would have: a model factory, data (a file kind or 
 | `profile` | `nfab.attach(profile, optimizer=opt, cost_model=None)`: the calibrated profile |
 | `route:R` (`--routes bq2,sign`) | `nfab.attach(route=R, optimizer=opt, cost_model=None)`: a static route |
 
-Every variant starts from the same seed and sees the same batches. The held-out loss is the project's
+Every variant starts from the same seed and sees the same batches (`--seeds 0,1,2`: each seed its own
+calibration and runs). The held-out loss is the project's
 own loss over its whole held-out split (the noise a loss draws is seeded per batch, so variants are
 paired). Bytes are what a rank sends per step on a ring (2(W-1)/W of the payload), nfab's from
 `step_stats()`. The figures and the command that produced them are in docs/calibrate-your-own.md.
@@ -133,7 +134,7 @@ def held_out_loss(model: torch.nn.Module, loss: Any, loader: Any) -> tuple[float
 
 
 def _worker(rank: int, world: int, project: Project, profile: str, steps: int, batch_size: int, port: int,
-            out: str, variants: tuple[str, ...]) -> None:
+            out: str, variants: tuple[str, ...], seed: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -149,7 +150,7 @@ def _worker(rank: int, world: int, project: Project, profile: str, steps: int, b
     schedule = ScheduleConfig()
     rows = []
     for variant in variants:
-        module = build_model(project.model, seed=0, **options).module
+        module = build_model(project.model, seed=seed, **options).module
         model = DDP(module)
         opt = _optimizer(module, project.optimizer)
         runtime = None
@@ -162,11 +163,11 @@ def _worker(rank: int, world: int, project: Project, profile: str, steps: int, b
         elif variant.startswith("route:"):
             runtime = nfab.attach(model, route=variant.removeprefix("route:"), optimizer=opt, total_steps=steps,
                                   cost_model=None)
-        loader = make_loader(train, batch_size=batch_size, rank=rank, world_size=world, seed=0)
+        loader = make_loader(train, batch_size=batch_size, rank=rank, world_size=world, seed=seed)
         sent, epoch, t0 = 0.0, 0, time.perf_counter()
         numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
         batches = iter(loader)
-        torch.manual_seed(1 + rank)  # the loss's own draws (noise levels): the same per variant
+        torch.manual_seed(1 + rank + 1000 * seed)  # the loss's own draws (noise levels): the same per variant
         for step in range(steps):
             try:
                 batch = next(batches)
@@ -203,13 +204,12 @@ def _worker(rank: int, world: int, project: Project, profile: str, steps: int, b
 
 
 def run_project(project: Project, cal_root: Path, steps: int, world: int, batch_size: int,
-                budget: float, routes: tuple[str, ...] = ()) -> dict[str, Any]:
-    out = cal_root / project.name
+                budget: float, routes: tuple[str, ...] = (), seed: int = 0) -> dict[str, Any]:
+    out = cal_root / (project.name if seed == 0 else f"{project.name}-seed{seed}")
     t0 = time.perf_counter()
     result = nfab.calibrate(project.model, project.data, loss=project.loss, optimizer=project.optimizer,
                             world_size=world, steps=steps, batch_size=batch_size, out=out, overwrite=True,
-                            budget=budget,
-                            **project.options)
+                            budget=budget, seed=seed, **project.options)
     calibration_s = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "rows.json"
@@ -220,12 +220,13 @@ def run_project(project: Project, cal_root: Path, steps: int, world: int, batch_
             port = s.getsockname()[1]
         variants = VARIANTS + tuple(f"route:{r}" for r in routes)
         mp.start_processes(_worker, args=(world, project, str(result.profile_path), steps, batch_size, port,
-                                          str(target), variants), nprocs=world, join=True, start_method="spawn")
+                                          str(target), variants, seed), nprocs=world, join=True,
+                           start_method="spawn")
         rows = json.loads(target.read_text())
     by = {r["variant"]: r for r in rows}
     fp32, bf16, acc32, prof = by["fp32"], by["bf16"], by["bf16-acc32"], by["profile"]
     return {
-        "project": project.name, "calibration_s": round(calibration_s, 1),
+        "project": project.name, "seed": seed, "calibration_s": round(calibration_s, 1),
         "validation_passed": result.passed,
         "validation_gap": None if result.validation is None else result.validation.to_evidence()["gap"],
         "fp32_loss": fp32["eval_loss"], "bf16_loss": bf16["eval_loss"], "profile_loss": prof["eval_loss"],
@@ -250,6 +251,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--calibrations", default="bench/calibrations/projects")
     parser.add_argument("--budget", type=float, default=3.0, help="nfab calibrate --budget (reference runs)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (model init, data order, calibration)")
     parser.add_argument("--routes", default="", help="static routes to run beside the profile (bq2,sign)")
     parser.add_argument("--json", default=None, help="write the rows here too")
     args = parser.parse_args()
@@ -258,11 +260,11 @@ def main() -> None:
         todo = projects(Path(data_dir))
         names = [n for n in args.projects.split(",") if n] or list(todo)
         rows = []
-        for name in names:
+        for name, seed in [(n, int(s)) for n in names for s in args.seeds.split(",")]:
             row = run_project(todo[name], Path(args.calibrations), args.steps, args.world_size, args.batch_size,
-                              args.budget, tuple(r for r in args.routes.split(",") if r))
+                              args.budget, tuple(r for r in args.routes.split(",") if r), seed)
             rows.append(row)
-            print(f"{name:18} cal {row['calibration_s']:6.1f} s  validation {row['validation_passed']}  "
+            print(f"{name:18} seed {seed} cal {row['calibration_s']:6.1f} s  validation {row['validation_passed']}  "
                   f"fp32 {row['fp32_loss']:.4f}  bf16 {row['bf16_loss']:.4f} ({row['bf16_gap_vs_fp32']:+.2%})  "
                   f"profile {row['profile_loss']:.4f} ({row['gap_vs_fp32']:+.2%})  "
                   f"{row['x_fewer_than_fp32']:.1f}x < fp32, {row['x_fewer_than_bf16']:.1f}x < bf16  "
