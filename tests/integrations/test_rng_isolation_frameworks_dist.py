@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from nfab.distributed import run_ranks
+from tests.runtime.test_rng_isolation_dist import same, seed_everything
 
 STEPS = 4
 
@@ -36,19 +37,6 @@ def streams() -> tuple[Any, ...]:
     """Every global CPU random stream a user's loop draws from, as comparable values."""
     np_state = np.random.get_state()
     return (torch.get_rng_state(), np_state[0], np_state[1].copy(), *np_state[2:], random.getstate())
-
-
-def same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else bool(np.array_equal(x, y)) if isinstance(x, np.ndarray)
-        else x == y for x, y in zip(a, b, strict=True))
-
-
-def seed_everything(rank: int) -> None:
-    """Different, known states per rank, as a user's script would leave them."""
-    torch.manual_seed(100 + rank)
-    np.random.seed(200 + rank)
-    random.seed(300 + rank)
 
 
 def moved_spans(points: list[tuple[str, tuple[Any, ...]]], spans: list[tuple[str, str]]) -> list[str]:

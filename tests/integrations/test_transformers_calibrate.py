@@ -4,8 +4,6 @@ source (no hub, no downloads); short settings: these check the hand-over, not th
 
 from __future__ import annotations
 
-import inspect
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,28 +13,13 @@ import torch
 pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
+from bench.projects.hf_gpt2 import ByteWindows as _ByteWindows  # noqa: E402  (a user project's data)
 from nfab.distributed import run_ranks  # noqa: E402
 from nfab.errors import UserCodeError  # noqa: E402
 from nfab.integrations import transformers as nfab_transformers  # noqa: E402
 from nfab.profile.schema import Profile  # noqa: E402
 
 TRAIN_STEPS = 3
-
-
-class _ByteWindows(torch.utils.data.Dataset):
-    """32-byte windows of json's source, as dicts of `input_ids` and `labels` (GPT-2 shifts them itself)."""
-
-    def __init__(self, split: str, block: int = 32) -> None:
-        data = torch.tensor(list(inspect.getsource(json).encode()), dtype=torch.long)
-        cut = int(0.9 * len(data))
-        self.data, self.block = (data[:cut] if split == "train" else data[cut:]), block
-
-    def __len__(self) -> int:
-        return (len(self.data) - 1) // self.block
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = self.data[i * self.block:(i + 1) * self.block]
-        return {"input_ids": ids, "labels": ids}
 
 
 def _tiny_gpt2() -> GPT2LMHeadModel:
