@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from nfab.data.spec import DataSpec, SpecDataset, Split
-from nfab.data.text import num_windows
+from nfab.data.text import ByteWindows, num_windows
 from nfab.errors import ConfigError
 
 TEST_FRACTION = 0.1
@@ -26,21 +26,11 @@ TEST_FRACTION = 0.1
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32, "int64": np.int64}
 
 
-class TokenWindows(SpecDataset):
-    """(x, y) int64 windows of `block_size` token ids at offsets 0, stride, 2*stride, ... of a memory map."""
+class TokenWindows(ByteWindows):
+    """`ByteWindows` over a memory map of token ids: (x, y) int64 windows of `block_size` ids."""
 
-    def __init__(self, tokens: np.ndarray, *, block_size: int, stride: int, spec: DataSpec) -> None:
-        self.tokens, self.block_size, self.stride, self.spec = tokens, block_size, stride, spec
-
-    def __len__(self) -> int:
-        return num_windows(len(self.tokens), self.block_size, self.stride)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        start = index * self.stride
-        chunk = torch.from_numpy(self.tokens[start:start + self.block_size + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
+    def ids(self, start: int, end: int) -> torch.Tensor:
+        return torch.from_numpy(self.data[start:end].astype(np.int64))
 
 
 def _token_files(path: Path) -> tuple[Path, Path | None, Path | None]:
@@ -101,7 +91,7 @@ def tokens(*, path: str, split: Split, seed: int, block_size: int = 64, stride: 
     spec = DataSpec(name=f"tokens:{path}", split=split, task="lm", input_shape=(block_size,), num_samples=n,
                     vocab_size=vocab, options={"seed": seed, "block_size": block_size, "stride": stride,
                                                "dtype": dtype, "vocab_size": vocab})
-    return TokenWindows(part, block_size=block_size, stride=stride, spec=spec)
+    return TokenWindows(part, block_size=block_size, stride=stride, spec=spec)  # type: ignore[arg-type]
 
 
 class ArrayRows(SpecDataset):

@@ -41,8 +41,12 @@ class ByteWindows(SpecDataset):
         if not 0 <= index < len(self):
             raise IndexError(index)
         start = index * self.stride
-        chunk = self.data[start : start + self.block_size + 1].long()
+        chunk = self.ids(start, start + self.block_size + 1)
         return chunk[:-1], chunk[1:]
+
+    def ids(self, start: int, end: int) -> torch.Tensor:
+        """Symbols `start:end` as int64 (a subclass reads them from another store)."""
+        return self.data[start:end].long()
 
 
 def num_windows(n_bytes: int, block_size: int, stride: int) -> int:
