@@ -38,20 +38,27 @@ TARGET_NAMES = ("targets", "target", "labels", "label", "y")
 """A `forward` whose second parameter has one of these names is given the batch's target."""
 
 
+def _named(output: Any, name: str) -> torch.Tensor | None:
+    """`output.name` (a ModelOutput, also a Mapping whose key may be unset) or `output[name]`, if a tensor."""
+    found = getattr(output, name, None)
+    if not isinstance(found, torch.Tensor) and isinstance(output, Mapping):
+        found = output.get(name)
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    return [t for t in output if isinstance(t, torch.Tensor)] if isinstance(output, tuple | list) else []
+
+
 def carried_loss(output: Any) -> torch.Tensor | None:
     """The loss a model's output carries (see the module's table), or None."""
     if isinstance(output, torch.Tensor):
         return output if output.dim() == 0 else None
-    loss = getattr(output, "loss", None)  # a ModelOutput (also a Mapping, whose "loss" key may be unset)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, Mapping):
-        loss = output.get("loss")
-        return loss if isinstance(loss, torch.Tensor) else None
-    if isinstance(output, tuple | list):
-        scalars = [t for t in output if isinstance(t, torch.Tensor) and t.dim() == 0]
-        return scalars[0] if len(scalars) == 1 else None
-    return None
+    named = _named(output, "loss")
+    if named is not None:
+        return named
+    scalars = [t for t in _tensors(output) if t.dim() == 0]
+    return scalars[0] if len(scalars) == 1 else None
 
 
 def logits_of(output: Any) -> torch.Tensor | None:
@@ -59,15 +66,8 @@ def logits_of(output: Any) -> torch.Tensor | None:
     first tensor of more than zero dimensions in a tuple."""
     if isinstance(output, torch.Tensor):
         return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(output, Mapping):
-        logits = output.get("logits")
-        return logits if isinstance(logits, torch.Tensor) else None
-    if isinstance(output, tuple | list):
-        return next((t for t in output if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-    return None
+    named = _named(output, "logits")
+    return named if named is not None else next((t for t in _tensors(output) if t.dim() > 0), None)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
