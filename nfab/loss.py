@@ -82,19 +82,21 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _takes_target(forward: Callable[..., Any]) -> bool:
+    """Whether an unbound `forward(self, x, target, ...)` names its third positional parameter for the
+    target (cached per class's function: a bound method would keep its model alive in the cache)."""
     try:
         params = [p for p in inspect.signature(forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return False
-    return len(params) >= 2 and params[1].name in TARGET_NAMES
+    return len(params) >= 3 and params[2].name in TARGET_NAMES
 
 
 def takes_target(model: nn.Module) -> bool:
     """Whether `model.forward` names a second parameter for the target (nanoGPT's `forward(idx, targets)`)."""
     inner = getattr(model, "module", model)  # DDP's forward takes *inputs: its module's says what it wants
     inner = inner if isinstance(inner, nn.Module) else model
-    return _takes_target(type(inner).forward.__get__(inner)) if hasattr(type(inner), "forward") else False
+    return _takes_target(type(inner).forward) if hasattr(type(inner), "forward") else False
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
