@@ -139,10 +139,9 @@ def _worker(rank: int, world: int, project: Project, profile: str, steps: int, b
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     options = dict(project.options)
-    train = build_dataset(project.data, split="train", seed=0, **({"block_size": options["block_size"]}
-                                                                   if "block_size" in options else {}))
-    test = build_dataset(project.data, split="test", seed=0, **({"block_size": options["block_size"]}
-                                                                 if "block_size" in options else {}))
+    window = {k: v for k, v in options.items() if k == "block_size"}  # the data's option too
+    train = build_dataset(project.data, split="train", seed=0, **window)
+    test = build_dataset(project.data, split="test", seed=0, **window)
     if project.data.startswith("tokens:"):
         options["vocab_size"] = train.spec.vocab_size
     loss = resolve_loss(project.loss)
