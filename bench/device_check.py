@@ -6,20 +6,16 @@ results as JSON under `--out` (default `$OUT`, else runs/device-check) and a one
 
 1. cuda_tests: `pytest -m cuda` (tests/runtime/test_cuda.py: every hook body and callback
    under `torch.cuda.set_sync_debug_mode("error")`, a host sync raises);
-2. wire: `nfab bench wire --device cuda --impl torch`, then `--impl compiled` for the hook's
-   routes at W=2 (encode + decode GB/s and the ratio to the device's own copy bandwidth), and on
-   CPU the numba host path beside the torch path;
+2. wire: `nfab bench wire --device cuda --impl torch` (encode + decode GB/s and the ratio to the
+   device's own copy bandwidth), and on CPU the numba host path beside the torch path;
 3. ranks: a 2-rank run on the one device (gloo with CUDA tensors): DDP under nfab's hook on
    mixed lossy routes, replicas bit-identical, the fp32 route equal to plain DDP; and FSDP2
    (`fully_shard` per block and on the root): the fp32 route equal to plain FSDP2, a lossy
    mix finite;
 4. hook: a ~100M-parameter GPT (`gpt` size 125m) at W=2 on the one device: step ms of plain
-   DDP and of nfab's hook side by side, on the default path and on the compiled torch path
-   (`VARIANTS`), and the hook's own ms per step. Through gloo, whose CUDA collectives copy
-   through the host: the ratios to plain DDP measure that, not NCCL;
-5. compiled_tests: tests/wire/test_compiled.py on CUDA (the Triton-compiled codec stages against
-   the eager CUDA path, bit for bit; the hook's routes, `COMPILED_TESTS`), last, with the time
-   left; skipped without CUDA.
+   DDP and of nfab's hook side by side (`VARIANTS`), and the hook's own ms per step. Through
+   gloo, whose CUDA collectives copy through the host: the ratios to plain DDP measure that,
+   not NCCL.
 
 With no CUDA the same script runs on CPU in quick mode (small sizes), says "no CUDA: ran on
 cpu" and finishes in well under 300 s: that is how it is kept working between lendings
@@ -42,20 +38,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("plain", "nfab", "nfab-compiled")
+VARIANTS = ("plain", "nfab")
 """The hook step's DDP variants: no hook; nfab's hook on the default path (CUDA: eager torch ops;
-CPU: the numba kernels); nfab's hook with the torch path's stages compiled. Each nfab variant runs
-interleaved step by step with plain DDP, in its own 2-rank run (`step_hook`)."""
+CPU: the numba kernels), run interleaved step by step with plain DDP in one 2-rank run (`step_hook`)."""
 MIXED = {"linear": "bq3", "embedding": "bq3", "head": "sign", "norm": "bf16", "bias": "q8"}
 WIRE_REDUCERS = ("allreduce-bf16,signgather,signcount,signscatter,qsum-q8,qsum-q4,blockq-bq3,blockq-bq2,"
                  "blockqscatter-bq3")
-WIRE_COMPILED = ("signcount,qsum-q8,blockq-bq3", "2")
-"""The compiled wire rows on a GPU: the hook's routes at W=2. All nine reducers at W=2 and 4 are about
-60 graphs (bq2's of over 600 operations), past the step's share of its limit on a cold cache."""
-COMPILED_TESTS = "not test_compiled_stages_are_the_eager or ((bq3-2 or sign or qsum-q8) and not 256)"
-"""`pytest -k` for the compiled tests on a GPU: the per-route compiled tests of the hook's routes and
-every other test (about 200 graphs in all at W=2, 1-2 s each to compile cold)."""
-LIMITS_S = {"cuda_tests": 180, "wire": 120, "ranks": 50, "hook": 150, "compiled_tests": 240}
+LIMITS_S = {"cuda_tests": 180, "wire": 120, "ranks": 50, "hook": 150}
 """Per step, on a GPU, each also capped by what is left of `TOTAL_S` (CPU quick mode: far less)."""
 TOTAL_S = 540.0
 """The whole check: under the device runner's 600 s per command, with room for make, the install and
@@ -100,30 +89,15 @@ def step_cuda_tests(out: Path, cuda: bool, quick: bool) -> dict:
     return {"ok": ok, "rc": rc, "result": last[0], "tail": tail}
 
 
-def step_compiled_tests(out: Path, cuda: bool, quick: bool) -> dict:
-    """tests/wire/test_compiled.py on CUDA: the Triton-compiled stages against the eager CUDA path bit
-    for bit (contraction and approximate division switched off: `nfab/wire/fusion.py`). Skipped
-    without CUDA: the C++ builds take minutes on a cold CPU box (run them with NFAB_COMPILE_TESTS=1)."""
-    if not cuda:
-        return {"ok": True, "skipped": True, "result": "skipped: no CUDA (the C++ builds take minutes)"}
-    env = {**os.environ, "NFAB_COMPILE_TESTS": "1", "NFAB_COMPILE_TESTS_DEVICE": "cuda",
-           "NFAB_COMPILE_TESTS_WORLD_SIZES": "2"}  # W=2 only, and the hook's routes (`COMPILED_TESTS`)
-    rc, tail = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", COMPILED_TESTS,
-                     "tests/wire/test_compiled.py"], _limit("compiled_tests"), env)
-    last = [ln for ln in tail.splitlines() if ln.strip()][-1:] or [""]
-    return {"ok": rc == 0, "rc": rc, "result": last[0], "tail": tail}
-
-
 def step_wire(out: Path, cuda: bool, quick: bool) -> dict:
     numel = 1 << (18 if quick else 24)
     runs = {}
-    impls = ["torch", "compiled"] if cuda else ["host", "torch"]
+    impls = ["torch"] if cuda else ["host", "torch"]
     for impl in impls:
         path = out / f"wire_{impl}.json"
-        reducers, worlds = WIRE_COMPILED if impl == "compiled" else (WIRE_REDUCERS, "2,4")
         rc, tail = _run([sys.executable, "-m", "nfab", "bench", "wire", "--device", "cuda" if cuda else "cpu",
-                         "--impl", impl, "--numel", str(numel), "--world-sizes", worlds, "--reducers", reducers,
-                         "--json", str(path)], _limit("wire", 0.65 if impl == "compiled" else 0.35))
+                         "--impl", impl, "--numel", str(numel), "--world-sizes", "2,4", "--reducers", WIRE_REDUCERS,
+                         "--json", str(path)], _limit("wire", 1.0 / len(impls)))
         rows = json.loads(path.read_text()) if rc == 0 and path.exists() else []
         runs[impl] = {"rc": rc, "rows": [{k: r[k] for k in ("reducer", "world_size", "encode_decode_gbps",
                                                            "copy_gbps", "ratio_to_copy")} for r in rows],
@@ -230,7 +204,6 @@ def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool, names: t
 
     import nfab
     from nfab.models.registry import build_model
-    from nfab.wire import dispatch, fusion
 
     dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     size, batch, seq = ("nano", 4, 64) if quick else ("125m", 4, 512)
@@ -245,7 +218,7 @@ def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool, names: t
     g = torch.Generator().manual_seed(rank)
     times: dict[str, list[float]] = {k: [] for k in variants}
     hook_ms: dict[str, list[float]] = {k: [] for k in variants if k != "plain"}
-    steps, warmup = (4, 1) if quick else (8, 2)  # the warm-up steps compile the compiled variant's stages
+    steps, warmup = (4, 1) if quick else (8, 2)
 
     def sync() -> None:
         if use_cuda:
@@ -254,16 +227,14 @@ def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool, names: t
     for step in range(steps):
         idx = torch.randint(0, variants["plain"][3].vocab_size, (batch, seq + 1), generator=g).to(dev)
         for name, (ddp, opt, rt, _) in variants.items():
-            compiled = name == "nfab-compiled"
-            with dispatch.host_paths(not compiled), dispatch.compile_paths(compiled):
-                sync()
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                logits = ddp(idx[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
-                loss.backward()
-                opt.step()
-                sync()
+            sync()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            logits = ddp(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            sync()
             if step >= warmup:
                 times[name].append(1e3 * (time.perf_counter() - t0))
                 if rt is not None and rt.step_stats() is not None:
@@ -271,44 +242,25 @@ def _hook_main(rank: int, world_size: int, use_cuda: bool, quick: bool, names: t
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"params": params, "size": size, "step_ms": med,
             "hook_ms": {k: statistics.median(v) if v else None for k, v in hook_ms.items()},
-            "overhead": {k: med[k] / med["plain"] - 1 for k in hook_ms}, "compile_failed": fusion.failed()}
+            "overhead": {k: med[k] / med["plain"] - 1 for k in hook_ms}}
 
 
 def step_hook(out: Path, cuda: bool, quick: bool) -> dict:
-    """Each nfab variant in its own 2-rank run beside plain DDP (`VARIANTS`), so that a compile that
-    overruns its share of the step's limit loses its own numbers only."""
+    """nfab's hook in a 2-rank run beside plain DDP (`VARIANTS`)."""
     from nfab.distributed import run_ranks
 
-    variants, errors, skipped, model = {}, {}, {}, ""
-    for name, share in ((VARIANTS[1], 0.4), (VARIANTS[2], 0.6)):
-        if name == VARIANTS[2] and (why := _compile_unsupported()):
-            skipped[name] = why
-            continue
-        try:
-            res = run_ranks(_hook_main, 2, cuda, quick, (VARIANTS[0], name), timeout_s=_limit("hook", share))
-        except Exception as e:  # noqa: BLE001 - recorded; the other variant's numbers stand
-            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            continue
-        r = res[0]
-        model = f"gpt {r['size']} ({r['params'] / 1e6:.1f}M parameters)"
-        variants[name] = {"plain_ms_per_step": r["step_ms"][VARIANTS[0]], "ms_per_step": r["step_ms"][name],
-                          "overhead_vs_plain": r["overhead"][name], "hook_ms_per_step": r["hook_ms"][name],
-                          "compile_failed": r["compile_failed"], "ranks": res}
-    errors.update({k: "a stage did not compile" for k, v in variants.items() if v["compile_failed"]})
-    return {"ok": not errors, "error": "; ".join(f"{k}: {v}" for k, v in errors.items()), "model": model,
-            "world_size": 2, "routes": MIXED, "variants": variants, "skipped_variants": skipped}
+    name = VARIANTS[1]
+    res = run_ranks(_hook_main, 2, cuda, quick, VARIANTS, timeout_s=_limit("hook"))
+    r = res[0]
+    model = f"gpt {r['size']} ({r['params'] / 1e6:.1f}M parameters)"
+    variants = {name: {"plain_ms_per_step": r["step_ms"][VARIANTS[0]], "ms_per_step": r["step_ms"][name],
+                       "overhead_vs_plain": r["overhead"][name], "hook_ms_per_step": r["hook_ms"][name],
+                       "ranks": res}}
+    return {"ok": True, "model": model, "world_size": 2, "routes": MIXED, "variants": variants}
 
 
-def _compile_unsupported() -> str | None:
-    """`fusion.unsupported()`, imported when the step runs. Any other compile failure fails the step."""
-    from nfab.wire import fusion
-
-    return fusion.unsupported()
-
-
-STEPS = {"cuda_tests": step_cuda_tests, "wire": step_wire, "ranks": step_ranks, "hook": step_hook,
-         "compiled_tests": step_compiled_tests}
-"""In the order they run: the compiled tests last, with what is left of `TOTAL_S`."""
+STEPS = {"cuda_tests": step_cuda_tests, "wire": step_wire, "ranks": step_ranks, "hook": step_hook}
+"""In the order they run."""
 
 
 def _summary(env: dict, results: dict, total_s: float) -> str:
@@ -320,9 +272,6 @@ def _summary(env: dict, results: dict, total_s: float) -> str:
     ct = results.get("cuda_tests", {})
     if ct.get("result"):
         lines.append(f"  pytest -m cuda: {ct['result']}")
-    cc = results.get("compiled_tests", {})
-    if cc.get("result"):
-        lines.append(f"  compiled stages vs eager, bit for bit: {cc['result']}")
     for impl, run in results.get("wire", {}).get("runs", {}).items():
         worst = min((row["ratio_to_copy"] for row in run["rows"] if row["ratio_to_copy"]), default=None)
         cells = ", ".join(f"{row['reducer']}@{row['world_size']} {row['ratio_to_copy']:.2f}x"
@@ -347,8 +296,6 @@ def _summary(env: dict, results: dict, total_s: float) -> str:
             lines.append(f"    {name}: {v['ms_per_step']:.1f} ms/step against {v['plain_ms_per_step']:.1f} "
                          f"({100 * v['overhead_vs_plain']:+.1f}%), hook "
                          + (f"{ms:.1f} ms/step" if ms is not None else "not timed"))
-    for name, why in hk.get("skipped_variants", {}).items():
-        lines.append(f"    {name}: skipped: {why}")
     lines.append(f"total {total_s:.0f} s")
     return "\n".join(ln for ln in lines if ln is not None)
 

@@ -2,10 +2,9 @@
 
 Why: on a GPU every kernel is a launch (microseconds of host time) and a pass over the bucket,
 so "a few kernels per bucket, whatever its parameters" is what makes the hook cheap there; the
-CPU's timings cannot show it. The count is exact and needs no GPU and no compiler: the stages
-run as plain torch ops (`fusion.stages_compiled(False)`), each stage call counts one (one
-compiled graph: on CUDA one to a few Triton kernels) and every op outside the stages that
-computes or copies counts one (views and allocations do not).
+CPU's timings cannot show it. The count is exact and needs no GPU: the torch path (what CUDA
+takes) runs on the CPU, and every op that computes or copies counts one (views and allocations
+do not).
 
 `bucket_lengths` makes the buckets: one segment, or many small parameters with tails (norms,
 biases) between larger ones, as a transformer layer or a CNN's BatchNorm parameters fill a bucket.
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nfab.wire import dispatch, fusion
+from nfab.wire import dispatch
 from nfab.wire.registry import Reducer
 
 NO_LAUNCH = frozenset({
@@ -33,33 +32,23 @@ NO_LAUNCH = frozenset({
 
 @dataclass
 class Launches:
-    """Stage calls and the other ops that launch work, by name."""
+    """The ops that launch work, by name."""
 
-    stages: int = 0
     ops: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def total(self) -> int:
-        return self.stages + sum(self.ops.values())
+        return sum(self.ops.values())
 
 
-class _Counter(TorchDispatchMode, fusion.StageWatcher):
+class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.launches = Launches()
-        self.depth = 0
-
-    def enter(self) -> None:
-        if not self.depth:
-            self.launches.stages += 1
-        self.depth += 1
-
-    def exit(self) -> None:
-        self.depth -= 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not self.depth and name not in NO_LAUNCH:
+        if name not in NO_LAUNCH:
             self.launches.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -73,16 +62,15 @@ def bucket_lengths(segments: int, seed: int = 0) -> list[int]:
     return [rng.choice([rng.randint(1, 200), 64 * rng.randint(1, 40) + rng.randint(0, 63)]) for _ in range(segments)]
 
 
-def count_launches(red: Reducer, lengths: Sequence[int], world_size: int, compiled: bool = True,
+def count_launches(red: Reducer, lengths: Sequence[int], world_size: int,
                    device: torch.device | str = "cpu") -> Launches:
     """The launches of one rank's codec work on a bucket of `lengths` (scale, encode, owner step of the
-    two-phase reducers, decode into the bucket), on the torch path: with its stages (`compiled`, what
-    `NFAB_COMPILE=1` runs) or eager (CUDA's default today); in steady state, after one untimed round
-    (a bucket layout's index tables are made once)."""
+    two-phase reducers, decode into the bucket), on the torch path (what CUDA takes); in steady state,
+    after one untimed round (a bucket layout's index tables are made once)."""
     lengths = list(lengths)
     n = sum(lengths)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
-    with dispatch.host_paths(False), dispatch.compile_paths(compiled), fusion.stages_compiled(False):
+    with dispatch.host_paths(False):
         shared = red.local_scale(x, lengths) if red.needs_shared_scale else None
         enc = red.encode(x, lengths, world_size, shared, torch.Generator(device=x.device).manual_seed(1))
         payloads = [enc.payload] * world_size
@@ -93,7 +81,7 @@ def count_launches(red: Reducer, lengths: Sequence[int], world_size: int, compil
             red.owner_step(share, world_size)
         red.decode(reduced, scale, n, lengths, world_size, out=out)  # warm: per-layout tables are made once
         counter = _Counter()
-        with counter, fusion.watching(counter):
+        with counter:
             if red.needs_shared_scale:
                 red.local_scale(x, lengths)
             red.encode(x, lengths, world_size, shared, torch.Generator(device=x.device).manual_seed(2))

@@ -14,9 +14,7 @@ are timed alternately (best of 15 each), so both see the same moments of the mac
 
 `impl` chooses the codec path: "host" (the compiled CPU kernels, what CPU tensors take),
 "torch" (the torch reference every other device takes, run here with
-`dispatch.host_paths(False)`), "compiled" (the torch path with its fused chains compiled by
-`torch.compile`, as under `NFAB_COMPILE=1`: `first_call_s` then includes the compile), or
-"auto" (whatever the device takes). On CUDA the times are
+`dispatch.host_paths(False)`), or "auto" (whatever the device takes). On CUDA the times are
 wall seconds around a device synchronisation, and the copy is the device's own copy
 bandwidth: the ratio is the codec's speed against what the device can move.
 """
@@ -59,7 +57,7 @@ class WireRow:
     numel: int
     device: str = "cpu"
     impl: str = "host"
-    """"host" (compiled CPU kernels), "torch" (the path CUDA and every other device take) or "compiled" (it fused)."""
+    """"host" (compiled CPU kernels) or "torch" (the path CUDA and every other device take)."""
 
 
 def _best_pair(copy: Callable[[], object], run: Callable[[], object], reps: int,
@@ -79,7 +77,7 @@ def _best_pair(copy: Callable[[], object], run: Callable[[], object], reps: int,
     return best_copy, best_run
 
 
-IMPLS = ("auto", "host", "torch", "compiled")
+IMPLS = ("auto", "host", "torch")
 
 
 def _clock(device: torch.device) -> Callable[[], float]:
@@ -146,7 +144,7 @@ def bench_wire(numel: int = 1 << 22, reps: int = 15, seed: int = 0,
                 ok, text = _capacity_text(red, w)
                 ed_gbps = first = None
                 if ok:
-                    with dispatch.host_paths(impl == "host"), dispatch.compile_paths(impl == "compiled"):
+                    with dispatch.host_paths(impl == "host"):
                         run = codec_work(red, x, w)
                         t0 = clock()
                         run()

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
                                "ones with tails between larger ones).")] = "1,62",
     ) -> None:
         """Launches of one rank's codec work per bucket (scale, encode, owner step, decode) on the torch
-        path, compiled stages (each call one graph) and eager: exact counts, no GPU needed."""
+        path (what CUDA takes): exact counts, no GPU needed."""
         from nfab.bench.launches import bucket_lengths, count_launches
         from nfab.cli.bench_wire import _world_sizes
         from nfab.errors import ConfigError
@@ -51,20 +51,15 @@ def register(app: typer.Typer) -> None:
                     continue
                 for k in counts:
                     lengths = bucket_lengths(k)
-                    staged, eager = (count_launches(red, lengths, w, compiled=c) for c in (True, False))
                     rows.append({"reducer": key, "world_size": w, "segments": k, "numel": sum(lengths),
-                                 "compiled_stages": staged.stages, "compiled_ops": sum(staged.ops.values()),
-                                 "compiled_launches": staged.total, "eager_launches": eager.total})
+                                 "launches": count_launches(red, lengths, w).total})
         table = Table(title="nfab bench launches  (one rank's codec work per bucket, torch path)")
-        for name in ("reducer", "W", "segments", "compiled: stages + ops", "eager ops"):
+        for name in ("reducer", "W", "segments", "launches"):
             table.add_column(name, justify="left" if name == "reducer" else "right")
         for r in rows:
-            table.add_row(r["reducer"], str(r["world_size"]), str(r["segments"]),
-                          f"{r['compiled_stages']} + {r['compiled_ops']} = {r['compiled_launches']}",
-                          str(r["eager_launches"]))
+            table.add_row(r["reducer"], str(r["world_size"]), str(r["segments"]), str(r["launches"]))
         console.print(table)
-        console.print("compiled: each stage one torch.compile graph (on CUDA one to a few Triton kernels) plus the "
-                      "ops around them (NFAB_COMPILE=1); eager: every op a kernel (CUDA's default)")
+        console.print("launches: every op that computes or copies, one kernel each on a GPU")
         if json_path is not None:
-            atomic_write_json(json_path, {"schema": "nfab.bench.launches", "version": 1, "rows": rows})
+            atomic_write_json(json_path, {"schema": "nfab.bench.launches", "version": 2, "rows": rows})
             console.print(f"wrote {json_path}")

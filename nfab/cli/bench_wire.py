@@ -22,9 +22,9 @@ def register(app: typer.Typer) -> None:
             "--reducers", help="Comma-separated reducer keys to time (default: every reducer).")] = None,
         device: Annotated[str, typer.Option("--device", help="Where the codecs run: cpu, cuda, cuda:1, ...")] = "cpu",
         impl: Annotated[str, typer.Option(
-            "--impl", help="auto (what the device takes), host (compiled CPU kernels), torch (the path CUDA "
-                           "takes, run on this device) or compiled (that path with torch.compile); several "
-                           "comma-separated (torch,compiled,host) run side by side, reducer by reducer.")] = "auto",
+            "--impl", help="auto (what the device takes), host (compiled CPU kernels) or torch (the path CUDA "
+                           "takes, run on this device); both comma-separated (torch,host) run side by side, "
+                           "reducer by reducer.")] = "auto",
         world_sizes: Annotated[str, typer.Option(
             "--world-sizes", help="Comma-separated world sizes to time.")] = "2,4,8,16",
     ) -> None:

@@ -5,14 +5,13 @@ family, each holding its torch reference (any device) beside its compiled CPU ke
 
 - `lowp.py`: fp32 / bf16 / fp16 all-reduce (torch only);
 - `sign/`: `codec.py` (reference), `reducers.py`, `scatter.py`, `host.py` (tensors to
-  kernels), `bit_kernels.py`, `vote_kernels.py`, `trit_kernels.py`, `fused.py` (torch.compile);
+  kernels), `bit_kernels.py`, `vote_kernels.py`, `trit_kernels.py`;
 - `qsum/`: `lanes.py` (reference lane packing), `reducer.py`, `host.py`,
-  `level_kernels.py`, `lane_kernels.py`, `fused.py` (torch.compile; traced lane packing);
+  `level_kernels.py`, `lane_kernels.py`, `chunk_kernels.py`;
 - `blockq/`: `reducer.py` (reference and its compiled dispatch), `scatter.py`, `radix.py`,
-  `grid.py` (block views), `replay.py`, `kernels.py`, `fused.py` (torch.compile).
+  `grid.py` (block views), `replay.py`, `table.py` (the scale table), `kernels.py`.
 
-Shared by all: `dispatch.py` (the one choice of implementation per device), `fusion.py` (the
-torch.compile'd stages' switch, compiler settings and hash), `segments.py`
+Shared by all: `dispatch.py` (the one choice of implementation per device), `segments.py`
 and `host_slices.py` (per-segment helpers, torch and compiled), `shared_kernels.py` (numba
 intrinsics: cache directory, prefetch, noise hash), `noise.py`, `slices.py`, `routes.py`,
 `contract.py` (the Reducer contract), `registry.py` (route -> reducers), `cost.py`, and

@@ -12,11 +12,6 @@ fewer passes (each codec's `host.py` adapts tensors to its `*kernels.py`). The c
 - `host_paths(False)`, or `NFAB_HOST_KERNELS=0` in the environment before nfab is imported,
   sends CPU tensors down the device path too: a CPU machine runs, and tests hold bit for bit,
   the code CUDA takes (tests/runtime/test_host_reads_dist.py checks it reads nothing back).
-- `compile_paths(True)`, or `NFAB_COMPILE=1`: the torch path runs the lossy codecs' stages
-  compiled by `torch.compile` (`wire/fusion.py`, each codec's `fused.py`; the same bits, eager
-  after any compile error). Off by default on every device: on CPU the host kernels are faster
-  (docs/gpu.md), and on CUDA no GPU run has yet measured it against eager (`make device-check`
-  times both); compiling costs seconds per lane layout.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ AVAILABLE = NUMBA and sys.byteorder == "little"
 """Whether the compiled CPU kernels can run on this machine (tests switch it off to run the reference)."""
 
 _host = os.environ.get("NFAB_HOST_KERNELS", "1") != "0"
-_compile = os.environ.get("NFAB_COMPILE", "0") == "1"
 
 
 def on_host(*tensors: torch.Tensor) -> bool:
@@ -76,22 +70,6 @@ def host_paths(enabled: bool) -> Iterator[None]:
         _host = was
 
 
-def compile_enabled() -> bool:
-    """Whether the torch path runs its fused chains compiled (`NFAB_COMPILE=1`, `compile_paths`)."""
-    return _compile
-
-
-@contextmanager
-def compile_paths(enabled: bool) -> Iterator[None]:
-    """Let the torch path run its compiled chains (True) or eager torch ops (False), process-wide."""
-    global _compile
-    was, _compile = _compile, enabled
-    try:
-        yield
-    finally:
-        _compile = was
-
-
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether the compiled CPU path may run on these tensors (on the host, contiguous)."""
     if not (AVAILABLE and on_host(*tensors)):
@@ -103,8 +81,6 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 
 def implementation(*tensors: torch.Tensor) -> str:
-    """"host" (the compiled kernels), "torch" (the reference) or "compiled" (the reference with
-    its fused chains compiled): what these tensors take, for reports and benchmarks."""
-    if supports(*tensors):
-        return "host"
-    return "compiled" if _compile else "torch"
+    """"host" (the compiled kernels) or "torch" (the reference): what these tensors take, for
+    reports and benchmarks."""
+    return "host" if supports(*tensors) else "torch"

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from nfab.wire import dispatch, fusion, host_slices
+from nfab.wire import dispatch, host_slices
 
 _ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
 
@@ -40,7 +40,7 @@ def nonfinite_sum(buffer: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(buffer.sum(dtype=torch.float32))
 
 
-def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int], summed: torch.Tensor | None = None) -> torch.Tensor:
+def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """Mean |x| over each consecutive segment of `x` (one scale per parameter slice), fp32.
 
     A per-parameter scale keeps a large conv kernel's magnitude from swamping a small
@@ -48,15 +48,11 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int], summed: torch.Tens
     sums of 4096-element chunks in float64) and divided in float64 before the one rounding
     to fp32: a plain fp32 sum of millions of elements drifts in its fourth
     digit (0.12% low on 4M normal values, and by a different amount on two threads). On CPU
-    |x| is read once, with no full-size temporary; elsewhere one reduction per segment,
-    compiled for large segments when the torch path's stages are (`fusion.active`). Each
-    path's order is fixed: every rank and every replay gets the same bits; the paths agree
-    to fp32 rounding. `summed`: the float64 sum |x| of a one-segment `x` that a stage reading x anyway
-    already made (`summed_in_one`), used as it is.
+    |x| is read once, with no full-size temporary; elsewhere one reduction per segment (one
+    scan for many). Each path's order is fixed: every rank and every replay gets the same
+    bits; the paths agree to fp32 rounding.
     """
     lengths = list(lengths)
-    if summed is not None:
-        return means(summed.reshape(1), lengths)
     if not lengths:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
     if not dispatch.on_host(x):
@@ -134,29 +130,8 @@ def _scan_plan(lengths: tuple[int, ...], device: torch.device) -> tuple[torch.Te
     return index_t.to(device, non_blocking=True), take_t.to(device, non_blocking=True)
 
 
-_COMPILED_SUM_MIN = 1 << 16
-"""Elements from which a compiled |x| sum beats the eager one (a compiled call costs ~15 us on CPU)."""
-
-
 def abs_sum(part: torch.Tensor) -> torch.Tensor:
-    """sum |part| as a 0-d float64 on its device, 0 for an empty part: compiled for a large part when
-    the torch path's stages are (one read of `part`: 0.3 ms for 4M fp32, where eager takes 1.2 ms
-    and the float64 norm 2.6 ms), else eager (a bucket's many small norms and biases)."""
-    if part.numel() >= _COMPILED_SUM_MIN and fusion.active(part):
-        got = fusion.run(abs_sum64, part)
-        if got is not None:
-            return got
-    return abs_sum64(part)
-
-
-def summed_in_one(x: torch.Tensor, lengths: Sequence[int]) -> bool:
-    """Whether `segment_mean_abs(x, lengths)` is one compiled `abs_sum64` of the whole of `x` (one segment,
-    large enough: `abs_sum`), which a stage that reads x anyway may compute in its own graph instead."""
-    return len(lengths) == 1 and x.numel() >= _COMPILED_SUM_MIN and fusion.active(x) and not dispatch.on_host(x)
-
-
-def abs_sum64(part: torch.Tensor) -> torch.Tensor:
-    """sum |part| in float64: `abs_sum`'s one definition, compiled or eager."""
+    """sum |part| as a 0-d float64 on its device, 0 for an empty part."""
     return part.abs().sum(dtype=torch.float64)
 
 
@@ -180,20 +155,10 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         return out.scatter_reduce_(0, seg, x.abs().to(torch.float32), "amax")
     parts = torch.split(x, lengths)
     out = torch.zeros(len(parts), dtype=torch.float32, device=x.device)
-    compiled = fusion.active(x)  # |x| then max in one compiled pass: vector_norm's ran at 0.06x a copy
     for i, part in enumerate(parts):
         if part.numel():
-            got = fusion.run(_max_abs, part) if compiled and part.numel() > 1 else None
-            out[i] = got if got is not None else torch.linalg.vector_norm(part, float("inf"))
+            out[i] = torch.linalg.vector_norm(part, float("inf"))
     return out
-
-
-def _max_abs(part: torch.Tensor) -> torch.Tensor:
-    """max |x| of a 1-D tensor (fp32; exact, so the same number as the inf-norm), as an integer max
-    of the fp32 bits with the sign cleared: non-negative floats order as their bits do, and a NaN's
-    bits lie above inf's, so a NaN still wins. (A float abs-max ran at 0.7x a copy, this at 1.8x;
-    over short rows, as blockq's block maxima, it is the other way round.)"""
-    return (part.to(torch.float32).view(torch.int32) & 0x7FFFFFFF).amax().view(torch.float32)
 
 
 def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:

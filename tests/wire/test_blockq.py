@@ -209,3 +209,23 @@ def test_summed_replay_leaves_non_finite_inputs_and_foreign_keys_to_the_generic_
     assert red._replay_summed(xs, LENGTHS, per_rank) is None  # keys drawn per rank: not one shared stream
     mean, _ = red.replay_with_locals(bad, LENGTHS, noise.stratified(keys, 4))  # the generic path still runs
     assert mean.shape == xs[0].shape
+
+
+def test_a_large_layouts_block_index_is_built_on_the_device_as_the_kept_one_is():
+    """Past `grid.CACHED_INDEX` elements (an FSDP2 module's rows of segments) the per-element block ids
+    are expanded from the kept block sizes at each call: the same ids and count as the index built
+    element by element."""
+    from nfab.wire.blockq import grid
+
+    cpu = torch.device("cpu")
+    lengths = (grid.CACHED_INDEX // 2 + 3, 64 * 5, 1, grid.CACHED_INDEX // 2 + 100)
+    ids, at = [], 0
+    for n in lengths:  # the numbering `kernels.py` documents: blocks restart per segment, counted on
+        ids.append(torch.arange(n) // 64 + at)
+        at += -(-n // 64)
+    want = torch.cat(ids)
+    got, blocks = grid.block_index(lengths, 64, cpu)
+    assert sum(lengths) > grid.CACHED_INDEX and blocks == at and torch.equal(got, want)
+    small = lengths[1:3]
+    assert torch.equal(grid.block_index(small, 64, cpu)[0], want[lengths[0] : lengths[0] + sum(small)] - want[
+        lengths[0]])

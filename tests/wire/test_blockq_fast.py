@@ -161,6 +161,23 @@ def test_compiled_scale_codes_are_searchsorted_clamped() -> None:
     assert fast[v.isnan()].tolist() == [0]  # a NaN block max codes as 0 (the bucket's |g|^2 flags it)
 
 
+def test_every_scale_is_its_octave_entry_times_a_power_of_two() -> None:
+    """What the kernel's exponent arithmetic (`blockkernels.scale_codes`) rests on, for every code."""
+    codes = torch.arange(1, 256)
+    octave = torch.div(codes - blockq.CODE_OFFSET, 4, rounding_mode="floor")
+    step = (codes - blockq.CODE_OFFSET) % 4
+    assert torch.equal(torch.ldexp(blockq.SCALES[blockq.CODE_OFFSET + step], octave), blockq.SCALES[1:])
+
+
+def test_compiled_scale_codes_of_subnormals_and_a_wide_spread_are_searchsorted() -> None:
+    # below 2^-40 (subnormals too) the formula is at most 0 and clamps to 1; from 2^24 every code is 255
+    special = torch.tensor([1e-45, 1e-40, 1.17e-38, 2.0**-41, 2.0**-40, 2.0**23.75, 2.0**24, 3e38])
+    spread = torch.exp2(torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 140 - 70)  # 2^-70..2^70
+    v = torch.cat([special, spread])
+    fast, ref = _both(lambda: scale_codes(v))
+    _same(fast, ref)
+
+
 def test_every_radix_splits_into_exact_float64_halves() -> None:
     # `_chunk_digits` corrects the float64 split c = hi * R^h + lo by one step and needs both
     # halves below 2^51: R^h >= 2^12 and R^(k-h) < 2^51 for every radix a route can ask for

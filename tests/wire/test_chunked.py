@@ -1,8 +1,7 @@
 """The chunked lane order (`lanes.chunked_layout`, blockq's wide one-block lanes) on every path.
 
 The order is stated here once more, independently, in plain Python (`_place`): the torch reference
-(`lanes.pack` / `lanes.unpack`) is held to it, and the numba kernels (`chunk_kernels`) and the
-traced functions (`qsum.chunks`, run as plain torch ops here; compiled in `test_compiled.py`) to the
+(`lanes.pack` / `lanes.unpack`) is held to it, and the numba kernels (`chunk_kernels`) to the
 reference, over sizes that end inside, at and past a chunk boundary.
 """
 
@@ -12,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from nfab.wire import fusion
 from nfab.wire.blockq import radix
 from nfab.wire.blockq.radix import chunked_radix_layout
-from nfab.wire.qsum import chunks, host, lanes
+from nfab.wire.qsum import host, lanes
 from nfab.wire.qsum.lanes import CHUNK, chunked_layout, layout_for
 from nfab.wire.registry import REDUCERS
 
@@ -106,18 +104,6 @@ def test_numba_block_decode_is_the_reference_arithmetic(bits, n):
         assert torch.equal(torch.from_numpy(got), want)
 
 
-@pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("n", SIZES)
-def test_traced_functions_are_the_reference(bits, n):
-    layout, values, narrow, ref = _lane_case(bits, n)
-    with fusion.stages_compiled(False):
-        got = chunks.pack(narrow, layout)
-        back = chunks.unpack(ref, layout)
-    assert got is not None and torch.equal(got, ref)
-    assert back is not None and back.numel() == ref.numel() * layout.lanes
-    assert torch.equal(back[:n].to(torch.int64), values) and not back[n:].any()
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_blockq_packs_chunked_and_its_scatter_plain(world_size):
     """blockq's all-reduce lanes sized for W are chunked where wide; blockqscatter's owners pack
@@ -147,8 +133,7 @@ def test_radix_reference_places_every_digit_where_the_order_says(base, n):
 
 @pytest.mark.parametrize("base", RADICES)
 @pytest.mark.parametrize("n", SIZES)
-def test_radix_numba_and_traced_paths_are_the_reference(base, n):
-    from nfab.wire.blockq import chunks as blockq_chunks
+def test_radix_numba_path_is_the_reference(base, n):
     from nfab.wire.blockq.reducer import pack_any
 
     layout = chunked_radix_layout(base)
@@ -156,26 +141,3 @@ def test_radix_numba_and_traced_paths_are_the_reference(base, n):
     narrow = values.to(torch.uint8 if base <= 256 else torch.int32)
     ref = radix.pack(narrow, layout)
     assert torch.equal(pack_any(narrow, layout, True), ref)
-    with fusion.stages_compiled(False):
-        got = blockq_chunks.pack_radix(narrow, layout)
-        back = blockq_chunks.unpack_radix(ref, layout)
-    assert got is not None and torch.equal(got, ref)
-    assert back is not None and torch.equal(back[:n].to(torch.int64), values) and not back[n:].any()
-
-
-@pytest.mark.parametrize("base", [5, 7, 9, 13, 25, 300])
-def test_traced_radix_digits_of_extreme_containers(base):
-    """Containers whose every digit is R - 1 (the largest W-rank sums), 0, and neighbours of R^k: the
-    float64 quotient of each part's split is corrected to the exact integer, and every part's
-    digits come out of float32 arithmetic exactly."""
-    from nfab.wire.blockq import chunks as blockq_chunks
-
-    layout = chunked_radix_layout(base)
-    r, k = layout.radix, layout.digits
-    top = r**k - 1
-    edge = [top, 0, top - 1, r ** (k - 1), r ** (k - 1) - 1, (r**k) // 2]
-    containers = torch.tensor((edge * 30)[: CHUNK + 7], dtype=torch.int64)
-    with fusion.stages_compiled(False):
-        got = blockq_chunks.unpack_radix(containers, layout)
-    assert got is not None
-    assert torch.equal(got.to(torch.int64), radix.unpack(containers, layout, containers.numel() * k))

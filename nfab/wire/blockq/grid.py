@@ -130,12 +130,10 @@ def _kept_block_index(lengths: tuple[int, ...], block: int, device: torch.device
     return index.to(device, non_blocking=True), blocks
 
 
-def host_block_index(lengths: tuple[int, ...], block: int, dtype: torch.dtype = torch.int64
-                     ) -> tuple[torch.Tensor, int]:
-    """`block_index` built on the host, element by element, in `dtype` (the compiled path's narrow
-    index: `blockq.fused`), and the number of blocks."""
+def host_block_index(lengths: tuple[int, ...], block: int) -> tuple[torch.Tensor, int]:
+    """`block_index` built on the host, element by element (int64), and the number of blocks."""
     ids, start = [], 0
     for n in lengths:
-        ids.append((torch.arange(n, dtype=torch.int64, device="cpu") // block + start).to(dtype))
+        ids.append(torch.arange(n, dtype=torch.int64, device="cpu") // block + start)
         start += -(-n // block)
-    return (torch.cat(ids) if ids else torch.empty(0, dtype=dtype, device="cpu")), start
+    return (torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device="cpu")), start

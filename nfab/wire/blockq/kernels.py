@@ -48,7 +48,7 @@ def block_max_bits(u, block_starts, block_ends, out):
 @njit(cache=True, nogil=True)
 def scale_codes(bits, octave_bits, out):
     """out[b] = smallest code whose scale covers block max b (`bits`: the maxima's fp32 bits as
-    uint32): `table.codes_of`'s exponent arithmetic, NaN and -0.0 as 0. `octave_bits`: the uint32
+    uint32) by exponent arithmetic (`table`), NaN and -0.0 as 0. `octave_bits`: the uint32
     bits of the octave [1, 2)'s four scales (`table.SCALES` from CODE_OFFSET), compared with the
     maximum's mantissa (as [1, 2)) as integers, whose order is the floats' there. Branch-free, so
     it vectorizes: per 64K blocks on one core, a binary search over the 256 scales took 0.65 ms."""

@@ -33,7 +33,7 @@ parameter's encoding does not depend on its bucket neighbours):
    at W=4 is 17 base-13 digits per int64 = 3.76 bits/element (before the ring's factor).
    Both in the chunked element order (`lanes.chunked_layout`): each lane or digit of a chunk
    of 64 containers is one 64-element block, so packing and decoding read and write
-   contiguous rows, and the compiled decode unpacks and scales in one pass.
+   contiguous rows, and the CPU kernels' decode unpacks and scales in one pass.
 
 Decode: mean = (2 * sum / (M * W) - 1) * scale, per element. Replay does the same
 arithmetic for W virtual ranks and is bit-identical to the real reduction.
@@ -50,8 +50,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import dispatch, fusion, host_slices, noise
-from nfab.wire.blockq import fused, grid, radix, replay
+from nfab.wire import dispatch, host_slices, noise
+from nfab.wire.blockq import grid, radix, replay
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.blockq.table import CODE_OFFSET, CODES_PER_OCTAVE, SCALES
 from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
@@ -92,8 +92,6 @@ def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
     """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top; a NaN block
     max codes as 0)."""
     block_max = block_max.to(torch.float32).contiguous()
-    if fusion.active(block_max) and (codes := fused.codes(block_max, _scales_on(block_max.device))) is not None:
-        return codes  # one compiled pass of exponent arithmetic (`table.codes_of`), NaN read there
     if _compiled(block_max):  # the same exponent arithmetic, compiled for the CPU (NaN read there too)
         assert blockkernels is not None
         codes = torch.empty(block_max.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
@@ -191,8 +189,6 @@ class BlockQSum(Reducer):
             return self._local_scale_compiled(x, tuple(lengths))
         parts = grid.pieces(tuple(lengths), self.block)
         if parts is not None:  # row maxima of block views: no per-element index
-            if fusion.active(x) and (out := fused.block_max(x, parts, self.blocks_in(lengths))) is not None:
-                return out  # flagged in the same compiled graph
             out = grid.block_amax(x, parts, self.blocks_in(lengths))
             bad = ~torch.isfinite(out).all()  # a row's amax keeps its NaN or inf: the flag from the maxima
         else:
@@ -264,15 +260,6 @@ class BlockQSum(Reducer):
         `noise.Stratum` (stratified rounding); plain generators round independently."""
         lengths = list(lengths)
         m = self.steps
-        payload = self._payload_fused(x, lengths, shared_scale, generator, world_size)
-        if payload is not None:  # no levels stored: the local copy unpacks them (read before the launch)
-            layout = self.layout(world_size)
-
-            def own() -> torch.Tensor:
-                levels_ = _unpacked(payload, layout, x.numel())
-                return self.scale_blocks_(unit_values(levels_, m), shared_scale, lengths)
-
-            return Encoded(payload, None, make_local=own)
         levels, compiled = self.round_levels(x, lengths, shared_scale, generator)
         payload = self.pack_levels(levels, world_size, compiled)
 
@@ -280,19 +267,6 @@ class BlockQSum(Reducer):
             return self.scale_blocks_(unit_values(levels, m), shared_scale, lengths)
 
         return Encoded(payload, None, make_local=local)
-
-    def _payload_fused(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor | None, generator: Any,
-                       world_size: int) -> torch.Tensor | None:
-        """`encode`'s payload straight from `x` by the compiled stages (`fused.packed_levels`: the
-        levels and their packing in one kernel, the same containers), or None where they do not run."""
-        layout, parts = self.layout(world_size), grid.pieces(tuple(lengths), self.block)
-        if shared is None or not fusion.active(x, shared) or not fused.packs_levels(layout, self.block, parts):
-            return None  # (active: the host kernels do not run)
-        scales = _scales_on(x.device)
-        codes = fused.codes(shared, scales)
-        stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
-        return None if codes is None else fused.packed_levels(x, codes, scales, lengths, self.block, parts, stratum,
-                                                               self.steps, layout)
 
     def round_levels(self, x: torch.Tensor, lengths: Sequence[int], shared_scale: torch.Tensor | None,
                generator: Any = None) -> tuple[torch.Tensor, bool]:
@@ -304,22 +278,15 @@ class BlockQSum(Reducer):
         return (self._levels_compiled if compiled else self._levels)(x, list(lengths), shared_scale, stratum), compiled
 
     def pack_levels(self, levels: torch.Tensor, world_size: int, compiled: bool) -> torch.Tensor:
-        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`); by one
-        compiled kernel when the compiled torch path runs (`fused.pack`: the same containers)."""
-        layout = self.layout(world_size)
-        if not compiled and fusion.active(levels) and (payload := fused.pack(levels, layout)) is not None:
-            return payload
-        return pack_any(levels, layout, compiled)
+        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`); by the CPU
+        kernels where `round_levels` made the levels there (`compiled`: the same containers)."""
+        return pack_any(levels, self.layout(world_size), compiled)
 
     def _levels(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
                 stratum: noise.Stratum) -> torch.Tensor:
         """The reference (torch ops, any device): stochastically rounded levels, uint8."""
         m = self.steps
         parts = grid.pieces(tuple(lengths), self.block)
-        if fusion.active(x, shared) and (codes := fused.codes(shared, _scales_on(x.device))) is not None:
-            got = fused.levels(x, codes, _scales_on(x.device), lengths, self.block, parts, stratum, m)
-            if got is not None:
-                return got  # compiled when switched on (`fused`): the same bits
         if parts is None:
             scale = self.element_scales(shared, lengths)
             t = torch.div(x.to(torch.float32), torch.where(scale > 0, scale, torch.ones_like(scale)))
@@ -360,22 +327,9 @@ class BlockQSum(Reducer):
         one, _ = split_out(out)  # a contiguous fp32 bucket slice is decoded into directly
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
         total = self.steps * world_size
-        mean = self._decode_fused(reduced, scale_mean, numel, lengths, total, layout, direct)
-        if mean is None:  # eager (or compiling failed): the same bits
-            mean = self.scale_blocks_(unit_values(_unpacked(reduced, layout, numel), total, out=direct), scale_mean,
-                                      lengths)
+        mean = self.scale_blocks_(unit_values(_unpacked(reduced, layout, numel), total, out=direct), scale_mean,
+                                  lengths)
         return mean if direct is not None else write_into(out, mean)
-
-    def _decode_fused(self, reduced: torch.Tensor, shared: torch.Tensor, numel: int, lengths: Sequence[int],
-                      total: int, layout: LaneLayout | RadixLayout, out: torch.Tensor | None) -> torch.Tensor | None:
-        """`decode` by the compiled stages (`fused`), into `out` when given; None when they do not run here."""
-        if not fusion.active(reduced, shared):
-            return None
-        scales = _scales_on(reduced.device)
-        codes = fused.codes(shared, scales)
-        parts = grid.pieces(tuple(lengths), self.block)
-        return None if codes is None else fused.decode(reduced, codes, scales, parts, numel, total, layout, out,
-                                                       lengths, self.block)
 
     def sum_values(self, layout: LaneLayout | RadixLayout, world_size: int, device: torch.device) -> torch.Tensor:
         """Unit mean of every W-rank sum of levels S: 2 * S / (M * W) - 1 (fp32 table)."""

@@ -43,12 +43,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import fusion
-from nfab.wire.blockq import fused, grid
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.blockq.reducer import BlockQSum, _block_bounds, _compiled, _scales_on, blockkernels, pack_any, radix
-from nfab.wire.contract import TwoPhaseReducer, allgather_factor, allreduce_factor, split_out, write_into
-from nfab.wire.qsum import fused as qsum_fused
+from nfab.wire.blockq.reducer import BlockQSum, _block_bounds, _compiled, blockkernels, pack_any, radix
+from nfab.wire.contract import TwoPhaseReducer, allgather_factor, allreduce_factor, write_into
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, pack, unpack
 
@@ -128,8 +125,6 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
             out = torch.empty(world_size, shard // lay.lanes, dtype=lay.container, device="cpu")
             blockkernels.pack_lane_shards(levels.numpy(), n, shard, lay.lane_bits, lay.lanes, out.numpy())
             return out.view(-1)
-        if fusion.active(levels) and (got := _fused_shards(levels, world_size, shard, lay)) is not None:
-            return got
         padded = torch.zeros(world_size * shard, dtype=torch.uint8, device=levels.device)
         padded[:n] = levels
         return torch.cat([pack(v, lay) for v in padded.view(world_size, shard)])
@@ -153,8 +148,6 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
             out = torch.empty(1, shard // lay.lanes, dtype=lay.container, device="cpu")
             blockkernels.pack_lane_shards(sums, shard, shard, lay.lane_bits, lay.lanes, out.numpy())
             return out.view(-1)
-        if fusion.active(received) and (got := _fused_owner(rows, own, lay, shard)) is not None:
-            return got
         sums = torch.zeros(shard, dtype=torch.int64, device=received.device)
         for row in rows:
             sums += (radix.unpack(row, own, shard) if isinstance(own, RadixLayout) else unpack(row, own, shard)
@@ -183,9 +176,6 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         assert isinstance(layout, LaneLayout)
         rows = reduced.view(world_size, reduced.numel() // world_size)
         shard = rows.shape[1] * layout.lanes
-        if fusion.active(reduced, scale_mean) and (got := self._decode_shards_fused(
-                rows, shard, scale_mean, numel, lengths, world_size, out)) is not None:
-            return got
         values = self.sum_values(layout, world_size, reduced.device)
         mean = torch.empty(numel, dtype=torch.float32, device=reduced.device)
         for r in range(min(world_size, -(-numel // max(shard, 1)))):
@@ -198,58 +188,6 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         else:
             mean.mul_(self.element_scales(scale_mean, list(lengths)))
         return write_into(out, mean)
-
-    def _decode_shards_fused(self, rows: torch.Tensor, shard: int, scale_mean: torch.Tensor, numel: int,
-                             lengths: Any, world_size: int, out: Any) -> Any:
-        """`decode` of shards packed in lanes of several blocks, by the compiled stages: each shard's
-        sums unpacked into its slice, then `BlockQSum`'s compiled scaling; None where it does not run."""
-        layout = self.layout(world_size)
-        one, dests = split_out(out)
-        direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
-        sums = torch.empty(rows.shape[0] * shard, dtype=torch.int32, device=rows.device)
-        for r in range(rows.shape[0]):
-            got = fused.unpack(rows[r], layout)
-            if got is None:
-                return None
-            sums[r * shard : (r + 1) * shard] = got[:shard]
-        scales = _scales_on(rows.device)
-        codes = fused.codes(scale_mean, scales)
-        mean = None if codes is None else fused.scaled(
-            sums, codes, scales, grid.pieces(tuple(lengths), self.block), numel, self.steps * world_size, direct,
-            lengths, self.block)
-        if mean is None:
-            return None
-        return mean if direct is not None else write_into(out, mean)
-
-
-def _fused_shards(levels: torch.Tensor, world_size: int, shard: int, layout: LaneLayout) -> torch.Tensor | None:
-    """The levels in W shards of `shard` (the tail level 0), each packed in `layout` (compiled): one
-    call for a layout whose shards concatenate to the whole packing (`consecutive`), else the shards
-    as rows, each starting on a whole word (`qsum.fused.pack_rows`)."""
-    n = levels.numel()
-    if consecutive(layout):
-        padded = qsum_fused.lane_buffer(world_size * shard, n, levels.device)
-        padded[:n] = levels
-        return fused.pack(padded, layout)
-    rows = qsum_fused.shard_rows(world_size, layout.containers_for(shard) * layout.lanes, levels.device, n, shard)
-    for dst, src in qsum_fused.shard_parts(rows, levels, shard):
-        if src.numel():
-            dst.copy_(src)
-    return qsum_fused.pack_rows(rows, shard, layout)
-
-
-def _fused_owner(rows: torch.Tensor, own: LaneLayout | RadixLayout, layout: LaneLayout | RadixLayout,
-                 shard: int) -> torch.Tensor | None:
-    """The owner's step by the compiled stages: each rank's row of own levels unpacked, added as
-    int32 (exact: at most W * M), packed in `layout`; None when compiling failed."""
-    sums = None
-    for row in rows:
-        got = fused.unpack(row, own)
-        if got is None:
-            return None
-        sums = got[:shard].to(torch.int32) if sums is None else sums.add_(got[:shard])
-    assert sums is not None
-    return fused.pack(sums, layout)
 
 
 def scatter_reducers(block_reducers: dict[str, BlockQSum]) -> dict[str, BlockQScatter]:
@@ -269,10 +207,8 @@ def _pack_digit_shards(levels: torch.Tensor, layout: RadixLayout, padded: int, c
         out = torch.empty(padded // layout.digits, dtype=torch.int64, device="cpu")
         blockkernels.radix_pack(levels.numpy(), layout.radix, layout.digits, out.numpy())
         return out
-    full = qsum_fused.lane_buffer(padded, levels.numel(), levels.device)
+    full = torch.zeros(padded, dtype=torch.uint8, device=levels.device)
     full[: levels.numel()] = levels
-    if fusion.active(levels) and (got := fused.pack(full, layout)) is not None:
-        return got
     return radix.pack(full, layout)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nfab.wire import dispatch, fusion, host_slices, noise, segments
+from nfab.wire import dispatch, host_slices, noise, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -22,9 +22,8 @@ from nfab.wire.contract import (
     split_out,
     write_into,
 )
-from nfab.wire.qsum import fused as qsum_fused
 from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack, unpack
+from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
 from nfab.wire.slices import Slices
 
 
@@ -83,15 +82,12 @@ class QSum(Reducer):
         if qsum_host.qsum_supports(x) and dispatch.supports(safe):
             # one compiled pass: divide, shift, add the noise (computed, never stored), round, clamp
             levels, payload = qsum_host.qsum_levels(x, keys, safe.reshape(-1), lengths, m, self._layout)
-        elif fusion.active(x, safe) and (got := qsum_fused.encode(x, safe, keys, lengths, m, self._layout)) is not None:
-            payload, levels = got  # compiled (`qsum/fused.py`): q8's and q4's levels are never stored
         else:
             levels, payload = self._levels_reference(x, safe, lengths, m, keys)
         values = self.level_values(world_size, 1, x.device)
 
-        def local() -> torch.Tensor:  # from the levels, or the payload (one-lane: the levels; read before launch)
-            own = levels if levels is not None else unpack(payload, self._layout, x.numel())
-            return finish_segments(values[own.long()], shared_scale, lengths, None)
+        def local() -> torch.Tensor:  # from the levels (one-lane: the payload itself; read before launch)
+            return finish_segments(values[levels.long()], shared_scale, lengths, None)
 
         return Encoded(payload, None, make_local=local)
 
@@ -145,13 +141,6 @@ class QSum(Reducer):
             m = self.max_level(world_size)
             res = qsum_host.decode_levels(reduced, float(np.float32(2.0 / (m * world_size))), scale_mean,
                                          list(lengths), one)
-            if res is not None:
-                return res
-        if (dests is None and numel and fusion.active(reduced, scale_mean)
-                and (one is None or (one.dtype == torch.float32 and one.is_contiguous()))):
-            m = self.max_level(world_size)  # compiled (`qsum/fused.py`): one kernel into the bucket slice
-            res = qsum_fused.decode(reduced, self._layout, numel, 2.0 / (m * world_size), scale_mean, one,
-                                    lengths if len(lengths) > 1 else None)
             if res is not None:
                 return res
         return decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nfab.wire import dispatch, fusion, host_slices, segments
+from nfab.wire import dispatch, host_slices, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -25,7 +25,6 @@ from nfab.wire.contract import (
 )
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
 from nfab.wire.sign import codec as sign_codec
-from nfab.wire.sign import fused as sign_fused
 from nfab.wire.sign import host as sign_host
 from nfab.wire.slices import Slices
 
@@ -64,12 +63,6 @@ class _SignReducer(Reducer):
         if n and sign_host.sign_supports(x):
             bits, sums = sign_host.sign_votes(x, lengths, tie)
             return self._encoded(bits, sums, n, lengths, layout)
-        summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph
-        if n and fusion.active(x) and (got := sign_fused.encode(x, layout, summed, tie)) is not None:
-            payload, vote_bytes, total = got  # compiled (`sign/fused.py`): the same containers
-            scales = segments.segment_mean_abs(x, lengths, total)
-            return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
-                vote_bytes.to(torch.bool), scales, lengths))
         scales = segments.segment_mean_abs(x, lengths)
         bits = sign_codec.sign_bits(x, tie)
         return Encoded(pack(bits, layout), scales, make_local=lambda: sign_codec.sign_values(bits, scales, lengths))
@@ -91,21 +84,9 @@ class _SignReducer(Reducer):
         table[: world_size + 1] = sign_codec.vote_table(world_size, self.vote, device)
         return table
 
-    def _decode_fused(self, reduced: torch.Tensor, gathered: bool, layout: LaneLayout, scale_mean: torch.Tensor,
-                      numel: int, lengths: Sequence[int], world_size: int, out: Out) -> Any:
-        """The compiled decode (`sign/fused.py`): the votes times each segment's scale in one kernel;
-        None when it does not run here."""
-        return sign_fused.decode_segments(
-            lambda scale, one, index: sign_fused.decode(reduced, gathered, layout, self.vote, world_size, scale,
-                                                        numel, one, index),
-            reduced, scale_mean, numel, lengths, out)
-
     def _decode_containers(self, containers, layout, scale_mean, numel, lengths, world_size, out=None):
         """Count lanes -> vote x mean scale, by table (one lookup per group of lanes on CPU)."""
         assert scale_mean is not None
-        got = self._decode_fused(containers, False, layout, scale_mean, numel, lengths, world_size, out)
-        if got is not None:
-            return got
         return decode_scaled(containers, layout, numel, self._vote_values(layout, world_size, containers.device),
                               scale_mean, lengths, out)
 
@@ -212,9 +193,6 @@ class SignGather(_SignReducer):
             target = torch.empty(numel, dtype=torch.float32, device=reduced.device) if out is None else out
             if sign_host.majority_into(rows.numpy(), lengths, world_size, scale_mean.numpy().reshape(-1), target):
                 return target
-        got = self._decode_fused(rows, True, self._layout, scale_mean, numel, lengths, world_size, out)
-        if got is not None:
-            return got
         one, dests = split_out(out)
         targets = dests if dests is not None else [one] if one is not None else None
         if (numel and world_size <= 255 and _rows_on_host(rows)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import dispatch, fusion, segments
+from nfab.wire import dispatch, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -48,9 +48,7 @@ from nfab.wire.contract import (
 )
 from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
 from nfab.wire.sign import codec as sign_codec
-from nfab.wire.sign import fused as sign_fused
 from nfab.wire.sign import host as sign_host
-from nfab.wire.sign import scatter_fused
 from nfab.wire.sign.reducers import count_lane_capacity, mean_abs_of_sums
 
 _SHARD_ALIGN = 40  # shard sizes are whole vote bytes (8) and whole trit groups (40 trits in 8 bytes)
@@ -122,12 +120,6 @@ class SignScatter(TwoPhaseReducer):
             scales = mean_abs_of_sums(sums, lengths)
             kept = bits.copy()
             return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(kept, n, scales, lengths))
-        summed = segments.summed_in_one(x, lengths)  # the scale's |x| sum in the votes' graph, where it can be
-        if n and fusion.active(x) and (got := scatter_fused.encode(x, shard, world_size, lay, summed, tie)) is not None:
-            payload, vote_bytes, total = got  # compiled (`scatter_fused`): the same containers
-            scales = segments.segment_mean_abs(x, lengths, total)
-            return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(
-                vote_bytes.reshape(-1)[:n].to(torch.bool), scales, lengths))
         scales = segments.segment_mean_abs(x, lengths)
         votes = torch.zeros(world_size * shard, dtype=torch.bool, device=x.device)
         votes[:n] = sign_codec.sign_bits(x.reshape(-1), tie)
@@ -177,9 +169,6 @@ class SignScatter(TwoPhaseReducer):
         half = world_size // 2
         if dispatch.supports(counts_shard):
             return sign_host.shard_majority(counts_shard, lay, shard, half, self.ternary(world_size))
-        if fusion.active(counts_shard) and (got := scatter_fused.owner_step(
-                counts_shard, lay, shard, world_size, self.ternary(world_size))) is not None:
-            return got
         counts = unpack(counts_shard, lay, shard).to(torch.int64)
         if not self.ternary(world_size):
             return pack(counts > half, layout_for(1))
@@ -219,11 +208,6 @@ class SignScatter(TwoPhaseReducer):
                     sign_host.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
                 start += n
             return dests if dests is not None else res
-        got = sign_fused.decode_segments(
-            lambda scale, o, index: scatter_fused.decode(reduced, numel, ternary, scale, o, index),
-            reduced, scale_mean, numel, lengths, out)
-        if got is not None:  # compiled (`scatter_fused`)
-            return got
         if ternary:
             digits = unpack_trits(reduced, numel)
         else:
