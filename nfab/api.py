@@ -28,6 +28,7 @@ from nfab.runtime.control.optim import (
     resolve_error_feedback,
     resolve_noise_moment,
 )
+from nfab.runtime.control.window import WINDOW_ROUTE
 from nfab.runtime.frontends import fsdp2
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     from nfab.runtime.frontends.fsdp import ShardedRuntime
 
 log = logging.getLogger(__name__)
+
+AUTO = "auto"
+"""`attach(model, "auto")`: calibrate inside the run (`nfab.calibrate.inrun`)."""
 
 
 def attach(
@@ -63,14 +67,19 @@ def attach(
     elif not isinstance(ddp_model, DistributedDataParallel):
         raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model or an FSDP2 "
                         "model (torch.distributed.fsdp.fully_shard)")
-    prof, explicit = _profile(profile, cfg.route)
+    auto = isinstance(profile, str) and profile == AUTO
+    if auto:  # imported here: the calibrator (pandas, pyarrow) is not every attach's to pay for
+        from nfab.calibrate import inrun
+
+        inrun.check(cfg, sharded=sharded)
+    prof, explicit = (Profile.static(WINDOW_ROUTE), False) if auto else _profile(profile, cfg.route)
     if not sharded and getattr(ddp_model, "_comm_hooks", None):
         raise NfabError("this DDP model already has a communication hook (nfab.attach called twice, or "
                         "register_comm_hook before it): DDP takes one, so attach once to a model without one")
     module = ddp_model if sharded else trained_module(ddp_model.module)
-    check_attach(prof, module, explicit=explicit, total_steps=cfg.total_steps, model_signature=cfg.model_signature,
-                 optimizer=cfg.optimizer)
-    prof = prof if explicit else _widened(prof, cfg.total_steps)
+    check_attach(prof, module, explicit=explicit or auto, total_steps=cfg.total_steps,
+                 model_signature=cfg.model_signature, optimizer=cfg.optimizer)
+    prof = prof if explicit or auto else _widened(prof, cfg.total_steps)
     loss_scale = loss_scale_of(cfg.loss_scaler) if cfg.loss_scaler is not None else None
     if sharded:
         return _attach_sharded(ddp_model, prof, explicit, cfg, loss_scale)
@@ -85,7 +94,9 @@ def attach(
     runtime.loss_scale = loss_scale
     _warn(runtime, cfg, cm, explicit=explicit, error_feedback=use_ef, module=module,
           find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
-    _read_optimizer(runtime, cfg, explicit=explicit, module=module, loss_scale=loss_scale)
+    _read_optimizer(runtime, cfg, explicit=explicit or auto, module=module, loss_scale=loss_scale)
+    if auto:
+        runtime.window = inrun.window_for(runtime, module, cfg)
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
 

@@ -19,13 +19,15 @@ FLOORS: dict[str, int] = {
     "runtime": 4, "models": 4,
     "data": 5, "attach_checks": 5, "loss": 5,
     "config": 6,
-    "api": 7, "inspect": 7, "inspect_fsdp": 7,
-    "calibrate": 8, "train": 8, "report": 8, "rankserver": 8,
-    "bench": 9, "integrations": 9,
-    "cli": 10,
+    "inspect": 7, "inspect_fsdp": 7,
+    "calibrate": 8, "train": 8, "report": 8,
+    "api": 9,
+    "rankserver": 10, "bench": 10, "integrations": 10,
+    "cli": 11,
 }
 """Parts on one floor never import each other (calibrate, train and report are peers; bench and integrations
-too). The integrations sit above calibrate: calibrating from a framework's objects calls `nfab.calibrate`."""
+too). The integrations sit above calibrate: calibrating from a framework's objects calls `nfab.calibrate`.
+`api` (`nfab.attach`) sits above it too: `attach(model, "auto")` calibrates inside the run (`calibrate.inrun`)."""
 
 
 def _module_name(path: Path) -> str:

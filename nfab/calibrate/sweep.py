@@ -21,6 +21,7 @@ import torch
 
 from nfab import __version__
 from nfab.calibrate.budget import BUDGET_RATIO, trial_allowed, validation_allowance
+from nfab.calibrate.cells import Cells, PhaseLabels, region_cells
 from nfab.calibrate.config import CalibrationConfig
 from nfab.calibrate.fit import (
     HIGH_COSINE,
@@ -31,15 +32,6 @@ from nfab.calibrate.fit import (
     passes,
     probe_floor,
     trials_can_run,
-)
-from nfab.calibrate.replay import (
-    NAN_FIDELITY,
-    cheapest_wire,
-    measure,
-    measure_both,
-    replay_reducer,
-    true_means,
-    truth_window,
 )
 from nfab.calibrate.search import Tolerances, ef_order, search_phase, trial_candidate
 from nfab.calibrate.table import SCHEMA, read_table, write_table
@@ -61,7 +53,6 @@ from nfab.calibrate.validate import TOL_VALIDATE, Validation, loss_floor, resolu
 from nfab.models import model_signature
 from nfab.models.registry import parameter_layout
 from nfab.profile.schema import Profile, file_sha256
-from nfab.wire.registry import REDUCERS
 
 log = logging.getLogger(__name__)
 
@@ -230,44 +221,16 @@ def _sweep(cfg: CalibrationConfig, progress: Progress, command: str, tol: Tolera
 
 
 def _replay_cells(cfg: CalibrationConfig, task: Task, captured: list[list[torch.Tensor]], name: str, kind: str,
-                  step: int) -> dict[tuple[str, str, bool], dict[str, Any]]:
+                  step: int) -> Cells:
     """Every (region, route, EF) cell of a phase with its replay fidelity over the captured FP32 steps."""
-    w = cfg.world_size
-    cells: dict[tuple[str, str, bool], dict[str, Any]] = {}
+    labels = PhaseLabels(cfg.model, cfg.dataset, cfg.optimizer.name, cfg.world_size, name, kind, step,
+                         step / cfg.steps, cfg.trial_steps)
+    cells: Cells = {}
     for region in task.regions.values():
         steps_x = [[task.gather(g, region.name) for g in grads] for grads in captured]
         scale = quantization_scale(task, region.name)  # None without a second moment (SGD)
-        truths = truth_window(true_means(steps_x), scale)  # what every route is compared with
-        fp32_bytes = REDUCERS["allreduce-fp32"].wire_bytes(region.numel, w, len(region.lengths))
-        for route in cfg.all_routes:
-            reducer = replay_reducer(route, w)
-            wire = cheapest_wire(route, region.numel, w, len(region.lengths))
-            fids = {False: NAN_FIDELITY, True: NAN_FIDELITY}
-            if reducer is not None and reducer.lossy:
-                fids[False], fids[True] = measure_both(reducer, steps_x, region.lengths, seed=cfg.seed + step,
-                                                       truths=truths, scale=scale)
-            elif reducer is not None:  # a lossless route has no residual: EF on reads as EF off
-                fids[False] = fids[True] = measure(reducer, steps_x, region.lengths, error_feedback=False,
-                                                   seed=cfg.seed + step, truths=truths, scale=scale)
-            for ef in (False, True):
-                fid = fids[ef]
-                cells[(region.name, route, ef)] = {
-                    "model": cfg.model, "dataset": cfg.dataset, "optimizer": cfg.optimizer.name,
-                    "world_size": w, "phase": name, "phase_kind": kind, "step": step,
-                    "phase_fraction": step / cfg.steps, "region": region.name, "numel": region.numel,
-                    "segments": len(region.lengths), "route": route,
-                    "reducer": wire[0] if wire else "", "error_feedback": ef,
-                    "capacity_ok": reducer is not None,
-                    "bits_per_element": (8.0 * wire[1] / region.numel) if wire else math.nan,
-                    "wire_bytes": int(round(wire[1])) if wire else 0,
-                    "fp32_wire_bytes": int(round(fp32_bytes)),
-                    "cosine": fid.cosine, "rel_error": fid.rel_error, "sign_agreement": fid.sign_agreement,
-                    "cum_cosine": fid.cum_cosine, "encode_decode_s": fid.encode_decode_s,
-                    "loss_delta": 0.0 if route == "fp32" else math.nan, "loss_resolved": math.nan,
-                    "train_loss_delta": 0.0 if route == "fp32" else math.nan,
-                    "trial_steps": cfg.trial_steps if route == "fp32" else 0,
-                    "screen": "reference" if route == "fp32" else "no_trial",
-                }
+        cells.update(region_cells(labels, region.name, region.numel, len(region.lengths), steps_x, region.lengths,
+                                  scale, cfg.all_routes, cfg.seed + step))
     return cells
 
 

@@ -87,6 +87,13 @@ class AttachConfig(FrozenModel):
     (`nfab.runtime.control.moment`): under Adam the noise inflates v and acts like a lower learning rate.
     "auto": on under an adaptive, unsharded optimizer for a static route and for a profile calibrated
     with it (`Profile.noise_moment`); True forces it (needs `optimizer`), False off."""
+    calibration_out: Path | None = None
+    """With `profile="auto"`: the folder rank 0 writes the in-run calibration's `calibration.parquet` and
+    `profile.json` to, rewritten at each window's end (a later run attaches that profile; `nfab report`
+    reads the table). None: nothing written."""
+    calibration_window: int | None = None
+    """With `profile="auto"`: steps per calibration window; None: 2% of `total_steps`, at least 4 (8
+    without `total_steps`). Windows open at the start and at each third of the run."""
     loss_scaler: Any = None
     """The `torch.amp.GradScaler` (or `ShardedGradScaler`) the loop scales its loss with, if any: the
     hook's gradients are then S times the optimizer's, and nfab rounds and corrects in unscaled units
@@ -184,6 +191,20 @@ class AttachConfig(FrozenModel):
             parse(v)  # a malformed spec is refused before any collective
         except NfabError as exc:
             raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("calibration_out", mode="before")
+    @classmethod
+    def _calibration_out(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, str | Path):
+            raise ValueError(f"calibration_out must be a folder path, got {type(v).__name__}")
+        return None if v is None else Path(v)
+
+    @field_validator("calibration_window", mode="before")
+    @classmethod
+    def _calibration_window(cls, v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"calibration_window must be a positive integer, got {v!r}")
         return v
 
     @field_validator("loss_scaler", mode="before")

@@ -85,6 +85,20 @@ class RuntimeState:
         self.events.extend(events)
         return events
 
+    def adopt(self, profile: Profile) -> None:
+        """Run on `profile` from the next decision on (in-run calibration's fitted profile, agreed by every
+        rank): a new controller over the same world size and cost model; health and step carry on."""
+        old = self.controller
+        self.profile = profile
+        self.controller = Controller(profile, old.world_size, old.cost_model, explicit=False,
+                                     total_steps=old.total_steps)
+        self._probing = None
+
+    def reference_series(self) -> dict[str, list[float]]:
+        """The agreed loss and gradient-norm series of the steps kept (what health thresholds are fitted on)."""
+        return {"loss": [float("nan") if s.loss is None else s.loss for s in self.history],
+                "grad_norm": [s.grad_norm for s in self.history]}
+
     def base_state(self) -> dict[str, Any]:
         """The shared part of `state_dict`: version, step and health."""
         return {"version": STATE_VERSION, "step": self.step, "health": self.health.to_dict()}

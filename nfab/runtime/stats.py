@@ -67,6 +67,10 @@ class StepStats:
     """CPU seconds in nfab's hook bodies, callbacks and the step's fold (the sum of `hook_phases`)."""
     hook_phases: dict[str, float] = field(default_factory=dict)
     """`hook_time_s` by phase: plan, norm, encode, launch (hook body), decode (callbacks), fold."""
+    calibrating: bool = False
+    """The step was in an in-run calibration window (`attach(model, "auto")`: its samples were gathered)."""
+    calibration_wire_bytes: int = 0
+    """Of `wire_bytes`: the window's all-gather of every rank's gradient samples (in-run calibration's cost)."""
     saturated_slices: int = 0
     """qsum slices whose elements exceeded their delayed scale (clipped to +-scale)."""
     scale_rounds: int = 0

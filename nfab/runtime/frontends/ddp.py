@@ -58,6 +58,7 @@ from nfab.runtime.control.controller import BucketRoutes
 from nfab.runtime.control.fidelity import RegionFidelity
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.control.optim import LossScale, Preconditioner
+from nfab.runtime.control.window import Window
 from nfab.runtime.core import agreement as agreement_mod
 from nfab.runtime.core import coalesce, encode, twolevel
 from nfab.runtime.core.decode import finish_bucket
@@ -129,6 +130,8 @@ class Runtime(RuntimeState):
         # this rank's last probe (plain cosine and its regions; per-region fidelity): the next first word carries it
         self._cosine_next: tuple[float, frozenset[str]] | None = None
         self._fidelity_next: dict[str, RegionFidelity] = {}
+        self.window: Window | None = None  # attach(model, "auto"): in-run calibration's windows
+        self._window_bytes = 0
 
     @property
     def qsum_scale(self) -> str:
@@ -152,6 +155,7 @@ class Runtime(RuntimeState):
             "amax": self.scales.state_dict(),
             # the last probe's values ride the next step's first word: a resumed run sends them too
             "carried_probe": carried_state(self._cosine_next, self._fidelity_next),
+            **({"window": self.window.state_dict()} if self.window is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -161,6 +165,10 @@ class Runtime(RuntimeState):
         # absent in states saved before delayed scaling: those slices agree exactly once
         self.scales.load_state_dict(state.get("amax", {}))
         self._cosine_next, self._fidelity_next = load_carried(state.get("carried_probe"))
+        if self.window is not None and "window" in state:
+            self.window.load_state_dict(state["window"])
+            if self.window.decided is not None:
+                self.adopt(self.window.decided)
 
     # ---- the hook -------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -173,7 +181,14 @@ class Runtime(RuntimeState):
         last = bucket.is_last()
         self._saw_last |= last
         buffer = bucket.buffer()
+        window = self.window
+        if first and window is not None and window.pending is not None:  # a window ended: agree, then adopt
+            self.adopt(window.agree(buffer.device))
         plan, routes, ctx = self._context(bucket, buffer)
+        if window is not None and window.measuring(self.step):  # before any encode touches the buffer
+            window.take(plan, buffer, self.step, ctx.loss_scale, self._optimizer_scale)
+            if last:
+                self._window_bytes = window.launch()
         t1 = time.thread_time()
         staged = self.overlap_agreement and not (self.two_level and routes.has_lossy)  # else: all at `_complete`
         # before any group is pre-scaled or encoded in place; staged, sign groups add theirs as they encode
@@ -261,6 +276,10 @@ class Runtime(RuntimeState):
                                    self.residuals, self.scales, frozenset(self.health.ef_off),
                                    self._quantization_scale if pre else None, self._step_loss_scale())
         return plan, routes, ctx
+
+    def _optimizer_scale(self, name: str) -> torch.Tensor | None:
+        """A parameter's sqrt(v) + eps now (None without a second moment): what a window's replay divides by."""
+        return None if self.preconditioner is None else self.preconditioner.quantization_scale(name, self.step)
 
     def _step_loss_scale(self) -> torch.Tensor | None:
         """The loss scale this step's gradients carry (`EncodeContext.loss_scale`), or None without a scaler."""
@@ -370,6 +389,11 @@ class Runtime(RuntimeState):
         events = self.observe_health(st, lossy, folded.fidelity, probe_regions, with_ef)
         drop_ef_residuals(self.residuals, self.regions, events)
         folded.record(events)
+        if self.window is not None and self.window.measuring(self.step):
+            st.calibrating, st.calibration_wire_bytes = True, self._window_bytes
+            st.wire_bytes += self._window_bytes
+            self._window_bytes = 0
+            self.window.fold(self.step, self.reference_series())
         st.hook_phases["fold"] = time.thread_time() - t0
         st.hook_time_s += st.hook_phases["fold"]
         self.history.append(st)
