@@ -1,4 +1,6 @@
-"""The compiled CPU kernels give the same bits as the torch reference (the path every other device runs).
+"""The sign and qsum numba kernels (`sign/host.py`, `qsum/host.py`, what CPU tensors take) give the
+same bits as the torch reference (the path every other device runs); blockq's are held to it in
+test_blockq_fast.py.
 
 Sizes cover odd lengths, empty and one-element segments, segments that start mid-byte,
 and the kernels' 4096-element chunk boundaries.

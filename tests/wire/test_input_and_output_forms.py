@@ -1,4 +1,7 @@
-"""Lane packing and table decode agree across input dtypes; the compiled decode equals the torch reference."""
+"""The same bits whatever form a codec's input or output takes: lane packing from bool, uint8 or
+int64 values; a table decode (torch and numba) or an unpack and a gather; sign votes and scales
+of signed zeros, NaN, bf16 and strided views; a decode into one tensor or into each segment's
+own destination."""
 
 import pytest
 import torch
