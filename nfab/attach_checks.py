@@ -36,7 +36,8 @@ def check_model(profile: Profile, module: nn.Module, model_signature: str | None
         return
     signature = model_signature if model_signature is not None else signature_of(module)
     if signature != profile.model.signature:
-        kept = (profile.provenance.get("calibrated") or {}).get("parameters")  # the layout calibration saw
+        seen = profile.provenance.get("calibrated") or profile.provenance.get("in_run") or {}
+        kept = seen.get("parameters")  # the layout calibration saw (offline, or inside a run)
         which = f": {layout_differences(list(kept), module)}" if isinstance(kept, list) and kept else ""
         raise ProfileError(
             f"profile was made for model {profile.model.name!r} with another parameter layout "

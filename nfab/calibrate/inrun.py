@@ -68,7 +68,10 @@ def fitter(*, model: str, optimizer: str, total_steps: int | None, seed: int, ra
                        "sampled_elements": window.size},
         }
         profile = fit_profile(table_frame(rows), meta=table_meta)
-        profile = profile.model_copy(update={"evidence": {**profile.evidence, "validation": {
+        # no reproducible setting (the run's model, data and loop are the user's): what was measured instead
+        prov = {k: v for k, v in profile.provenance.items() if k != "calibrated"}
+        prov["in_run"] = {**profile.provenance.get("calibrated", {}), **table_meta["in_run"]}
+        profile = profile.model_copy(update={"provenance": prov, "evidence": {**profile.evidence, "validation": {
             "passed": None, "stopped": "calibrated inside the run: guarded by the health monitor, not validated "
                                        "against an FP32 run"}}})
         if out is not None and rank == 0:

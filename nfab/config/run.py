@@ -102,6 +102,8 @@ class ScheduleConfig(StrictModel):
     """Cosine floor as a fraction of the peak lr."""
 
 
+AUTO = "auto"
+"""`comm.profile=auto`: calibrate inside the run (`nfab.attach(model, "auto")`)."""
 DDP_BUCKET_MB = 25.0
 """DDP's own default bucket cap, for plain FP32 runs."""
 NFAB_BUCKET_MB = 4.0
@@ -114,7 +116,9 @@ class CommConfig(StrictModel):
     """Gradient communication: exactly one of `profile`, `route` or `fp32`."""
 
     profile: str | None = None
-    """Operating profile: a path to profile.json or a shipped profile's name (`resnet18`)."""
+    """Operating profile: a path to profile.json or a shipped profile's name (`resnet18`), or `auto`:
+    calibrate inside the run (`attach(model, "auto")`; DDP only; the run dir's `calibration/` gets the
+    table and the profile it fitted)."""
     route: str | dict[str, str] | None = None
     """A route for every region (`sign`, `q8`, ...), `conv:sign,*.bias:fp32`, or a mapping region/glob -> route."""
     fp32: bool = False
@@ -125,6 +129,8 @@ class CommConfig(StrictModel):
     cost_model: str = "measure"
     """`measure` (a collective benchmark of about a second at start, kept for resumes), `none` (no cost
     gate), a declared link `link:100mbit` / `link:25gbit,20us` (nothing measured), or a JSON path."""
+    calibration_window: int | None = Field(None, ge=1)
+    """With `profile: auto`: steps per in-run calibration window (None: 2% of the run, at least 4)."""
     bucket_cap_mb: float | None = Field(None, gt=0)
     """DDP bucket size in MB; None: DDP's 25 for `fp32`, `NFAB_BUCKET_MB` under nfab's hook."""
     qsum_scale: Literal["exact", "delayed"] = "exact"
@@ -276,6 +282,9 @@ class TrainConfig(StrictModel):
             if self.comm.bucket_cap_mb is not None:
                 raise ValueError("comm.bucket_cap_mb sizes DDP's buckets: FSDP2 reduce-scatters per module "
                                  "(fully_shard unit), so drop it or train with parallel=ddp")
+            if self.comm.profile == AUTO:
+                raise ValueError("comm.profile=auto calibrates inside a DDP run: under parallel=fsdp calibrate "
+                                 "first (nfab calibrate) and train with the profile it writes")
             route = self.comm.route
             fsdp_layout.check_options(Profile.static(route if route is not None else "fp32"),
                                       explicit=route is not None, error_feedback=self.comm.error_feedback,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from nfab.api import AUTO
 from nfab.config.attach import AttachConfig
 from nfab.config.shipped import load_profile
 from nfab.errors import NfabError
@@ -18,16 +19,18 @@ from nfab.runtime.frontends.ddp import Runtime
 
 
 def checked(profile: str | Path | Profile | None, route: str | dict[str, str] | None,
-            where: str = "") -> Profile | None:
+            where: str = "") -> Profile | str | None:
     """`profile` loaded (a path or a shipped name) and `route` parsed where the user hands them to an
     adapter, so a missing file or a bad route is one `NfabError` at that call: Lightning and the
     Trainer attach only inside `fit()` / `train()`, where it surfaced in dozens of framework frames.
-    Returns the profile to attach with (None for a route)."""
+    Returns the profile to attach with (None for a route; "auto" as it is: `nfab.attach(model, "auto")`)."""
     if (profile is None) == (route is None):
         raise NfabError(f"{where}give exactly one of profile= or route=")
     if route is not None:
         Profile.static(route)
         return None
+    if isinstance(profile, str) and profile == AUTO:  # calibrated inside the run, when the framework attaches
+        return AUTO
     return load_profile(profile)
 
 

@@ -28,6 +28,7 @@ import torch
 from nfab.attach_checks import check_globs
 from nfab.config.calibrated import layout_mismatch, profile_base, recipe_changes
 from nfab.config.pairing import default_data, resolve_pairing
+from nfab.config.run import AUTO
 from nfab.config.shipped import resolve_profile
 from nfab.data import build_dataset, make_loader
 from nfab.data.user import resolve_collate
@@ -79,7 +80,7 @@ def resolve_config(config_path: str | None, overrides: list[str], flags: list[st
         if saved.is_file():
             base = {k: v for k, v in json.loads(saved.read_text()).items() if k not in _NOT_PERSISTED}
             where = str(saved)
-    if not base and (setting is not None or probe.comm.profile is not None):
+    if not base and (setting is not None or probe.comm.profile not in (None, AUTO)):
         path = str(resolve_profile(setting or probe.comm.profile))
         base = profile_base(Profile.load(path), path)
         if setting is not None:
@@ -181,7 +182,7 @@ def validate(cfg: TrainConfig, warn: Warn = log.warning) -> TrainConfig:
     world = cfg.launch.world_size
     make_loader(data, batch_size=cfg.data.batch_size, rank=0, world_size=world, seed=cfg.seed)
     check_gpus(cfg.launch.nproc, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    if cfg.comm.profile is not None:
+    if cfg.comm.profile not in (None, AUTO):  # "auto" calibrates inside the run: no file to check yet
         cfg.comm.profile = str(resolve_profile(cfg.comm.profile))
         profile = Profile.load(cfg.comm.profile)
         if (mismatch := layout_mismatch(profile, spec)) is not None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import nfab
 from nfab.config.optim import autocast
 from nfab.config.pairing import adopt_task
+from nfab.config.run import AUTO
 from nfab.data import build_dataset, make_eval_loader
 from nfab.data.user import resolve_collate
 from nfab.errors import NfabError
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from nfab.runtime.frontends.fsdp import ShardedRuntime  # FSDP2's front end: imported when used
 
 log = logging.getLogger(__name__)
+CALIBRATION_DIR = "calibration"
+"""Where `comm.profile=auto` writes the table and the profile it fitted, in the run dir."""
 _STAGE = ["setup"]
 
 
@@ -222,7 +225,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         _check_parallel(cfg, shared)
         checkpoint.check_model_state(shared["model"], module, run_dir / checkpoint.CHECKPOINT_DIR)
         module.load_state_dict(shared["model"])  # the full state, before any sharding
-    signature = model_signature(module) if cfg.comm.profile else None
+    signature = model_signature(module) if cfg.comm.profile not in (None, AUTO) else None
     train_data = build_dataset(cfg.data.name, split="train", seed=cfg.seed, **cfg.data.options)
     test_data = (build_dataset(cfg.data.name, split="test", seed=cfg.seed, **cfg.data.options) if cfg.data.eval is None
                  else build_dataset(cfg.data.eval, split="test", seed=cfg.seed))
@@ -250,6 +253,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             model_signature=signature,
             qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer, hierarchy=cfg.comm.hierarchy,
             noise_moment=cfg.comm.noise_moment, loss_scaler=scaler if scaler.is_enabled() else None,
+            calibration_out=run_dir / CALIBRATION_DIR if cfg.comm.profile == AUTO else None,
+            calibration_window=cfg.comm.calibration_window,
         )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
     rows: list[dict[str, Any]] = list(shared.get("rows", []))
@@ -271,7 +276,8 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         "route": route_label(cfg),
         "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb, "hierarchy": _levels(runtime),
         "noise_moment": getattr(runtime, "moment", None) is not None,  # comm.noise_moment as resolved
-        "profile": {"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)} if cfg.comm.profile else None,
+        "profile": ({"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)}
+                    if cfg.comm.profile not in (None, AUTO) else cfg.comm.profile),
         "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
     }
 
@@ -392,4 +398,5 @@ def _step_row(runtime: Runtime | ShardedRuntime | None, step: int, lr: float, pl
                     intra_node_bytes=st.intra_node_bytes, inter_node_bytes=st.inter_node_bytes,
                     probe_wire_bytes=st.probe_wire_bytes, shadow_wire_bytes=st.shadow_wire_bytes,
                     cost_gated=st.cost_gated, shadow=st.shadow,
-                    alarms=st.alarms, false_alarms=st.false_alarms)
+                    alarms=st.alarms, false_alarms=st.false_alarms,
+                    calibrating=st.calibrating, calibration_wire_bytes=st.calibration_wire_bytes)

@@ -32,11 +32,13 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("inter_node_bytes", pa.int64()),
     ("probe_wire_bytes", pa.int64()),
     ("shadow_wire_bytes", pa.int64()),
+    ("calibration_wire_bytes", pa.int64()),
     ("route_mix", pa.string()),
     ("fallback", pa.bool_()),
     ("fallback_reason", pa.string()),
     ("skipped", pa.bool_()),
     ("cost_gated", pa.bool_()),
+    ("calibrating", pa.bool_()),
     ("shadow", pa.bool_()),
     ("alarms", pa.int64()),
     ("false_alarms", pa.int64()),
@@ -57,7 +59,7 @@ NAN = float("nan")
 
 _COUNTERS_ABSENT = {"collectives": 0, "scale_rounds": 0, "saturated_slices": 0, "region_cosine": "{}",
                     "intra_node_bytes": 0, "inter_node_bytes": 0, "probe_wire_bytes": 0, "shadow_wire_bytes": 0,
-                    "cost_gated": False,
+                    "cost_gated": False, "calibrating": False, "calibration_wire_bytes": 0,
                     "shadow": False, "alarms": 0, "false_alarms": 0}
 
 
@@ -94,6 +96,8 @@ def make_row(
     shadow: bool = False,
     alarms: int = 0,
     false_alarms: int = 0,
+    calibrating: bool = False,
+    calibration_wire_bytes: int = 0,
 ) -> dict[str, Any]:
     """One metrics row with every column typed; eval columns start as NaN."""
     return {
@@ -104,6 +108,7 @@ def make_row(
         "fallback_reason": fallback_reason or "", "skipped": bool(skipped),
         "probe_wire_bytes": int(probe_wire_bytes), "shadow_wire_bytes": int(shadow_wire_bytes),
         "cost_gated": bool(cost_gated), "shadow": bool(shadow),
+        "calibrating": bool(calibrating), "calibration_wire_bytes": int(calibration_wire_bytes),  # attach "auto"
         "alarms": int(alarms), "false_alarms": int(false_alarms),  # run totals so far
         "fidelity_cosine": _nan(fidelity_cosine),
         "region_cosine": json.dumps(region_cosine or {}, sort_keys=True),  # drift monitor's per-region probe

@@ -1,0 +1,34 @@
+"""`nfab train --profile auto`: the CLI's DDP run calibrates inside itself, writes what it fitted into the
+run dir, and that profile trains a second run as any calibrated profile does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nfab.calibrate.table import read_table
+from tests.train.trainrun import GPT, metrics, nfab_train
+
+
+@pytest.mark.slow
+def test_train_profile_auto_writes_the_profile_it_fitted_and_a_second_run_trains_with_it(tmp_path: Path) -> None:
+    run = tmp_path / "auto"
+    r = nfab_train(*GPT, "--profile", "auto", "--nproc", "2", "--run-dir", str(run), "optim.name=adamw",
+                   "comm.calibration_window=2", timeout=300)
+    assert r.code == 0, r.stderr[-2000:]
+    frame, meta = read_table(run / "calibration" / "calibration.parquet")
+    assert meta["world_size"] == 2 and len(frame)
+    profile = run / "calibration" / "profile.json"
+    assert json.loads(profile.read_text())["evidence"]["validation"]["passed"] is None
+    m = metrics(run)
+    assert "calibrating" in m.columns and m["calibrating"].iloc[0]
+    again = nfab_train(*GPT, "--profile", str(profile), "--nproc", "2", "--run-dir", str(tmp_path / "again"),
+                       "optim.name=adamw", timeout=300)
+    assert again.code == 0, again.stderr[-2000:]
+
+
+def test_auto_under_fsdp_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    r = nfab_train(*GPT, "--profile", "auto", "--run-dir", str(tmp_path / "r"), "parallel=fsdp")
+    assert r.code == 2 and "calibrates inside a DDP run" in r.stderr and "Traceback" not in r.stderr, r.stderr
