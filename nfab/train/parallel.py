@@ -28,19 +28,26 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from nfab.models.spec import ModelSpec
 from nfab.runtime.frontends import fsdp2
 
 Parallel = Literal["ddp", "fsdp"]
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _dcp_state_dict() -> Any:
+    """torch.distributed.checkpoint's state_dict helpers, imported by the FSDP paths only: the import
+    pulls in DTensor's op tables and sympy, about 1 s of CPU per process (measured on the 2-core box,
+    2026-12-08) that DDP ranks and `nfab train`'s parent, which imports this module, never use."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _full() -> Any:
+    """Full state dicts, offloaded to the CPU (rank 0 gathers them)."""
+    return _dcp_state_dict().StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass(slots=True)
@@ -72,20 +79,21 @@ class Wrapped:
         """The full model state (a collective under FSDP; rank 0 gets it, the others an empty dict)."""
         if self.parallel == "ddp":
             return self.module.state_dict()
-        return get_model_state_dict(self.module, options=_FULL)
+        return _dcp_state_dict().get_model_state_dict(self.module, options=_full())
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state (a collective under FSDP; rank 0 gets it, keyed by parameter name)."""
         if self.parallel == "ddp":
             return optimizer.state_dict()
-        return get_optimizer_state_dict(self.module, optimizer, options=_FULL)
+        return _dcp_state_dict().get_optimizer_state_dict(self.module, optimizer, options=_full())
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load what `optimizer_state` wrote (every rank holds the full state; each keeps its shard)."""
         if self.parallel == "ddp":
             optimizer.load_state_dict(state)
             return
-        set_optimizer_state_dict(self.module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        dcp = _dcp_state_dict()
+        dcp.set_optimizer_state_dict(self.module, optimizer, state, options=dcp.StateDictOptions(full_state_dict=True))
 
     def grad_norm(self, device: torch.device) -> float:
         """The reduced gradient's global L2 norm, the same float on every rank."""
