@@ -9,8 +9,10 @@ resumed from its state ends bit-equal to the uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,12 +62,14 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def setup(out: str | None, **kw):
+def setup(out: str | None, *, meta: bool = False, **kw):
+    """Model, optimizer and the "auto" runtime (attached under the meta default device when `meta`)."""
     torch.manual_seed(0)
     model = DDP(TinyLM(), bucket_cap_mb=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rt = nfab.attach(model, "auto", optimizer=opt, total_steps=STEPS, calibration_window=WINDOW,
-                     calibration_out=out, cost_model=None, **kw)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        rt = nfab.attach(model, "auto", optimizer=opt, total_steps=STEPS, calibration_window=WINDOW,
+                         calibration_out=out, cost_model=None, **kw)
     return model, opt, rt
 
 
@@ -140,6 +144,28 @@ def test_auto_calibrates_inside_the_run_and_every_rank_adopts_the_same_profile(t
     assert {p.name: p.routes for p in written.phases} == res[0]["routes"]
     assert meta["world_size"] == 2 and meta["in_run"]["windows"] == list(sched.starts)
     assert json.loads((tmp_path / "profile.json").read_text())["evidence"]["validation"]["passed"] is None
+
+
+def _meta(rank: int, world_size: int, meta: bool) -> dict:
+    """The run of `_run`, with attach, every hook body and every callback (the window's sampling, gather,
+    fit and agreement among them) under the meta default device when `meta`."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import twins
+
+    model, opt, rt = setup(None, meta=meta)
+    if meta:
+        rt.__class__ = twins.DefaultDeviceMeta
+    train(model, opt, rt, rank, range(STEPS))
+    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            "mix": [s.route_mix for s in rt.history], "codes": profile_codes(rt.profile)}
+
+
+@pytest.mark.world_size(2)
+def test_auto_under_the_meta_default_device_gives_the_same_bits():
+    normal = run_ranks(_meta, 2, False, timeout_s=300)
+    meta = run_ranks(_meta, 2, True, timeout_s=300)
+    for a, b in zip(normal, meta, strict=True):
+        assert torch.equal(a["params"], b["params"]) and a["mix"] == b["mix"] and a["codes"] == b["codes"]
 
 
 def _resume(rank: int, world_size: int, cut: int) -> dict:

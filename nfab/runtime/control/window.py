@@ -97,8 +97,8 @@ def sample_layout(params: Sequence[tuple[str, str, int]], seed: int) -> tuple[Sa
         chunks = -(-n // CHUNK)
         share = SAMPLE * n / by_region[region]  # this parameter's part of its region's sample
         take = chunks if by_region[region] <= SAMPLE else min(chunks, max(1, round(share / CHUNK)))
-        picked = torch.randperm(chunks, generator=gen)[:take].sort().values
-        pos = (picked[:, None] * CHUNK + torch.arange(CHUNK)[None, :]).reshape(-1)
+        picked = torch.randperm(chunks, generator=gen, device="cpu")[:take].sort().values
+        pos = (picked[:, None] * CHUNK + torch.arange(CHUNK, device="cpu")[None, :]).reshape(-1)
         out.append(Sampled(name, region, n, pos[pos < n]))
     return tuple(out)
 
@@ -196,7 +196,8 @@ class Window:
         win = self.windows[-1]
         win.steps.append(out.view(self.world_size, self.size).cpu())
         if step == start + self.schedule.length - 1:
-            self.pending = self.fit(self, reference)
+            with torch.device("cpu"):  # the fit is host work on host copies, whatever the caller's default device
+                self.pending = self.fit(self, reference)
 
     def agree(self, device: torch.device) -> Profile | None:
         """From a hook body, after a window's end: the fitted profile if every rank fitted the same
@@ -238,7 +239,7 @@ class Window:
                 if s is None or s.positions.numel() == 0:
                     continue
                 src.append(s.positions + sl.offset)
-                dst.append(torch.arange(s.positions.numel()) + self._offsets[sl.name])
+                dst.append(torch.arange(s.positions.numel(), device="cpu") + self._offsets[sl.name])
             self._index[plan.key] = (torch.cat(src).to(device), torch.cat(dst).to(device)) if src else None
         return self._index[plan.key]
 
@@ -247,7 +248,8 @@ class Window:
         for s in self.layout:
             q = scale_of(s.name)
             any_scale |= q is not None
-            parts.append(torch.ones(s.positions.numel()) if q is None else q.reshape(-1).cpu()[s.positions])
+            parts.append(torch.ones(s.positions.numel(), device="cpu") if q is None
+                         else q.reshape(-1).cpu()[s.positions])
         return torch.cat(parts).to(torch.float32) if any_scale else None
 
 
