@@ -71,8 +71,10 @@ def attach(
     if auto:  # imported here: the calibrator (pandas, pyarrow) is not every attach's to pay for
         from nfab.calibrate import inrun
 
-        inrun.check(cfg, sharded=sharded)
-    prof, explicit = (Profile.static(WINDOW_ROUTE), False) if auto else _profile(profile, cfg.route)
+        inrun.check(cfg)
+    # "auto" starts on the window route (FP32 under FSDP2, whose reduce-scatter carries no bf16)
+    prof, explicit = ((Profile.static("fp32" if sharded else WINDOW_ROUTE), False) if auto
+                      else _profile(profile, cfg.route))
     if not sharded and getattr(ddp_model, "_comm_hooks", None):
         raise NfabError("this DDP model already has a communication hook (nfab.attach called twice, or "
                         "register_comm_hook before it): DDP takes one, so attach once to a model without one")
@@ -82,7 +84,10 @@ def attach(
     prof = prof if explicit or auto else _widened(prof, cfg.total_steps)
     loss_scale = loss_scale_of(cfg.loss_scaler) if cfg.loss_scaler is not None else None
     if sharded:
-        return _attach_sharded(ddp_model, prof, explicit, cfg, loss_scale)
+        runtime = _attach_sharded(ddp_model, prof, explicit, cfg, loss_scale, auto=auto)
+        if auto:
+            runtime.window = inrun.window_for(runtime, ddp_model, cfg)
+        return runtime
     cm = cost_mod.resolve(cfg.cost_model, ddp_model.process_group, _grad_device(ddp_model))
     use_ef = resolve_error_feedback(cfg.error_feedback, cfg.optimizer)
     if use_ef and cfg.error_feedback is True and cfg.optimizer is not None and is_adaptive(cfg.optimizer):
@@ -119,7 +124,7 @@ def _widened(prof: Profile, total_steps: int | None) -> Profile:
 
 
 def _attach_sharded(model: torch.nn.Module, prof: Profile, explicit: bool, cfg: AttachConfig,
-                    loss_scale: LossScale | None) -> ShardedRuntime:
+                    loss_scale: LossScale | None, *, auto: bool = False) -> ShardedRuntime:
     """`attach` on an FSDP2 model: nfab's reduce-scatter on every FSDP2 module, after what FSDP2 refuses."""
     from nfab.runtime.frontends import fsdp as fsdp_front
     from nfab.runtime.frontends import fsdp_layout
@@ -135,7 +140,8 @@ def _attach_sharded(model: torch.nn.Module, prof: Profile, explicit: bool, cfg: 
             and any(p.error_feedback for p in prof.phases) and torch.distributed.get_rank(group) == 0):
         log.warning("nfab: this profile's phases carry error feedback, which FSDP2 does not offer (a full-size "
                     "residual per rank): it runs without it, as it was not validated")
-    if resolve_noise_moment(cfg.noise_moment, cfg.optimizer, static_route=explicit, calibrated_with=prof.noise_moment):
+    if resolve_noise_moment(cfg.noise_moment, cfg.optimizer, static_route=explicit or auto,
+                            calibrated_with=prof.noise_moment):
         runtime.moment = NoiseMoment(cfg.optimizer, dict(model.named_parameters()), loss_scale)
     return runtime
 

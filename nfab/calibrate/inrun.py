@@ -122,11 +122,8 @@ def write(out: Path, rows: list[dict], meta: dict[str, Any], profile: Profile) -
     return profile
 
 
-def check(cfg: AttachConfig, *, sharded: bool) -> None:
+def check(cfg: AttachConfig) -> None:
     """What `attach(model, "auto")` refuses before anything is registered, in one line each."""
-    if sharded:
-        raise NfabError('profile="auto" runs on DDP models; on FSDP2 calibrate first (nfab.calibrate or '
-                        "nfab calibrate) and attach the profile it writes")
     if cfg.route is not None:
         raise NfabError('give profile="auto" or route=, not both')
     if cfg.hierarchy not in (None, "flat"):
@@ -134,8 +131,11 @@ def check(cfg: AttachConfig, *, sharded: bool) -> None:
 
 
 def window_for(runtime: RuntimeState, module: torch.nn.Module, cfg: AttachConfig) -> Window:
-    """The in-run calibration windows of a DDP runtime: sample layout, schedule, and the fit."""
-    params = [(n, runtime.regions[n], p.numel()) for n, p in module.named_parameters() if p.requires_grad]
+    """The in-run calibration windows of a DDP or FSDP2 runtime: sample layout, schedule, and the fit.
+    FSDP2's parameters are those its reduce-scatters carry (whole sizes, in the modules' order)."""
+    comms = getattr(runtime, "comms", None)
+    params = ([(p.name, p.region, p.numel) for c in comms for p in c.layout.params] if comms
+              else [(n, runtime.regions[n], p.numel()) for n, p in module.named_parameters() if p.requires_grad])
     opt = cfg.optimizer
     family = "adamw" if opt is not None and is_adaptive(opt) else "sgd"
     if opt is None and runtime.rank == 0:

@@ -117,8 +117,8 @@ class CommConfig(StrictModel):
 
     profile: str | None = None
     """Operating profile: a path to profile.json or a shipped profile's name (`resnet18`), or `auto`:
-    calibrate inside the run (`attach(model, "auto")`; DDP only; the run dir's `calibration/` gets the
-    table and the profile it fitted)."""
+    calibrate inside the run (`attach(model, "auto")`: the run dir's `calibration/` gets the table and
+    the profile it fitted)."""
     route: str | dict[str, str] | None = None
     """A route for every region (`sign`, `q8`, ...), `conv:sign,*.bias:fp32`, or a mapping region/glob -> route."""
     fp32: bool = False
@@ -282,9 +282,6 @@ class TrainConfig(StrictModel):
             if self.comm.bucket_cap_mb is not None:
                 raise ValueError("comm.bucket_cap_mb sizes DDP's buckets: FSDP2 reduce-scatters per module "
                                  "(fully_shard unit), so drop it or train with parallel=ddp")
-            if self.comm.profile == AUTO:
-                raise ValueError("comm.profile=auto calibrates inside a DDP run: under parallel=fsdp calibrate "
-                                 "first (nfab calibrate) and train with the profile it writes")
             route = self.comm.route
             fsdp_layout.check_options(Profile.static(route if route is not None else "fp32"),
                                       explicit=route is not None, error_feedback=self.comm.error_feedback,

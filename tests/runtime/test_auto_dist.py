@@ -62,15 +62,38 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def setup(out: str | None, *, meta: bool = False, **kw):
-    """Model, optimizer and the "auto" runtime (attached under the meta default device when `meta`)."""
+def setup(out: str | None, *, meta: bool = False, fsdp: bool = False, **kw):
+    """Model, optimizer and the "auto" runtime (attached under the meta default device when `meta`; to an
+    FSDP2 model, every block and the root sharded, when `fsdp`)."""
     torch.manual_seed(0)
-    model = DDP(TinyLM(), bucket_cap_mb=0.01)
+    model = fully_sharded(TinyLM()) if fsdp else DDP(TinyLM(), bucket_cap_mb=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with torch.device("meta") if meta else contextlib.nullcontext():
         rt = nfab.attach(model, "auto", optimizer=opt, total_steps=STEPS, calibration_window=WINDOW,
                          calibration_out=out, cost_model=None, **kw)
     return model, opt, rt
+
+
+def fully_sharded(model: TinyLM) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for b in model.blocks:
+        fully_shard(b)
+    return fully_shard(model)
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter whole (an FSDP2 DTensor gathered), in the model's order."""
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """A plain copy of the model with its whole weights: what computes a rank's own gradient again."""
+    twin = TinyLM()
+    with torch.no_grad():
+        for t, p in zip(twin.parameters(), full_params(model), strict=True):
+            t.copy_(p)
+    return twin
 
 
 def train(model, opt, rt, rank: int, steps: range, *, reference: list | None = None) -> list[bool]:
@@ -80,7 +103,7 @@ def train(model, opt, rt, rank: int, steps: range, *, reference: list | None = N
     for step in steps:
         x, y = batch(rank, step)
         if reference is not None and rt.window.measuring(step):
-            twin = copy.deepcopy(model.module)
+            twin = unwrapped(model)
             grads = torch.autograd.grad(loss_of(twin, x, y), list(twin.parameters()))
             flat = torch.cat([g.reshape(-1) for g in grads])
             out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
@@ -92,7 +115,7 @@ def train(model, opt, rt, rank: int, steps: range, *, reference: list | None = N
         rt.step_stats()
         opt.step()
         opt.zero_grad()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        flat = torch.cat([p.reshape(-1) for p in full_params(model)])
         lo, hi = flat.clone(), flat.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -100,13 +123,13 @@ def train(model, opt, rt, rank: int, steps: range, *, reference: list | None = N
     return equal
 
 
-def _run(rank: int, world_size: int, out: str) -> dict:
-    model, opt, rt = setup(out)
+def _run(rank: int, world_size: int, out: str, fsdp: bool = False) -> dict:
+    model, opt, rt = setup(out, fsdp=fsdp)
     reference: list[torch.Tensor] = []
     equal = train(model, opt, rt, rank, range(STEPS), reference=reference)
     # the samples each window kept, against every rank's own gradient at the sampled positions
     offsets, at = {}, 0
-    for n, p in model.module.named_parameters():
+    for n, p in TinyLM().named_parameters():
         offsets[n] = at
         at += p.numel()
     cols = torch.cat([s.positions + offsets[s.name] for s in rt.window.layout])
@@ -146,6 +169,19 @@ def test_auto_calibrates_inside_the_run_and_every_rank_adopts_the_same_profile(t
     assert json.loads((tmp_path / "profile.json").read_text())["evidence"]["validation"]["passed"] is None
 
 
+@pytest.mark.fsdp2
+@pytest.mark.world_size(2)
+def test_auto_on_fsdp2_gathers_each_modules_samples_and_adopts_one_profile(tmp_path: Path):
+    res = run_ranks(_run, 2, str(tmp_path), True, timeout_s=300)
+    for r in res:
+        assert all(r["equal"]) and r["samples_match"], r
+        assert set(r["mix"][0]) == {"fp32"}  # FSDP2's first window sends FP32 (its reduce-scatter has no bf16)
+        assert all((b > 0) == c for b, c in zip(r["window_bytes"], r["calibrating"], strict=True))
+    assert res[0]["codes"] == res[1]["codes"]
+    assert any(set(m) - {"fp32"} for m in res[0]["mix"][WINDOW:]), "the fitted profile never compressed"
+    assert Profile.load(tmp_path / "profile.json").phases
+
+
 def _meta(rank: int, world_size: int, meta: bool) -> dict:
     """The run of `_run`, with attach, every hook body and every callback (the window's sampling, gather,
     fit and agreement among them) under the meta default device when `meta`."""
@@ -168,31 +204,32 @@ def test_auto_under_the_meta_default_device_gives_the_same_bits():
         assert torch.equal(a["params"], b["params"]) and a["mix"] == b["mix"] and a["codes"] == b["codes"]
 
 
-def _resume(rank: int, world_size: int, cut: int) -> dict:
-    model, opt, rt = setup(None)
+def _resume(rank: int, world_size: int, cut: int, fsdp: bool = False) -> dict:
+    model, opt, rt = setup(None, fsdp=fsdp)
     train(model, opt, rt, rank, range(STEPS))
-    whole = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    whole = torch.cat([p.reshape(-1) for p in full_params(model)])
     # the same run killed after step `cut` (mid-window) and resumed from its state in fresh objects
-    model, opt, rt = setup(None)
+    model, opt, rt = setup(None, fsdp=fsdp)
     train(model, opt, rt, rank, range(cut))
     state = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "nfab": rt.state_dict()})
     del model, opt, rt
-    model, opt, rt = setup(None)
+    model, opt, rt = setup(None, fsdp=fsdp)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     rt.load_state_dict(state["nfab"])
     train(model, opt, rt, rank, range(cut, STEPS))
-    resumed = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    resumed = torch.cat([p.reshape(-1) for p in full_params(model)])
     return {"equal": bool(torch.equal(whole, resumed)), "codes": profile_codes(rt.profile)}
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("cut", [1, WINDOW, 9])
-def test_a_run_killed_mid_window_or_after_it_resumes_bit_equal(cut: int):
+@pytest.mark.parametrize(("cut", "fsdp"), [(1, False), (WINDOW, False), (9, False),
+                                           pytest.param(9, True, marks=pytest.mark.fsdp2)])
+def test_a_run_killed_mid_window_or_after_it_resumes_bit_equal(cut: int, fsdp: bool):
     """`cut` steps done: inside the first window, at its end (the fitted profile not yet agreed), inside
     the second (whose start is 8)."""
     assert schedule(STEPS, WINDOW).index(cut - 1) is not None or cut == WINDOW
-    res = run_ranks(_resume, 2, cut, timeout_s=300)
+    res = run_ranks(_resume, 2, cut, fsdp, timeout_s=300)
     assert all(r["equal"] for r in res), res
     assert res[0]["codes"] == res[1]["codes"]
 

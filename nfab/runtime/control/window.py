@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from nfab.profile.schema import REGIONS, Profile
 from nfab.runtime.core.plan import BucketPlan
+from nfab.runtime.core.shards import ShardParam
 from nfab.wire.contract import all_gather_flat
 from nfab.wire.routes import ROUTES
 
@@ -145,7 +146,9 @@ class Window:
         """Per window: its start, length, routes chosen, extra bytes (StepStats and the report read it)."""
         self._index: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._local: torch.Tensor | None = None
-        self._gather: tuple[torch.Tensor, Any] | None = None
+        self._gathers: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
+        """The step's all-gathers in flight: (output, work, the sample columns it fills; None: all)."""
+        self._rows_index: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._scale: torch.Tensor | None = None  # the optimizer's scale at the window's first step
 
     # ---- the hook's part ------------------------------------------------------------
@@ -162,31 +165,54 @@ class Window:
             return
         if self._local is None:
             self._local = torch.zeros(self.size, dtype=torch.float32, device=buffer.device)
-            if step in self.schedule.starts and scale_of is not None:
-                self._scale = self._sampled_scale(scale_of)
+            self._open(step, scale_of)
         src, dst = idx
-        values = buffer.index_select(0, src).to(torch.float32)
-        if loss_scale is not None:  # the hook's gradients carry the scaler's factor; the optimizer's do not
-            values = values / loss_scale
-        self._local.index_copy_(0, dst, values)
+        self._local.index_copy_(0, dst, _values(buffer, src, loss_scale))
+
+    def take_rows(self, key: int, params: Sequence[ShardParam], chunk: int, inp: torch.Tensor, step: int,
+                  scale_of: Callable[[str], torch.Tensor | None] | None) -> int:
+        """FSDP2: one module's reduce-scatter input (W rows of `chunk`: every rank's padded dim-0 shard of
+        each parameter, side by side): its sampled elements, all-gathered at once (asynchronously: the
+        front end has no last call to wait for); its wire bytes. `key`: the module's, for the index."""
+        if key not in self._rows_index:
+            self._rows_index[key] = self._shard_index(params, chunk, inp.device)
+        idx = self._rows_index[key]
+        if idx is None:
+            return 0
+        if not self._gathers:
+            self._open(step, scale_of)
+        src, dst = idx
+        values = _values(inp.reshape(-1), src, None)
+        out = torch.empty(self.world_size * values.numel(), dtype=torch.float32, device=values.device)
+        self._gathers.append((out, all_gather_flat(out, values, group=self.group, async_op=True), dst))
+        return (self.world_size - 1) * values.numel() * 4
 
     def launch(self) -> int:
         """From the step's last bucket: all-gather the step's samples (asynchronously); its wire bytes."""
         if self._local is None:
             return 0
         out = torch.empty(self.world_size * self.size, dtype=torch.float32, device=self._local.device)
-        work = all_gather_flat(out, self._local, group=self.group, async_op=True)
-        self._gather, self._local = (out, work), None
+        self._gathers.append((out, all_gather_flat(out, self._local, group=self.group, async_op=True), None))
+        self._local = None
         return (self.world_size - 1) * self.size * 4
 
     def fold(self, step: int, reference: dict[str, list[float]]) -> None:
         """At the step boundary: keep the gathered samples; at a window's last step, fit (no collective).
         `reference`: the run's agreed loss and grad-norm series so far (the health thresholds' base)."""
-        if self._gather is None:
+        if not self._gathers:
             return
-        out, work = self._gather
-        self._gather = None
-        work.wait()
+        gathers, self._gathers = self._gathers, []
+        full: torch.Tensor | None = None
+        for out, work, dst in gathers:
+            work.wait()
+            rows = out.view(self.world_size, -1)
+            if dst is None:
+                full = rows
+                continue
+            if full is None:
+                full = torch.zeros(self.world_size, self.size, dtype=torch.float32, device=rows.device)
+            full.index_copy_(1, dst, rows)
+        assert full is not None
         i = self.schedule.index(step)
         assert i is not None, "samples gathered outside a window"
         start = self.schedule.starts[i]
@@ -194,7 +220,7 @@ class Window:
             self.windows.append(WindowSamples(start, scale=self._scale))
             self._scale = None
         win = self.windows[-1]
-        win.steps.append(out.view(self.world_size, self.size).cpu())
+        win.steps.append(full.cpu())
         if step == start + self.schedule.length - 1:
             with torch.device("cpu"):  # the fit is host work on host copies, whatever the caller's default device
                 self.pending = self.fit(self, reference)
@@ -243,6 +269,26 @@ class Window:
             self._index[plan.key] = (torch.cat(src).to(device), torch.cat(dst).to(device)) if src else None
         return self._index[plan.key]
 
+    def _shard_index(self, params: Sequence[ShardParam], chunk: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions in the input, positions in the step's sample) of a module's sampled elements: element
+        i of a parameter lies in row i // shard_numel, at its offset there plus i % shard_numel."""
+        by_name = {s.name: s for s in self.layout}
+        src, dst = [], []
+        for p in params:
+            s = by_name.get(p.name)
+            if s is None or s.positions.numel() == 0:
+                continue
+            src.append(torch.div(s.positions, p.shard_numel, rounding_mode="floor") * chunk + p.offset
+                       + s.positions % p.shard_numel)
+            dst.append(torch.arange(s.positions.numel(), device="cpu") + self._offsets[p.name])
+        return (torch.cat(src).to(device), torch.cat(dst).to(device)) if src else None
+
+    def _open(self, step: int, scale_of: Callable[[str], torch.Tensor | None] | None) -> None:
+        """A step's first sample: at a window's first step, also the optimizer's scale there."""
+        if step in self.schedule.starts and scale_of is not None:
+            self._scale = self._sampled_scale(scale_of)
+
     def _sampled_scale(self, scale_of: Callable[[str], torch.Tensor | None]) -> torch.Tensor | None:
         parts, any_scale = [], False
         for s in self.layout:
@@ -251,6 +297,12 @@ class Window:
             parts.append(torch.ones(s.positions.numel(), device="cpu") if q is None
                          else q.reshape(-1).cpu()[s.positions])
         return torch.cat(parts).to(torch.float32) if any_scale else None
+
+
+def _values(flat: torch.Tensor, src: torch.Tensor, loss_scale: torch.Tensor | None) -> torch.Tensor:
+    """The sampled elements of a local gradient in fp32 units of the optimizer's (a loss scaler's factor out)."""
+    values = flat.index_select(0, src).to(torch.float32)
+    return values / loss_scale if loss_scale is not None else values
 
 
 def profile_codes(prof: Profile) -> list[int]:

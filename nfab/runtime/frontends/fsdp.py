@@ -57,6 +57,7 @@ from nfab.runtime.control import fidelity
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
 from nfab.runtime.control.fidelity import RegionSums
 from nfab.runtime.control.moment import NoiseMoment
+from nfab.runtime.control.window import Window
 from nfab.runtime.core import rowscatter, shardprobe
 from nfab.runtime.core.fold import read_to_host
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments, row_sources
@@ -113,6 +114,8 @@ class ShardedRuntime(RuntimeState):
         self._records: list[CallRecord] = []
         self._reduced: set[int] = set()
         self._sums_next: dict[str, RegionSums] = {}  # this rank's last probe: the next first word carries it
+        self.window: Window | None = None  # attach(model, "auto"): in-run calibration's windows
+        self._window_bytes = 0
 
     # ---- public -------------------------------------------------------------------------
     def step_stats(self) -> StepStats | None:
@@ -126,11 +129,16 @@ class ShardedRuntime(RuntimeState):
         Per rank: nothing here is a gradient, so every rank's state is the same few numbers."""
         self.step_stats()
         # the last probe's sums ride the next step's first word: a resumed run sends them too
-        return {**self.base_state(), "carried_probe": shardprobe.carried_state(self._sums_next)}
+        return {**self.base_state(), "carried_probe": shardprobe.carried_state(self._sums_next),
+                **({"window": self.window.state_dict()} if self.window is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_base_state(state)
         self._sums_next = shardprobe.load_carried(state.get("carried_probe"))
+        if self.window is not None and "window" in state:
+            self.window.load_state_dict(state["window"])
+            if self.window.decided is not None:
+                self.adopt(self.window.decided)
 
     # ---- the comm -----------------------------------------------------------------------
     def reduce_scatter(self, comm: NfabReduceScatter, output: torch.Tensor, inp: torch.Tensor,
@@ -145,12 +153,19 @@ class ShardedRuntime(RuntimeState):
             raise NfabError(f"FSDP2 reduce-scatter input of {inp.numel()} elements, layout of {lay.numel}: "
                             "a parameter without a gradient changes the group's layout (unsupported)")
         rows = inp.view(w, lay.chunk)
+        window = self.window
+        if window is not None and not self._records and window.pending is not None:  # a window ended: agree
+            self.adopt(window.agree(inp.device))
+        sampled = 0
+        if window is not None and window.measuring(self.step):  # before any group reads or scales the rows
+            sampled = window.take_rows(id(comm), lay.params, lay.chunk, inp, self.step, None)
+            self._window_bytes += sampled
         phase = self.controller.phase(self.step)
         routes = self.controller.routes(comm.plan, phase, self.health.demoted())
         probing = self.probing(phase) if routes.has_lossy else frozenset()
         word, word_fut, carried = self._launch_word(inp, group)
         probe_bytes = shardprobe.word_bytes(len(carried), w)
-        nbytes, collectives = allgather_factor(w) * 8.0 + probe_bytes, 1
+        nbytes, collectives = allgather_factor(w) * 8.0 + probe_bytes + sampled, 1 + (sampled > 0)
         probes: list[tuple[tuple, torch.Tensor]] = []
         elements: dict[str, int] = {}
         fallbacks = list(routes.fallbacks)
@@ -339,6 +354,9 @@ class ShardedRuntime(RuntimeState):
             for meta, _ in (p for r in records for p in r.probes):
                 params.update(fidelity.read_params(meta, next(flat)))
         self._sums_next = fidelity.region_sums(params)
+        if self.window is not None and self.window.measuring(self.step):
+            st.calibrating, st.calibration_wire_bytes, self._window_bytes = True, self._window_bytes, 0
+            self.window.fold(self.step, self.reference_series())
         st.hook_phases = {"reduce_scatter": sum(r.seconds for r in records), "fold": time.thread_time() - t0}
         st.hook_time_s = sum(st.hook_phases.values())
         self.history.append(st)
