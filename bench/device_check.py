@@ -19,7 +19,10 @@ results as JSON under `--out` (default `$OUT`, else runs/device-check) and a one
 
 With no CUDA the same script runs on CPU in quick mode (small sizes), says "no CUDA: ran on
 cpu" and finishes in well under 300 s: that is how it is kept working between lendings
-(`make device-check` on a CPU machine: about 20 s on the 2-core dev box, 2026-12-04). At most 8
+(`make device-check` on a CPU machine: about 20 s on the 2-core dev box, 2026-12-04). There its
+ranks fork from one server that imported torch and nfab once (`fork_ranks_from_server`): spawned,
+the 4 ranks of the ranks and hook steps took 50 s of a 76 s check on the loaded box, forked 8 s
+(2026-12-08); a GPU's ranks still spawn. At most 8
 files are written under the output folder (the device runner brings back no more).
 """
 
@@ -310,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     quick = args.quick or not cuda
+    if not cuda:  # the ranks and hook steps' 4 ranks fork from one server that loaded torch, DDP and nfab once
+        from nfab.distributed import fork_ranks_from_server
+
+        fork_ranks_from_server()  # (spawned, each paid that start-up: about half the CPU check's time)
     env = _env(cuda)
     global _deadline
     _deadline = time.monotonic() + TOTAL_S
