@@ -104,6 +104,9 @@ class ScheduleConfig(StrictModel):
 
 AUTO = "auto"
 """`comm.profile=auto`: calibrate inside the run (`nfab.attach(model, "auto")`)."""
+IN_RUN_DIR = "calibration"
+"""The run dir's folder where `comm.profile=auto` writes the table and the profile it fitted (`nfab report`
+reads it with the run)."""
 DDP_BUCKET_MB = 25.0
 """DDP's own default bucket cap, for plain FP32 runs."""
 NFAB_BUCKET_MB = 4.0

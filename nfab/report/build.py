@@ -104,7 +104,8 @@ def build_report(paths: Iterable[str], out: Path) -> Report:
                                  "run's; fewer bytes = the base's / this run's"))
     if len(runs):  # the run table with the FP32 comparison joined on, for spreadsheets
         csv = runs.merge(comparison, on="run", how="left").astype(
-            {c: "Int64" for c in ("world_size", "steps", "fallback_steps", "cost_gated_steps")})  # 4, not 4.0
+            {c: "Int64" for c in ("world_size", "steps", "fallback_steps", "cost_gated_steps",
+                                  "calibration_steps")})  # 4, not 4.0
         written.append(atomic_write_text(out / "summary.csv", csv.to_csv(index=False)))
     report = Report(out=out, runs=runs, comparison=comparison, calibrations=tuple(views), ttas=tuple(ttas),
                     images=tuple(images))

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from nfab.config.run import IN_RUN_DIR
 from nfab.errors import NfabError
 from nfab.report.artifacts import (
     CALIBRATION_FILE,
@@ -117,6 +118,9 @@ def discover(args: Iterable[str]) -> Inputs:
     for path, kind, name in zip(paths, kinds, display_names(paths), strict=True):
         if kind == "run":
             runs.append(load_run(path, name))
+            inrun = path / IN_RUN_DIR  # what `attach(model, "auto")` calibrated inside the run
+            if any((inrun / f).is_file() for f in _CALIBRATION_FILES):
+                calibrations.append(load_calibration(inrun, f"{name}/{IN_RUN_DIR}"))
         elif kind == "tta":
             ttas.extend(load_ttas(path, name.removesuffix(".json")))
         else:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 _HIDDEN = ("fp32_reference",)
-_OPTIONAL = ("accuracy", "perplexity")  # shown only when some run recorded them
+_OPTIONAL = ("accuracy", "perplexity", "calibration_steps")  # shown only when some run recorded them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

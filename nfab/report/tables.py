@@ -24,7 +24,7 @@ MB = 1e6  # report traffic in MB = 10^6 bytes
 RUN_COLUMNS = (
     "run", "status", "model", "dataset", "world_size", "parallel", "route", "steps",
     "accuracy", "loss", "perplexity", "wire_mb", "baseline_mb", "compression_ratio",
-    "fallback_steps", "cost_gated_steps", "wall_time_s", "fp32_reference",
+    "fallback_steps", "cost_gated_steps", "calibration_steps", "wall_time_s", "fp32_reference",
 )
 COMPARISON_COLUMNS = ("run", "baseline", "accuracy_delta_pts", "loss_delta_pct", "traffic_ratio")
 CALIBRATION_COLUMNS = ("calibration", "phase", "region", "route", "error_feedback",
@@ -100,9 +100,19 @@ def run_row(run: RunArtifacts) -> dict[str, object]:
         # steps on which the cost gate kept lossy routes on FP32 (the link makes compression not pay)
         "cost_gated_steps": int(m["cost_gated"].astype(bool).sum()) if m is not None and "cost_gated" in m
         else math.nan,
+        # steps in an in-run calibration window (`--profile auto`): their samples' bytes are in wire_mb
+        "calibration_steps": _calibration_steps(m),
         "wall_time_s": _nan(wall),
         "fp32_reference": bool(s and s.is_fp32),
     }
+
+
+def _calibration_steps(metrics: pd.DataFrame | None) -> float:
+    """Steps in an in-run calibration window; NaN for a run without any (the column is then not shown)."""
+    if metrics is None or "calibrating" not in metrics:
+        return math.nan
+    n = int(metrics["calibrating"].astype(bool).sum())
+    return n if n else math.nan
 
 
 def compression_ratio(fp32_bytes: int | None, wire_bytes: int | None) -> float:

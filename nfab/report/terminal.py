@@ -18,7 +18,7 @@ _LEFT = {"run", "status", "model", "dataset", "parallel", "route", "baseline", "
 # Shorter headers than the page's: an 80-column terminal must hold the run table.
 _SHORT = {"accuracy": "acc", "wire_mb": "wire\nMB", "baseline_mb": "plain\nMB",
           "compression_ratio": "compr-\nession", "fallback_steps": "fall-\nbacks",
-          "cost_gated_steps": "cost-\ngated",
+          "cost_gated_steps": "cost-\ngated", "calibration_steps": "calib-\nration",
           "wall_time_s": "wall\ns", "accuracy_delta_pts": "Δ acc\n(pts)",
           "loss_delta_pct": "Δ loss\n(%)", "traffic_ratio": "traffic ratio\n(FP32 run/this)",
           "bits_per_element": "bits/\nelement", "error_feedback": "error\nfeedback",

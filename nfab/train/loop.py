@@ -23,7 +23,7 @@ import torch.distributed as dist
 import nfab
 from nfab.config.optim import autocast
 from nfab.config.pairing import adopt_task
-from nfab.config.run import AUTO
+from nfab.config.run import AUTO, IN_RUN_DIR
 from nfab.data import build_dataset, make_eval_loader
 from nfab.data.user import resolve_collate
 from nfab.errors import NfabError
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from nfab.runtime.frontends.fsdp import ShardedRuntime  # FSDP2's front end: imported when used
 
 log = logging.getLogger(__name__)
-CALIBRATION_DIR = "calibration"
-"""Where `comm.profile=auto` writes the table and the profile it fitted, in the run dir."""
 _STAGE = ["setup"]
 
 
@@ -253,7 +251,7 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
             model_signature=signature,
             qsum_scale=cfg.comm.qsum_scale, optimizer=optimizer, hierarchy=cfg.comm.hierarchy,
             noise_moment=cfg.comm.noise_moment, loss_scaler=scaler if scaler.is_enabled() else None,
-            calibration_out=run_dir / CALIBRATION_DIR if cfg.comm.profile == AUTO else None,
+            calibration_out=run_dir / IN_RUN_DIR if cfg.comm.profile == AUTO else None,
             calibration_window=cfg.comm.calibration_window,
         )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps, cfg.schedule))
@@ -276,8 +274,9 @@ def train(cfg: TrainConfig, device: torch.device) -> dict[str, Any] | None:
         "route": route_label(cfg),
         "fp32": cfg.comm.fp32, "bucket_cap_mb": cfg.comm.bucket_mb, "hierarchy": _levels(runtime),
         "noise_moment": getattr(runtime, "moment", None) is not None,  # comm.noise_moment as resolved
-        "profile": ({"path": cfg.comm.profile, "sha256": file_sha256(cfg.comm.profile)}
-                    if cfg.comm.profile not in (None, AUTO) else cfg.comm.profile),
+        # "auto": what it fitted is in the run dir (IN_RUN_DIR), rewritten at each window's end
+        "profile": None if cfg.comm.profile is None else {
+            "path": cfg.comm.profile, "sha256": None if cfg.comm.profile == AUTO else file_sha256(cfg.comm.profile)},
         "nfab_version": nfab.__version__, "torch_version": torch.__version__, "command": cfg.command,
     }
 

@@ -4,12 +4,14 @@ run dir, and that profile trains a second run as any calibrated profile does."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from nfab.calibrate.table import read_table
-from tests.train.trainrun import GPT, metrics, nfab_train
+from tests.train.trainrun import GPT, NFAB, metrics, nfab_train
 
 
 @pytest.mark.slow
@@ -27,3 +29,11 @@ def test_train_profile_auto_writes_the_profile_it_fitted_and_a_second_run_trains
     again = nfab_train(*GPT, "--profile", str(profile), "--nproc", "2", "--run-dir", str(tmp_path / "again"),
                        "optim.name=adamw", timeout=300)
     assert again.code == 0, again.stderr[-2000:]
+    # the report reads the run with what it calibrated inside itself
+    rep = subprocess.run([NFAB, "report", str(run), str(tmp_path / "again"), "--out", str(tmp_path / "report")],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    summary = pd.read_csv(tmp_path / "report" / "summary.csv")
+    steps = dict(zip(summary["run"], summary["calibration_steps"], strict=True))
+    assert steps["auto"] == int(m["calibrating"].sum()) and pd.isna(steps["again"])
+    assert "auto/calibration" in rep.stdout
