@@ -79,8 +79,10 @@ def attach(
         raise NfabError("this DDP model already has a communication hook (nfab.attach called twice, or "
                         "register_comm_hook before it): DDP takes one, so attach once to a model without one")
     module = ddp_model if sharded else trained_module(ddp_model.module)
-    check_attach(prof, module, explicit=explicit or auto, total_steps=cfg.total_steps,
-                 model_signature=cfg.model_signature, optimizer=cfg.optimizer)
+    note = check_attach(prof, module, explicit=explicit or auto, total_steps=cfg.total_steps,
+                        model_signature=cfg.model_signature, optimizer=cfg.optimizer, sibling=cfg.sibling)
+    if note is not None and _rank(ddp_model) == 0:
+        log.warning(note)
     prof = prof if explicit or auto else _widened(prof, cfg.total_steps)
     loss_scale = loss_scale_of(cfg.loss_scaler) if cfg.loss_scaler is not None else None
     if sharded:
@@ -208,6 +210,11 @@ def calibrated_steps(prof: Profile, key: str = "steps") -> int | None:
     (`run_steps`: of the training run it was calibrated for, when that was longer)."""
     steps = (prof.provenance or {}).get("calibrated", {}).get(key)
     return int(steps) if isinstance(steps, int | float) and steps > 0 else None
+
+
+def _rank(model: torch.nn.Module) -> int:
+    """This process's rank in the model's group (DDP's process group; FSDP2's default group)."""
+    return torch.distributed.get_rank(getattr(model, "process_group", None))
 
 
 def _grad_device(ddp_model: torch.nn.Module):

@@ -17,6 +17,7 @@ from nfab.models.registry import layout_differences
 from nfab.models.registry import model_signature as signature_of
 from nfab.profile.routes import parse_route, split_route
 from nfab.profile.schema import Profile
+from nfab.runtime.bindings import classify
 
 
 def check_phases(profile: Profile, total_steps: int | None) -> None:
@@ -30,15 +31,22 @@ def check_phases(profile: Profile, total_steps: int | None) -> None:
                         "run: pass total_steps= to nfab.attach")
 
 
-def check_model(profile: Profile, module: nn.Module, model_signature: str | None) -> None:
-    """A profile with a signature refuses a model of another parameter layout (the DDP module's own)."""
+def check_model(profile: Profile, module: nn.Module, model_signature: str | None, *,
+                sibling: bool = False) -> str | None:
+    """A profile with a signature refuses a model of another parameter layout (the DDP module's own).
+
+    With `sibling` (attach's explicit opt-in) a profile calibrated on a sibling model, the same region
+    classes at other sizes, is taken: its region routes carry over. Returned then: the one line attach
+    logs, naming what differs; a region class the profile routes that the model lacks is refused."""
     if not profile.model.signature:
-        return
+        return None
     signature = model_signature if model_signature is not None else signature_of(module)
     if signature != profile.model.signature:
         seen = profile.provenance.get("calibrated") or profile.provenance.get("in_run") or {}
         kept = seen.get("parameters")  # the layout calibration saw (offline, or inside a run)
         which = f": {layout_differences(list(kept), module)}" if isinstance(kept, list) and kept else ""
+        if sibling:
+            return _sibling_note(profile, module, which)
         raise ProfileError(
             f"profile was made for model {profile.model.name!r} with another parameter layout "
             f"(signature {profile.model.signature[:12]}…, this model {signature[:12]}…){which}")
@@ -89,18 +97,32 @@ def check_params(module: nn.Module) -> None:
 
 
 def check_attach(profile: Profile, module: nn.Module, *, explicit: bool, total_steps: int | None,
-                 model_signature: str | None, optimizer: torch.optim.Optimizer | None = None) -> None:
+                 model_signature: str | None, optimizer: torch.optim.Optimizer | None = None,
+                 sibling: bool = False) -> str | None:
     """Everything `attach` can check before registering: phases vs total_steps, the model's signature,
     the route's parameter globs, the optimizer's parameters, the parameters' dtypes and density.
 
     Route names were checked when the profile or route was parsed (`nfab.profile.routes`).
     """
     check_phases(profile, total_steps)
+    note = None
     if not explicit:
-        check_model(profile, module, model_signature)
+        note = check_model(profile, module, model_signature, sibling=sibling)
     check_globs(profile, module)
     check_optimizer(optimizer, module)
     check_params(module)
+    return note
+
+
+def _sibling_note(profile: Profile, module: nn.Module, which: str) -> str:
+    """The line a sibling's profile is attached with; refused where it routes a region class the model lacks."""
+    have = {b.region for b in classify(module).values()}
+    routed = {r for p in profile.phases for r, route in p.routes.items() if route != "fp32"}
+    if missing := sorted(routed - have):
+        raise ProfileError(f"profile of a sibling routes region classes this model does not have "
+                           f"({', '.join(missing)}): not the same region classes")
+    return (f"nfab: attaching a sibling's profile (sibling=True): {profile.model.name!r} had another parameter "
+            f"layout{which}; its region routes carry over")
 
 
 def sign_zero_warning(profile: Profile, regions: dict[str, str], *, find_unused: bool,

@@ -69,6 +69,11 @@ class AttachConfig(FrozenModel):
     `classifier` or `fc` outside a numbered stack."""
     model_signature: str | None = None
     """The model signature a profile is checked against; None: computed from the wrapped module."""
+    sibling: bool = False
+    """Attach a profile calibrated on a sibling model (the same region classes, other sizes: a small
+    model calibrated for a big one): its region routes carry over, and attach logs which parameters
+    differ instead of refusing the other layout. A profile routing a region class the model lacks is
+    still refused. False (the default): the signature check."""
     qsum_scale: Literal["exact", "delayed"] = "exact"
     """How q8/q4/q2 slices summed on the wire agree their shared scale: "exact" (a blocking MAX all-reduce
     in the hook, what calibrate replays) or "delayed" (the max of the slice's agreed max |x| over its last

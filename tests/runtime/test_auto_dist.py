@@ -38,12 +38,12 @@ VOCAB, DIM = 64, 32
 class TinyLM(nn.Module):
     """Embedding, norm + linear blocks, a head: the region classes of a language model."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 4 * DIM), nn.GELU(),
-                                                   nn.Linear(4 * DIM, DIM)) for _ in range(2)])
-        self.head = nn.Linear(DIM, VOCAB)
+        self.wte = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                   nn.Linear(4 * dim, dim)) for _ in range(2)])
+        self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.wte(idx)
@@ -267,3 +267,29 @@ def _refused(rank: int, world_size: int) -> list[str]:
 def test_auto_refuses_what_it_cannot_calibrate_in_one_line():
     lines = run_ranks(_refused, 2, timeout_s=120)[0]
     assert len(lines) == 2 and "not both" in lines[0] and "hierarchy" in lines[1]
+
+
+def _sibling(rank: int, world_size: int, profile_path: str) -> dict:
+    """A profile calibrated inside a run of the small model, attached to a wider sibling."""
+    out: dict = {}
+    for sibling in (False, True):
+        torch.manual_seed(0)
+        model = DDP(TinyLM(dim=2 * DIM))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        try:
+            rt = nfab.attach(model, profile_path, optimizer=opt, total_steps=STEPS, cost_model=None, sibling=sibling)
+        except NfabError as exc:
+            out[sibling] = str(exc)
+            continue
+        x, y = batch(rank, 0)
+        loss_of(model, x, y).backward()
+        out[sibling] = rt.step_stats().route_mix
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_a_small_siblings_profile_attaches_to_the_big_model_only_when_asked(tmp_path: Path):
+    run_ranks(_run, 2, str(tmp_path), timeout_s=300)  # the small model calibrates inside its run
+    res = run_ranks(_sibling, 2, str(tmp_path / "profile.json"), timeout_s=300)[0]
+    assert "another parameter layout" in res[False] and "blocks.0.0.weight (64), profile (32)" in res[False]
+    assert isinstance(res[True], dict) and set(res[True]) - {"fp32"}, res[True]  # opted in: the routes carry over
