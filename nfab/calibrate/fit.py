@@ -219,8 +219,9 @@ def fit_health(reference: dict[str, Any] | None, min_cosine: float | None) -> He
     d = Health()
     kwargs: dict[str, Any] = {}
     if reference and reference.get("loss") and reference.get("grad_norm"):
-        loss = [float(v) for v in reference["loss"]]
-        norm = [float(v) for v in reference["grad_norm"]]
+        # a step without a finite value (no loss observed: a loop that never calls observe_loss) is None
+        loss = [math.nan if v is None else float(v) for v in reference["loss"]]
+        norm = [math.nan if v is None else float(v) for v in reference["grad_norm"]]
         kwargs["loss_spike_ratio"] = round(max(1.5, MARGIN * _max_ratio(loss, d.baseline_beta, d.warmup_steps)), 3)
         kwargs["grad_norm_jump"] = round(max(2.0, MARGIN * _max_ratio(norm, d.baseline_beta, d.warmup_steps)), 3)
     if min_cosine is not None:

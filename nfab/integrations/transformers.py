@@ -35,6 +35,7 @@ try:
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nfab.integrations.transformers needs Transformers: pip install 'nfab[transformers]'") from e
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import IterableDataset
@@ -150,13 +151,29 @@ def attach(
     options, validated here) go to `nfab.attach` untouched; `total_steps`
     defaults to the Trainer's `max_steps` for the run and `optimizer` (where `nfab.attach`
     takes one) to the optimizer the Trainer built. The Trainer hands callbacks no loss
-    before the backward, so nfab's loss-spike check has no loss here; its gradient-norm,
-    non-finite and fidelity checks run as usual.
+    before the backward, so the trainer's `compute_loss` is wrapped (on this instance, a
+    subclass's override included) to report each training loss to the health monitor.
     """
     cfg = adapter_config(config, route, options)
     callback = NfabCallback(trainer, checked(profile, cfg.route), cfg)
     trainer.add_callback(callback)
+    trainer.compute_loss = _observing(trainer.compute_loss, trainer, callback)  # type: ignore[method-assign]
     return callback
+
+
+def _observing(compute_loss: Any, trainer: Trainer, callback: NfabCallback) -> Any:
+    """`compute_loss` that also hands a training step's loss to nfab's runtime (`observe_loss`, before its
+    backward: it rides the step's first control word); evaluation's losses are not the step's."""
+
+    def wrapped(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        out = compute_loss(model, inputs, *args, **kwargs)
+        if callback.runtime is not None and trainer.model.training:
+            loss = out[0] if isinstance(out, tuple) else out
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                callback.runtime.observe_loss(loss)
+        return out
+
+    return wrapped
 
 
 def calibrate(trainer: Trainer, *, out: str | Path | None = None, world_size: int = 4, steps: int | None = None,

@@ -68,6 +68,7 @@ def _train(rank: int, world_size: int, out: str) -> dict:
         "total_steps": rt.controller.total_steps,
         "error_feedback": rt.error_feedback,
         "history": [(s.step, s.wire_bytes, _baseline(s), s.route_mix) for s in rt.history],
+        "observed": [s.loss for s in rt.history],
         "logged": [row for row in trainer.state.log_history if "nfab/compression" in row],
         "losses": [row["step"] for row in trainer.state.log_history if "loss" in row],
     }
@@ -81,6 +82,7 @@ def test_trainer_runs_nfab_and_logs_its_stats(tmp_path: Path, monkeypatch: pytes
         assert r["error_feedback"] is False  # error_feedback="auto" saw the Trainer's AdamW
         assert r["total_steps"] == STEPS  # from the Trainer's max_steps
         assert [h[0] for h in r["history"]] == list(range(STEPS))  # the hook ran every step
+        assert all(loss is not None and loss > 0 for loss in r["observed"])  # compute_loss reported each loss
         for step, wire, baseline, mix in r["history"]:
             if step % PROBE_EVERY:  # a fidelity-probe step also sends a sample in FP32
                 assert baseline / wire > 1.0
