@@ -146,4 +146,4 @@ def window_for(runtime: RuntimeState, module: torch.nn.Module, cfg: AttachConfig
     fit = fitter(model=type(module).__name__, optimizer=family, total_steps=cfg.total_steps, seed=cfg.seed,
                  rank=runtime.rank, out=cfg.calibration_out, meta=meta)
     return Window(schedule(cfg.total_steps, cfg.calibration_window), sample_layout(params, cfg.seed), fit,
-                  world_size=runtime.world_size, total_steps=cfg.total_steps, group=getattr(runtime, "group", None))
+                  world_size=runtime.world_size, group=getattr(runtime, "group", None))

@@ -124,12 +124,11 @@ class Window:
     """In-run calibration's state on one rank: schedule, sample layout, the samples, the decisions."""
 
     def __init__(self, schedule_: Schedule, layout: tuple[Sampled, ...], fit: Fit, *, world_size: int,
-                 total_steps: int | None, group: Any = None) -> None:
+                 group: Any = None) -> None:
         self.schedule = schedule_
         self.layout = layout
         self.fit = fit
         self.world_size = world_size
-        self.total_steps = total_steps
         self.group = group
         self.size = sum(int(s.positions.numel()) for s in layout)
         self._offsets: dict[str, int] = {}
@@ -142,8 +141,6 @@ class Window:
         """The profile the run is on since the last window's end (None: still the window route)."""
         self.pending: Profile | None = None
         """Fitted at a window's end, adopted (after agreement) by the next hook body."""
-        self.history: list[dict[str, Any]] = []
-        """Per window: its start, length, routes chosen, extra bytes (StepStats and the report read it)."""
         self._index: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._local: torch.Tensor | None = None
         self._gathers: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
@@ -245,14 +242,12 @@ class Window:
         return {"windows": [{"start": w.start, "steps": [s.clone() for s in w.steps],
                              "scale": None if w.scale is None else w.scale.clone()} for w in self.windows],
                 "decided": None if self.decided is None else self.decided.to_json(),
-                "pending": None if self.pending is None else self.pending.to_json(),
-                "history": list(self.history)}
+                "pending": None if self.pending is None else self.pending.to_json()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.windows = [WindowSamples(w["start"], list(w["steps"]), w["scale"]) for w in state["windows"]]
         self.decided = None if state["decided"] is None else Profile.from_dict(json.loads(state["decided"]))
         self.pending = None if state["pending"] is None else Profile.from_dict(json.loads(state["pending"]))
-        self.history = list(state["history"])
 
     # ---- internals -------------------------------------------------------------------
     def _bucket_index(self, plan: BucketPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
