@@ -3,8 +3,9 @@
 During a window's steps each bucket's hook copies a fixed sample of its local gradient before anything
 is encoded: contiguous `CHUNK`-element pieces of every parameter (whole blocks of every block route),
 the same positions on every rank, drawn once from the seed with nfab's own generator. The step's last
-bucket all-gathers the step's samples, ONE collective of `SAMPLE` elements per region and rank (a
-few hundred KB, never one per candidate route), and the fold keeps them on the host. At a window's end
+bucket all-gathers the step's samples, ONE collective of about `SAMPLE` elements per region and rank
+(FSDP2, which has no last call to wait for: one per module's reduce-scatter), never one per candidate
+route, and the fold keeps them on the host. At a window's end
 `fit` (given at attach: `nfab.calibrate.inrun`) replays every candidate route over the W ranks'
 samples as `nfab calibrate` replays its virtual ranks, and returns the profile the run continues on.
 Every rank holds the same samples and fits the same numbers; the next hook body still agrees the
@@ -12,8 +13,9 @@ decision (one MAX all-reduce of its route codes and their negatives) before any 
 a disagreement keeps FP32 everywhere.
 
 Windows start at step 0 and at even fractions of the run (`schedule`): the profile is phase-dependent.
-The first window sends `window_route` (bf16 by default: half FP32's bytes, level with it in quality);
-a later one keeps sending the profile in force, since what it measures does not depend on what is sent.
+The first window sends `WINDOW_ROUTE` (bf16: half FP32's bytes, level with it in quality; FP32 on FSDP2,
+whose reduce-scatter carries no bf16); a later one keeps sending the profile in force, since what it
+measures does not depend on what is sent.
 """
 
 from __future__ import annotations
