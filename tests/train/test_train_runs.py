@@ -211,18 +211,19 @@ def test_a_rendezvous_that_fails_is_one_line(tmp_path: Path) -> None:
     traceback. A rendezvous port in use: a traceback. Both are now one line."""
     import socket
 
-    alone = nfab_train(*RESNET, "--route", "sign", "--nproc", "1", "--nnodes", "2", "--node-rank", "0",
-                       "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-dir", str(tmp_path / "alone"),
-                       "launch.timeout_s=3", timeout=120)
-    assert alone.code == 1, alone.stderr
-    assert alone.stderr.strip().splitlines() == [alone.stderr.strip()] and "Traceback" not in alone.stderr
-    assert "timed out after launch.timeout_s (1 of 2 nodes joined)" in alone.stderr
-    with socket.socket() as busy:
+    with socket.socket() as busy, ThreadPoolExecutor(max_workers=2) as pool:  # both at once: one waits 3 s
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
+        lone = pool.submit(nfab_train, *RESNET, "--route", "sign", "--nproc", "1", "--nnodes", "2", "--node-rank",
+                           "0", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--run-dir", str(tmp_path / "alone"),
+                           "launch.timeout_s=3", timeout=120)
         taken = nfab_train(*RESNET, "--fp32", "--nproc", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
                            "--run-dir", str(tmp_path / "taken"), timeout=120)
+        alone = lone.result()
+    assert alone.code == 1, alone.stderr
+    assert alone.stderr.strip().splitlines() == [alone.stderr.strip()] and "Traceback" not in alone.stderr
+    assert "timed out after launch.timeout_s (1 of 2 nodes joined)" in alone.stderr
     assert taken.code == 2 and "its port is in use by another process" in taken.stderr, taken.stderr
     assert len(taken.stderr.strip().splitlines()) == 1
 
