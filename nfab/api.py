@@ -28,7 +28,7 @@ from nfab.runtime.control.optim import (
     resolve_error_feedback,
     resolve_noise_moment,
 )
-from nfab.runtime.control.window import WINDOW_ROUTE
+from nfab.runtime.control.window import WINDOW_ROUTE, Window
 from nfab.runtime.frontends import fsdp2
 from nfab.runtime.frontends.ddp import Runtime, nfab_hook
 from nfab.wire import cost as cost_mod
@@ -68,13 +68,7 @@ def attach(
         raise NfabError("nfab.attach needs a torch.nn.parallel.DistributedDataParallel model or an FSDP2 "
                         "model (torch.distributed.fsdp.fully_shard)")
     auto = isinstance(profile, str) and profile == AUTO
-    if auto:  # imported here: the calibrator (pandas, pyarrow) is not every attach's to pay for
-        from nfab.calibrate import inrun
-
-        inrun.check(cfg)
-    # "auto" starts on the window route (FP32 under FSDP2, whose reduce-scatter carries no bf16)
-    prof, explicit = ((Profile.static("fp32" if sharded else WINDOW_ROUTE), False) if auto
-                      else _profile(profile, cfg.route))
+    prof, explicit = _auto_start(cfg, sharded) if auto else _profile(profile, cfg.route)
     if not sharded and getattr(ddp_model, "_comm_hooks", None):
         raise NfabError("this DDP model already has a communication hook (nfab.attach called twice, or "
                         "register_comm_hook before it): DDP takes one, so attach once to a model without one")
@@ -86,15 +80,9 @@ def attach(
     prof = prof if explicit or auto else _widened(prof, cfg.total_steps)
     loss_scale = loss_scale_of(cfg.loss_scaler) if cfg.loss_scaler is not None else None
     if sharded:
-        runtime = _attach_sharded(ddp_model, prof, explicit, cfg, loss_scale, auto=auto)
-        if auto:
-            runtime.window = inrun.window_for(runtime, ddp_model, cfg)
-        return runtime
+        return _attach_sharded(ddp_model, prof, explicit, cfg, loss_scale, auto=auto)
     cm = cost_mod.resolve(cfg.cost_model, ddp_model.process_group, _grad_device(ddp_model))
     use_ef = resolve_error_feedback(cfg.error_feedback, cfg.optimizer)
-    if use_ef and cfg.error_feedback is True and cfg.optimizer is not None and is_adaptive(cfg.optimizer):
-        log.warning("error feedback forced on under adaptive %s: it can collapse training; the health "
-                    "monitor demotes regions that drift", type(cfg.optimizer).__name__)
     runtime = Runtime(ddp_model, prof, explicit=explicit, error_feedback=use_ef, total_steps=cfg.total_steps,
                       cost_model=cm, seed=cfg.seed, head_modules=cfg.head_modules, qsum_scale=cfg.qsum_scale,
                       coalesce=cfg.coalesce, hierarchy=cfg.hierarchy)
@@ -103,9 +91,25 @@ def attach(
           find_unused=bool(getattr(ddp_model, "find_unused_parameters", False)))
     _read_optimizer(runtime, cfg, explicit=explicit or auto, module=module, loss_scale=loss_scale)
     if auto:
-        runtime.window = inrun.window_for(runtime, module, cfg)
+        runtime.window = _window(runtime, module, cfg)
     ddp_model.register_comm_hook(runtime, nfab_hook)
     return runtime
+
+
+def _auto_start(cfg: AttachConfig, sharded: bool) -> tuple[Profile, bool]:
+    """What `attach(model, "auto")` runs on until its first window's end: the window route (FP32 under
+    FSDP2, whose reduce-scatter carries no bf16), after what "auto" refuses."""
+    from nfab.calibrate import inrun  # here: the calibrator (pandas, pyarrow) is not every attach's to pay for
+
+    inrun.check(cfg)
+    return Profile.static("fp32" if sharded else WINDOW_ROUTE), False
+
+
+def _window(runtime: Runtime | ShardedRuntime, module: torch.nn.Module, cfg: AttachConfig) -> Window:
+    """The in-run calibration windows `attach(model, "auto")` installs on a runtime."""
+    from nfab.calibrate import inrun
+
+    return inrun.window_for(runtime, module, cfg)
 
 
 def _profile(profile: str | Path | Profile | None, route: RouteSpec | None) -> tuple[Profile, bool]:
@@ -145,6 +149,8 @@ def _attach_sharded(model: torch.nn.Module, prof: Profile, explicit: bool, cfg: 
     if resolve_noise_moment(cfg.noise_moment, cfg.optimizer, static_route=explicit or auto,
                             calibrated_with=prof.noise_moment):
         runtime.moment = NoiseMoment(cfg.optimizer, dict(model.named_parameters()), loss_scale)
+    if auto:
+        runtime.window = _window(runtime, model, cfg)
     return runtime
 
 
@@ -153,6 +159,9 @@ def _warn(runtime: Runtime, cfg: AttachConfig, cm: cost_mod.CostModel | None, *,
     """The lines `attach` logs on a DDP model (rank 0): a route naming absent regions, sign votes meeting
     exact zeros, a cost model that keeps FP32 everywhere, a profile calibrated with the noise moment."""
     prof = runtime.profile
+    if error_feedback and cfg.error_feedback is True and cfg.optimizer is not None and is_adaptive(cfg.optimizer):
+        log.warning("error feedback forced on under adaptive %s: it can collapse training; the health "
+                    "monitor demotes regions that drift", type(cfg.optimizer).__name__)
     absent = absent_regions_warning(cfg.route, runtime.regions) if cfg.route is not None else None
     if absent is not None and runtime.rank == 0:
         log.warning(absent)
