@@ -24,8 +24,18 @@ started here. The variant decides only what the loop registers on DDP:
 | `profile` | `nfab.attach(profile, optimizer=opt)`: a calibrated profile as a user runs it ("auto" moment) |
 | `bq2-nm`, `bl5-nm`, `profile-nm` | the same with `noise_moment=True` (rounding noise out of Adam's v) |
 | `route:SPEC`, `route-ef:SPEC` | any static route (route grammar, or `2d=R`: R on the 2-D weights, rest fp32) |
+| `auto` | `nfab.attach(model, "auto", optimizer=opt, total_steps=N, calibration_out=DIR)`: in-run calibration |
+| `auto-rerun` | `nfab.attach(profile, optimizer=opt)` on the profile.json that `auto` wrote (list it after `auto`) |
 
 `route-ef:` forces error feedback on.
+
+`auto` calibrates inside the run: windows of 2% of the steps (at least 4) at steps 0, N/3 and 2N/3,
+where every rank samples its own gradient and one all-gather per step shares the samples (its bytes
+are in `wire_mb`). Its row adds `calibration`: the fitted routes per phase (`rt.profile.phases` at
+the end of the run), the window steps, the all-gather's MB and their share of FP32's bytes, and the
+folder of calibration.parquet and profile.json (`--calibration-out DIR`, else the run's temporary
+folder, deleted afterwards). `auto-rerun` attaches that profile.json to a fresh run of the same seed
+(its row's `calibration` names the routes it ran and the file).
 
 The static block routes pass `noise_moment=False` (attach's "auto" would turn it on under
 Adam) so that they measure the route itself; `-nm` measures the correction on top.
@@ -104,6 +114,24 @@ COLLECTIVE_TIMEOUT_S = 300
 """A rank stuck in a collective this long fails the setting instead of hanging the study."""
 POWERSGD_START_ITER = 2
 """PowerSGD runs vanilla all-reduce for this many steps first (its own warm-up)."""
+AUTO, AUTO_RERUN = "auto", "auto-rerun"
+AUTO_VARIANTS = (AUTO, AUTO_RERUN)
+"""In-run calibration (`attach(model, "auto")`) and a second run on the profile it wrote (this harness only)."""
+
+
+@dataclasses.dataclass(slots=True)
+class AutoRunResult(RunResult):
+    """An `auto` / `auto-rerun` row: a RunResult and what the in-run calibration decided."""
+
+    calibration: dict[str, Any] | None = None
+    """`phases` (name, start, routes), `window_steps`, `window_mb` (the samples' all-gather),
+    `window_wire_mb` (all bytes of the window steps), `window_share` (window_mb / fp32_mb), `out`."""
+
+
+def _result(row: dict[str, Any]) -> RunResult:
+    return AutoRunResult(**row) if "calibration" in row else RunResult(**row)
+
+
 def parse_route(text: str) -> str | dict[str, str]:
     """`R` (every region), `2d=R`, or `region=R,region=R` (the regions not named stay fp32)."""
     if "=" not in text:
@@ -125,8 +153,11 @@ def _custom_route(variant: str) -> tuple[str | dict[str, str], bool] | None:
 
 def _check_variant(variant: str, parallel: str) -> None:
     """One line for a variant this harness cannot run (here, before any rank is spawned)."""
-    if variant not in VARIANTS and _custom_route(variant) is None:
-        raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)}, route:SPEC, route-ef:SPEC)")
+    if variant not in VARIANTS and variant not in AUTO_VARIANTS and _custom_route(variant) is None:
+        raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS + AUTO_VARIANTS)}, route:SPEC, "
+                         "route-ef:SPEC)")
+    if parallel == "fsdp" and variant in AUTO_VARIANTS:
+        raise ValueError(f"variant {variant!r} does not run under FSDP2 (attach(model, \"auto\") is DDP only)")
     if parallel == "fsdp" and variant not in FSDP_VARIANTS and not variant.startswith(ROUTE_VARIANT):
         raise ValueError(f"variant {variant!r} does not run under FSDP2 (known: {', '.join(FSDP_VARIANTS)}, "
                          "route:SPEC)")
@@ -139,9 +170,11 @@ def _free_port() -> int:
 
 
 def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
-                 root: Path | None = None) -> list[RunResult]:
+                 root: Path | None = None, calibration_out: Path | None = None) -> list[RunResult]:
     """Spawn W gloo ranks once; they train `setting` with each variant in turn (a fresh model,
-    optimizer and DDP each time, same seed). One result per variant, as rank 0 saw it."""
+    optimizer and DDP each time, same seed). One result per variant, as rank 0 saw it.
+    `calibration_out`: where `auto` writes calibration.parquet and profile.json (default: the
+    run's temporary folder)."""
     for v in variants:
         _check_variant(v, setting.parallel)
     results: dict[str, RunResult] = {}
@@ -153,12 +186,16 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
             for v in with_profile:
                 results[v] = RunResult(setting.name, v, ok=False, seed=seed,
                                        error=f"profile {setting.profile} not found")
+    if AUTO_RERUN in variants and AUTO not in variants[:variants.index(AUTO_RERUN)]:
+        results[AUTO_RERUN] = RunResult(setting.name, AUTO_RERUN, ok=False, seed=seed,
+                                        error="auto-rerun attaches the profile `auto` writes: list auto before it")
     todo = tuple(v for v in variants if v not in results)
     with tempfile.TemporaryDirectory(prefix="nfab-study-") as tmp:
         out = Path(tmp)
+        cal = str(calibration_out or out / "auto")
         try:
             # spawn (a fresh interpreter per rank), or the rank server's fork under the test suite
-            mp.start_processes(_worker, args=(setting, todo, profile, seed, _free_port(), str(out)),
+            mp.start_processes(_worker, args=(setting, todo, profile, seed, _free_port(), str(out), cal),
                                nprocs=setting.world_size, join=True, start_method=start_method())
         except Exception as exc:  # a rank failed: its last line; variants that finished keep their result
             lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
@@ -167,7 +204,7 @@ def run_variants(setting: Setting, variants: tuple[str, ...], *, seed: int = 0,
             error = ""
         for v in todo:
             f = out / f"{v}.json"
-            results[v] = (RunResult(**json.loads(f.read_text())) if f.exists()
+            results[v] = (_result(json.loads(f.read_text())) if f.exists()
                           else RunResult(setting.name, v, ok=False, seed=seed, error=error or "no result"))
     return [results[v] for v in variants]
 
@@ -240,7 +277,7 @@ def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(rank: int, setting: Setting, variants: tuple[str, ...], profile: str | None, seed: int, port: int,
-            out: str) -> None:
+            out: str, calibration_out: str | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -248,7 +285,9 @@ def _worker(rank: int, setting: Setting, variants: tuple[str, ...], profile: str
     try:
         for variant in variants:
             t0 = time.perf_counter()
-            result = _train(rank, setting, variant, profile, seed)
+            if variant == AUTO_RERUN:
+                dist.barrier()  # rank 0 wrote auto's profile.json before every rank reads it
+            result = _train(rank, setting, variant, profile, seed, calibration_out)
             result.wall_s = time.perf_counter() - t0
             if rank == 0:
                 Path(out, f"{variant}.json").write_text(json.dumps(asdict(result)))
@@ -257,7 +296,8 @@ def _worker(rank: int, setting: Setting, variants: tuple[str, ...], profile: str
         dist.destroy_process_group()
 
 
-def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed: int) -> RunResult:
+def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed: int,
+           calibration_out: str | None = None) -> RunResult:
     import nfab
 
     w = setting.world_size
@@ -295,6 +335,13 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
             prof = prof.model_copy(update={"model": prof.model.model_copy(update={"signature": None})})
         runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
                               head_modules=spec.head_modules, noise_moment=True if noise_moment else "auto")
+    elif variant == AUTO:  # in-run calibration, as a user writes it
+        runtime = nfab.attach(ddp, "auto", optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
+                              head_modules=spec.head_modules, calibration_out=Path(calibration_out or "auto"))
+    elif variant == AUTO_RERUN:  # the profile auto wrote, attached as the `profile` variant attaches one
+        prof = nfab.Profile.load(Path(calibration_out or "auto") / "profile.json")
+        runtime = nfab.attach(ddp, prof, optimizer=opt, cost_model=None, seed=seed, total_steps=setting.steps,
+                              head_modules=spec.head_modules)
     elif (custom := _custom_route(variant)) is not None:  # any static route, as a user writes it
         runtime = nfab.attach(ddp, route=custom[0], optimizer=opt, error_feedback=True if custom[1] else "auto",
                               cost_model=None, seed=seed, total_steps=setting.steps, head_modules=spec.head_modules)
@@ -302,8 +349,8 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         runtime = nfab.attach(ddp, route=base.removesuffix("-ef"), optimizer=opt,
                               error_feedback=True if base == "sign-ef" else "auto", cost_model=None, seed=seed,
                               total_steps=setting.steps, head_modules=spec.head_modules, noise_moment=noise_moment)
-    wire = probe = shadow = 0.0
-    fallback_steps = 0
+    wire = probe = shadow = window_bytes = window_wire = 0.0
+    fallback_steps = window_steps = 0
     losses: list[float] = []
     events: list[str] = []
     after_prev = 0
@@ -329,6 +376,10 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
             probe += stats.probe_wire_bytes
             shadow += stats.shadow_wire_bytes
             fallback_steps += int(stats.fallback)
+            if stats.calibrating:  # an in-run calibration window's step
+                window_steps += 1
+                window_bytes += stats.calibration_wire_bytes
+                window_wire += stats.wire_bytes
             events += [f"{step}:{e}" for e in stats.events]
         elif state is not None:
             after = state.compression_stats()[2]
@@ -343,7 +394,15 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
     evaluated = _unsharded(model, setting, seed) if fsdp else model
     loss_sum, correct, count = _evaluate(evaluated, test, spec.task, setting, rank)
     fp32_total = fp32_step * setting.steps
-    return RunResult(
+    extra: dict[str, Any] = {}
+    if variant in AUTO_VARIANTS and runtime is not None:
+        extra["calibration"] = {
+            "phases": [{"name": p.name, "start": p.start.model_dump(exclude_none=True), "routes": dict(p.routes)}
+                       for p in runtime.profile.phases],
+            "window_steps": window_steps, "window_mb": window_bytes / 1e6, "window_wire_mb": window_wire / 1e6,
+            "window_share": window_bytes / fp32_total if fp32_total else None,
+            "out": str(calibration_out)}
+    return (AutoRunResult if extra else RunResult)(
         setting=setting.name, variant=variant, ok=math.isfinite(loss_sum / count), seed=seed, steps=setting.steps,
         world_size=w,
         eval_loss=loss_sum / count, eval_accuracy=correct / count if spec.task == "classification" else None,
@@ -353,7 +412,7 @@ def _train(rank: int, setting: Setting, variant: str, profile: str | None, seed:
         shadow_mb=shadow / 1e6 if runtime is not None else None,
         alarms=runtime.health.alarms if runtime is not None else None,
         false_alarms=runtime.health.false_alarms if runtime is not None else None,
-        train_losses=losses if fsdp else None)
+        train_losses=losses if fsdp else None, **extra)
 
 
 @torch.no_grad()
@@ -379,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run a few variants of one study setting and print one JSON row per variant."""
     ap = argparse.ArgumentParser(prog="python -m bench.userloop", description=main.__doc__)
     ap.add_argument("--setting", default="heldout", help=f"one of {', '.join(SETTINGS)}")
-    ap.add_argument("--variants", default="fp32", help="comma-separated: " + ", ".join(VARIANTS)
+    ap.add_argument("--variants", default="fp32", help="comma-separated: " + ", ".join(VARIANTS + AUTO_VARIANTS)
                     + ", route:SPEC or route-ef:SPEC")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--world-size", type=int, default=None)
@@ -388,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="ddp or fsdp (FSDP2, fully_shard per block; default: the setting's)")
     ap.add_argument("--profile", default=None,
                     help="the profile the `profile` variants attach (default: the setting's)")
+    ap.add_argument("--calibration-out", default=None,
+                    help="where `auto` writes calibration.parquet and profile.json (default: a temporary folder)")
     a = ap.parse_args(argv)
     try:
         if a.setting not in SETTINGS:
@@ -407,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, NfabError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for row in run_variants(setting, variants, seed=a.seed):
+    cal = Path(a.calibration_out) if a.calibration_out else None
+    for row in run_variants(setting, variants, seed=a.seed, calibration_out=cal):
         print(json.dumps(asdict(row)))
     return 0
 
