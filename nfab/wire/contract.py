@@ -14,6 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -110,19 +111,59 @@ def mean_of_ranks(stacked: torch.Tensor) -> torch.Tensor:
     return stacked.sum(0) / stacked.shape[0]
 
 
+class ScaleAgreement(Enum):
+    """How a reducer's ranks agree the scale they round in before encoding (`Reducer.scale_agreement`).
+
+    The runtime asks this instead of naming a codec: it decides what a group's encoding waits for,
+    what the control word carries, and where the delayed amax history applies."""
+
+    NONE = "none"
+    """Nothing agreed before encoding: lossless, or each rank's per-slice scales (sign's mean |x|)
+    are averaged over ranks after the collective (`gather_scales`, or the control word)."""
+    PER_SLICE = "slice"
+    """One fp32 max |x| per slice, MAX-agreed (qsum): exactly, or from the delayed amax history,
+    which is kept per parameter -- so each rank's max |x| rides the control word to feed it."""
+    PER_BLOCK = "block"
+    """One uint8 scale code per block, MAX-agreed exactly every step (block-scaled qsum): a block
+    has no history of its own, and the agreed codes are the whole scale (the decode and its rounding
+    variance, `runtime/control/moment.py`, read nothing else), so no max |x| goes in the word."""
+
+
 class Reducer(ABC):
     """An aggregation path. Subclasses implement capacity, bytes, encode, launch, decode."""
 
     name: str
     route: str
     lossy: bool = True
-    needs_shared_scale: bool = False
-    """True when ranks must agree on a scale (all-reduce MAX) before encoding."""
+    scale_agreement: ScaleAgreement = ScaleAgreement.NONE
+    """How ranks agree the scale they round in before encoding (`ScaleAgreement`)."""
+    own_scale_when_gathered: bool = False
+    """True when, in a gathered bucket (one all-gather: nothing is summed on the wire), each rank
+    rounds in its OWN per-slice scale instead of an agreed one, sends that scale in the control
+    word, and every rank decodes each rank's row with that row's scales (`QSum.encode_own_views`,
+    `QSum.decode_gathered`). Why: ranks agree a scale only so that their levels can be summed; a
+    rank's own max never saturates, gives finer levels and costs no agreement round."""
+    stratified_rounding: bool = False
+    """True when the ranks round with the SAME noise keys, each shifted by its rank
+    (`noise.Stratum`), instead of independent keys: the W ranks' rounding errors partly cancel in
+    the sum (block-scaled qsum; `runtime/control/moment.py` gives the variance). The runtime then
+    seeds the group's noise without the rank, and hands the reducer a stratum."""
     blocking_rounds: int = 0
     """Collectives the hook must wait for before encoding (block-scaled qsum's code agreement)."""
     payload_collectives: int = 1
     """Collectives `launch` starts for the payload (two for the reduce-scatter / all-to-all + all-gather
     reducers): counted in the step's statistics."""
+
+    @property
+    def needs_shared_scale(self) -> bool:
+        """True when ranks must agree on a scale (all-reduce MAX) before encoding."""
+        return self.scale_agreement is not ScaleAgreement.NONE
+
+    def row_numel(self, numel: int, world_size: int) -> int:
+        """Elements of one row of a row-wise reduce-scatter's (W, `numel`) input as this codec's
+        segment tables cover it (`runtime/core/rowscatter.py`, FSDP2): the row as it is, unless the
+        codec lays its rows out padded (sign: whole vote bytes, the tail a segment of its own)."""
+        return numel
 
     @abstractmethod
     def capacity(self, world_size: int) -> Capacity: ...
@@ -236,7 +277,7 @@ class Reducer(ABC):
 
     def agree_input(self, local: torch.Tensor) -> torch.Tensor:
         """What the agreement MAX all-reduces for `local_scale`'s values (the hook batches a
-        bucket's agreements into one collective: `runtime/agreement.py`); may be `local` itself."""
+        bucket's agreements into one collective: `runtime/core/agreement.py`); may be `local` itself."""
         return local
 
     def agree(self, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -22,7 +22,7 @@ shift does not raise the alarm again.
 Slow divergence. Low-bit training rarely fails with a spike: it drifts (on the held-out
 GPT under AdamW, sign + error feedback ended +56% with no spike, no norm jump and a plain
 probe cosine far above any floor). So every probe also gives a per-region fidelity in
-the optimizer's preconditioned space (`runtime/fidelity.py`), and the monitor keeps its
+the optimizer's preconditioned space (`runtime/control/fidelity.py`), and the monitor keeps its
 trend (an EMA over probes) per region. It acts only on preconditioned fidelity, i.e. when
 `attach` was given an optimizer that keeps a second moment (Adam-style). A region whose trend falls below
 `min_trend_cosine` loses what is most likely to blame first: a region running with error

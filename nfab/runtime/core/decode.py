@@ -23,9 +23,7 @@ from nfab.runtime.control.moment import NoiseMoment, rounding_variance
 from nfab.runtime.core.encode import slices, unscaled, views
 from nfab.runtime.core.handoff import Launch, Outcome, Sent
 from nfab.wire import dispatch
-from nfab.wire.blockq.reducer import BlockQSum
-from nfab.wire.contract import write_into
-from nfab.wire.qsum.reducer import QSum
+from nfab.wire.contract import ScaleAgreement, write_into
 from nfab.wire.registry import REDUCERS, mean_of_ranks
 from nfab.wire.segments import nonfinite_sum
 
@@ -38,7 +36,7 @@ def finish_bucket(launch: Launch, world_size: int,
     `inverse_rms`: the optimizer's preconditioner (`optim.Preconditioner.inverse_rms`), read
     here, before any rank steps, so that a probe's region fidelity compares where it acts.
     `moment`: given, every block-scaled group's rounding variance is recorded for the optimizer
-    (`runtime/moment.py`)."""
+    (`runtime/control/moment.py`)."""
     t0 = time.thread_time()
     buffer = launch.buffer
     table = _control_table(launch, world_size)
@@ -104,7 +102,7 @@ def _decode_group(launch: Launch, sent: Sent, table: torch.Tensor, w: int,
         amax.append((tuple(s.name for s in group.slices), unscaled(agreed, launch.loss_scale)))  # kept unscaled
         if gathered is None:  # a rank's own scale never saturates
             saturated.append((agreed > enc.shared).sum())
-    if gathered is not None and isinstance(red, QSum):  # each row with its own rank's scales
+    if gathered is not None and red.own_scale_when_gathered:  # each row with its own rank's scales
         assert amax_cols is not None
         decode = partial(red.decode_gathered, gathered, amax_cols, group.numel, group.lengths)
     else:
@@ -134,7 +132,7 @@ def _record_variance(moment: NoiseMoment, sent: Sent, w: int) -> None:
     """A block-scaled group's rounding variance per parameter (its agreed codes are `enc.shared`)."""
     enc = sent.enc
     red = REDUCERS[enc.group.key]
-    if isinstance(red, BlockQSum) and enc.shared is not None:
+    if red.scale_agreement is ScaleAgreement.PER_BLOCK and enc.shared is not None:
         var = rounding_variance(red, enc.shared, enc.group.lengths, w, enc.weights)
         moment.record([s.name for s in enc.group.slices], enc.group.lengths, var)
 

@@ -18,12 +18,11 @@ from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
 from nfab.runtime.core import coalesce
 from nfab.runtime.core.agreement import Agreement
-from nfab.runtime.core.handoff import Encoded, Probe, Sent
+from nfab.runtime.core.handoff import EncodedGroup, Probe, Sent
 from nfab.runtime.core.plan import BucketPlan
 from nfab.runtime.core.scales import AmaxHistory
 from nfab.wire import dispatch, host_slices, noise
-from nfab.wire.blockq.reducer import BlockQSum
-from nfab.wire.qsum.reducer import QSum
+from nfab.wire.contract import ScaleAgreement
 from nfab.wire.registry import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 from nfab.wire.slices import Slices
 
@@ -72,7 +71,7 @@ class Opened:
     last: bool
     bucket_sq: torch.Tensor | None
     """This rank's |g|^2 of the bucket, taken before any group was pre-scaled or encoded (less
-    the groups whose encoders take theirs: their `Encoded.sq` completes it; None when every
+    the groups whose encoders take theirs: their `EncodedGroup.sq` completes it; None when every
     group's does)."""
     prepared: tuple[Prepared, ...] | None
     """Every group, prepared in order (None on the two-level path: it encodes at completion)."""
@@ -113,7 +112,7 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (),
              ctx: EncodeContext | None = None) -> torch.Tensor | None:
     """This rank's |g|^2 of a bucket, fp32, on its device (non-finite iff an element is). With
     `ctx`, groups whose encoder takes their share on its own read (`reads_sq`) are left out:
-    `Runtime._complete` adds `Encoded.sq` back, one pass over those slices fewer (None: every
+    `Runtime._complete` adds `EncodedGroup.sq` back, one pass over those slices fewer (None: every
     group's encoder takes its own)."""
     rest = [g for g in groups if not reads_sq(ctx, buffer, g)] if ctx is not None else []
     if ctx is None or len(rest) == len(groups):
@@ -136,14 +135,14 @@ def _in_place(ctx: EncodeContext, buffer: torch.Tensor, group: Group) -> bool:
     """A lossy group with nothing to add or sample: encoded from its slices where they lie (a
     whole-bucket group too when its encoder reads the bucket and takes its |x|^2 on the way).
     A group that needs a shared scale only in a gathered bucket, where qsum rounds in its own
-    scale (`QSum.encode_own_views`): no agreement to wait for."""
+    scale (`Reducer.own_scale_when_gathered`): no agreement to wait for."""
     red = REDUCERS[group.key]
     if group.key == FP32 or ctx.error_feedback:
         return False
     if ctx.probing and fidelity.probe_mask([s.region for s in group.slices], ctx.probing) is not None:
         return False
     if red.needs_shared_scale:
-        return ctx.gathered and isinstance(red, QSum) and not group.whole
+        return ctx.gathered and red.own_scale_when_gathered and not group.whole
     return not group.whole or red.reads_sq(buffer)
 
 
@@ -158,7 +157,7 @@ class Prepared:
     """One group read out of the bucket, up to what its encoding needs agreed across ranks.
 
     The hook prepares every group of a bucket first, launches their scale agreement as one
-    collective (`runtime/agreement.py`), and encodes them (`finish_group`) once the agreed
+    collective (`runtime/core/agreement.py`), and encodes them (`finish_group`) once the agreed
     scales are needed: the round trip overlaps the bucket's other work, or the backward pass
     when a later hook body finishes the bucket. An empty `Prepared` (`x` None) means the
     group reads nothing before it is finished (FP32, or encoded where its slices lie)."""
@@ -203,7 +202,7 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
     if after_ef:
         probe_parts.append(fidelity.sample(x, fidelity.sample_layout(group.lengths, x.device, mask)))
     raw, weights, local, shared = x, None, None, None
-    if isinstance(red, BlockQSum):  # one uint8 scale code per block, always agreed (exact)
+    if red.scale_agreement is ScaleAgreement.PER_BLOCK:  # one uint8 code per block, always agreed (exact)
         weights = _weights(ctx, group, x)
         if weights is not None:  # round in the optimizer's preconditioned space
             x = x / weights
@@ -218,7 +217,7 @@ def prepare_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group,
 
 
 def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agreed: torch.Tensor | None,
-                 word: control.Builder) -> Encoded:
+                 word: control.Builder) -> EncodedGroup:
     """One group's payload from its `Prepared` and, when it agreed one, its agreed scale; its
     scales / max |x| appended to the control word being built."""
     group = prep.group
@@ -228,29 +227,30 @@ def finish_group(ctx: EncodeContext, buffer: torch.Tensor, prep: Prepared, agree
             x = buffer if group.whole else gather_slices(buffer, group)
             _flush_residuals(ctx.residuals, x, group, ctx.loss_scale)
             x.mul_(1.0 / w)  # pre-scale exactly as DDP does (x * (1/W), not x / W), in the bucket's dtype
-            return Encoded(group, x)
+            return EncodedGroup(group, x)
         # nothing to add or sample: encode the slices where they lie, no gathered copy
         fused = reads_sq(ctx, buffer, group)
-        if isinstance(red, QSum):  # a gathered bucket's qsum: its own scale, sent in the word
+        if red.own_scale_when_gathered:  # in place with a shared scale: a gathered bucket's, own scale in the word
             enc, own = red.encode_own_views(slices(buffer, group), group.lengths, w,
                                             _noise(ctx, group, buffer.device, False), with_sq=fused)
             assert enc.sq is not None or not fused, "a group left out of the norm pass must bring its |x|^2"
-            return Encoded(group, enc.payload, None, word.add(own), own, sq=enc.sq)
+            return EncodedGroup(group, enc.payload, None, word.add(own), own, sq=enc.sq)
         enc = red.encode_views(slices(buffer, group), group.lengths, w, with_sq=fused, tie=tie(ctx))
         assert enc.sq is not None or not fused, "a group left out of the norm pass must bring its |x|^2"
-        return Encoded(group, enc.payload, scale_cols=_cols(word, enc.scales), sq=enc.sq)
+        return EncodedGroup(group, enc.payload, scale_cols=_cols(word, enc.scales), sq=enc.sq)
     x, weights = prep.x, prep.weights
     shared = prep.shared if prep.agree is None else agreed
     assert shared is not None or prep.local is None, "a group that agrees its scale needs the agreed value"
-    amax_cols = word.add(prep.local) if prep.local is not None and not isinstance(red, BlockQSum) else None
-    dither = _noise(ctx, group, x.device, isinstance(red, BlockQSum)) if red.needs_shared_scale else None
+    per_slice = red.scale_agreement is ScaleAgreement.PER_SLICE  # its max |x| feeds the history: in the word
+    amax_cols = word.add(prep.local) if prep.local is not None and per_slice else None
+    dither = _noise(ctx, group, x.device, red.stratified_rounding) if red.needs_shared_scale else None
     enc = red.encode(x, group.lengths, w, shared, dither, tie=tie(ctx))
     residuals: tuple[tuple[str, torch.Tensor], ...] = ()
     if ctx.error_feedback and enc.local is not None:
         resid = unscaled(prep.raw - (enc.local if weights is None else enc.local * weights), ctx.loss_scale)
         residuals = tuple((s.name, part) for s, part in zip(group.slices, resid.split(group.lengths), strict=True)
                           if s.region not in ctx.ef_off)  # the drift monitor switched it off
-    return Encoded(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals, weights)
+    return EncodedGroup(group, enc.payload, _cols(word, enc.scales), amax_cols, shared, residuals, weights)
 
 
 def tie(ctx: EncodeContext) -> int:
@@ -261,7 +261,7 @@ def tie(ctx: EncodeContext) -> int:
 
 
 def encode_group(ctx: EncodeContext, buffer: torch.Tensor, group: Group, word: control.Builder,
-                 probe_parts: list[torch.Tensor], blocking: Blocking) -> Encoded:
+                 probe_parts: list[torch.Tensor], blocking: Blocking) -> EncodedGroup:
     """One group's payload, its scale agreed on the spot (blocking): `prepare_group`, the MAX,
     `finish_group` (the two-level path's FP32 groups; the hook launches agreements early)."""
     prep = prepare_group(ctx, buffer, group, probe_parts)
@@ -281,7 +281,7 @@ def _weights(ctx: EncodeContext, group: Group, x: torch.Tensor) -> torch.Tensor 
     return ctx.quantization_scale([s.name for s in group.slices], group.lengths, x.device)
 
 
-def launch_each(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int,
+def launch_each(encoded: Sequence[EncodedGroup], ctrl: torch.Tensor | None, w: int,
                 pg: dist.ProcessGroup | None) -> tuple[list[Sent], torch.Tensor | None, list, float, int]:
     """One collective per group, as its reducer sends it, plus the control word's all-gather.
     Returns the sent groups, the control words' receive buffer, the futures, the bytes and the
@@ -303,7 +303,7 @@ def launch_each(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int,
     return sent, recv, futs, nbytes, collectives
 
 
-def launch_coalesced(encoded: Sequence[Encoded], ctrl: torch.Tensor | None, w: int, pg: dist.ProcessGroup | None,
+def launch_coalesced(encoded: Sequence[EncodedGroup], ctrl: torch.Tensor | None, w: int, pg: dist.ProcessGroup | None,
                      device: torch.device) -> tuple[list[Sent], coalesce.Part | None, torch.Tensor, list, float]:
     """The control word and every group's payload as the bytes of ONE all-gather."""
     tensors = ([ctrl] if ctrl is not None else []) + [e.payload for e in encoded]

@@ -2,7 +2,7 @@
 
     hook body (DDP's thread, bucket order)      callback (any thread, any order)
     ------------------------------------        --------------------------------
-    encode groups -> `Encoded` per group
+    encode groups -> `EncodedGroup` per group
     launch       -> `Launch` (frozen) ------->  decode into the bucket
                                                 `Outcome` (frozen) -> Runtime's outcome list
     next step's first hook (or step_stats): fold every (Launch, Outcome) pair of the step,
@@ -25,8 +25,12 @@ from nfab.runtime.core.plan import BucketPlan
 
 
 @dataclass(frozen=True, slots=True)
-class Encoded:
-    """One group's encoded contribution, before launch."""
+class EncodedGroup:
+    """The hook's record of one group, encoded and not yet launched: its payload (the reducer's
+    `wire.contract.Encoded` payload, or the pre-scaled FP32 values), where its scales sit in the
+    control word, and what the callback and the fold need to decode it and commit its error
+    feedback. Handed from encode (`encode.finish_group`) to launch (`encode.launch_each`,
+    `encode.launch_coalesced`), then carried in its `Sent`."""
 
     group: Group
     payload: torch.Tensor
@@ -50,7 +54,7 @@ class Encoded:
 class Sent:
     """One group after launch: its encoding and where its result arrives."""
 
-    enc: Encoded
+    enc: EncodedGroup
     future: torch.futures.Future | None
     """The group's own collective (None when it rides the coalesced all-gather)."""
     part: Part | None

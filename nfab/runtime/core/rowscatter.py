@@ -38,7 +38,13 @@ from nfab.runtime.control.moment import rounding_variance
 from nfab.wire import noise
 from nfab.wire.blockq.reducer import BlockQSum
 from nfab.wire.blockq.scatter import BlockQScatter, consecutive
-from nfab.wire.contract import allgather_factor, allreduce_factor, gather_scales, reduce_scatter_flat
+from nfab.wire.contract import (
+    ScaleAgreement,
+    allgather_factor,
+    allreduce_factor,
+    gather_scales,
+    reduce_scatter_flat,
+)
 from nfab.wire.qsum.reducer import QSum
 from nfab.wire.sign.scatter import SignScatter, reduce_scatter_factor
 
@@ -145,25 +151,28 @@ def qsum_reduce_scatter(red: QSum, rows: torch.Tensor, segments: Sequence[Sequen
 
 
 def row_numel(red: BlockQScatter | SignScatter | QSum, numel: int, world_size: int) -> int:
-    """Elements of a group's row as its codec's segment tables cover it: sign pads each row to
-    whole vote bytes (its tail a segment of its own); block routes and qsum take the row as it is."""
-    return padded_row(red, numel, world_size) if isinstance(red, SignScatter) else numel
+    """Elements of a group's row as its codec's segment tables cover it (`Reducer.row_numel`): sign
+    pads each row to whole vote bytes (its tail a segment of its own); block routes and qsum take the
+    row as it is."""
+    return red.row_numel(numel, world_size)
 
 
 def lossy_bytes(red: BlockQScatter | SignScatter | QSum, segments: Sequence[Sequence[int]],
                 world_size: int) -> float:
     """Bytes one rank sends reducing a group's rows (`segments`: every row's table, as the codec's
     call gets it) by `block_reduce_scatter` / `sign_reduce_scatter` / `qsum_reduce_scatter`,
-    computed without running them."""
+    computed without running them. The scales' bytes follow how the codec agrees them
+    (`Reducer.scale_agreement`)."""
     w = world_size
     nseg = sum(len(seg) for seg in segments)
-    if isinstance(red, QSum):  # whole containers per row (uint8), and one fp32 scale per segment MAX-agreed
+    agreement = red.scale_agreement
+    if agreement is ScaleAgreement.PER_SLICE:  # whole containers per row (uint8), one fp32 scale per segment MAX-agreed
         return reduce_scatter_factor(w) * w * red.payload_bytes(sum(segments[0]), w) + allreduce_factor(w) * 4 * nseg
     payload = red.payload_bytes(w * padded_row(red, sum(segments[0]), w), w)
-    if isinstance(red, BlockQScatter):
+    if agreement is ScaleAgreement.PER_BLOCK:  # one uint8 code per block of every row, MAX-agreed
         blocks = sum(red.blocks_for(n) for seg in segments for n in seg)
         return reduce_scatter_factor(w) * payload + allreduce_factor(w) * blocks
-    return reduce_scatter_factor(w) * payload + allgather_factor(w) * nseg * 4
+    return reduce_scatter_factor(w) * payload + allgather_factor(w) * nseg * 4  # every segment's scale, all-gathered
 
 
 def plain_bytes(numel: int, world_size: int, element_size: int) -> float:

@@ -17,8 +17,9 @@ before the bucket's other groups and its control word are launched as on the fla
 Routes are decided at W = nodes (capacity, lane widths, the cheapest sign reducer and the
 cost gate all see the cross level, where the lossy bytes go). A block route may pick
 blockqscatter there: `cross` runs any reducer's agree / encode / launch / decode, so its
-all-to-all and all-gather both go out on the cross group from the hook body, and it is a
-`BlockQSum` for the stratified noise (tests/runtime/test_hierarchy_dist.py: blockq's bits).
+all-to-all and all-gather both go out on the cross group from the hook body, and it rounds
+stratified as blockq does (`Reducer.stratified_rounding`; tests/runtime/test_hierarchy_dist.py:
+blockq's bits).
 qsum's shared scale is agreed exactly across nodes every step (`qsum_scale` applies to the
 flat path only), and the fidelity probe samples only groups the flat path sends.
 
@@ -45,9 +46,8 @@ from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import Group
 from nfab.runtime.core import encode
 from nfab.runtime.core import hierarchy as hier
-from nfab.runtime.core.handoff import Encoded, Launch, LevelSent
+from nfab.runtime.core.handoff import EncodedGroup, Launch, LevelSent
 from nfab.wire import noise
-from nfab.wire.blockq.reducer import BlockQSum
 from nfab.wire.registry import REDUCERS, Reducer, gather_scales
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def setup(spec: hier.Hierarchy | str | int | None, process_group: dist.ProcessGr
 
 def encode_bucket(two: TwoLevel | None, ctx: encode.EncodeContext, buffer: torch.Tensor, groups: Sequence[Group],
                   word: control.Builder, probe_parts: list[torch.Tensor],
-                  blocking: encode.Blocking) -> tuple[list[Encoded], LevelSent | None]:
+                  blocking: encode.Blocking) -> tuple[list[EncodedGroup], LevelSent | None]:
     """The bucket's groups to launch; with a hierarchy its lossy groups are reduced here first."""
     if two is None or not any(g.lossy for g in groups):
         return [encode.encode_group(ctx, buffer, g, word, probe_parts, blocking) for g in groups], None
@@ -161,12 +161,13 @@ def _owed(group: Group, shard_owed: torch.Tensor, start: int,
 def _noise(ctx: encode.EncodeContext, group: Group, device: torch.device, start: int,
            topo: hier.Topology) -> torch.Generator | noise.Stratum:
     """One rounding-noise generator for this rank's shard, seeded by (seed, rank, step, the group's
-    first parameter): the same schedule on every rank, independent noise per rank. Block-scaled
-    qsum rounds stratified across the cross group (the ranks holding this shard on every node):
-    the seed names the shard instead of the rank, and the stratum is this rank's node."""
+    first parameter): the same schedule on every rank, independent noise per rank. A reducer that
+    rounds stratified (`Reducer.stratified_rounding`: block-scaled qsum) does so across the cross
+    group (the ranks holding this shard on every node): the seed names the shard instead of the
+    rank, and the stratum is this rank's node."""
     g = torch.Generator(device=device)
     first = ctx.param_index[group.slices[0].name]
-    if isinstance(REDUCERS[group.key], BlockQSum):
+    if REDUCERS[group.key].stratified_rounding:
         g.manual_seed(hash((ctx.seed, -1, ctx.step, first, 2, start)) & 0x7FFF_FFFF_FFFF)
         return noise.Stratum(g, topo.node, topo.nodes)
     g.manual_seed(hash((ctx.seed, ctx.rank, ctx.step, first, 2)) & 0x7FFF_FFFF_FFFF)

@@ -1,15 +1,19 @@
 """The nfab DDP communication hook and its state (`Runtime`).
 
-The package in parts (each readable alone):
-- `control`: the control word — named head fields, per-slice columns, build and parse;
-- `coalesce`: one all-gather for a whole bucket — the decision, packing, reading parts;
-- `scales`: qsum's shared scales (exact agreement, or the delayed amax history);
-- `agreement`: a bucket's exact scale agreements as one asynchronous MAX per dtype;
-- `encode`: the hook body's work per bucket (prepare groups, encode them, launch collectives);
-- `decode`: the callback's work per bucket (decode into slices, zero a non-finite bucket);
-- `handoff`: the immutable values passed hook -> callback (`Launch`) and back (`Outcome`);
-- `twolevel`: with `hierarchy=`, lossy groups reduced node-local -> across nodes -> node-local;
-- `controller`, `health`, `fidelity`, `plan`, `bindings`, `stats`: routes, health, probes, ...
+The parts it drives, each readable alone (paths under `nfab/runtime/`):
+- `control/word.py`: the control word — named head fields, per-slice columns, build and parse;
+- `core/coalesce.py`: one all-gather for a whole bucket — the decision, packing, reading parts;
+- `core/scales.py`: qsum's shared scales (exact agreement, or the delayed amax history);
+- `core/agreement.py`: a bucket's exact scale agreements as one asynchronous MAX per dtype;
+- `core/encode.py`: the hook body's work per bucket (prepare groups, encode them, launch collectives);
+- `core/decode.py`: the callback's work per bucket (decode into slices, NaN in a non-finite bucket);
+- `core/handoff.py`: the immutable values passed encode -> launch (`EncodedGroup`), hook ->
+  callback (`Launch`) and back (`Outcome`);
+- `core/twolevel.py`: with `hierarchy=`, lossy groups reduced node-local -> across nodes -> node-local;
+- `core/plan.py` (a bucket's slice table), `core/fold.py` (the step boundary), `control/controller.py`
+  (routes), `control/health.py`, `control/fidelity.py` and `control/probes.py` (health and probes),
+  `control/optim.py` and `control/moment.py` (the optimizer-aware parts), `bindings.py`, `state.py`
+  and `stats.py` (parameters, the state both front ends share, statistics).
 
 Per bucket, in the hook body (DDP calls it in bucket order on every rank):
 1. look up the bucket plan and this step's groups (controller: a pure function of agreed
@@ -63,7 +67,7 @@ from nfab.runtime.core import agreement as agreement_mod
 from nfab.runtime.core import coalesce, encode, twolevel
 from nfab.runtime.core.decode import finish_bucket
 from nfab.runtime.core.fold import carried_state, drop_ef_residuals, fidelity_columns, fold_step, load_carried
-from nfab.runtime.core.handoff import HOOK_PHASES, Encoded, Launch, Outcome
+from nfab.runtime.core.handoff import HOOK_PHASES, EncodedGroup, Launch, Outcome
 from nfab.runtime.core.hierarchy import Hierarchy
 from nfab.runtime.core.plan import BucketPlan, build_plan, plan_key
 from nfab.runtime.core.scales import AMAX_HISTORY, QSUM_SCALES, AmaxHistory
@@ -294,7 +298,7 @@ class Runtime(RuntimeState):
         return None if q is None else encode.scaled(q, self._step_loss_scale())
 
     def _launch(self, index: int, plan: BucketPlan, routes: BucketRoutes, buffer: torch.Tensor,
-                ctx: encode.EncodeContext, encoded: list[Encoded], ctrl: torch.Tensor | None,
+                ctx: encode.EncodeContext, encoded: list[EncodedGroup], ctrl: torch.Tensor | None,
                 probe_parts: list[torch.Tensor], blocking: encode.Blocking,
                 fid_cols: tuple[tuple[str, ...], control.Columns] | None,
                 phases: tuple[float, float, float]) -> tuple[Launch, list]:

@@ -54,7 +54,16 @@ from nfab.wire import dispatch, host_slices, noise
 from nfab.wire.blockq import grid, radix, replay
 from nfab.wire.blockq.radix import RadixLayout
 from nfab.wire.blockq.table import CODE_OFFSET, CODES_PER_OCTAVE, SCALES
-from nfab.wire.contract import Capacity, Encoded, Reducer, allreduce_factor, allreduce_future, split_out, write_into
+from nfab.wire.contract import (
+    Capacity,
+    Encoded,
+    Reducer,
+    ScaleAgreement,
+    allreduce_factor,
+    allreduce_future,
+    split_out,
+    write_into,
+)
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout, chunked_layout, pack, unpack
 from nfab.wire.segments import nonfinite_sum
@@ -132,7 +141,11 @@ class BlockQSum(Reducer):
     """Stochastic levels with one agreed 8-bit scale code per block, lane-packed and summed exactly."""
 
     name = "blockq"
-    needs_shared_scale = True
+    scale_agreement = ScaleAgreement.PER_BLOCK
+    """One uint8 code per block, MAX-agreed exactly every step: a block's scale has no history."""
+    stratified_rounding = True
+    """The ranks' noise is one stratified draw (`noise.Stratum`): their rounding errors partly
+    cancel in the sum, a smaller variance than independent noise (`runtime/control/moment.py`)."""
     blocking_rounds = 1  # the uint8 MAX all-reduce of the block codes, before encoding
 
     def __init__(self, bits: int | None = None, block: int = DEFAULT_BLOCK, *, levels: int | None = None) -> None:

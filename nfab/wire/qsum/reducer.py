@@ -15,6 +15,7 @@ from nfab.wire.contract import (
     Encoded,
     Out,
     Reducer,
+    ScaleAgreement,
     allreduce_factor,
     allreduce_future,
     decode_scaled,
@@ -37,7 +38,11 @@ class QSum(Reducer):
     """
 
     name = "qsum"
-    needs_shared_scale = True
+    scale_agreement = ScaleAgreement.PER_SLICE
+    """One fp32 max |x| per slice: the W ranks' levels sum exactly only on one shared grid."""
+    own_scale_when_gathered = True
+    """A gathered bucket sums nothing on the wire: each rank rounds in its own max |x|
+    (`encode_own_views`), and the rows decode with their ranks' scales (`decode_gathered`)."""
 
     def __init__(self, bits: int) -> None:
         if bits not in (2, 4, 8):

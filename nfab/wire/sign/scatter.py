@@ -77,6 +77,11 @@ class SignScatter(TwoPhaseReducer):
         per = -(-numel // world_size)
         return -(-per // _SHARD_ALIGN) * _SHARD_ALIGN
 
+    def row_numel(self, numel: int, world_size: int) -> int:
+        """A row padded to whole shards (`shard_numel` of W rows): each row's votes start on a whole
+        vote byte, and the padding is a segment of its own in every row's table (never decoded)."""
+        return self.shard_numel(world_size * numel, world_size)
+
     @staticmethod
     def ternary(world_size: int) -> bool:
         """Even W can tie: the majority needs three values (trits) instead of one bit."""
