@@ -69,7 +69,7 @@ bench: install  # the wire run folded into its setting's file (bench/runs.py: ru
 	$(BIN)/nfab bench hook
 
 study: install
-	$(BIN)/nfab bench study --out bench/study --publish
+	$(BIN)/python -m bench.study --out bench/study --publish
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -111,6 +111,17 @@ def test_no_import_circle() -> None:
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_the_package_never_imports_the_checkouts_bench() -> None:
+    """`bench/` (the study, the user loop, the held-out models) is not installed: nothing in `nfab/` imports it."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            offenders += [f"{path.relative_to(PACKAGE.parent)}: {n}" for n in names if n.split(".")[0] == "bench"]
+    assert not offenders, offenders
+
+
 MODULE_LINES_MAX = 600
 """The house's hard cap on a module's length (split one past 500)."""
 

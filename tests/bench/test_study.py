@@ -1,14 +1,13 @@
-"""`nfab bench study`: every variant in a user's loop, verdicts, and docs generated from the JSON."""
+"""`python -m bench.study`: every variant in a user's loop, verdicts, and docs generated from the JSON."""
 
 import json
 import math
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from nfab.bench import study, studydocs, studyspec
-from nfab.cli.app import app
+from bench import study, studydocs
+from nfab.bench import studyspec
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb",
@@ -87,19 +86,23 @@ def test_the_study_modules_import_no_circle() -> None:
 
     order = ["studyspec", "studyverdict", "studydocs", "study"]
     for i, name in enumerate(order):
-        tree = ast.parse((ROOT / "nfab" / "bench" / f"{name}.py").read_text())
-        imported = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree)
-                    if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("nfab.bench.")}
-        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "nfab.bench"
-                     for a in n.names}
+        path = ROOT / "nfab" / "bench" / f"{name}.py"
+        tree = ast.parse((path if path.is_file() else ROOT / "bench" / f"{name}.py").read_text())
+        imported = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                    and n.module.startswith(("nfab.bench.", "bench.")) and n.module.rsplit(".", 1)[-1] != "userloop"}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                     and n.module in ("nfab.bench", "bench") for a in n.names}
         assert imported <= set(order[:i]), (name, imported)
 
 
-def test_the_study_needs_a_checkout(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    result = CliRunner().invoke(app, ["bench", "study", "--out", str(tmp_path / "o")], env={"COLUMNS": "200"})
-    assert result.exit_code == 2 and "runs from a repository checkout" in result.output
-    assert "Traceback" not in result.output
+def test_the_study_is_no_nfab_command() -> None:
+    """The study runs from a checkout (`python -m bench.study`); the installed `nfab bench` has no `study`."""
+    from typer.testing import CliRunner
+
+    from nfab.cli.app import app
+
+    result = CliRunner().invoke(app, ["bench", "study"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "No such command 'study'" in result.output
 
 
 def test_replace_block_needs_the_markers() -> None:
@@ -164,11 +167,11 @@ def test_study_runs_seeds_and_appends_more(tmp_path: Path) -> None:
     (["--settings", "bert"], "unknown study setting 'bert'"),
     (["--variants", "fp32,int3"], "unknown study variant 'int3'"),
 ])
-def test_cli_rejects_bad_arguments_in_one_line(tmp_path, monkeypatch, args, message):
-    monkeypatch.chdir(ROOT)
-    result = CliRunner().invoke(app, ["bench", "study", "--out", str(tmp_path), *args], env={"COLUMNS": "200"})
-    assert result.exit_code == 2
-    assert message in result.output and "Traceback" not in result.output
+def test_cli_rejects_bad_arguments_in_one_line(tmp_path, capsys, args, message):
+    assert study.main(["--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # refused before anything ran
 
 
 @pytest.mark.world_size(2)
@@ -195,3 +198,19 @@ def test_a_classifier_loss_verdict_allows_one_held_out_predictions_worth() -> No
     doc["rows"][1]["eval_loss"] = 0.0200  # +0.0069 nats: more than one digit's worth
     (v,) = study.judge(doc)
     assert not v["quality_ok"]
+
+
+def test_the_command_runs_from_the_repository_root(tmp_path: Path) -> None:
+    """`python -m bench.study` (as `make study` runs it): a bad argument is one line and exit 2."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "bench.study", "--out", str(tmp_path), "--settings", "bert"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: unknown study setting 'bert'"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_regen_docs_needs_the_published_json(tmp_path: Path, capsys) -> None:
+    assert study.main(["--regen-docs"], root=tmp_path) == 2
+    assert "bench/study.json not found: run `python -m bench.study --publish` first" in capsys.readouterr().err

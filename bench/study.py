@@ -1,55 +1,43 @@
 """The study: nfab against FP32, bf16 DDP, fp16 and PowerSGD, quality per byte, in a user's training loop.
 
-Every setting runs every variant (`studyspec.VARIANTS`) with the same model, data, seed,
-optimizer and steps, one after another on this machine, then writes:
+    python -m bench.study --out bench/study --publish          # every setting x variant (`make study`)
+    python -m bench.study --settings heldout3 --variants fp32,profile --seeds 0,1,2
+    python -m bench.study --regen-docs                        # docs/study.md and the PNGs from bench/study.json
+
+Run from the repository root (or with it on `PYTHONPATH`): the study lives beside the loop it trains
+in (`bench.userloop`) and the held-out models (`bench/heldout/`), none of them installed. Every
+setting runs every variant (`studyspec.VARIANTS`) with the same model, data, seed, optimizer and
+steps, one after another on this machine, then writes:
 - OUT/study.json: the rows (schema `nfab.bench.study`, version 2) — the source of truth;
 - OUT/study.md: the tables;
 - OUT/report.html with one bytes-vs-quality (Pareto) plot per setting.
 `--publish` also copies study.json to bench/study.json and regenerates the tables of
 docs/study.md and the Pareto PNGs from it (`studydocs`), so no number is copied by hand.
-
-The loop that trains and the held-out models live outside the installed package, in a
-repository checkout (`bench/userloop.py`, `bench/heldout/`): `harness(root)` imports the loop
-by its module path from there, and says in one line when there is no checkout.
 """
-
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import importlib
+import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from nfab.bench import studydocs
+from bench import studydocs
+from bench.studyverdict import judge, main_rows, quality_delta, seed_spread
 from nfab.bench.studyspec import SCHEMA, SETTINGS, VARIANTS, VERSION, RunResult, Setting
-from nfab.bench.studyverdict import judge, main_rows, quality_delta, seed_spread
 from nfab.errors import NfabError
 from nfab.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
 
-__all__ = ["SETTINGS", "VARIANTS", "RunResult", "Setting", "StudyConfig", "harness", "judge", "main_rows",
+__all__ = ["SETTINGS", "VARIANTS", "RunResult", "Setting", "StudyConfig", "judge", "main", "main_rows",
            "quality_delta", "run_study", "seed_spread"]
 
-HARNESS = "bench.userloop"
-"""The user-loop harness, by module path from the repository root."""
-
-
-def harness(root: Path | None = None) -> ModuleType:
-    """`bench.userloop` from the checkout at `root` (default: the working directory), put on `sys.path`.
-
-    Spawned ranks inherit `sys.path`, so they import the held-out models (`bench.heldout.*`) from
-    there too. Outside a checkout: one `NfabError` naming what is missing."""
-    root = (root or Path.cwd()).resolve()
-    if not (root / "bench" / "userloop.py").is_file() or not (root / "bench" / "heldout" / "__init__.py").is_file():
-        raise NfabError(f"nfab bench study runs from a repository checkout: no bench/userloop.py and "
-                        f"bench/heldout/ under {root} (cd to the nfab repository root)")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module(HARNESS)
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: the settings' profiles (`bench/calibrations/...`) and the published files are under it."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,8 +99,11 @@ def _previous(cfg: StudyConfig) -> dict[str, Any] | None:
 
 def run_study(cfg: StudyConfig, command: str = "", log: Callable[[str], None] = print,
               root: Path | None = None) -> dict[str, Any]:
-    """Every setting x variant; writes OUT/study.json, OUT/study.md, OUT/report.html and the Pareto PNGs."""
-    run_variants = harness(root).run_variants
+    """Every setting x variant; writes OUT/study.json, OUT/study.md, OUT/report.html and the Pareto PNGs.
+    `root`: where the settings' profile paths resolve (default: this checkout)."""
+    from bench.userloop import run_variants  # torch and the ranks: only when something runs
+
+    root = root or ROOT
     cfg.out.mkdir(parents=True, exist_ok=True)
     old = _previous(cfg) if cfg.append else None  # checked before hours of runs, not after
     t0 = time.perf_counter()
@@ -151,3 +142,75 @@ def run_study(cfg: StudyConfig, command: str = "", log: Callable[[str], None] = 
         atomic_write_bytes(cfg.out / f"pareto_{name}.png", studydocs.pareto_png(doc, name))
     atomic_write_text(cfg.out / "report.html", studydocs.report_html(doc))
     return doc
+
+
+def _names(text: str | None, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """A comma-separated subset of `known` (None: all of it)."""
+    if text is None:
+        return known
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"unknown study {what} {bad[0]!r} (known: {', '.join(known)})")
+    return names
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds must be distinct integers >= 0, got {text!r}")
+    return seeds
+
+
+def main(argv: list[str] | None = None, root: Path | None = None) -> int:
+    """Quality and gradient bytes of every variant, side by side, with a bytes-vs-quality plot."""
+    root = root or ROOT
+    ap = argparse.ArgumentParser(prog="python -m bench.study", description=main.__doc__)
+    ap.add_argument("--out", type=Path, default=Path("bench/study"),
+                    help="folder for study.json/.md, report.html and the Pareto PNGs (default: bench/study)")
+    ap.add_argument("--settings", default=None, help=f"comma-separated subset of {','.join(SETTINGS)} (default: all)")
+    ap.add_argument("--variants", default=None, help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
+    ap.add_argument("--steps", type=int, default=None, help="steps for every setting (default: each its own)")
+    ap.add_argument("--world-size", "-w", type=int, default=None, help="gloo ranks for every setting (default 4)")
+    ap.add_argument("--publish", action="store_true", help="copy study.json to bench/study.json, regenerate "
+                    "docs/study.md's tables and the Pareto PNGs from it")
+    ap.add_argument("--append", action="store_true",
+                    help="merge into OUT/study.json, keeping its rows of other settings/variants/seeds")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds: every setting x variant runs once per "
+                    "seed; the tables show the first (an appended study's own), an across-seed table the spread")
+    ap.add_argument("--regen-docs", action="store_true",
+                    help="only regenerate docs/study.md's tables and the PNGs from bench/study.json")
+    a = ap.parse_args(argv)
+    try:
+        if a.regen_docs:
+            print("regenerated " + ", ".join(str(p) for p in studydocs.regen_docs(root)))
+            return 0
+        cfg = StudyConfig(out=a.out, settings=_names(a.settings, tuple(SETTINGS), "setting"),
+                          variants=_names(a.variants, VARIANTS, "variant"), steps=a.steps, world_size=a.world_size,
+                          seeds=_seeds(a.seeds), append=a.append)
+        for s in cfg.settings:
+            prof = SETTINGS[s].profile
+            if prof is not None and not (root / prof).is_file() and any(v.startswith("profile") for v in cfg.variants):
+                raise ValueError(f"{prof} not found under {root} (calibrate {s} first)")
+        command = shlex.join(["python", "-m", "bench.study", *(sys.argv[1:] if argv is None else argv)])
+        doc = run_study(cfg, command=command, root=root)
+    except (ValueError, NfabError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print((a.out / "study.md").read_text())
+    print(f"wrote {a.out / 'study.json'}, {a.out / 'study.md'}, {a.out / 'report.html'}")
+    if a.publish:
+        shutil.copyfile(a.out / "study.json", root / studydocs.STUDY_JSON)
+        written = studydocs.regen_docs(root)
+        print("published " + ", ".join(str(p) for p in [root / studydocs.STUDY_JSON, *written]))
+    if any(not r["ok"] for r in doc["rows"]):
+        print("error: some study runs failed (see study.md)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
