@@ -28,7 +28,15 @@ from nfab.calibrate.table import read_table
 from nfab.distributed import run_ranks
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
-from nfab.runtime.control.window import CHUNK, Schedule, profile_codes, sample_layout, schedule
+from nfab.runtime.control.window import (
+    CHUNK,
+    SAMPLE,
+    Schedule,
+    profile_codes,
+    region_sample,
+    sample_layout,
+    schedule,
+)
 
 STEPS = 24
 WINDOW = 3
@@ -249,7 +257,10 @@ def test_the_sample_is_whole_chunks_at_the_same_positions_for_every_seed_draw():
     a = one[0].positions
     assert a.numel() % CHUNK == 0 and bool((a.view(-1, CHUNK)[:, 0] % CHUNK == 0).all())
     assert one[2].positions.tolist() == list(range(64))  # a small region is sampled whole
-    assert 12_000 <= sum(s.positions.numel() for s in one[:2]) <= 20_000
+    assert 6_000 <= sum(s.positions.numel() for s in one[:2]) <= 10_000  # 1/16 of 130k elements
+    big = sample_layout([("w", "linear", 10_000_000)], 0)
+    assert big[0].positions.numel() == SAMPLE  # a big region's sample is SAMPLE, whatever its size
+    assert region_sample(3000) == 2048 and region_sample(1000) == 1000 and region_sample(100_000) == 6250
 
 
 def _refused(rank: int, world_size: int) -> list[str]:

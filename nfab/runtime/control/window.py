@@ -3,7 +3,7 @@
 During a window's steps each bucket's hook copies a fixed sample of its local gradient before anything
 is encoded: contiguous `CHUNK`-element pieces of every parameter (whole blocks of every block route),
 the same positions on every rank, drawn once from the seed with nfab's own generator. The step's last
-bucket all-gathers the step's samples, ONE collective of about `SAMPLE` elements per region and rank
+bucket all-gathers the step's samples, ONE collective of at most `SAMPLE` elements per region and rank
 (FSDP2, which has no last call to wait for: one per module's reduce-scatter), never one per candidate
 route, and the fold keeps them on the host. At a window's end
 `fit` (given at attach: `nfab.calibrate.inrun`) replays every candidate route over the W ranks'
@@ -38,7 +38,12 @@ from nfab.wire.routes import ROUTES
 CHUNK = 256
 """Elements per sampled piece: a whole number of blocks of every block route (64, 128, 256)."""
 SAMPLE = 16384
-"""Sampled elements per region and rank (every element of a smaller region)."""
+"""Sampled elements per region and rank, at most (a big region's sample costs it little)."""
+SAMPLE_SHARE = 1 / 16
+"""...and at most this share of a smaller region, down to `MIN_SAMPLE`: on a small model a fixed sample
+is a large part of a step's bytes (16k per region was 39% of a 0.17M-parameter GPT's FP32 step)."""
+MIN_SAMPLE = 2048
+"""Sampled elements of a region at least (every element of a region this small)."""
 WINDOW_FRACTION = 0.02
 """A window's length as a fraction of the run (at least `MIN_STEPS`)."""
 MIN_STEPS = 4
@@ -89,21 +94,28 @@ class Sampled:
 
 def sample_layout(params: Sequence[tuple[str, str, int]], seed: int) -> tuple[Sampled, ...]:
     """The positions every rank samples: `params` = (name, region, numel) in the model's order. Per
-    region about `SAMPLE` elements, shared between its parameters by size (at least one chunk each),
+    region about `region_sample` elements, shared between its parameters by size (at least one chunk each),
     whole `CHUNK`s at chunk-aligned offsets, drawn from nfab's own generator (never the user's)."""
     by_region: dict[str, int] = {}
     for _, region, n in params:
         by_region[region] = by_region.get(region, 0) + n
+    budget = {r: region_sample(n) for r, n in by_region.items()}
     gen = torch.Generator().manual_seed(seed * 1_000_003 + 17)
     out = []
     for name, region, n in params:
         chunks = -(-n // CHUNK)
-        share = SAMPLE * n / by_region[region]  # this parameter's part of its region's sample
-        take = chunks if by_region[region] <= SAMPLE else min(chunks, max(1, round(share / CHUNK)))
+        share = budget[region] * n / by_region[region]  # this parameter's part of its region's sample
+        take = chunks if by_region[region] <= budget[region] else min(chunks, max(1, round(share / CHUNK)))
         picked = torch.randperm(chunks, generator=gen, device="cpu")[:take].sort().values
         pos = (picked[:, None] * CHUNK + torch.arange(CHUNK, device="cpu")[None, :]).reshape(-1)
         out.append(Sampled(name, region, n, pos[pos < n]))
     return tuple(out)
+
+
+def region_sample(numel: int) -> int:
+    """Elements a region of `numel` samples per rank and step: `SAMPLE`, at most `SAMPLE_SHARE` of it but
+    `MIN_SAMPLE` at least (all of a region smaller than that)."""
+    return min(numel, max(MIN_SAMPLE, min(SAMPLE, int(numel * SAMPLE_SHARE))))
 
 
 @dataclass(slots=True)
