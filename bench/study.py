@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import studydocs
+from bench.studyspec import SCHEMA, SETTINGS, VARIANTS, VERSION, RunResult, Setting
 from bench.studyverdict import judge, main_rows, quality_delta, seed_spread
-from nfab.bench.studyspec import SCHEMA, SETTINGS, VARIANTS, VERSION, RunResult, Setting
 from nfab.errors import NfabError
 from nfab.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from nfab.bench.studyspec import FAIL_LOSS_RISE, MAX_ACC_DROP, MAX_LOSS_RISE, MIN_RATIO, VARIANTS
+from bench.studyspec import FAIL_LOSS_RISE, MAX_ACC_DROP, MAX_LOSS_RISE, MIN_RATIO, VARIANTS
 
 
 def quality_delta(setting: dict[str, Any], row: dict[str, Any], fp32: dict[str, Any]) -> float | None:

@@ -1,6 +1,6 @@
 """The one user-loop harness: a user's plain DDP (or FSDP2) loop, with one communication variant plugged in.
 
-`nfab bench study` trains every variant of a setting here; `python -m bench.userloop` (from the
+`python -m bench.study` trains every variant of a setting here; `python -m bench.userloop` (from the
 repository root) runs one setting with a few variants and prints their rows, e.g.
 
     python -m bench.userloop --setting heldout --variants fp32,sign-ef,profile
@@ -86,7 +86,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfab.bench.studyspec import (
+from bench.studyspec import (
     FSDP_VARIANTS,
     NOISE_MOMENT,
     PARALLEL,

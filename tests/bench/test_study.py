@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import study, studydocs
-from nfab.bench import studyspec
+from bench import study, studydocs, studyspec
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"setting", "variant", "ok", "seed", "steps", "world_size", "eval_loss", "eval_accuracy", "wire_mb",
@@ -86,8 +85,7 @@ def test_the_study_modules_import_no_circle() -> None:
 
     order = ["studyspec", "studyverdict", "studydocs", "study"]
     for i, name in enumerate(order):
-        path = ROOT / "nfab" / "bench" / f"{name}.py"
-        tree = ast.parse((path if path.is_file() else ROOT / "bench" / f"{name}.py").read_text())
+        tree = ast.parse((ROOT / "bench" / f"{name}.py").read_text())
         imported = {n.module.rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
                     and n.module.startswith(("nfab.bench.", "bench.")) and n.module.rsplit(".", 1)[-1] != "userloop"}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from bench.studyspec import SETTINGS
 from bench.userloop import TWO_D_REGIONS, main, parse_route, run_variants
-from nfab.bench.studyspec import SETTINGS
 
 
 def test_route_grammar():

@@ -13,7 +13,7 @@ collective queues behind the payloads already in flight, stalling backward. Thre
   a slice that was on qsum in the previous step encodes with the max of its agreed
   max |x| over the last `AMAX_HISTORY` steps, identical on every rank; elements beyond
   it saturate at +-scale for that step (`StepStats.saturated_slices`). Measured in
-  `nfab bench study`, that clipping cost GPT +1.4% loss against exact's +0.06%, so it is
+  `python -m bench.study`, that clipping cost GPT +1.4% loss against exact's +0.06%, so it is
   opt-in. A slice's first qsum step, or its first after a gap, agrees exactly.
 
 The history holds host floats agreed from control words (folded once per step); the

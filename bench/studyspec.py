@@ -2,7 +2,7 @@
 
 Pure data, shared by the study in a repository checkout: the harness that trains (`bench.userloop`),
 the command that runs it (`python -m bench.study`) and the renderer (`bench.studydocs`). Nothing in
-`nfab/` imports it; it joins them in `bench/` once `bench.userloop` imports it from there.
+`nfab/` imports it.
 
 Settings: `resnet18` on digits (SGD), `gpt` nano on stdlib text (AdamW), and the held-out user
 models nfab was not tuned on (`bench.heldout.*`): `heldout` (a GPT with `nn.MultiheadAttention`,
