@@ -29,8 +29,9 @@ started here. The variant decides only what the loop registers on DDP:
 
 `route-ef:` forces error feedback on.
 
-`auto` calibrates inside the run: windows of 2% of the steps (at least 4) at steps 0, N/3 and 2N/3,
-where every rank samples its own gradient and one all-gather per step shares the samples (its bytes
+`auto` calibrates inside the run (DDP, or FSDP2 with `--parallel fsdp`): windows of 2% of the steps
+(at least 4) at steps 0, N/3 and 2N/3, where every rank samples its own gradient and one all-gather
+per step (per FSDP2 module) shares the samples (its bytes
 are in `wire_mb`). Its row adds `calibration`: the fitted routes per phase (`rt.profile.phases` at
 the end of the run), the window steps, the all-gather's MB and their share of FP32's bytes, and the
 folder of calibration.parquet and profile.json (`--calibration-out DIR`, else the run's temporary
@@ -156,9 +157,7 @@ def _check_variant(variant: str, parallel: str) -> None:
     if variant not in VARIANTS and variant not in AUTO_VARIANTS and _custom_route(variant) is None:
         raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS + AUTO_VARIANTS)}, route:SPEC, "
                          "route-ef:SPEC)")
-    if parallel == "fsdp" and variant in AUTO_VARIANTS:
-        raise ValueError(f"variant {variant!r} does not run under FSDP2 (attach(model, \"auto\") is DDP only)")
-    if parallel == "fsdp" and variant not in FSDP_VARIANTS and not variant.startswith(ROUTE_VARIANT):
+    if parallel == "fsdp" and variant not in (*FSDP_VARIANTS, *AUTO_VARIANTS) and not variant.startswith(ROUTE_VARIANT):
         raise ValueError(f"variant {variant!r} does not run under FSDP2 (known: {', '.join(FSDP_VARIANTS)}, "
                          "route:SPEC)")
 
