@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from trainrun import GPT, metrics, nfab_train
@@ -12,16 +11,12 @@ from nfab.train import checkpoint
 
 
 def test_bf16_and_fp16_train_as_fp32_does(tmp_path: Path) -> None:
-    def train(precision: str) -> Path:
+    runs = {}
+    for precision in ("fp32", "bf16", "fp16"):
         run = tmp_path / precision
         res = nfab_train(*GPT, "--route", "bq2", "--nproc", "2", "--precision", precision, "--run-dir", str(run))
         assert res.code == 0, res.stderr
-        return run
-
-    precisions = ("fp32", "bf16", "fp16")
-    with ThreadPoolExecutor(max_workers=2) as pool:  # 2 cores; much of a launch is start-up and waiting
-        runs = {precision: metrics(run) for precision, run in zip(precisions, pool.map(train, precisions),
-                                                                  strict=True)}
+        runs[precision] = metrics(run)
     first, last = runs["fp32"]["grad_norm"].iloc[0], runs["fp32"]["loss"].iloc[-1]
     for precision in ("bf16", "fp16"):
         m = runs[precision]
