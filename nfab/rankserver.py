@@ -47,7 +47,9 @@ def warm_host_codecs(numel: int = 3000) -> None:
         for reducer in REDUCERS.values():
             if not reducer.capacity(world_size).ok:
                 continue
-            reducer.replay_with_locals(xs, lengths, [torch.Generator().manual_seed(r) for r in range(world_size)])
+            gens = [torch.Generator().manual_seed(r) for r in range(world_size)]
+            reducer.replay_with_locals(xs, lengths, gens)
+            reducer._replay(xs, lengths, gens)  # encode, sum, decode: the hook's kernels (blockq's replays skip them)
             if not reducer.needs_shared_scale:
                 views = [xs[0][: lengths[0]], xs[0][lengths[0]:]]
                 reducer.encode_views(views, lengths, world_size, with_sq=reducer.reads_sq(xs[0]))
