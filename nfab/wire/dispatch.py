@@ -1,17 +1,23 @@
 """The one place that chooses a codec's implementation for a device.
 
-Every codec has a torch reference that runs on any device (CUDA included) and reads no value
-back to the host, and, for CPU tensors, compiled numba kernels that produce the same bits in
-fewer passes (each codec's `host.py` adapts tensors to its `*kernels.py`). The choice:
+Every codec's math is written once in torch (the reference, and what every device, CUDA
+included, runs: it reads no value back to the host). For CPU tensors some codecs add compiled
+numba kernels that produce the same bits in fewer passes (each codec's `host.py` adapts tensors
+to its `*kernels.py`). A codec keeps the operations whose implementations differ in a small ops
+object: a torch one (`TorchSignOps`, ...) and, where it has kernels, a host one that subclasses
+it (`HostSignOps`, ...; its own per-call conditions -- contiguous memory, a dtype -- fall back to
+the torch one). `ops` picks the object for a device, once per device and switch setting, by
+`kind`:
 
-- `on_host(*tensors)`: the values are free to read here (all tensors on the CPU) and the host
-  paths are switched on. Host code (the kernels, numpy codecs, a callback's direct flag read)
-  runs only then; every other device takes torch ops that never wait for it.
-- `supports(*tensors)`: `on_host`, numba importable on a little-endian machine, and contiguous
-  memory: the compiled kernels may run.
-- `host_paths(False)`, or `NFAB_HOST_KERNELS=0` in the environment before nfab is imported,
-  sends CPU tensors down the device path too: a CPU machine runs, and tests hold bit for bit,
-  the code CUDA takes (tests/runtime/test_host_reads_dist.py checks it reads nothing back).
+- "torch": any device but the CPU, or the CPU under `host_paths(False)`: torch ops only, never
+  a value read back;
+- "reads": the CPU without the compiled kernels (numba missing, or `AVAILABLE` switched off):
+  the torch math, with values read on the host where that is free (numpy, Python floats);
+- "host": the CPU with the kernels: the host ops.
+
+`host_paths(False)`, or `NFAB_HOST_KERNELS=0` in the environment before nfab is imported,
+sends CPU tensors down the device path too: a CPU machine runs, and tests hold bit for bit,
+the code CUDA takes (tests/runtime/test_host_reads_dist.py checks it reads nothing back).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -33,23 +40,22 @@ else:
 AVAILABLE = NUMBA and sys.byteorder == "little"
 """Whether the compiled CPU kernels can run on this machine (tests switch it off to run the reference)."""
 
+TORCH, READS, HOST = "torch", "reads", "host"
+
 _host = os.environ.get("NFAB_HOST_KERNELS", "1") != "0"
 
 
-def on_host(*tensors: torch.Tensor) -> bool:
-    """Whether host code may read these tensors' values: all on the CPU (where reading is
-    free), unless `host_paths(False)` is in effect. False on CUDA and every other device."""
-    if not _host:
-        return False
-    for t in tensors:  # a loop, not all(genexpr): asked many times per bucket
-        if not t.is_cpu:
-            return False
-    return True
+def kind(device: torch.device) -> str:
+    """What runs on `device` now: HOST (compiled kernels), READS (the torch math, host reads
+    free) or TORCH (the device path). The rule every ops object is chosen by."""
+    if not (_host and device.type == "cpu"):
+        return TORCH
+    return HOST if AVAILABLE else READS
 
 
 def host_device(device: torch.device) -> bool:
-    """`on_host` for values still to be made on `device`."""
-    return _host and device.type == "cpu"
+    """Whether values on `device` are free to read here (the CPU, host paths on)."""
+    return kind(device) != TORCH
 
 
 def host_enabled() -> bool:
@@ -70,17 +76,32 @@ def host_paths(enabled: bool) -> Iterator[None]:
         _host = was
 
 
+_OPS: dict[tuple[Any, ...], Any] = {}
+
+
+def ops(device: torch.device, torch_ops: type, host_ops: type | None = None, read_ops: type | None = None) -> Any:
+    """The ops object of one codec (its classes) for `device`: `host_ops` where `kind` is HOST,
+    `read_ops` where it is READS (or HOST without `host_ops`), else `torch_ops`. Made once per
+    (device, kind) and shared: ops objects hold no state."""
+    k = kind(device)
+    key = (device, k, torch_ops, host_ops, read_ops)
+    got = _OPS.get(key)
+    if got is None:
+        if k == HOST and host_ops is not None:
+            cls = host_ops
+        elif k != TORCH and read_ops is not None:
+            cls = read_ops
+        else:
+            cls = torch_ops
+        got = _OPS[key] = cls()
+    return got
+
+
+def on_host(*tensors: torch.Tensor) -> bool:
+    """Legacy: all tensors on the CPU with the host paths on (callers not yet on an ops object)."""
+    return all(kind(t.device) != TORCH for t in tensors)
+
+
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled CPU path may run on these tensors (on the host, contiguous)."""
-    if not (AVAILABLE and on_host(*tensors)):
-        return False
-    for t in tensors:
-        if not t.is_contiguous():
-            return False
-    return True
-
-
-def implementation(*tensors: torch.Tensor) -> str:
-    """"host" (the compiled kernels) or "torch" (the reference): what these tensors take, for
-    reports and benchmarks."""
-    return "host" if supports(*tensors) else "torch"
+    """Legacy: the compiled kernels may run on these contiguous CPU tensors."""
+    return all(kind(t.device) == HOST and t.is_contiguous() for t in tensors)

@@ -1,9 +1,10 @@
 """Host adapters shared by every codec's compiled path: segment bounds, slices read where they
 lie in a bucket (gather, x^2), max |x| per segment, and where a decode writes.
 
-Tensors in, `shared_kernels` on their memory; each function applies only where
-`nfab.wire.dispatch.supports` says so and returns None (or is not called) elsewhere, where the
-torch reference runs.
+Tensors in, `shared_kernels` on their memory. The `*_here` functions and `segment_max_abs` are
+`segments.HostSegmentOps`' (run only where `nfab.wire.dispatch` chose the host); each checks
+only what its kernel reads (1-D contiguous memory, a dtype) and returns None otherwise. `gather`,
+`concat`, `slices_sq`, `slices_span` and `targets` ask the device's segment ops.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from nfab.wire.dispatch import supports
+from nfab.wire import segments
 from nfab.wire.slices import Slices
 
 try:
@@ -50,11 +51,21 @@ def sq_total(sqs: np.ndarray) -> torch.Tensor:
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+def flat_float(x: torch.Tensor) -> bool:
+    """Whether the compiled encoders read `x` as it is: 1-D, contiguous, fp32/bf16/fp16."""
+    return x.dim() == 1 and x.is_contiguous() and x.dtype in FLOAT_DTYPES
+
+
 def gather(slices: Slices) -> torch.Tensor | None:
     """The slices' values as one new contiguous tensor (`torch.cat` of their views) in one
     compiled copy, without making a view per slice; None off the host."""
+    return segments.ops(slices.buffer.device).gather(slices)
+
+
+def gather_here(slices: Slices) -> torch.Tensor | None:
+    """`gather` on the host: None unless the bucket is 1-D and contiguous."""
     b = slices.buffer
-    if not (supports(b) and b.dim() == 1 and b.element_size() in _BITS):
+    if not (b.is_contiguous() and b.dim() == 1 and b.element_size() in _BITS):
         return None
     assert shared_kernels is not None
     lengths = np.asarray(slices.lengths, dtype=np.int64)
@@ -75,8 +86,13 @@ def concat(slices: Slices) -> torch.Tensor:
 def slices_sq(slices: Slices) -> torch.Tensor | None:
     """|x|^2 of fp32 slices (0-d fp32 on the host) read where they lie, no gathered copy; None
     when the compiled path does not apply."""
+    return segments.ops(slices.buffer.device).slices_sq(slices)
+
+
+def slices_sq_here(slices: Slices) -> torch.Tensor | None:
+    """`slices_sq` on the host: None unless the bucket is 1-D, contiguous fp32."""
     b = slices.buffer
-    if not (supports(b) and b.dim() == 1 and b.dtype == torch.float32):
+    if not (b.is_contiguous() and b.dim() == 1 and b.dtype == torch.float32):
         return None
     assert shared_kernels is not None
     tot = shared_kernels.segments_sq(b.numpy(), slices.offsets, np.asarray(slices.lengths, dtype=np.int64))
@@ -86,7 +102,14 @@ def slices_sq(slices: Slices) -> torch.Tensor | None:
 def slices_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] | None:
     """(bucket, element offsets) of `Slices` on the host, for one kernel call over all of them
     where they lie; None for anything else (a plain list of tensors goes view by view)."""
-    if isinstance(views, Slices) and supports(views.buffer) and views.buffer.dim() == 1:
+    if isinstance(views, Slices):
+        return segments.ops(views.buffer.device).span(views)
+    return None
+
+
+def span_here(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray] | None:
+    """`slices_span` on the host."""
+    if isinstance(views, Slices) and views.buffer.is_contiguous() and views.buffer.dim() == 1:
         return views.buffer, views.offsets
     return None
 
@@ -94,11 +117,12 @@ def slices_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray
 def targets(out: torch.Tensor | Sequence[torch.Tensor],
             lengths: Sequence[int]) -> tuple[torch.Tensor, np.ndarray] | None:
     """Where a decode writes: one fp32 host tensor and each segment's offset in it (`out` one
-    tensor of all segments, or `Slices`); None otherwise (per-segment destinations)."""
+    tensor of all segments, or `Slices`); None otherwise (per-segment destinations). The
+    host's: called only where `dispatch` chose it."""
     if isinstance(out, torch.Tensor):
-        span = (out.reshape(-1), segment_bounds(lengths)[0]) if supports(out) else None
+        span = (out.reshape(-1), segment_bounds(lengths)[0]) if out.is_contiguous() else None
     else:
-        span = slices_span(out)
+        span = span_here(out)
     return span if span is not None and span[0].dtype == torch.float32 else None
 
 

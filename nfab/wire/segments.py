@@ -1,9 +1,12 @@
 """Per-segment helpers every codec shares: one scale per parameter slice of a bucket.
 
-Pure functions over torch tensors on any device: |x| means and maxima per segment, scaling
-segments in place or into their destinations, a bucket's non-finite flag. On the host
-(`nfab.wire.dispatch.on_host`) they read values or take a compiled pass; elsewhere they
-stay on the device and never wait for it. Every path gives the same bits.
+Functions over torch tensors on any device: |x| means and maxima per segment, scaling
+segments in place or into their destinations, a bucket's non-finite flag. What differs by
+device sits in three ops objects, chosen by `nfab.wire.dispatch.ops` from the tensor's device:
+`SegmentOps` (the torch path: stays on the device and never waits for it), `ReadSegmentOps`
+(the CPU: values read on the host where that is free) and `HostSegmentOps` (the CPU with the
+compiled kernels of `host_slices`). Every path gives the same bits, save `segment_mean_abs`,
+whose host and device sums agree to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from nfab.wire import dispatch, host_slices
+from nfab.wire.slices import Slices
 
 _ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
 
@@ -55,10 +60,18 @@ def segment_mean_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     lengths = list(lengths)
     if not lengths:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
-    if not dispatch.on_host(x):
-        sums = (scan_abs_sums(x, lengths) if len(lengths) > _MANY_SEGMENTS
-                else torch.stack([abs_sum(p) for p in torch.split(x, lengths)]))
-        return means(sums, lengths)
+    return ops(x.device).mean_abs(x, lengths)
+
+
+def _device_mean_abs(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """`segment_mean_abs` on the device: one reduction per segment, or one scan for many."""
+    sums = (scan_abs_sums(x, lengths) if len(lengths) > _MANY_SEGMENTS
+            else torch.stack([abs_sum(p) for p in torch.split(x, lengths)]))
+    return means(sums, lengths)
+
+
+def _host_mean_abs(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """`segment_mean_abs` on the host: |x| read once in chunks, no full-size temporary."""
     buf = torch.empty(min(_ABS_CHUNK, max(x.numel(), 1)), dtype=torch.float32, device=x.device)
     sums = []
     start = 0
@@ -145,9 +158,10 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     Elsewhere many segments (a bucket's norms and biases) are reduced in one scatter pass
     instead of one reduction each. Max is order-free, so every way gives the same bits.
     """
-    lengths = list(lengths)
-    if dispatch.supports(x) and x.dim() == 1 and x.dtype in host_slices.FLOAT_DTYPES:
-        return host_slices.segment_max_abs(x, lengths)
+    return ops(x.device).max_abs(x, list(lengths))
+
+
+def _device_max_abs(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     if len(lengths) > _MANY_SEGMENTS:
         seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), segment_counts(lengths, x.device),
                                       output_size=x.numel())
@@ -173,14 +187,7 @@ def scale_segments_(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int
     flat = scales.reshape(-1)
     if len(lengths) == 1:
         return x.mul_(flat[0])
-    if dispatch.on_host(scales):
-        for part, s in zip(torch.split(x, lengths), flat.tolist(), strict=True):
-            part.mul_(s)
-    elif len(lengths) > _MANY_SEGMENTS:
-        x.mul_(torch.repeat_interleave(flat.to(x.dtype), segment_counts(lengths, x.device), output_size=x.numel()))
-    else:
-        for i, part in enumerate(torch.split(x, lengths)):
-            part.mul_(flat[i])
+    ops(scales.device).scale_(x, flat, lengths)
     return x
 
 
@@ -189,6 +196,78 @@ def scale_segments_into(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence
     """dests[i] = segment i of `x` times scales[i]: scaling and scattering in one pass
     (each scale a host float on the CPU, a 0-d device tensor elsewhere: no host read)."""
     flat = scales.reshape(-1)
-    factors = flat.tolist() if dispatch.on_host(scales) else list(flat.unbind())
+    factors = ops(scales.device).factors(flat)
     for part, s, d in zip(torch.split(x, list(lengths)), factors, dests, strict=True):
         torch.mul(part, s, out=d)
+
+
+class SegmentOps:
+    """The per-segment operations whose implementations differ by device: the torch path, which
+    reads no value back (every device but the CPU, and the CPU under `host_paths(False)`).
+    `gather`, `slices_sq` and `span` are compiled-only (None here: callers take their
+    torch alternative)."""
+
+    def mean_abs(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        return _device_mean_abs(x, lengths)
+
+    def max_abs(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        return _device_max_abs(x, lengths)
+
+    def scale_(self, x: torch.Tensor, flat: torch.Tensor, lengths: list[int]) -> None:
+        """Each segment of `x` times its scale, in place (several segments; the scales stay on the device)."""
+        if len(lengths) > _MANY_SEGMENTS:
+            x.mul_(torch.repeat_interleave(flat.to(x.dtype), segment_counts(lengths, x.device), output_size=x.numel()))
+        else:
+            for i, part in enumerate(torch.split(x, lengths)):
+                part.mul_(flat[i])
+
+    def factors(self, flat: torch.Tensor) -> list:
+        """Each segment's scale as a multiplier: a 0-d device tensor (no host read)."""
+        return list(flat.unbind())
+
+    def gather(self, slices: Slices) -> torch.Tensor | None:
+        return None
+
+    def slices_sq(self, slices: Slices) -> torch.Tensor | None:
+        return None
+
+    def span(self, slices: Slices) -> tuple[torch.Tensor, np.ndarray] | None:
+        return None
+
+
+class ReadSegmentOps(SegmentOps):
+    """The CPU without the compiled kernels: the same math, values read on the host where free."""
+
+    def mean_abs(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        return _host_mean_abs(x, lengths)
+
+    def scale_(self, x: torch.Tensor, flat: torch.Tensor, lengths: list[int]) -> None:
+        for part, s in zip(torch.split(x, lengths), flat.tolist(), strict=True):
+            part.mul_(s)
+
+    def factors(self, flat: torch.Tensor) -> list:
+        return flat.tolist()
+
+
+class HostSegmentOps(ReadSegmentOps):
+    """The CPU with the compiled kernels (`host_slices`), each on the inputs it reads (a 1-D
+    contiguous bucket, its dtypes); anything else takes the read path."""
+
+    def max_abs(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        if host_slices.flat_float(x):
+            return host_slices.segment_max_abs(x, lengths)
+        return super().max_abs(x, lengths)
+
+    def gather(self, slices: Slices) -> torch.Tensor | None:
+        return host_slices.gather_here(slices)
+
+    def slices_sq(self, slices: Slices) -> torch.Tensor | None:
+        return host_slices.slices_sq_here(slices)
+
+    def span(self, slices: Slices) -> tuple[torch.Tensor, np.ndarray] | None:
+        return host_slices.span_here(slices)
+
+
+def ops(device: torch.device) -> SegmentOps:
+    """The segment ops for `device` (`dispatch.ops`: chosen once per device)."""
+    return dispatch.ops(device, SegmentOps, HostSegmentOps, ReadSegmentOps)

@@ -1,8 +1,8 @@
 """The sign codec's torch reference: one vote per element (x > 0; an exact zero by `tie`),
 this rank's own decoded votes, and the table from a count of positive votes to the decoded value.
 
-Runs on any device; on the host (`nfab.wire.dispatch.on_host`) the votes and values go
-through numpy. The compiled CPU path (`nfab.wire.sign.host`) gives the same bits.
+Also the trit packing of signscatter's even-W majority (`pack_trits`). Runs on any device; the
+compiled CPU path (`nfab.wire.sign.host`, through `nfab.wire.sign.ops`) gives the same bits.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from functools import cache
 import numpy as np
 import torch
 
-from nfab.wire import dispatch
 from nfab.wire.segments import scale_segments_
 
 
@@ -31,9 +30,6 @@ def sign_bits(x: torch.Tensor, tie: int = 0) -> torch.Tensor:
     element.)
     """
     positive = tie % 2 == 0  # then a zero (+-0.0) votes as x >= 0 does, else as x > 0 does
-    if dispatch.on_host(x) and x.dtype == torch.float32:
-        vote = np.greater_equal if positive else np.greater
-        return torch.from_numpy(vote(x.reshape(-1).contiguous().numpy(), np.float32(0))).view(x.shape)
     return x >= 0 if positive else x > 0
 
 
@@ -46,10 +42,6 @@ def _unit_sign_table() -> np.ndarray:
 
 def sign_values(bits: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """This rank's own decoded contribution: +scale where the vote is positive, else -scale."""
-    n = bits.numel()
-    if dispatch.on_host(bits) and n:
-        packed = np.packbits(bits.reshape(-1).contiguous().numpy(), bitorder="little")
-        return sign_values_packed(packed, n, scales, lengths)
     local = torch.where(bits.reshape(-1), 1.0, -1.0).to(torch.float32)
     return scale_segments_(local, scales, lengths)
 
@@ -81,3 +73,27 @@ def vote_table(world_size: int, vote: str, device: torch.device | None = None) -
     if vote == "mean":
         return diff / world_size
     raise ValueError(f"unknown vote {vote!r}: use 'majority' or 'mean'")
+
+
+TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256
+TRIT_GROUP_BYTES = 8  # a group of 40 trits: 8 bytes, one int64 word (see `nfab.wire.sign.scatter`)
+
+
+def _pow3(device: torch.device) -> torch.Tensor:
+    """3**0..3**4 as int32 on `device`, computed there (no host-to-device copy)."""
+    return torch.pow(3, torch.arange(TRITS_PER_BYTE, dtype=torch.int32, device=device))
+
+
+def pack_trits(trits: torch.Tensor) -> torch.Tensor:
+    """Values in {0, 1, 2} (length a multiple of 40) -> trit bytes: in each group of 40 values and 8
+    bytes, byte e = sum over k of value (8k + e) times 3**k (signscatter's trit order)."""
+    grid = trits.reshape(-1, TRITS_PER_BYTE, TRIT_GROUP_BYTES).to(torch.int32)
+    weights = _pow3(trits.device).view(1, -1, 1)
+    return (grid * weights).sum(1).reshape(-1).to(torch.uint8)
+
+
+def unpack_trits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of `pack_trits`: the first `numel` digits (int32)."""
+    weights = _pow3(packed.device).view(1, -1, 1)
+    digits = (packed.to(torch.int32).reshape(-1, 1, TRIT_GROUP_BYTES) // weights) % 3
+    return digits.reshape(-1)[:numel]

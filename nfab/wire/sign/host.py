@@ -4,8 +4,8 @@
 Votes packed with each segment's |x| sum on one read, their count lanes, the gathered rows'
 count-and-look-up and majority decodes, and the scatter's shard majority (bits or trits).
 Each function here has a torch reference (`nfab.wire.sign.codec`, `nfab.wire.qsum.lanes`,
-the reducers' own torch code) that every other device runs and that gives the same bits;
-callers ask `nfab.wire.dispatch.supports` (or `sign_supports`) first.
+`nfab.wire.sign.ops.SignOps`) that every other device runs and that gives the same bits;
+`nfab.wire.sign.ops.HostSignOps` calls them, on the CPU and on inputs they read.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from nfab.wire.dispatch import supports
-from nfab.wire.host_slices import FLOAT_DTYPES, HALF, segment_bounds, slices_span, targets
+from nfab.wire.host_slices import HALF, segment_bounds, span_here, targets
 from nfab.wire.qsum import host as qsum_host
 from nfab.wire.qsum.lanes import LaneLayout
 
@@ -26,11 +25,6 @@ try:
     from nfab.wire.sign import bit_kernels, trit_kernels, vote_kernels
 except ImportError:  # numba missing: `dispatch.AVAILABLE` is False and the torch reference runs
     bit_kernels = lane_kernels = trit_kernels = vote_kernels = None  # type: ignore[assignment]
-
-
-def sign_supports(x: torch.Tensor) -> bool:
-    """Whether `sign_votes` runs on `x` (1-D, contiguous, fp32/bf16/fp16, on CPU)."""
-    return supports(x) and x.dim() == 1 and x.dtype in FLOAT_DTYPES
 
 
 def sign_votes(x: torch.Tensor, lengths: Sequence[int], tie: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -59,7 +53,7 @@ def sign_votes_views(views: Sequence[torch.Tensor], lengths: Sequence[int], spli
     if split:
         _sign_kernel(views[0], starts, ends, np.zeros(len(lengths), dtype=np.int64), words, sums, sq, tie)
         return words.view(np.uint8)[: -(-n // 8)], sums
-    span = slices_span(views)
+    span = span_here(views)
     if span is not None:  # the slices where they lie in the bucket: one call for all of them
         x, at = span
         _sign_kernel(x, at, at + (ends - starts), starts - at, words, sums, sq, tie)

@@ -30,30 +30,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import dispatch, segments
 from nfab.wire.contract import (
     Capacity,
     Encoded,
     Reducer,
     TwoPhaseReducer,
     allgather_factor,
-    finish_segments,
     reduce_scatter_flat,
-    split_out,
-    write_into,
 )
-from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for, pack, unpack
-from nfab.wire.sign import codec as sign_codec
-from nfab.wire.sign import host as sign_host
-from nfab.wire.sign.reducers import count_lane_capacity, mean_abs_of_sums
+from nfab.wire.qsum.lanes import LaneLayout, count_lane_bits, layout_for
+from nfab.wire.sign import ops as sign_ops
+from nfab.wire.sign.codec import TRITS_PER_BYTE, pack_trits, unpack_trits  # noqa: F401  (the trit order, here documented)
+from nfab.wire.sign.reducers import count_lane_capacity
 
 _SHARD_ALIGN = 40  # shard sizes are whole vote bytes (8) and whole trit groups (40 trits in 8 bytes)
-_TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256
-_TRIT_GROUP_BYTES = 8  # a group of 40 trits: 8 bytes, one int64 word (see the module docstring)
 
 
 def reduce_scatter_factor(world_size: int) -> float:
@@ -89,7 +82,7 @@ class SignScatter(TwoPhaseReducer):
 
     def majority_bytes(self, shard: int, world_size: int) -> int:
         """Bytes of one shard's decoded majority."""
-        return shard // _TRITS_PER_BYTE if self.ternary(world_size) else shard // 8
+        return shard // TRITS_PER_BYTE if self.ternary(world_size) else shard // 8
 
     def capacity(self, world_size: int) -> Capacity:
         return count_lane_capacity(self.name, world_size)
@@ -119,18 +112,7 @@ class SignScatter(TwoPhaseReducer):
         n = x.numel()
         lay = self.layout(world_size)
         shard = self.shard_numel(n, world_size)
-        if n and sign_host.sign_supports(x):
-            bits, sums = sign_host.sign_votes(x, lengths, tie)
-            payload = sign_host.votes_to_shard_lanes(bits, n, shard, world_size, lay)
-            scales = mean_abs_of_sums(sums, lengths)
-            kept = bits.copy()
-            return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values_packed(kept, n, scales, lengths))
-        scales = segments.segment_mean_abs(x, lengths)
-        votes = torch.zeros(world_size * shard, dtype=torch.bool, device=x.device)
-        votes[:n] = sign_codec.sign_bits(x.reshape(-1), tie)
-        payload = torch.cat([pack(v, lay) for v in votes.view(world_size, shard)])
-        own = votes[:n]
-        return Encoded(payload, scales, make_local=lambda: sign_codec.sign_values(own, scales, lengths))
+        return sign_ops.ops(x.device).encode_shards(x, lengths, shard, world_size, lay, tie)
 
     def encode_rows(self, flat: torch.Tensor, sources: Sequence[tuple[int, int]], padded: int,
                     world_size: int, tie: int = 0) -> Encoded:
@@ -141,28 +123,7 @@ class SignScatter(TwoPhaseReducer):
         A zero votes by `tie` (`codec.sign_bits`)."""
         w, lay = world_size, self.layout(world_size)
         assert padded == self.shard_numel(w * padded, w), "a row must be one whole shard"
-        lengths = [n for _, n in sources]
-        if sign_host.sign_supports(flat):
-            lens = np.asarray(lengths, dtype=np.int64)
-            dest = np.cumsum(lens) - lens  # each segment's place in the W padded rows
-            at = np.array([max(start, 0) for start, _ in sources], dtype=np.int64)
-            read = np.where(np.array([start >= 0 for start, _ in sources]), lens, 0)
-            bits, sums = sign_host.sign_votes_at(flat, at, at + read, dest - at, w * padded, tie)
-            payload = sign_host.votes_to_shard_lanes(bits, w * padded, padded, w, lay)
-            scales = mean_abs_of_sums(sums, lengths)
-            return Encoded(payload, scales)
-        votes = torch.zeros(w * padded, dtype=torch.bool, device=flat.device)
-        sums, pos = [], 0
-        for start, n in sources:  # the torch reference: one segment at a time, where it lies
-            if start >= 0:
-                part = flat[start : start + n]
-                votes[pos : pos + n] = sign_codec.sign_bits(part, tie)
-                sums.append(segments.abs_sum(part))
-            else:
-                sums.append(flat.new_zeros((), dtype=torch.float64))
-            pos += n
-        payload = torch.cat([pack(v, lay) for v in votes.view(w, padded)])
-        return Encoded(payload, segments.means(torch.stack(sums), lengths))
+        return sign_ops.ops(flat.device).encode_rows(flat, sources, padded, w, lay, tie)
 
     # ---- the owner's step ---------------------------------------------------------------------
     def owner_step(self, counts_shard: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -171,14 +132,8 @@ class SignScatter(TwoPhaseReducer):
         # the shard size is the one multiple of 40 within `lanes` (< 40) of the containers' room
         shard = lay.lanes * counts_shard.numel()
         shard -= shard % _SHARD_ALIGN
-        half = world_size // 2
-        if dispatch.supports(counts_shard):
-            return sign_host.shard_majority(counts_shard, lay, shard, half, self.ternary(world_size))
-        counts = unpack(counts_shard, lay, shard).to(torch.int64)
-        if not self.ternary(world_size):
-            return pack(counts > half, layout_for(1))
-        trits = (counts >= half).to(torch.uint8) + (counts > half).to(torch.uint8)  # 0 neg, 1 tie, 2 pos
-        return pack_trits(trits)
+        return sign_ops.ops(counts_shard.device).shard_majority(counts_shard, lay, shard, world_size // 2,
+                                                                 self.ternary(world_size))
 
     def scatter(self, payload, world_size, group):
         """The SUM reduce-scatter of the count lanes: this rank's shard of exact counts."""
@@ -194,51 +149,5 @@ class SignScatter(TwoPhaseReducer):
     # ---- decode ------------------------------------------------------------------------------
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:
         assert scale_mean is not None
-        lengths = list(lengths)
-        one, dests = split_out(out)
-        targets = dests if dests is not None else [one] if one is not None else None
-        ternary = self.ternary(world_size)
-        values = np.array([-1.0, 0.0, 1.0] if ternary else [-1.0, 1.0], dtype=np.float32)
-        if numel and dispatch.supports(reduced) and (
-                targets is None or all(dispatch.supports(d) and d.dtype == torch.float32 for d in targets)):
-            res = torch.empty(numel, dtype=torch.float32, device="cpu") if one is None and dests is None else one
-            packed = reduced.numpy()
-            start = 0
-            for i, (n, s) in enumerate(zip(lengths, scale_mean.reshape(-1).tolist(), strict=True)):
-                dst = dests[i] if dests is not None else res[start : start + n]  # type: ignore[index]
-                table = values * np.float32(s)
-                if ternary:
-                    sign_host.decode_trits(packed, start, n, table, dst.view(-1).numpy())
-                else:
-                    sign_host.majority_bit_rows(packed.reshape(1, -1), start, n, 1, s, dst.view(-1).numpy())
-                start += n
-            return dests if dests is not None else res
-        if ternary:
-            digits = unpack_trits(reduced, numel)
-        else:
-            digits = unpack(reduced, layout_for(1), numel)
-        # the digit's value, computed where it lies: {-1, 0, 1} for trits, {-1, 1} for bits (exact)
-        unit = digits.to(torch.float32) - 1.0 if ternary else digits.to(torch.float32) * 2.0 - 1.0
-        if dests is not None:
-            return finish_segments(unit, scale_mean, lengths, out)
-        return write_into(one, finish_segments(unit, scale_mean, lengths, None))
-
-
-def _pow3(device: torch.device) -> torch.Tensor:
-    """3**0..3**4 as int32 on `device`, computed there (no host-to-device copy)."""
-    return torch.pow(3, torch.arange(_TRITS_PER_BYTE, dtype=torch.int32, device=device))
-
-
-def pack_trits(trits: torch.Tensor) -> torch.Tensor:
-    """Values in {0, 1, 2} (length a multiple of 40) -> trit bytes: in each group of 40 values and 8
-    bytes, byte e = sum over k of value (8k + e) times 3**k (the module's trit order)."""
-    grid = trits.reshape(-1, _TRITS_PER_BYTE, _TRIT_GROUP_BYTES).to(torch.int32)
-    weights = _pow3(trits.device).view(1, -1, 1)
-    return (grid * weights).sum(1).reshape(-1).to(torch.uint8)
-
-
-def unpack_trits(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """Inverse of `pack_trits`: the first `numel` digits (int32)."""
-    weights = _pow3(packed.device).view(1, -1, 1)
-    digits = (packed.to(torch.int32).reshape(-1, 1, _TRIT_GROUP_BYTES) // weights) % 3
-    return digits.reshape(-1)[:numel]
+        return sign_ops.ops(reduced.device).decode_majority(reduced, scale_mean, numel, list(lengths),
+                                                            self.ternary(world_size), out)
