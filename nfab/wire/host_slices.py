@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from nfab.wire import segments
+from nfab.wire import dispatch
 from nfab.wire.slices import Slices
 
 try:
@@ -59,7 +59,7 @@ def flat_float(x: torch.Tensor) -> bool:
 def gather(slices: Slices) -> torch.Tensor | None:
     """The slices' values as one new contiguous tensor (`torch.cat` of their views) in one
     compiled copy, without making a view per slice; None off the host."""
-    return segments.ops(slices.buffer.device).gather(slices)
+    return _ops(slices.buffer.device).gather(slices)
 
 
 def gather_here(slices: Slices) -> torch.Tensor | None:
@@ -86,7 +86,7 @@ def concat(slices: Slices) -> torch.Tensor:
 def slices_sq(slices: Slices) -> torch.Tensor | None:
     """|x|^2 of fp32 slices (0-d fp32 on the host) read where they lie, no gathered copy; None
     when the compiled path does not apply."""
-    return segments.ops(slices.buffer.device).slices_sq(slices)
+    return _ops(slices.buffer.device).slices_sq(slices)
 
 
 def slices_sq_here(slices: Slices) -> torch.Tensor | None:
@@ -103,7 +103,7 @@ def slices_span(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray
     """(bucket, element offsets) of `Slices` on the host, for one kernel call over all of them
     where they lie; None for anything else (a plain list of tensors goes view by view)."""
     if isinstance(views, Slices):
-        return segments.ops(views.buffer.device).span(views)
+        return _ops(views.buffer.device).span(views)
     return None
 
 
@@ -148,3 +148,33 @@ def segment_max_abs(x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     shared_kernels.segment_max_abs_bits(x.view(torch.int16).numpy().view(np.uint16), np.uint16(0x7FFF), starts, ends,
                                         half)
     return torch.from_numpy(half.view(np.int16)).view(x.dtype).to(torch.float32)  # widening is exact
+
+
+class SliceOps:
+    """Slices read where they lie in their bucket, in one compiled call: none off the host (None)."""
+
+    def gather(self, slices: Slices) -> torch.Tensor | None:
+        return None
+
+    def slices_sq(self, slices: Slices) -> torch.Tensor | None:
+        return None
+
+    def span(self, slices: Slices) -> tuple[torch.Tensor, np.ndarray] | None:
+        return None
+
+
+class HostSliceOps(SliceOps):
+    """The compiled reads of the host."""
+
+    def gather(self, slices: Slices) -> torch.Tensor | None:
+        return gather_here(slices)
+
+    def slices_sq(self, slices: Slices) -> torch.Tensor | None:
+        return slices_sq_here(slices)
+
+    def span(self, slices: Slices) -> tuple[torch.Tensor, np.ndarray] | None:
+        return span_here(slices)
+
+
+def _ops(device: torch.device) -> SliceOps:
+    return dispatch.ops(device, SliceOps, HostSliceOps)

@@ -14,11 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import lru_cache
 
-import numpy as np
 import torch
 
 from nfab.wire import dispatch, host_slices
-from nfab.wire.slices import Slices
 
 _ABS_CHUNK = 1 << 16  # elements per |x| chunk: the scratch buffer stays in L2
 
@@ -203,9 +201,7 @@ def scale_segments_into(x: torch.Tensor, scales: torch.Tensor, lengths: Sequence
 
 class SegmentOps:
     """The per-segment operations whose implementations differ by device: the torch path, which
-    reads no value back (every device but the CPU, and the CPU under `host_paths(False)`).
-    `gather`, `slices_sq` and `span` are compiled-only (None here: callers take their
-    torch alternative)."""
+    reads no value back (every device but the CPU, and the CPU under `host_paths(False)`)."""
 
     def mean_abs(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         return _device_mean_abs(x, lengths)
@@ -225,15 +221,6 @@ class SegmentOps:
         """Each segment's scale as a multiplier: a 0-d device tensor (no host read)."""
         return list(flat.unbind())
 
-    def gather(self, slices: Slices) -> torch.Tensor | None:
-        return None
-
-    def slices_sq(self, slices: Slices) -> torch.Tensor | None:
-        return None
-
-    def span(self, slices: Slices) -> tuple[torch.Tensor, np.ndarray] | None:
-        return None
-
 
 class ReadSegmentOps(SegmentOps):
     """The CPU without the compiled kernels: the same math, values read on the host where free."""
@@ -251,21 +238,13 @@ class ReadSegmentOps(SegmentOps):
 
 class HostSegmentOps(ReadSegmentOps):
     """The CPU with the compiled kernels (`host_slices`), each on the inputs it reads (a 1-D
-    contiguous bucket, its dtypes); anything else takes the read path."""
+    contiguous bucket, its dtypes); anything else takes the read path. (Slices read where they
+    lie: `host_slices.SliceOps`.)"""
 
     def max_abs(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         if host_slices.flat_float(x):
             return host_slices.segment_max_abs(x, lengths)
         return super().max_abs(x, lengths)
-
-    def gather(self, slices: Slices) -> torch.Tensor | None:
-        return host_slices.gather_here(slices)
-
-    def slices_sq(self, slices: Slices) -> torch.Tensor | None:
-        return host_slices.slices_sq_here(slices)
-
-    def span(self, slices: Slices) -> tuple[torch.Tensor, np.ndarray] | None:
-        return host_slices.span_here(slices)
 
 
 def ops(device: torch.device) -> SegmentOps:

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from nfab.wire import dispatch
-from nfab.wire.dispatch import on_host, supports
-from nfab.wire.host_slices import FLOAT_DTYPES, HALF, as_f32, segment_bounds, sq_total, targets
+from nfab.wire.host_slices import HALF, as_f32, segment_bounds, sq_total, targets
 from nfab.wire.qsum import lanes
 from nfab.wire.qsum.lanes import LaneLayout
 from nfab.wire.slices import Slices
@@ -72,7 +71,7 @@ def gathered_levels(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tens
     all segments, or `Slices`) in one compiled pass; False when it does not apply (the caller
     then decodes by table, rank by rank: the same bits). Only the segments' columns of `rows`
     are read: a row may run on past them."""
-    if not (dispatch.AVAILABLE and rows.dtype == torch.uint8 and rows.dim() == 2 and on_host(rows, values, scales)):
+    if not (rows.dtype == torch.uint8 and rows.dim() == 2):
         return False
     span = targets(out, lengths)
     if span is None:
@@ -86,13 +85,37 @@ def gathered_levels(rows: torch.Tensor, values: torch.Tensor, scales: torch.Tens
 
 def decode_table(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """`lanes.decode_table`: one compiled pass on CPU, the torch reference elsewhere (same values). The
-    compiled kernels read the plain lane order; a chunked layout (blockq's, which decodes by
-    `blockq.kernels.lanes_decode_chunked`) takes the reference here."""
-    fast = supports(containers) and not layout.chunk and values.numel() == layout.max_value + 1 and (
-        out is None or (supports(out) and out.dtype == torch.float32))
-    if not fast:
+    """`lanes.decode_table`: one compiled pass on CPU, the torch reference elsewhere (same values:
+    the device's `TableOps`)."""
+    return dispatch.ops(containers.device, TableOps, HostTableOps).decode(containers, layout, numel, values, out)
+
+
+class TableOps:
+    """The lane containers' table decode (every codec's `contract.decode_scaled`): the torch reference."""
+
+    def decode(self, containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,
+               out: torch.Tensor | None) -> torch.Tensor:
         return lanes.decode_table(containers, layout, numel, values, out)
+
+
+class HostTableOps(TableOps):
+    """The compiled table decode, where its kernels read the containers."""
+
+    def decode(self, containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,
+               out: torch.Tensor | None) -> torch.Tensor:
+        res = decode_table_here(containers, layout, numel, values, out)
+        return res if res is not None else super().decode(containers, layout, numel, values, out)
+
+
+def decode_table_here(containers: torch.Tensor, layout: LaneLayout, numel: int, values: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`decode_table` compiled; None where it does not apply. The kernels read the plain lane
+    order; a chunked layout (blockq's, which decodes by `blockq.kernels.lanes_decode_chunked`)
+    takes the reference."""
+    fast = containers.is_contiguous() and not layout.chunk and values.numel() == layout.max_value + 1 and (
+        out is None or (out.is_contiguous() and out.dtype == torch.float32))
+    if not fast:
+        return None
     assert lane_kernels is not None
     res = torch.empty(numel, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
     if numel == 0:
@@ -108,8 +131,8 @@ def decode_levels(levels: torch.Tensor, step: float, scales: torch.Tensor, lengt
     """Summed one-lane (uint8) qsum levels -> (level * step - 1) * segment scale, fp32, on the
     CPU into `out` (or a new tensor); None when the compiled path does not apply (the caller
     then decodes by table: the same bits, `fl(fl(fl(l * step) - 1) * s)` either way)."""
-    if not (supports(levels) and levels.dtype == torch.uint8 and on_host(scales)
-            and (out is None or (supports(out) and out.dtype == torch.float32))):
+    if not (levels.is_contiguous() and levels.dtype == torch.uint8
+            and (out is None or (out.is_contiguous() and out.dtype == torch.float32))):
         return None
     n = sum(lengths)
     assert level_kernels is not None and levels.numel() >= n
@@ -118,11 +141,6 @@ def decode_levels(levels: torch.Tensor, step: float, scales: torch.Tensor, lengt
     level_kernels.decode_levels(levels.numpy(), starts, ends, np.float32(step), np.float32(1.0),
                                 scales.reshape(-1).to(torch.float32).numpy(), res.view(-1).numpy())
     return res
-
-
-def qsum_supports(x: torch.Tensor) -> bool:
-    """Whether `qsum_levels` runs on `x` (1-D, contiguous, fp32/bf16/fp16, on CPU)."""
-    return supports(x) and x.dim() == 1 and x.dtype in FLOAT_DTYPES
 
 
 def qsum_levels(x: torch.Tensor, keys: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
@@ -160,7 +178,7 @@ def qsum_own_levels(slices: Slices, seeds: np.ndarray, max_level: int,
     lie, each segment rounded in its own max |x| with the key its seed draws first
     (`level_kernels.qsum_own_scale`: one call for the group); None off the host or for other dtypes."""
     b = slices.buffer
-    if not (supports(b) and b.dim() == 1 and b.dtype == torch.float32):
+    if not (b.is_contiguous() and b.dim() == 1 and b.dtype == torch.float32):
         return None
     assert level_kernels is not None
     lengths = np.asarray(slices.lengths, dtype=np.int64)

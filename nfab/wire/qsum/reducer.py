@@ -6,10 +6,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import torch
 
-from nfab.wire import dispatch, host_slices, noise, segments
+from nfab.wire import host_slices, noise
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -18,13 +17,10 @@ from nfab.wire.contract import (
     ScaleAgreement,
     allreduce_factor,
     allreduce_future,
-    decode_scaled,
     finish_segments,
-    split_out,
-    write_into,
 )
-from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import LaneLayout, layout_for, pack
+from nfab.wire.qsum import ops as qsum_ops
+from nfab.wire.qsum.lanes import LaneLayout, layout_for
 from nfab.wire.slices import Slices
 
 
@@ -84,11 +80,7 @@ class QSum(Reducer):
         lengths = list(lengths)
         safe = torch.where(shared_scale > 0, shared_scale, torch.ones_like(shared_scale)).to(torch.float32)
         keys = noise.draw_keys(generator, len(lengths), x.device)  # one per segment: see nfab.wire.noise
-        if qsum_host.qsum_supports(x) and dispatch.supports(safe):
-            # one compiled pass: divide, shift, add the noise (computed, never stored), round, clamp
-            levels, payload = qsum_host.qsum_levels(x, keys, safe.reshape(-1), lengths, m, self._layout)
-        else:
-            levels, payload = self._levels_reference(x, safe, lengths, m, keys)
+        levels, payload = qsum_ops.ops(x.device).levels(x, safe, lengths, m, keys, self._layout)
         values = self.level_values(world_size, 1, x.device)
 
         def local() -> torch.Tensor:  # from the levels (one-lane: the payload itself; read before launch)
@@ -97,7 +89,7 @@ class QSum(Reducer):
         return Encoded(payload, None, make_local=local)
 
     def reads_sq(self, buffer: torch.Tensor) -> bool:
-        return self._layout.lanes == 1 and dispatch.supports(buffer) and buffer.dtype == torch.float32
+        return qsum_ops.ops(buffer.device).reads_sq(buffer, self._layout)
 
     def encode_own_views(self, views: Sequence[torch.Tensor], lengths: Sequence[int], world_size: int,
                          generator: Any = None, with_sq: bool = False) -> tuple[Encoded, torch.Tensor]:
@@ -110,8 +102,9 @@ class QSum(Reducer):
         (when `reads_sq`), their x^2 sum (`Encoded.sq`); elsewhere: gather, `local_scale`,
         `encode` — the same bits."""
         lengths = list(lengths)
-        if isinstance(views, Slices) and isinstance(generator, noise.Seeds) and self.reads_sq(views.buffer):
-            fast = qsum_host.qsum_own_levels(views, generator.values, self.max_level(world_size), with_sq)
+        if isinstance(views, Slices) and isinstance(generator, noise.Seeds):
+            fast = qsum_ops.ops(views.buffer.device).own_levels(views, generator.values, self.max_level(world_size),
+                                                                self._layout, with_sq)
             if fast is not None:
                 levels, own, sq = fast
                 values = self.level_values(world_size, 1, levels.device)
@@ -125,31 +118,16 @@ class QSum(Reducer):
 
     def _levels_reference(self, x, safe, lengths, m, keys) -> tuple[torch.Tensor, torch.Tensor]:
         """(levels, containers) in torch ops on any device: the definition the fast path matches."""
-        if len(lengths) == 1:
-            t = torch.div(x.to(torch.float32), safe.reshape(-1)[0])
-        else:  # one division for all segments (a bucket's norms and biases are many small ones)
-            t = torch.div(x.to(torch.float32),
-                          torch.repeat_interleave(safe, segments.segment_counts(lengths, x.device),
-                                                  output_size=x.numel()))
-        t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m] for |x| <= scale
-        t.add_(noise.uniform(keys, lengths))
-        levels = t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
-        return levels, pack(levels, self._layout)
+        return qsum_ops.levels_reference(x, safe, list(lengths), m, keys, self._layout)
 
     def launch(self, payload, world_size, group):
         return allreduce_future(payload, group)
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None):
         assert scale_mean is not None
-        one, dests = split_out(out)
-        if self._layout.lanes == 1 and dests is None and numel:  # q8: computed on the CPU, no table
-            m = self.max_level(world_size)
-            res = qsum_host.decode_levels(reduced, float(np.float32(2.0 / (m * world_size))), scale_mean,
-                                         list(lengths), one)
-            if res is not None:
-                return res
-        return decode_scaled(reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),
-                              scale_mean, lengths, out)
+        return qsum_ops.ops(reduced.device).decode_summed(
+            reduced, self._layout, numel, self.level_values(world_size, world_size, reduced.device),
+            self.max_level(world_size), world_size, scale_mean, list(lengths), out)
 
     def decode_gathered(
         self, payloads: Sequence[torch.Tensor], scales: torch.Tensor, numel: int, lengths: Sequence[int],
@@ -166,16 +144,9 @@ class QSum(Reducer):
         stacked = isinstance(payloads, torch.Tensor)  # a (W, n) tensor of rows, or a sequence of rows
         w = payloads.shape[0] if stacked else len(payloads)
         lengths = list(lengths)
-        values = self.level_values(w, 1, payloads.device if stacked else payloads[0].device)
-        if self._layout.lanes == 1 and out is not None and numel:  # one compiled pass into `out`
-            rows = payloads if stacked else torch.stack(list(payloads))
-            if qsum_host.gathered_levels(rows, values, scales, lengths, out):  # reads each row's first numel levels
-                return out
-        total = decode_scaled(payloads[0], self._layout, numel, values, scales[0], lengths)
-        for r in range(1, w):
-            total += decode_scaled(payloads[r], self._layout, numel, values, scales[r], lengths)
-        total.mul_(1.0 / w)
-        return write_into(out, total)
+        device = payloads.device if stacked else payloads[0].device
+        values = self.level_values(w, 1, device)
+        return qsum_ops.ops(device).decode_gathered(payloads, self._layout, numel, values, scales, lengths, out)
 
 
 @lru_cache(maxsize=64)
