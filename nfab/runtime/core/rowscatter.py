@@ -78,12 +78,12 @@ def block_reduce_scatter(red: BlockQScatter, rows: torch.Tensor, segments: Seque
     flat_lengths = [n for seg in segments for n in seg]
     x = rows.reshape(-1)
     codes = red.agree(red.local_scale(x, flat_lengths), group)  # blocking uint8 MAX, as on DDP
-    levels, compiled = red.round_levels(x, flat_lengths, codes, noise.Stratum(noise.Seeds(seeds), rank, w))
+    levels = red.round_levels(x, flat_lengths, codes, noise.Stratum(noise.Seeds(seeds), rank, w))
     if padded != c:  # level 0 in each row's tail: never decoded
         full = torch.zeros(w, padded, dtype=levels.dtype, device=levels.device)
         full[:, :c] = levels.view(w, c)
         levels = full.view(-1)
-    payload = red.pack_levels(levels, w, compiled)  # each row at one rank's width
+    payload = red.pack_levels(levels, w)  # each row at one rank's width
     received = red.scatter(payload, w, group)  # all_to_all_single: every rank's levels of my row
     sums = red.owner_step(received, w)  # exact integer sums, packed in layout(W)
     before = sum(red.blocks_for(n) for seg in segments[:rank] for n in seg)

@@ -46,14 +46,15 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from nfab.wire import dispatch, host_slices, noise
+from nfab.wire import noise
 from nfab.wire.blockq import grid, radix, replay
+from nfab.wire.blockq import ops as blockq_ops
+from nfab.wire.blockq.ops import blockkernels, pack_any  # noqa: F401  (tests reach the kernels here)
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.blockq.table import CODE_OFFSET, CODES_PER_OCTAVE, SCALES
+from nfab.wire.blockq.table import CODE_OFFSET, SCALES  # noqa: F401  (read here by callers)
 from nfab.wire.contract import (
     Capacity,
     Encoded,
@@ -64,15 +65,8 @@ from nfab.wire.contract import (
     split_out,
     write_into,
 )
-from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import LaneLayout, chunked_layout, pack, unpack
+from nfab.wire.qsum.lanes import LaneLayout, chunked_layout, unpack
 from nfab.wire.segments import nonfinite_sum
-
-try:
-    from nfab.wire.blockq import kernels as blockkernels
-    from nfab.wire.qsum import chunk_kernels, lane_kernels
-except ImportError:  # numba missing or unusable: the torch reference runs instead
-    blockkernels = chunk_kernels = lane_kernels = None  # type: ignore[assignment]
 
 DEFAULT_BLOCK = 64
 LEVEL_BITS = (2, 3, 4, 8)
@@ -101,40 +95,7 @@ def scale_codes(block_max: torch.Tensor) -> torch.Tensor:
     """Smallest code whose scale covers each block's max |x| (uint8; 255 above the top; a NaN block
     max codes as 0)."""
     block_max = block_max.to(torch.float32).contiguous()
-    if _compiled(block_max):  # the same exponent arithmetic, compiled for the CPU (NaN read there too)
-        assert blockkernels is not None
-        codes = torch.empty(block_max.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
-        blockkernels.scale_codes(block_max.numpy().view(np.uint32), _OCTAVE_BITS, codes.numpy())
-        return codes
-    block_max = torch.nan_to_num(block_max, nan=0.0)  # a binary search sends NaN past the top
-    codes = torch.searchsorted(_scales_on(block_max.device), block_max)
-    return codes.clamp_(max=255).to(torch.uint8)
-
-
-_OCTAVE_BITS = SCALES[CODE_OFFSET : CODE_OFFSET + CODES_PER_OCTAVE].numpy().view(np.uint32).copy()
-"""The bits of the octave [1, 2)'s four scales, for the CPU kernel's `scale_codes`."""
-
-
-@lru_cache(maxsize=16)
-def _scales_on(device: torch.device) -> torch.Tensor:
-    """SCALES on `device`, copied once (no copy in the hook body after the first step)."""
-    return SCALES.to(device, non_blocking=True)
-
-
-def _compiled(*tensors: torch.Tensor) -> bool:
-    """Whether the compiled CPU kernels (`blockkernels`) may run on these 1-D tensors."""
-    return blockkernels is not None and dispatch.supports(*tensors) and all(t.dim() == 1 for t in tensors)
-
-
-@lru_cache(maxsize=256)
-def _block_bounds(lengths: tuple[int, ...], block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end offsets (int64, read-only) of every block, in `grid.block_index`'s numbering."""
-    seg_starts, seg_ends = host_slices.segment_bounds(lengths)
-    per_segment = [np.arange(a, e, block, dtype=np.int64) for a, e in zip(seg_starts, seg_ends, strict=True)]
-    first = np.concatenate(per_segment) if per_segment else np.empty(0, dtype=np.int64)
-    last = np.minimum(first + block, np.repeat(seg_ends, [len(p) for p in per_segment]))
-    first.flags.writeable = last.flags.writeable = False
-    return first, last
+    return blockq_ops.ops(block_max.device).scale_codes(block_max)
 
 
 class BlockQSum(Reducer):
@@ -198,8 +159,10 @@ class BlockQSum(Reducer):
     # ---- scales -------------------------------------------------------------------
     def local_scale(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """This rank's max |x| per block (fp32; non-finite when the block holds NaN/Inf)."""
-        if _compiled(x) and x.dtype in host_slices.FLOAT_DTYPES:
-            return self._local_scale_compiled(x, tuple(lengths))
+        return blockq_ops.ops(x.device).local_scale(self, x, list(lengths))
+
+    def local_scale_reference(self, x: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """`local_scale` in torch ops (any device)."""
         parts = grid.pieces(tuple(lengths), self.block)
         if parts is not None:  # row maxima of block views: no per-element index
             out = grid.block_amax(x, parts, self.blocks_in(lengths))
@@ -211,19 +174,6 @@ class BlockQSum(Reducer):
             bad = nonfinite_sum(x)  # scatter's amax may drop a NaN: flag from the values
         # flag the whole group, on the device (no host read)
         out[:1] = torch.where(bad, torch.full_like(out[:1], math.nan), out[:1])
-        return out
-
-    def _local_scale_compiled(self, x: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-        """`local_scale` in one compiled pass; a non-finite element flags block 0 with NaN as the
-        reference does (read here from the block maxima: any inf or NaN makes one non-finite)."""
-        assert blockkernels is not None
-        starts, ends = _block_bounds(lengths, self.block)
-        bits = np.empty(starts.size, dtype=np.uint32)
-        x32 = x.detach().to(torch.float32)  # widening bf16/fp16 is exact (the reference widens too)
-        blockkernels.block_max_bits(x32.view(torch.int32).numpy().view(np.uint32), starts, ends, bits)
-        out = torch.from_numpy(bits.view(np.float32))
-        if bits.size and int(bits.max()) >= 0x7F800000:
-            out[0] = math.nan
         return out
 
     def agree_input(self, block_max: torch.Tensor) -> torch.Tensor:
@@ -248,23 +198,18 @@ class BlockQSum(Reducer):
         parts = grid.pieces(tuple(lengths), self.block)
         if parts is None:
             return flat.mul_(self.element_scales(shared, lengths))
-        return grid.mul_blocks_(flat, self._block_scales(shared), parts)
+        return grid.mul_blocks_(flat, self.block_scales(shared), parts)
 
     def element_scales(self, shared: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """The agreed scale of every element (its block's)."""
         bid, nblocks = grid.block_index(tuple(lengths), self.block, shared.device)
         assert shared.numel() == nblocks, f"{shared.numel()} scale codes for {nblocks} blocks"
-        return self._block_scales(shared)[bid]
+        return self.block_scales(shared)[bid]
 
-    def _block_scales(self, shared: torch.Tensor) -> torch.Tensor:
+    def block_scales(self, shared: torch.Tensor) -> torch.Tensor:
         """The agreed scale of each block (fp32; 0 for an all-zero block)."""
         codes = shared if shared.dtype == torch.uint8 else scale_codes(shared)
-        if _compiled(codes):
-            assert blockkernels is not None
-            out = torch.empty(codes.numel(), dtype=torch.float32, device="cpu")  # compiled: CPU
-            blockkernels.scales_of_codes(codes.contiguous().numpy(), SCALES.numpy(), out.numpy())
-            return out
-        return _scales_on(codes.device)[codes.long()].contiguous()
+        return blockq_ops.ops(codes.device).block_scales(codes)
 
     # ---- encode / launch / decode ---------------------------------------------------
     def encode(self, x, lengths, world_size, shared_scale=None, generator=None, tie=0) -> Encoded:
@@ -273,8 +218,8 @@ class BlockQSum(Reducer):
         `noise.Stratum` (stratified rounding); plain generators round independently."""
         lengths = list(lengths)
         m = self.steps
-        levels, compiled = self.round_levels(x, lengths, shared_scale, generator)
-        payload = self.pack_levels(levels, world_size, compiled)
+        levels = self.round_levels(x, lengths, shared_scale, generator)
+        payload = self.pack_levels(levels, world_size)
 
         def local() -> torch.Tensor:  # from the levels: the payload may be reduced in place
             return self.scale_blocks_(unit_values(levels, m), shared_scale, lengths)
@@ -282,18 +227,16 @@ class BlockQSum(Reducer):
         return Encoded(payload, None, make_local=local)
 
     def round_levels(self, x: torch.Tensor, lengths: Sequence[int], shared_scale: torch.Tensor | None,
-               generator: Any = None) -> tuple[torch.Tensor, bool]:
-        """`encode`'s stochastically rounded levels (uint8, one per element) before packing, and whether
-        the compiled host path made them (then pack them compiled too). FSDP2's rows pack them per row."""
+               generator: Any = None) -> torch.Tensor:
+        """`encode`'s stochastically rounded levels (uint8, one per element) before packing. FSDP2's
+        rows pack them per row."""
         assert shared_scale is not None, "block-scaled qsum needs the agreed block scales"
         stratum = generator if isinstance(generator, noise.Stratum) else noise.Stratum(generator, 0, 1)
-        compiled = _compiled(x, shared_scale) and x.dtype in host_slices.FLOAT_DTYPES
-        return (self._levels_compiled if compiled else self._levels)(x, list(lengths), shared_scale, stratum), compiled
+        return blockq_ops.ops(x.device).levels(self, x, list(lengths), shared_scale, stratum)
 
-    def pack_levels(self, levels: torch.Tensor, world_size: int, compiled: bool) -> torch.Tensor:
-        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`); by the CPU
-        kernels where `round_levels` made the levels there (`compiled`: the same containers)."""
-        return pack_any(levels, self.layout(world_size), compiled)
+    def pack_levels(self, levels: torch.Tensor, world_size: int) -> torch.Tensor:
+        """This rank's payload from its levels: lanes sized for the W-rank sum (`layout`)."""
+        return blockq_ops.ops(levels.device).pack(levels, self.layout(world_size))
 
     def _levels(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
                 stratum: noise.Stratum) -> torch.Tensor:
@@ -304,39 +247,24 @@ class BlockQSum(Reducer):
             scale = self.element_scales(shared, lengths)
             t = torch.div(x.to(torch.float32), torch.where(scale > 0, scale, torch.ones_like(scale)))
         else:  # the safe divisor per block, broadcast over block views
-            scale = self._block_scales(shared)
+            scale = self.block_scales(shared)
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             t = grid.div_blocks(x, safe, parts, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
         t.add_(1.0).mul_(0.5 * m)  # level coordinate in [0, m]
         t.add_(noise.uniform(stratum.keys(len(lengths), x.device), lengths, stratum.shift))  # see nfab.wire.noise
         return t.floor_().clamp_(0, m).to(torch.uint8)  # unbiased stochastic rounding
 
-    def _levels_compiled(self, x: torch.Tensor, lengths: list[int], shared: torch.Tensor,
-                         stratum: noise.Stratum) -> torch.Tensor:
-        """`_levels` in one compiled pass on the CPU (the noise computed there, never stored). Same bits."""
-        assert blockkernels is not None
-        m = self.steps
-        starts, ends = host_slices.segment_bounds(lengths)
-        levels = torch.empty(x.numel(), dtype=torch.uint8, device="cpu")  # compiled: CPU
-        keys = stratum.keys(len(lengths), x.device).contiguous()
-        blockkernels.block_levels(x.detach().to(torch.float32).numpy(), keys.numpy(), stratum.shift, starts, ends,
-                                  self.block, self._block_scales(shared).numpy(), np.float32(1.0),
-                                  np.float32(0.5 * m), m, levels.numpy())
-        return levels
-
     def launch(self, payload, world_size, group):
         return allreduce_future(payload, group)
 
     def decode(self, reduced, scale_mean, numel, lengths, world_size, out=None) -> Any:
         assert scale_mean is not None, "block-scaled qsum decodes with the agreed block scales"
-        layout = self.layout(world_size)
-        if _compiled(reduced, scale_mean):
-            values = self.sum_values(layout, world_size, reduced.device)
-            one, _ = split_out(out)  # a bucket slice is decoded into directly; slices or bf16 by a copy
-            direct = one if one is not None and _compiled(one) and one.dtype == torch.float32 else None
-            mean = self._decode_compiled(reduced, scale_mean, numel, tuple(lengths), layout, values, direct,
-                                         self.steps * world_size)
-            return mean if direct is not None else write_into(out, mean)
+        return blockq_ops.ops(reduced.device).decode(self, reduced, scale_mean, numel, list(lengths),
+                                                     self.layout(world_size), world_size, out)
+
+    def decode_reference(self, reduced: torch.Tensor, scale_mean: torch.Tensor, numel: int, lengths: list[int],
+                         layout: LaneLayout | RadixLayout, world_size: int, out: Any) -> Any:
+        """`decode` in torch ops (any device)."""
         one, _ = split_out(out)  # a contiguous fp32 bucket slice is decoded into directly
         direct = one if one is not None and one.dtype == torch.float32 and one.is_contiguous() else None
         total = self.steps * world_size
@@ -348,31 +276,6 @@ class BlockQSum(Reducer):
         """Unit mean of every W-rank sum of levels S: 2 * S / (M * W) - 1 (fp32 table)."""
         total = self.steps * world_size
         return torch.arange(layout.max_value + 1, dtype=torch.float32, device=device) * (2.0 / total) - 1.0
-
-    def _decode_compiled(self, reduced: torch.Tensor, scale_mean: torch.Tensor, numel: int,
-                         lengths: tuple[int, ...], layout: LaneLayout | RadixLayout, values: torch.Tensor,
-                         out: torch.Tensor | None, total: int) -> torch.Tensor:
-        """`decode` on the CPU: digits, value table and block scales in one compiled pass (chunked
-        bit lanes: the table's arithmetic, `values`' entries, with unit 2 / `total`; plain bit lanes:
-        the compiled table decode, then the block scales in place). Same bits."""
-        assert blockkernels is not None
-        res = torch.empty(numel, dtype=torch.float32, device="cpu") if out is None else out  # compiled: CPU
-        starts, ends = _block_bounds(lengths, self.block)
-        block_scale = self._block_scales(scale_mean).numpy()
-        if isinstance(layout, RadixLayout) and layout.chunk:
-            blockkernels.radix_decode_chunked(reduced.contiguous().numpy(), layout.radix, layout.digits, layout.chunk,
-                                              numel, values.numpy(), starts, ends, block_scale, res.numpy())
-        elif isinstance(layout, RadixLayout):
-            blockkernels.radix_decode_blocks(reduced.numpy(), layout.radix, layout.digits, numel, values.numpy(),
-                                             starts, ends, block_scale, res.numpy())
-        elif layout.chunk:  # the table's arithmetic per row, then the block scales, in one pass
-            blockkernels.lanes_decode_chunked(reduced.contiguous().numpy(), layout.lane_bits, layout.lanes,
-                                              layout.chunk, numel, np.float32(2.0 / total), starts, ends,
-                                              block_scale, res.numpy())
-        else:
-            qsum_host.decode_table(reduced, layout, numel, values, out=res)
-            blockkernels.scale_blocks(res.numpy(), starts, ends, block_scale)
-        return res
 
     # ---- stratified rounding on the whole paths -------------------------------------
     def reduce(self, x, lengths=None, group=None, generator=None, step=0) -> torch.Tensor:
@@ -424,58 +327,6 @@ def _unpacked(reduced: torch.Tensor, layout: LaneLayout | RadixLayout, numel: in
     if isinstance(layout, RadixLayout):
         return radix.unpack(reduced, layout, numel, torch.float32)
     return unpack(reduced, layout, numel)
-
-
-def pack_any(values: torch.Tensor, layout: LaneLayout | RadixLayout, compiled: bool) -> torch.Tensor:
-    """`values` (non-negative integers) packed in bit lanes or radix digits; `compiled`: by the CPU
-    kernels (same containers)."""
-    if not isinstance(layout, RadixLayout):
-        return _pack_lanes_host(values, layout) if compiled else pack(values, layout)
-    if compiled:
-        assert blockkernels is not None
-        payload = torch.empty(layout.containers_for(values.numel()), dtype=torch.int64, device="cpu")
-        if layout.chunk:
-            blockkernels.radix_pack_chunked(values.reshape(-1).numpy(), layout.radix, layout.digits, layout.chunk,
-                                            payload.numpy())
-        else:
-            blockkernels.radix_pack(values.numpy(), layout.radix, layout.digits, payload.numpy())
-        return payload
-    return radix.pack(values, layout)
-
-
-def _pack_lanes_host(values: torch.Tensor, layout: LaneLayout) -> torch.Tensor:
-    """`lanes.pack` of `values` (uint8 levels, or the owner's integer sums) by the CPU kernels. 1-, 2-
-    and 4-bit lanes of uint8 containers fold whole words of 8 levels in a register
-    (`lane_kernels.pack_bytes`); wider containers go by `pack_lane_shards` on their whole containers,
-    read in place, the last, partial one from a padded copy of its few values. Why: padding the
-    values to whole containers first copied all of them (1 ms per 4M on one core, beside a 2.8 ms
-    pack), and the lane loops over uint8 containers took 2.8 ms where the word folds take 0.25."""
-    assert blockkernels is not None and lane_kernels is not None  # `lanes.pack` is one shard of `pack_lane_shards`
-    n, lanes = values.numel(), layout.lanes
-    v = values.reshape(-1).numpy()
-    payload = torch.empty(layout.containers_for(n), dtype=layout.container, device="cpu")
-    out = payload.numpy()
-    if layout.chunk:  # contiguous rows, read in place
-        assert chunk_kernels is not None
-        chunk_kernels.pack_chunked(v, n, layout.lane_bits, lanes, layout.chunk, out)
-        return payload
-    if layout.container == torch.uint8 and layout.lane_bits in (1, 2, 4) and v.dtype == np.uint8:
-        lane_kernels.pack_bytes(v, layout.lane_bits, out)
-        return payload
-    if lanes > 8:  # several blocks: element order depends on the container count, so pad to whole ones
-        whole = out.size * lanes
-        padded = np.zeros(whole, dtype=v.dtype)
-        padded[:n] = v
-        blockkernels.pack_lane_shards(padded, whole, whole, layout.lane_bits, lanes, out.reshape(1, -1))
-        return payload
-    full = n // lanes
-    if full:
-        blockkernels.pack_lane_shards(v, full * lanes, full * lanes, layout.lane_bits, lanes, out[:full].reshape(1, -1))
-    if full < out.size:
-        tail = np.zeros(lanes, dtype=v.dtype)
-        tail[: n - full * lanes] = v[full * lanes :]
-        blockkernels.pack_lane_shards(tail, lanes, lanes, layout.lane_bits, lanes, out[full:].reshape(1, -1))
-    return payload
 
 
 @lru_cache(maxsize=64)

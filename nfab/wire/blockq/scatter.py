@@ -39,15 +39,15 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from nfab.wire.blockq import ops as blockq_ops
 from nfab.wire.blockq.radix import RadixLayout
-from nfab.wire.blockq.reducer import BlockQSum, _block_bounds, _compiled, blockkernels, pack_any, radix
+from nfab.wire.blockq.reducer import BlockQSum
 from nfab.wire.contract import TwoPhaseReducer, allgather_factor, allreduce_factor, write_into
 from nfab.wire.qsum import host as qsum_host
-from nfab.wire.qsum.lanes import LaneLayout, pack, unpack
+from nfab.wire.qsum.lanes import LaneLayout
 
 
 def per_container(layout: LaneLayout | RadixLayout) -> int:
@@ -114,45 +114,21 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         return (world_size - 1) / world_size * (1.0 + sums.bits_per_element / own.bits_per_element)
 
     # ---- encode: BlockQSum's levels, packed per shard --------------------------------------
-    def pack_levels(self, levels: torch.Tensor, world_size: int, compiled: bool) -> torch.Tensor:
+    def pack_levels(self, levels: torch.Tensor, world_size: int) -> torch.Tensor:
         """Own levels in W shards of `shard_numel`, each packed in `own_layout` (the tail is level 0)."""
         lay, n = self.own_layout(), levels.numel()
         shard = self.shard_numel(n, world_size)
         if isinstance(lay, RadixLayout):
-            return _pack_digit_shards(levels, lay, world_size * shard, compiled)
-        if compiled:
-            assert blockkernels is not None
-            out = torch.empty(world_size, shard // lay.lanes, dtype=lay.container, device="cpu")
-            blockkernels.pack_lane_shards(levels.numpy(), n, shard, lay.lane_bits, lay.lanes, out.numpy())
-            return out.view(-1)
-        padded = torch.zeros(world_size * shard, dtype=torch.uint8, device=levels.device)
-        padded[:n] = levels
-        return torch.cat([pack(v, lay) for v in padded.view(world_size, shard)])
+            return blockq_ops.ops(levels.device).pack_digit_shards(levels, lay, world_size * shard)
+        return blockq_ops.ops(levels.device).pack_lane_shards(levels, lay, world_size, shard)
 
     # ---- the owner's step -------------------------------------------------------------------
     def owner_step(self, received: torch.Tensor, world_size: int) -> torch.Tensor:
         """The W ranks' own-layout containers of one shard (rank order) -> their exact level sums,
         packed in `layout(W)`."""
         own, lay = self.own_layout(), self.layout(world_size)
-        rows = received.view(world_size, received.numel() // world_size)
-        shard = rows.shape[1] * per_container(own)
-        if _compiled(received):
-            assert blockkernels is not None
-            sums = np.empty(shard, dtype=np.int32)
-            if isinstance(own, RadixLayout):
-                _sum_digit_rows(rows.numpy(), own, sums)
-            else:
-                blockkernels.sum_lane_rows(rows.numpy(), own.lane_bits, own.lanes, sums)
-            if isinstance(lay, RadixLayout):
-                return pack_any(torch.from_numpy(sums), lay, True)
-            out = torch.empty(1, shard // lay.lanes, dtype=lay.container, device="cpu")
-            blockkernels.pack_lane_shards(sums, shard, shard, lay.lane_bits, lay.lanes, out.numpy())
-            return out.view(-1)
-        sums = torch.zeros(shard, dtype=torch.int64, device=received.device)
-        for row in rows:
-            sums += (radix.unpack(row, own, shard) if isinstance(own, RadixLayout) else unpack(row, own, shard)
-                     ).to(torch.int64)
-        return pack_any(sums, lay, False)
+        shard = received.numel() // world_size * per_container(own)
+        return blockq_ops.ops(received.device).owner_sums(received, world_size, own, lay, shard)
 
     def scatter(self, payload, world_size, group):
         """The all-to-all: every rank's own levels of this rank's shard."""
@@ -181,12 +157,7 @@ class BlockQScatter(TwoPhaseReducer, BlockQSum):
         for r in range(min(world_size, -(-numel // max(shard, 1)))):
             a, b = r * shard, min((r + 1) * shard, numel)
             qsum_host.decode_table(rows[r], layout, b - a, values, out=mean[a:b])  # compiled on CPU
-        if _compiled(mean, scale_mean):
-            assert blockkernels is not None
-            starts, ends = _block_bounds(tuple(lengths), self.block)
-            blockkernels.scale_blocks(mean.numpy(), starts, ends, self._block_scales(scale_mean).numpy())
-        else:
-            mean.mul_(self.element_scales(scale_mean, list(lengths)))
+        blockq_ops.ops(mean.device).scale_blocks_(self, mean, scale_mean, list(lengths))
         return write_into(out, mean)
 
 
@@ -197,26 +168,3 @@ def scatter_reducers(block_reducers: dict[str, BlockQSum]) -> dict[str, BlockQSc
         scatter = BlockQScatter(levels=red.levels, block=red.block)
         out[f"blockqscatter-{scatter.route}"] = scatter
     return out
-
-
-def _pack_digit_shards(levels: torch.Tensor, layout: RadixLayout, padded: int, compiled: bool) -> torch.Tensor:
-    """Levels padded with 0 to `padded` elements (W whole shards), packed as base-L digits: digits
-    are consecutive and a shard is whole containers, so this is the shards' packings, concatenated."""
-    if compiled:  # the kernel packs the missing digits as 0
-        assert blockkernels is not None
-        out = torch.empty(padded // layout.digits, dtype=torch.int64, device="cpu")
-        blockkernels.radix_pack(levels.numpy(), layout.radix, layout.digits, out.numpy())
-        return out
-    full = torch.zeros(padded, dtype=torch.uint8, device=levels.device)
-    full[: levels.numel()] = levels
-    return radix.pack(full, layout)
-
-
-def _sum_digit_rows(rows: np.ndarray, layout: RadixLayout, out: np.ndarray) -> None:
-    """out[e] = sum over rows of digit e of the row's containers (exact integers): the owner's
-    sum of W ranks' own levels packed as base-L digits."""
-    digits = np.empty(out.size, dtype=np.uint8)
-    out[:] = 0
-    for row in rows:
-        blockkernels.radix_digits(row, layout.radix, layout.digits, out.size, digits)
-        out += digits
