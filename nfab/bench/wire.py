@@ -99,7 +99,7 @@ def _impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
         raise ConfigError(f"unknown impl {impl!r}: choose from {', '.join(IMPLS)}")
     if impl == "auto":
-        return "host" if dispatch.host_device(device) and dispatch.AVAILABLE else "torch"
+        return dispatch.implementation(device)
     if impl == "host" and (device.type != "cpu" or not dispatch.AVAILABLE):
         raise ConfigError(f"impl 'host' runs the compiled CPU kernels: not on {device.type}"
                           + ("" if device.type != "cpu" else " (numba is not installed)"))

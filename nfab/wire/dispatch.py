@@ -4,10 +4,11 @@ Every codec's math is written once in torch (the reference, and what every devic
 included, runs: it reads no value back to the host). For CPU tensors some codecs add compiled
 numba kernels that produce the same bits in fewer passes (each codec's `host.py` adapts tensors
 to its `*kernels.py`). A codec keeps the operations whose implementations differ in a small ops
-object: a torch one (`TorchSignOps`, ...) and, where it has kernels, a host one that subclasses
-it (`HostSignOps`, ...; its own per-call conditions -- contiguous memory, a dtype -- fall back to
-the torch one). `ops` picks the object for a device, once per device and switch setting, by
-`kind`:
+object: a torch one (`sign.ops.SignOps`, `qsum.ops.QSumOps`, `blockq.ops.BlockQOps`,
+`segments.SegmentOps`, ...) and, where it has kernels, a host one that subclasses it
+(`HostSignOps`, ...; where its per-call conditions -- contiguous memory, a dtype -- do not hold
+it runs the torch one). `ops` picks the object for a device, once per device and switch
+setting, by `kind`; the reducers call it and never ask which they got:
 
 - "torch": any device but the CPU, or the CPU under `host_paths(False)`: torch ops only, never
   a value read back;
@@ -53,17 +54,6 @@ def kind(device: torch.device) -> str:
     return HOST if AVAILABLE else READS
 
 
-def host_device(device: torch.device) -> bool:
-    """Whether values on `device` are free to read here (the CPU, host paths on)."""
-    return kind(device) != TORCH
-
-
-def host_enabled() -> bool:
-    """Whether CPU tensors take the host paths now (False under `host_paths(False)` or
-    `NFAB_HOST_KERNELS=0`)."""
-    return _host
-
-
 @contextmanager
 def host_paths(enabled: bool) -> Iterator[None]:
     """Let CPU tensors take the host paths (default) or, with False, the device paths every
@@ -97,11 +87,7 @@ def ops(device: torch.device, torch_ops: type, host_ops: type | None = None, rea
     return got
 
 
-def on_host(*tensors: torch.Tensor) -> bool:
-    """Legacy: all tensors on the CPU with the host paths on (callers not yet on an ops object)."""
-    return all(kind(t.device) != TORCH for t in tensors)
-
-
-def supports(*tensors: torch.Tensor) -> bool:
-    """Legacy: the compiled kernels may run on these contiguous CPU tensors."""
-    return all(kind(t.device) == HOST and t.is_contiguous() for t in tensors)
+def implementation(device: torch.device) -> str:
+    """"host" (the compiled kernels) or "torch" (the reference): what tensors on `device` take
+    now, for reports and benchmarks."""
+    return "host" if kind(device) == HOST else "torch"

@@ -22,10 +22,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from nfab.wire import dispatch
+from nfab.runtime import reads
 
 
 class Head(enum.IntEnum):
@@ -51,9 +50,7 @@ class Columns:
 
     def of(self, table: torch.Tensor) -> torch.Tensor:
         """This range's columns of a (W, n) table (a view; on the host taken through numpy)."""
-        if dispatch.on_host(table):
-            return torch.from_numpy(table.numpy()[:, self.start : self.stop])
-        return table[:, self.start : self.stop]
+        return reads.of(table.device).columns(table, self.start, self.stop)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,21 +80,8 @@ class Builder:
     def build(self, bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None, step: StepValues) -> torch.Tensor:
         """The word on `bucket_sq`'s device (`carried_sq` None: 0); no value is read back to the host (on the host,
         where reading is free, it is assembled in numpy: the same bits, a few calls fewer)."""
-        carried = () if carried_sq is None else (carried_sq,)
-        if dispatch.on_host(bucket_sq, *carried, *self._cols) and (step.loss is None or dispatch.on_host(step.loss)):
-            return self._build_host(bucket_sq, carried_sq, step)
-        head = torch.zeros(HEAD_LEN, dtype=torch.float32, device=bucket_sq.device)
-        for field, value in _head_fields(bucket_sq, carried_sq, step):
-            head[field] = value
-        return torch.cat([head, *self._cols]) if self._cols else head
-
-    def _build_host(self, bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None, step: StepValues) -> torch.Tensor:
-        head = np.zeros(HEAD_LEN, dtype=np.float32)
-        for field, value in _head_fields(bucket_sq, carried_sq, step):
-            head[field] = _host_value(value)
-        if not self._cols:
-            return torch.from_numpy(head)
-        return torch.from_numpy(np.concatenate([head, *(c.detach().numpy() for c in self._cols)]))
+        return reads.of(bucket_sq.device).word(HEAD_LEN, _head_fields(bucket_sq, carried_sq, step), self._cols,
+                                               bucket_sq.device)
 
 
 def _head_fields(bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None,
@@ -113,14 +97,6 @@ def _head_fields(bucket_sq: torch.Tensor, carried_sq: torch.Tensor | None,
     return fields
 
 
-def _host_value(v: torch.Tensor | float) -> np.ndarray | float:
-    """A host scalar as numpy reads it: an fp32 tensor's own bits; anything else converted as
-    torch's assignment into an fp32 word converts it (round to nearest)."""
-    if isinstance(v, torch.Tensor):
-        return v.detach().numpy() if v.dtype == torch.float32 else float(v)
-    return v
-
-
 def table(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
     """The all-gathered words as a (W, n) table, row r = rank r's word."""
     return gathered.view(world_size, -1)
@@ -129,9 +105,7 @@ def table(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
 def nonfinite(table_: torch.Tensor) -> torch.Tensor | bool:
     """True when any rank saw a non-finite element in this bucket: a 0-d device tensor, or on
     the host (where reading is free) a bool."""
-    if dispatch.on_host(table_):
-        return not bool(np.isfinite(table_.numpy()[:, Head.BUCKET_SQ]).all())
-    return ~torch.isfinite(table_[:, Head.BUCKET_SQ]).all()
+    return reads.of(table_.device).nonfinite_column(table_, Head.BUCKET_SQ)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from nfab.runtime import reads
 from nfab.runtime.control.controller import Group
-from nfab.wire import dispatch
 from nfab.wire.cost import CostModel
 from nfab.wire.registry import REDUCERS, allgather_factor
 
@@ -36,9 +35,7 @@ class Part:
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         """This part of every rank's row, as a (W, numel) view of its dtype (no copy: rows are
         whole multiples of 8 bytes and parts start at one, so any dtype's view lines up)."""
-        if self.dtype in _NUMPY and dispatch.on_host(rows):  # numpy slices and views: the same memory, fewer calls
-            return torch.from_numpy(rows.numpy()[:, self.offset : self.offset + self.nbytes].view(_NUMPY[self.dtype]))
-        return rows[:, self.offset : self.offset + self.nbytes].view(self.dtype)
+        return reads.of(rows.device).part_rows(rows, self.offset, self.nbytes, self.dtype)
 
 
 def should_coalesce(groups: Sequence[Group], world_size: int, enabled: bool, cost_model: CostModel | None) -> bool:
@@ -64,14 +61,8 @@ def pack(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.T
     """One uint8 row holding every tensor's bytes at 8-byte aligned offsets, and where each sits
     (zero bytes between them and to the row's end, a whole multiple of 8)."""
     parts, end = _layout(tensors)
-    if dispatch.on_host(*tensors) and all(t.dtype in _NUMPY and t.is_contiguous() for t in tensors):
-        return _pack_host(tensors, parts, end), parts
-    pieces: list[torch.Tensor] = []
-    for t, p, gap_end in zip(tensors, parts, _gap_ends(parts, end), strict=True):
-        pieces.append(t.contiguous().view(torch.uint8))
-        if gap_end > p.offset + p.nbytes:
-            pieces.append(torch.zeros(gap_end - p.offset - p.nbytes, dtype=torch.uint8, device=device))
-    return torch.cat(pieces), parts
+    row = reads.of(device).pack_row(tensors, [p.offset for p in parts], _gap_ends(parts, end), device)
+    return row, parts
 
 
 def _layout(tensors: Sequence[torch.Tensor]) -> tuple[list[Part], int]:
@@ -89,16 +80,3 @@ def _gap_ends(parts: list[Part], end: int) -> list[int]:
     """Where the zero bytes after each part end: the next part's offset, or the row's end."""
     return [p.offset for p in parts[1:]] + [end]
 
-
-_NUMPY = {torch.uint8: np.uint8, torch.int8: np.int8, torch.int32: np.int32, torch.int64: np.int64,
-          torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
-"""Payload dtypes numpy reads as they are (others, e.g. bf16, take the torch path)."""
-
-
-def _pack_host(tensors: Sequence[torch.Tensor], parts: list[Part], end: int) -> torch.Tensor:
-    """`pack`'s row on the host: the same bytes, assembled in numpy (one copy per tensor)."""
-    row = np.empty(end, dtype=np.uint8)
-    for t, p, gap_end in zip(tensors, parts, _gap_ends(parts, end), strict=True):
-        row[p.offset : p.offset + p.nbytes] = t.detach().numpy().reshape(-1).view(np.uint8)
-        row[p.offset + p.nbytes : gap_end] = 0
-    return torch.from_numpy(row)

@@ -13,16 +13,15 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import numpy as np
 import torch
 
+from nfab.runtime import reads
 from nfab.runtime.control import fidelity
 from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import FP32, Group
 from nfab.runtime.control.moment import NoiseMoment, rounding_variance
 from nfab.runtime.core.encode import slices, unscaled, views
 from nfab.runtime.core.handoff import Launch, Outcome, Sent
-from nfab.wire import dispatch
 from nfab.wire.contract import ScaleAgreement, write_into
 from nfab.wire.registry import REDUCERS, mean_of_ranks
 from nfab.wire.segments import nonfinite_sum
@@ -139,9 +138,7 @@ def _record_variance(moment: NoiseMoment, sent: Sent, w: int) -> None:
 
 def _amax_over_ranks(cols: torch.Tensor) -> torch.Tensor:
     """Each slice's max over the W ranks' max |x| (NaN if any is): numpy on the host, the same values."""
-    if dispatch.on_host(cols):
-        return torch.from_numpy(np.max(cols.numpy(), axis=0))
-    return cols.amax(dim=0)
+    return reads.of(cols.device).amax_rows(cols)
 
 
 def _value(sent: Sent) -> torch.Tensor:
@@ -154,7 +151,7 @@ def _known_true(flag: torch.Tensor | bool) -> bool:
     (decode anyway) elsewhere."""
     if isinstance(flag, bool):
         return flag
-    return dispatch.on_host(flag) and bool(flag)
+    return reads.of(flag.device).known_true(flag)
 
 
 def _spoil_if(buffer: torch.Tensor, flag: torch.Tensor | bool) -> None:
@@ -167,8 +164,8 @@ def _spoil_if(buffer: torch.Tensor, flag: torch.Tensor | bool) -> None:
     were non-finite, so the whole bucket says so, the same on every rank. Zeroing it (before
     2026-12-05) made such a step look finite: the scaler stepped with a zero gradient (AdamW still
     moved the weights by its momentum) and kept the scale that overflowed."""
-    if isinstance(flag, bool) or dispatch.on_host(flag):
-        if bool(flag):
+    if isinstance(flag, bool):
+        if flag:
             buffer.fill_(float("nan"))
     else:
-        buffer.masked_fill_(flag, float("nan"))
+        reads.of(flag.device).spoil_if(buffer, flag)

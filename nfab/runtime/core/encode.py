@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nfab.runtime import reads
 from nfab.runtime.control import fidelity
 from nfab.runtime.control import word as control
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
@@ -21,7 +22,7 @@ from nfab.runtime.core.agreement import Agreement
 from nfab.runtime.core.handoff import EncodedGroup, Probe, Sent
 from nfab.runtime.core.plan import BucketPlan
 from nfab.runtime.core.scales import AmaxHistory
-from nfab.wire import dispatch, host_slices, noise
+from nfab.wire import host_slices, noise
 from nfab.wire.contract import ScaleAgreement
 from nfab.wire.registry import REDUCERS, all_gather_flat, allgather_factor, allreduce_factor
 from nfab.wire.slices import Slices
@@ -126,9 +127,7 @@ def local_sq(buffer: torch.Tensor, groups: Sequence[Group] = (),
 
 def add_sq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b of two 0-d fp32 |x|^2 shares (in numpy on the host: the same float32 sum, no dispatch)."""
-    if dispatch.on_host(a, b):
-        return torch.from_numpy(np.array(a.numpy() + b.numpy(), dtype=np.float32))
-    return a + b
+    return reads.of(a.device).add(a, b)
 
 
 def _in_place(ctx: EncodeContext, buffer: torch.Tensor, group: Group) -> bool:
@@ -309,12 +308,7 @@ def launch_coalesced(encoded: Sequence[EncodedGroup], ctrl: torch.Tensor | None,
     tensors = ([ctrl] if ctrl is not None else []) + [e.payload for e in encoded]
     row, parts = coalesce.pack(tensors, device)
     ctrl_part = parts.pop(0) if ctrl is not None else None
-    if dispatch.host_device(device):  # numpy's allocation and shape: no dispatch
-        gathered = np.empty((w, row.numel()), dtype=np.uint8)
-        rows, table = torch.from_numpy(gathered.reshape(-1)), torch.from_numpy(gathered)
-    else:
-        rows = torch.empty(w * row.numel(), dtype=torch.uint8, device=device)
-        table = rows.view(w, -1)
+    rows, table = reads.of(device).gathered_rows(w, row.numel(), device)
     fut = all_gather_flat(rows, row, group=pg, async_op=True).get_future()
     sent = [Sent(e, None, p) for e, p in zip(encoded, parts, strict=True)]
     return sent, ctrl_part, table, [fut], allgather_factor(w) * row.numel()
@@ -346,10 +340,7 @@ def _noise(ctx: EncodeContext, group: Group, device: torch.device,
     generator made per slice."""
     who = -1 if stratified else ctx.rank
     seeds = [hash((ctx.seed, who, ctx.step, ctx.param_index[s.name])) & 0x7FFF_FFFF_FFFF for s in group.slices]
-    if dispatch.host_device(device):
-        source: list[torch.Generator] | noise.Seeds = noise.Seeds(np.array(seeds, dtype=np.uint64))
-    else:
-        source = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    source = reads.of(device).noise_source(seeds, device)
     return noise.Stratum(source, ctx.rank, ctx.world_size) if stratified else source
 
 

@@ -2,9 +2,11 @@
 
 Stochastic rounding fused with the noise and the lane packing, the summed and gathered
 decodes, and the lane containers' pack (`bits_to_lanes`, also the sign votes' count lanes)
-and table decode. Each function here has a torch reference (`QSum`'s own torch code,
-`nfab.wire.qsum.lanes`) that every other device runs and that gives the same bits; callers
-ask `nfab.wire.dispatch.supports` (or the `*_supports` here) first.
+and table decode. Each function here has a torch reference (`nfab.wire.qsum.ops.QSumOps`,
+`nfab.wire.qsum.lanes`) that every other device runs and that gives the same bits;
+`nfab.wire.qsum.ops.HostQSumOps` calls them, on the CPU, and each checks only what its kernel
+reads (returning None or False otherwise). `decode_table` (every codec's) has its own small
+pair, `TableOps` and `HostTableOps`: `contract` imports it from here.
 """
 
 from __future__ import annotations
