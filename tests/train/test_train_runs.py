@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.world_size(2)]
 COLUMNS = {
     "step": "int64", "phase": "object|str", "loss": "float64", "lr": "float64", "grad_norm": "float64",
     "wire_bytes": "int64", "baseline_wire_bytes": "int64", "intra_node_bytes": "int64", "inter_node_bytes": "int64",
-    "probe_wire_bytes": "int64", "shadow_wire_bytes": "int64", "route_mix": "object|str", "fallback": "bool",
-    "fallback_reason": "object|str", "skipped": "bool", "cost_gated": "bool", "shadow": "bool", "alarms": "int64",
+    "probe_wire_bytes": "int64", "shadow_wire_bytes": "int64",
+    "calibration_wire_bytes": "int64", "route_mix": "object|str", "fallback": "bool",
+    "fallback_reason": "object|str", "skipped": "bool", "cost_gated": "bool",
+    "calibrating": "bool", "shadow": "bool", "alarms": "int64",
     "false_alarms": "int64", "fidelity_cosine": "float64", "region_cosine": "object|str",
     "hook_time_s": "float64",
     "collectives": "int64", "scale_rounds": "int64", "saturated_slices": "int64", "step_time_s": "float64",
