@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from nfab.errors import NfabError
 from nfab.models.registry import model_signature, parameter_layout
 from nfab.profile.schema import Profile, file_sha256
 from nfab.runtime.control.optim import is_adaptive
-from nfab.runtime.control.window import Window, sample_layout, schedule
+from nfab.runtime.control.window import Fit, Window, sample_layout, schedule
 from nfab.runtime.state import RuntimeState
 from nfab.wire.routes import ROUTES
 
@@ -49,7 +48,7 @@ DATASET = "in-run"
 
 
 def fitter(*, model: str, optimizer: str, total_steps: int | None, seed: int, rank: int, out: Path | None,
-           meta: dict[str, Any]) -> Callable[[Window, dict[str, list[float]]], Profile]:
+           meta: dict[str, Any]) -> Fit:
     """The runtime's fit: every window so far -> rows -> the profile (rank 0 writes both files to `out`).
     `optimizer`: the fit's family name ("adamw" adaptive, "sgd" not); `meta`: what the table's metadata
     adds (model signature, parameter layout, noise moment)."""

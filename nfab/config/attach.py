@@ -146,11 +146,11 @@ class AttachConfig(FrozenModel):
             raise ValueError(f"{info.field_name} must be 'auto', True or False, got {v!r}")
         return v
 
-    @field_validator("total_steps", mode="before")
+    @field_validator("total_steps", "calibration_window", mode="before")
     @classmethod
-    def _total_steps(cls, v: Any) -> Any:
+    def _positive_steps(cls, v: Any, info: Any) -> Any:
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"total_steps must be a positive integer, got {v!r}")
+            raise ValueError(f"{info.field_name} must be a positive integer, got {v!r}")
         return v
 
     @field_validator("cost_model", mode="before")
@@ -204,13 +204,6 @@ class AttachConfig(FrozenModel):
         if v is not None and not isinstance(v, str | Path):
             raise ValueError(f"calibration_out must be a folder path, got {type(v).__name__}")
         return None if v is None else Path(v)
-
-    @field_validator("calibration_window", mode="before")
-    @classmethod
-    def _calibration_window(cls, v: Any) -> Any:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"calibration_window must be a positive integer, got {v!r}")
-        return v
 
     @field_validator("loss_scaler", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from nfab.runtime.control import health as health_mod
 from nfab.runtime.control import probes
 from nfab.runtime.control.controller import Controller
 from nfab.runtime.control.fidelity import RegionFidelity
+from nfab.runtime.control.window import Window
 from nfab.runtime.stats import StepStats
 from nfab.wire.cost import CostModel
 
@@ -54,6 +55,8 @@ class RuntimeState:
         self._probing: tuple[int, frozenset[str]] | None = None
         self.regions: dict[str, str] = {}
         """Every parameter's region (name -> region); a front end fills it from the model."""
+        self.window: Window | None = None
+        """`attach(model, "auto")`: in-run calibration's windows (the front end samples, folds and agrees)."""
 
     def observe_loss(self, loss: torch.Tensor | float) -> None:
         """Report this rank's loss; it rides with the next control word (stays on its device)."""
@@ -100,11 +103,16 @@ class RuntimeState:
                 "grad_norm": [s.grad_norm for s in self.history]}
 
     def base_state(self) -> dict[str, Any]:
-        """The shared part of `state_dict`: version, step and health."""
-        return {"version": STATE_VERSION, "step": self.step, "health": self.health.to_dict()}
+        """The shared part of `state_dict`: version, step, health and in-run calibration's windows."""
+        return {"version": STATE_VERSION, "step": self.step, "health": self.health.to_dict(),
+                **({"window": self.window.state_dict()} if self.window is not None else {})}
 
     def load_base_state(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported runtime state version {state.get('version')!r}")
         self.step = int(state["step"])
         self.health = health_mod.HealthState.from_dict(state["health"])
+        if self.window is not None and "window" in state:  # the windows measured, and the profile agreed
+            self.window.load_state_dict(state["window"])
+            if self.window.decided is not None:
+                self.adopt(self.window.decided)

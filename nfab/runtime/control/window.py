@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,7 @@ class Window:
         self.world_size = world_size
         self.group = group
         self.size = sum(int(s.positions.numel()) for s in layout)
+        self._by_name = {s.name: s for s in layout}
         self._offsets: dict[str, int] = {}
         at = 0
         for s in layout:
@@ -155,11 +156,12 @@ class Window:
         """The profile the run is on since the last window's end (None: still the window route)."""
         self.pending: Profile | None = None
         """Fitted at a window's end, adopted (after agreement) by the next hook body."""
-        self._index: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._index: dict[Any, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        """Per bucket plan (DDP) or module (FSDP2): where its sampled elements lie, and where they go."""
         self._local: torch.Tensor | None = None
         self._gathers: list[tuple[torch.Tensor, Any, torch.Tensor | None]] = []
         """The step's all-gathers in flight: (output, work, the sample columns it fills; None: all)."""
-        self._rows_index: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._bytes = 0  # the step's all-gathers' wire bytes
         self._scale: torch.Tensor | None = None  # the optimizer's scale at the window's first step
 
     # ---- the hook's part ------------------------------------------------------------
@@ -171,7 +173,10 @@ class Window:
         """Copy this bucket's sampled elements of the local gradient (before any encode touches it). At a
         window's first step also the optimizer's scale there (`scale_of`: a parameter's sqrt(v) + eps),
         read in backward, before the optimizer steps, as `nfab calibrate` reads it at a phase start."""
-        idx = self._bucket_index(plan, buffer.device)
+        if plan.key not in self._index:
+            self._index[plan.key] = self._positions(((sl.name, sl.offset) for sl in plan.slices),
+                                                    lambda s, offset: s.positions + offset, buffer.device)
+        idx = self._index[plan.key]
         if idx is None:
             return
         if self._local is None:
@@ -180,39 +185,49 @@ class Window:
         src, dst = idx
         self._local.index_copy_(0, dst, _values(buffer, src, loss_scale))
 
-    def take_rows(self, key: int, params: Sequence[ShardParam], chunk: int, inp: torch.Tensor, step: int,
-                  scale_of: Callable[[str], torch.Tensor | None] | None) -> int:
+    def take_rows(self, key: int, params: Sequence[ShardParam], chunk: int, inp: torch.Tensor) -> int:
         """FSDP2: one module's reduce-scatter input (W rows of `chunk`: every rank's padded dim-0 shard of
         each parameter, side by side): its sampled elements, all-gathered at once (asynchronously: the
-        front end has no last call to wait for); its wire bytes. `key`: the module's, for the index."""
-        if key not in self._rows_index:
-            self._rows_index[key] = self._shard_index(params, chunk, inp.device)
-        idx = self._rows_index[key]
+        front end has no last call to wait for); its wire bytes. `key`: the module's, for the index.
+        Element i of a parameter lies in row i // shard_numel, at its offset there plus i % shard_numel.
+        (No optimizer scale: FSDP2's optimizer state is sharded, and its block routes round unscaled.)"""
+        if key not in self._index:
+
+            def rows(s: Sampled, p: ShardParam) -> torch.Tensor:
+                return (torch.div(s.positions, p.shard_numel, rounding_mode="floor") * chunk + p.offset
+                        + s.positions % p.shard_numel)
+
+            self._index[key] = self._positions(((p.name, p) for p in params), rows, inp.device)
+        idx = self._index[key]
         if idx is None:
             return 0
-        if not self._gathers:
-            self._open(step, scale_of)
         src, dst = idx
         values = _values(inp.reshape(-1), src, None)
-        out = torch.empty(self.world_size * values.numel(), dtype=torch.float32, device=values.device)
-        self._gathers.append((out, all_gather_flat(out, values, group=self.group, async_op=True), dst))
-        return (self.world_size - 1) * values.numel() * 4
+        return self._gather(values, dst)
 
     def launch(self) -> int:
         """From the step's last bucket: all-gather the step's samples (asynchronously); its wire bytes."""
         if self._local is None:
             return 0
-        out = torch.empty(self.world_size * self.size, dtype=torch.float32, device=self._local.device)
-        self._gathers.append((out, all_gather_flat(out, self._local, group=self.group, async_op=True), None))
-        self._local = None
-        return (self.world_size - 1) * self.size * 4
+        local, self._local = self._local, None
+        return self._gather(local, None)
 
-    def fold(self, step: int, reference: dict[str, list[float]]) -> None:
+    def _gather(self, values: torch.Tensor, dst: torch.Tensor | None) -> int:
+        """All-gather `values` (the sample's columns `dst`; None: all of it) asynchronously; its wire bytes."""
+        out = torch.empty(self.world_size * values.numel(), dtype=torch.float32, device=values.device)
+        self._gathers.append((out, all_gather_flat(out, values, group=self.group, async_op=True), dst))
+        nbytes = (self.world_size - 1) * values.numel() * 4
+        self._bytes += nbytes
+        return nbytes
+
+    def fold(self, step: int, reference: dict[str, list[float]]) -> int:
         """At the step boundary: keep the gathered samples; at a window's last step, fit (no collective).
-        `reference`: the run's agreed loss and grad-norm series so far (the health thresholds' base)."""
+        `reference`: the run's agreed loss and grad-norm series so far (the health thresholds' base).
+        Returns the step's all-gather bytes (`StepStats.calibration_wire_bytes`)."""
         if not self._gathers:
-            return
+            return 0
         gathers, self._gathers = self._gathers, []
+        nbytes, self._bytes = self._bytes, 0
         full: torch.Tensor | None = None
         for out, work, dst in gathers:
             work.wait()
@@ -235,6 +250,7 @@ class Window:
         if step == start + self.schedule.length - 1:
             with torch.device("cpu"):  # the fit is host work on host copies, whatever the caller's default device
                 self.pending = self.fit(self, reference)
+        return nbytes
 
     def agree(self, device: torch.device) -> Profile | None:
         """From a hook body, after a window's end: the fitted profile if every rank fitted the same
@@ -253,8 +269,8 @@ class Window:
 
     # ---- resume ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"windows": [{"start": w.start, "steps": [s.clone() for s in w.steps],
-                             "scale": None if w.scale is None else w.scale.clone()} for w in self.windows],
+        # the kept samples are never written to again: the state holds them as they are
+        return {"windows": [{"start": w.start, "steps": list(w.steps), "scale": w.scale} for w in self.windows],
                 "decided": None if self.decided is None else self.decided.to_json(),
                 "pending": None if self.pending is None else self.pending.to_json()}
 
@@ -264,33 +280,17 @@ class Window:
         self.pending = None if state["pending"] is None else Profile.from_dict(json.loads(state["pending"]))
 
     # ---- internals -------------------------------------------------------------------
-    def _bucket_index(self, plan: BucketPlan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(positions in the bucket, positions in the step's sample) of a bucket's sampled elements."""
-        if plan.key not in self._index:
-            by_name = {s.name: s for s in self.layout}
-            src, dst = [], []
-            for sl in plan.slices:
-                s = by_name.get(sl.name)
-                if s is None or s.positions.numel() == 0:
-                    continue
-                src.append(s.positions + sl.offset)
-                dst.append(torch.arange(s.positions.numel(), device="cpu") + self._offsets[sl.name])
-            self._index[plan.key] = (torch.cat(src).to(device), torch.cat(dst).to(device)) if src else None
-        return self._index[plan.key]
-
-    def _shard_index(self, params: Sequence[ShardParam], chunk: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(positions in the input, positions in the step's sample) of a module's sampled elements: element
-        i of a parameter lies in row i // shard_numel, at its offset there plus i % shard_numel."""
-        by_name = {s.name: s for s in self.layout}
+    def _positions(self, entries: Iterable[tuple[str, Any]], where: Callable[[Sampled, Any], torch.Tensor],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions in the gradient, positions in the step's sample) of the sampled elements of `entries`
+        ((parameter name, what `where` needs to place its sample)); None where none is sampled."""
         src, dst = [], []
-        for p in params:
-            s = by_name.get(p.name)
+        for name, at in entries:
+            s = self._by_name.get(name)
             if s is None or s.positions.numel() == 0:
                 continue
-            src.append(torch.div(s.positions, p.shard_numel, rounding_mode="floor") * chunk + p.offset
-                       + s.positions % p.shard_numel)
-            dst.append(torch.arange(s.positions.numel(), device="cpu") + self._offsets[p.name])
+            src.append(where(s, at))
+            dst.append(torch.arange(s.positions.numel(), device="cpu") + self._offsets[name])
         return (torch.cat(src).to(device), torch.cat(dst).to(device)) if src else None
 
     def _open(self, step: int, scale_of: Callable[[str], torch.Tensor | None] | None) -> None:

@@ -62,7 +62,6 @@ from nfab.runtime.control.controller import BucketRoutes
 from nfab.runtime.control.fidelity import RegionFidelity
 from nfab.runtime.control.moment import NoiseMoment
 from nfab.runtime.control.optim import LossScale, Preconditioner
-from nfab.runtime.control.window import Window
 from nfab.runtime.core import agreement as agreement_mod
 from nfab.runtime.core import coalesce, encode, twolevel
 from nfab.runtime.core.decode import finish_bucket
@@ -134,8 +133,6 @@ class Runtime(RuntimeState):
         # this rank's last probe (plain cosine and its regions; per-region fidelity): the next first word carries it
         self._cosine_next: tuple[float, frozenset[str]] | None = None
         self._fidelity_next: dict[str, RegionFidelity] = {}
-        self.window: Window | None = None  # attach(model, "auto"): in-run calibration's windows
-        self._window_bytes = 0
 
     @property
     def qsum_scale(self) -> str:
@@ -159,7 +156,6 @@ class Runtime(RuntimeState):
             "amax": self.scales.state_dict(),
             # the last probe's values ride the next step's first word: a resumed run sends them too
             "carried_probe": carried_state(self._cosine_next, self._fidelity_next),
-            **({"window": self.window.state_dict()} if self.window is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -169,10 +165,6 @@ class Runtime(RuntimeState):
         # absent in states saved before delayed scaling: those slices agree exactly once
         self.scales.load_state_dict(state.get("amax", {}))
         self._cosine_next, self._fidelity_next = load_carried(state.get("carried_probe"))
-        if self.window is not None and "window" in state:
-            self.window.load_state_dict(state["window"])
-            if self.window.decided is not None:
-                self.adopt(self.window.decided)
 
     # ---- the hook -------------------------------------------------------------------
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -192,7 +184,7 @@ class Runtime(RuntimeState):
         if window is not None and window.measuring(self.step):  # before any encode touches the buffer
             window.take(plan, buffer, self.step, ctx.loss_scale, self._optimizer_scale)
             if last:
-                self._window_bytes = window.launch()
+                window.launch()
         t1 = time.thread_time()
         staged = self.overlap_agreement and not (self.two_level and routes.has_lossy)  # else: all at `_complete`
         # before any group is pre-scaled or encoded in place; staged, sign groups add theirs as they encode
@@ -394,10 +386,8 @@ class Runtime(RuntimeState):
         drop_ef_residuals(self.residuals, self.regions, events)
         folded.record(events)
         if self.window is not None and self.window.measuring(self.step):
-            st.calibrating, st.calibration_wire_bytes = True, self._window_bytes
-            st.wire_bytes += self._window_bytes
-            self._window_bytes = 0
-            self.window.fold(self.step, self.reference_series())
+            st.calibrating, st.calibration_wire_bytes = True, self.window.fold(self.step, self.reference_series())
+            st.wire_bytes += st.calibration_wire_bytes
         st.hook_phases["fold"] = time.thread_time() - t0
         st.hook_time_s += st.hook_phases["fold"]
         self.history.append(st)

@@ -57,7 +57,6 @@ from nfab.runtime.control import fidelity
 from nfab.runtime.control.controller import FP32, BucketRoutes, Group
 from nfab.runtime.control.fidelity import RegionSums
 from nfab.runtime.control.moment import NoiseMoment
-from nfab.runtime.control.window import Window
 from nfab.runtime.core import rowscatter, shardprobe
 from nfab.runtime.core.fold import read_to_host
 from nfab.runtime.core.shards import ShardLayout, build_layout, row_segments, row_sources
@@ -114,8 +113,6 @@ class ShardedRuntime(RuntimeState):
         self._records: list[CallRecord] = []
         self._reduced: set[int] = set()
         self._sums_next: dict[str, RegionSums] = {}  # this rank's last probe: the next first word carries it
-        self.window: Window | None = None  # attach(model, "auto"): in-run calibration's windows
-        self._window_bytes = 0
 
     # ---- public -------------------------------------------------------------------------
     def step_stats(self) -> StepStats | None:
@@ -129,16 +126,11 @@ class ShardedRuntime(RuntimeState):
         Per rank: nothing here is a gradient, so every rank's state is the same few numbers."""
         self.step_stats()
         # the last probe's sums ride the next step's first word: a resumed run sends them too
-        return {**self.base_state(), "carried_probe": shardprobe.carried_state(self._sums_next),
-                **({"window": self.window.state_dict()} if self.window is not None else {})}
+        return {**self.base_state(), "carried_probe": shardprobe.carried_state(self._sums_next)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.load_base_state(state)
         self._sums_next = shardprobe.load_carried(state.get("carried_probe"))
-        if self.window is not None and "window" in state:
-            self.window.load_state_dict(state["window"])
-            if self.window.decided is not None:
-                self.adopt(self.window.decided)
 
     # ---- the comm -----------------------------------------------------------------------
     def reduce_scatter(self, comm: NfabReduceScatter, output: torch.Tensor, inp: torch.Tensor,
@@ -158,8 +150,7 @@ class ShardedRuntime(RuntimeState):
             self.adopt(window.agree(inp.device))
         sampled = 0
         if window is not None and window.measuring(self.step):  # before any group reads or scales the rows
-            sampled = window.take_rows(id(comm), lay.params, lay.chunk, inp, self.step, None)
-            self._window_bytes += sampled
+            sampled = window.take_rows(id(comm), lay.params, lay.chunk, inp)  # in this call's wire bytes
         phase = self.controller.phase(self.step)
         routes = self.controller.routes(comm.plan, phase, self.health.demoted())
         probing = self.probing(phase) if routes.has_lossy else frozenset()
@@ -355,8 +346,7 @@ class ShardedRuntime(RuntimeState):
                 params.update(fidelity.read_params(meta, next(flat)))
         self._sums_next = fidelity.region_sums(params)
         if self.window is not None and self.window.measuring(self.step):
-            st.calibrating, st.calibration_wire_bytes, self._window_bytes = True, self._window_bytes, 0
-            self.window.fold(self.step, self.reference_series())
+            st.calibrating, st.calibration_wire_bytes = True, self.window.fold(self.step, self.reference_series())
         st.hook_phases = {"reduce_scatter": sum(r.seconds for r in records), "fold": time.thread_time() - t0}
         st.hook_time_s = sum(st.hook_phases.values())
         self.history.append(st)
