@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nfab.attach_checks import absent_regions_warning, check_attach, sign_zero_warning
 from nfab.config.attach import AttachConfig
 from nfab.config.calibrated import calibrated_setting
+from nfab.config.run import AUTO
 from nfab.config.shipped import load_profile
 from nfab.errors import NfabError
 from nfab.profile.routes import RouteSpec
@@ -37,9 +38,6 @@ if TYPE_CHECKING:
     from nfab.runtime.frontends.fsdp import ShardedRuntime
 
 log = logging.getLogger(__name__)
-
-AUTO = "auto"
-"""`attach(model, "auto")`: calibrate inside the run (`nfab.calibrate.inrun`)."""
 
 
 def attach(
@@ -74,7 +72,8 @@ def attach(
                         "register_comm_hook before it): DDP takes one, so attach once to a model without one")
     module = ddp_model if sharded else trained_module(ddp_model.module)
     note = check_attach(prof, module, explicit=explicit or auto, total_steps=cfg.total_steps,
-                        model_signature=cfg.model_signature, optimizer=cfg.optimizer, sibling=cfg.sibling)
+                        model_signature=cfg.model_signature, optimizer=cfg.optimizer, sibling=cfg.sibling,
+                        head_modules=cfg.head_modules)
     if note is not None and _rank(ddp_model) == 0:
         log.warning(note)
     prof = prof if explicit or auto else _widened(prof, cfg.total_steps)

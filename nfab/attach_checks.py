@@ -32,12 +32,13 @@ def check_phases(profile: Profile, total_steps: int | None) -> None:
 
 
 def check_model(profile: Profile, module: nn.Module, model_signature: str | None, *,
-                sibling: bool = False) -> str | None:
+                sibling: bool = False, head_modules: tuple[str, ...] | None = None) -> str | None:
     """A profile with a signature refuses a model of another parameter layout (the DDP module's own).
 
     With `sibling` (attach's explicit opt-in) a profile calibrated on a sibling model, the same region
     classes at other sizes, is taken: its region routes carry over. Returned then: the one line attach
-    logs, naming what differs; a region class the profile routes that the model lacks is refused."""
+    logs, naming what differs; a region class the profile routes that the model lacks (its regions as
+    `head_modules` makes them) is refused."""
     if not profile.model.signature:
         return None
     signature = model_signature if model_signature is not None else signature_of(module)
@@ -46,7 +47,7 @@ def check_model(profile: Profile, module: nn.Module, model_signature: str | None
         kept = seen.get("parameters")  # the layout calibration saw (offline, or inside a run)
         which = f": {layout_differences(list(kept), module)}" if isinstance(kept, list) and kept else ""
         if sibling:
-            return _sibling_note(profile, module, which)
+            return _sibling_note(profile, module, which, head_modules)
         raise ProfileError(
             f"profile was made for model {profile.model.name!r} with another parameter layout "
             f"(signature {profile.model.signature[:12]}…, this model {signature[:12]}…){which}")
@@ -98,7 +99,7 @@ def check_params(module: nn.Module) -> None:
 
 def check_attach(profile: Profile, module: nn.Module, *, explicit: bool, total_steps: int | None,
                  model_signature: str | None, optimizer: torch.optim.Optimizer | None = None,
-                 sibling: bool = False) -> str | None:
+                 sibling: bool = False, head_modules: tuple[str, ...] | None = None) -> str | None:
     """Everything `attach` can check before registering: phases vs total_steps, the model's signature,
     the route's parameter globs, the optimizer's parameters, the parameters' dtypes and density.
 
@@ -107,16 +108,16 @@ def check_attach(profile: Profile, module: nn.Module, *, explicit: bool, total_s
     check_phases(profile, total_steps)
     note = None
     if not explicit:
-        note = check_model(profile, module, model_signature, sibling=sibling)
+        note = check_model(profile, module, model_signature, sibling=sibling, head_modules=head_modules)
     check_globs(profile, module)
     check_optimizer(optimizer, module)
     check_params(module)
     return note
 
 
-def _sibling_note(profile: Profile, module: nn.Module, which: str) -> str:
+def _sibling_note(profile: Profile, module: nn.Module, which: str, head_modules: tuple[str, ...] | None) -> str:
     """The line a sibling's profile is attached with; refused where it routes a region class the model lacks."""
-    have = {b.region for b in classify(module).values()}
+    have = {b.region for b in classify(module, head_modules).values()}
     routed = {r for p in profile.phases for r, route in p.routes.items() if route != "fp32"}
     if missing := sorted(routed - have):
         raise ProfileError(f"profile of a sibling routes region classes this model does not have "

@@ -39,8 +39,6 @@ from nfab.wire.routes import ROUTES
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
-
 PER_TENSOR = ("q8", "q4", "q2")
 CANDIDATES: tuple[str, ...] = tuple(r for r in ROUTES if r not in PER_TENSOR)
 """The routes a window measures: every route whose scale a sample holds."""

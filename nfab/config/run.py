@@ -103,7 +103,8 @@ class ScheduleConfig(StrictModel):
 
 
 AUTO = "auto"
-"""`comm.profile=auto`: calibrate inside the run (`nfab.attach(model, "auto")`)."""
+"""The profile that calibrates inside the run: `nfab.attach(model, "auto")`, `comm.profile=auto`, an
+adapter's `profile="auto"` (here, where importing it costs no torch)."""
 IN_RUN_DIR = "calibration"
 """The run dir's folder where `comm.profile=auto` writes the table and the profile it fitted (`nfab report`
 reads it with the run)."""

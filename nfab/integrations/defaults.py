@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from nfab.api import AUTO
 from nfab.config.attach import AttachConfig
+from nfab.config.run import AUTO
 from nfab.config.shipped import load_profile
 from nfab.errors import NfabError
 from nfab.profile.schema import Profile
